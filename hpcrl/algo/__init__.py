@@ -1,0 +1,1 @@
+"""GRPO/DAPO pieces: advantages, losses, sampling filters. Pure functions over tensors."""

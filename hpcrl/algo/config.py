@@ -1,0 +1,94 @@
+"""Algorithm schema shared by GRPO and DAPO: the two are config groups over the same pieces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from hpcrl.checks import in_range, non_negative, positive
+from hpcrl.errors import ConfigError
+
+
+class KLType(str, Enum):
+    k1 = "k1"
+    k2 = "k2"
+    k3 = "k3"
+
+
+class LossAgg(str, Enum):
+    token = "token"  # every generated token weighs the same (DAPO)
+    sequence = "sequence"  # mean over each sequence's tokens, then over sequences (GRPO paper)
+
+
+class Baseline(str, Enum):
+    mean = "mean"  # group mean
+    loo = "loo"  # leave-one-out mean of the other samples of the group
+
+
+class ISCorrection(str, Enum):
+    none = "none"
+    tis = "tis"  # truncated importance sampling: weight min(ratio, cap)
+    icepop = "icepop"  # drop tokens whose ratio leaves [1/cap, cap]
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "grpo"
+    num_prompts_per_step: int = 32
+    num_generations: int = 16
+    """Samples per prompt: one GRPO group."""
+    max_steps: int = 50
+    lr: float = 1e-6
+    kl_coef: float = 0.01
+    kl_type: KLType = KLType.k3
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    """Upper ratio clip; DAPO's clip-higher uses 0.28."""
+    dual_clip: float | None = None
+    """Dual-clip bound c (> 1) for negative advantages; None turns it off."""
+    loss_agg: LossAgg = LossAgg.token
+    baseline: Baseline = Baseline.mean
+    std_normalize: bool = True
+    is_correction: ISCorrection = ISCorrection.none
+    is_cap: float = 2.0
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts to refill the batch."""
+    dynamic_sampling_max_rounds: int = 3
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment: tokens before max_new_tokens where the penalty ramps up (0 = off)."""
+    overlong_penalty: float = 1.0
+    overlong_filter: bool = False
+    """Mask out truncated samples from the loss."""
+    reward_scale_min: float | None = None
+    reward_scale_max: float | None = None
+    num_minibatches: int = 1
+    """Optimizer steps per rollout batch."""
+    val_period: int = 10
+    val_at_start: bool = True
+
+    def check(self) -> None:
+        for key in ("num_prompts_per_step", "num_generations", "max_steps", "lr", "is_cap",
+                    "dynamic_sampling_max_rounds", "num_minibatches", "val_period"):
+            positive(f"algo.{key}", getattr(self, key))
+        non_negative("algo.kl_coef", self.kl_coef)
+        in_range("algo.eps_low", self.eps_low, 0.0, 1.0)
+        in_range("algo.eps_high", self.eps_high, 0.0, 10.0)
+        non_negative("algo.overlong_buffer", self.overlong_buffer)
+        non_negative("algo.overlong_penalty", self.overlong_penalty)
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ConfigError(f"algo.dual_clip={self.dual_clip} must be > 1 (or null to turn it off)")
+        if self.num_generations < 2:
+            raise ConfigError(
+                f"algo.num_generations={self.num_generations}: a group-relative baseline needs at least 2 samples"
+            )
+        lo, hi = self.reward_scale_min, self.reward_scale_max
+        if (lo is None) != (hi is None) or (lo is not None and hi is not None and lo >= hi):
+            raise ConfigError(
+                "algo.reward_scale_min/max must both be set with min < max (or both null)"
+            )
+        samples = self.num_prompts_per_step * self.num_generations
+        if samples % self.num_minibatches:
+            raise ConfigError(
+                f"algo.num_minibatches={self.num_minibatches} must divide the {samples} samples per step "
+                "(num_prompts_per_step x num_generations)"
+            )

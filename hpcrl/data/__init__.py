@@ -1,0 +1,1 @@
+"""Prompt datasets: synthetic arithmetic, local JSONL/Parquet files, Hugging Face datasets."""

@@ -1,0 +1,42 @@
+"""Data schema."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import MISSING
+
+from hpcrl.checks import in_range, positive
+from hpcrl.errors import ConfigError
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    source: str = MISSING
+    """'synthetic' (built-in arithmetic task), a .jsonl/.parquet path, or 'hf:<dataset name>'."""
+    split: str = "train"
+    val_source: str | None = None
+    """Validation set; None holds out ``val_fraction`` of the training source."""
+    val_split: str = "test"
+    val_fraction: float = 0.05
+    max_val_samples: int = 256
+    prompt_field: str = "problem"
+    answer_field: str = "answer"
+    template: str = "cot"
+    """Prompt template name (see hpcrl.data.templates)."""
+    max_prompt_tokens: int = 1024
+    verifier: str = "math"
+    """Reward function by registry name."""
+    num_samples: int = 0
+    """Synthetic task only: how many problems to generate (0 = default)."""
+
+    def check(self) -> None:
+        positive("data.max_prompt_tokens", self.max_prompt_tokens)
+        positive("data.max_val_samples", self.max_val_samples)
+        in_range("data.val_fraction", self.val_fraction, 0.0, 0.5)
+        if not (self.source == "synthetic" or self.source.startswith("hf:")
+                or self.source.endswith((".jsonl", ".json", ".parquet"))):
+            raise ConfigError(
+                f"data.source='{self.source}' must be 'synthetic', 'hf:<dataset>' or a .jsonl/.parquet file"
+            )

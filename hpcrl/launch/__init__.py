@@ -1,0 +1,1 @@
+"""Slurm side: sbatch text (through submitit), submission, the in-job bootstrap."""

@@ -1,0 +1,47 @@
+"""Golden sbatch scripts: every shipped Slurm recipe rendered into ``sbatch/<recipe>.sbatch``.
+
+Site keys a real site supplies (account, container image) are filled with placeholders, and the
+run directory is ``/RUN_DIR/<recipe>``, so the files are the same on every machine.
+Refresh after an intended change: ``.venv/bin/python -m hpcrl.launch.golden``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from hpcrl.cluster import Scheduler
+from hpcrl.config import compose_config, conf_dir
+from hpcrl.launch.sbatch import render_sbatch
+from hpcrl.plan import make_plan
+
+SITE_PLACEHOLDERS = ["cluster.slurm.account=ACCOUNT", "cluster.container.image=IMAGE"]
+GOLDEN_DIR = Path(__file__).resolve().parents[2] / "sbatch"
+
+
+def recipes() -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
+
+
+def render_recipe(name: str) -> str | None:
+    """The sbatch text of one recipe, or None for recipes that run without Slurm."""
+    cfg = compose_config([f"+experiment={name}", *SITE_PLACEHOLDERS])
+    if cfg.cluster.scheduler is Scheduler.local:
+        return None
+    plan = make_plan(cfg)
+    plan.require_fit()
+    return render_sbatch(plan, Path("/RUN_DIR") / name)
+
+
+def main() -> int:
+    GOLDEN_DIR.mkdir(exist_ok=True)
+    for name in recipes():
+        text = render_recipe(name)
+        if text is not None:
+            (GOLDEN_DIR / f"{name}.sbatch").write_text(text)
+            print(f"wrote sbatch/{name}.sbatch")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The sbatch script, written by submitit's own Slurm executor from the plan's typed fields.
+
+``render_sbatch`` and ``hpcrl submit`` build the executor with the same function, so the text
+``hpcrl render`` shows is the text that gets submitted. Secrets are never written: sbatch
+exports the submitting shell's environment (HF_TOKEN, WANDB_API_KEY) to the job by itself.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from hpcrl.cluster import ClusterConfig
+from hpcrl.plan import Plan
+
+SUBMITIT_DIR = "slurm"
+"""Run-directory subfolder where submitit keeps its pickles and per-task logs."""
+
+
+def slurm_parameters(plan: Plan) -> dict[str, Any]:
+    """submitit ``update_parameters`` arguments for this plan (one task per node)."""
+    cfg, cluster = plan.cfg, plan.cfg.cluster
+    site = cluster.slurm
+    params: dict[str, Any] = {
+        "job_name": cfg.run.name,
+        "nodes": plan.topology.nodes,
+        "ntasks_per_node": 1,
+        "gpus_per_node": cluster.gpus_per_node,
+        "cpus_per_task": cluster.cpus_per_node,
+        "time": site.time_minutes(),
+        "signal_delay_s": site.signal_delay_s,
+        "srun_args": srun_args(cluster),
+        "setup": setup_lines(plan),
+    }
+    optional = {
+        "partition": site.partition,
+        "account": site.account,
+        "qos": site.qos,
+        "constraint": site.constraint,
+    }
+    params.update({k: v for k, v in optional.items() if v})
+    if site.exclusive:
+        params["exclusive"] = True
+        params["mem"] = "0"  # all of each node's memory
+    extra: dict[str, Any] = {"requeue": True}
+    if site.reservation:
+        extra["reservation"] = site.reservation
+    if site.segment:
+        extra["segment"] = site.segment
+    params["additional_parameters"] = extra
+    return params
+
+
+def srun_args(cluster: ClusterConfig) -> list[str]:
+    # --kill-on-bad-exit: one node's task failing ends the step at once instead of idling the others.
+    args = ["--kill-on-bad-exit=1", "--cpu-bind=none"]
+    container = cluster.container
+    if container.image:
+        args.append(f"--container-image={container.image}")
+        mounts = list(container.mounts)
+        if cluster.imex.enabled and cluster.imex.channel is not None:
+            dev = "/dev/nvidia-caps-imex-channels"
+            mounts.append(f"{dev}:{dev}")
+        if mounts:
+            args.append("--container-mounts=" + ",".join(mounts))
+        if container.workdir:
+            args.append(f"--container-workdir={container.workdir}")
+        args.append("--no-container-mount-home")
+    return args
+
+
+def setup_lines(plan: Plan) -> list[str]:
+    cluster = plan.cfg.cluster
+    lines = [
+        "set -euo pipefail",
+        "ulimit -Sn 65535 || true  # Ray opens many sockets per worker",
+        f"export HPCRL_ROLES={shlex.quote(','.join(plan.topology.node_roles()))}",
+    ]
+    for name in sorted(cluster.env):
+        lines.append(f"export {name}={shlex.quote(str(cluster.env[name]))}")
+    if cluster.imex.enabled:
+        channel = cluster.imex.channel
+        lines.append("# GB200: each job needs an IMEX channel for multi-node NVLink")
+        if channel is not None:
+            lines.append(f"export HPCRL_IMEX_CHANNEL={channel}")
+        lines.append(
+            'ls /dev/nvidia-caps-imex-channels/ >/dev/null 2>&1 || '
+            'echo "hpcrl: warning: no IMEX channel visible on $(hostname); multi-node NVLink will fail" >&2'
+        )
+    return lines
+
+
+def make_executor(plan: Plan, run_dir: Path, *, offline: bool = False) -> Any:
+    """A submitit SlurmExecutor configured for this plan, logging under ``run_dir/slurm``.
+
+    ``offline`` builds the same executor on a machine without ``srun`` (rendering only).
+    """
+    from submitit import SlurmExecutor
+
+    executor_class = SlurmExecutor
+    if offline:
+
+        class OfflineSlurmExecutor(SlurmExecutor):  # type: ignore[misc]
+            @classmethod
+            def affinity(cls) -> int:
+                return 1  # submitit refuses to build an executor where srun is missing
+
+        executor_class = OfflineSlurmExecutor
+    executor = executor_class(
+        folder=run_dir / SUBMITIT_DIR,
+        max_num_timeout=plan.cfg.cluster.slurm.max_requeues,
+        python=plan.cfg.cluster.python,
+    )
+    executor.update_parameters(**slurm_parameters(plan))
+    return executor
+
+
+def render_sbatch(plan: Plan, run_dir: Path) -> str:
+    """The exact sbatch text ``hpcrl submit`` would hand to Slurm for this plan and run dir."""
+    executor = make_executor(plan, run_dir, offline=True)
+    return str(executor._make_submission_file_text(executor._submitit_command_str, uid="render"))

@@ -1,0 +1,181 @@
+"""Per-GPU memory estimate for one run: training state, activations and the rollout's share.
+
+Back-of-the-envelope numbers in GB (1e9 bytes), good to ~15%: enough to tell a layout that fits
+from one that cannot, before an allocation is spent finding out. Sources of each term:
+- mixed-precision Adam: bf16 weights (2 B/param), fp32 gradients (4) and fp32 master + m + v (12);
+  FSDP2 keeps fp32 sharded parameters instead of a bf16 copy (16 B/param, all sharded);
+- activations per layer and token: 34*h bytes without recompute, 2*h with full recompute plus one
+  recomputed layer (Korthikanti et al. 2022, flash attention, sequence parallel dividing by tp);
+- logits: fp32 logits and their gradient over the tensor-parallel vocabulary shard;
+- vLLM: ``gpu_memory_utilization`` of the GPU is taken while generating (weights/tp + KV cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpcrl.config import RunConfig
+from hpcrl.rollout.config import VLLMRolloutConfig
+from hpcrl.topology import Placement, Topology
+from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig, Precision
+
+GB = 1e9
+RUNTIME_OVERHEAD_GB = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
+ENGINE_OVERHEAD_GB = 2.0  # vLLM activations and sampler workspace outside the KV cache
+
+
+@dataclass(frozen=True)
+class TrainMemory:
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    overhead: float = RUNTIME_OVERHEAD_GB
+
+    @property
+    def resident(self) -> float:
+        """What stays on the GPU between training steps (the rollout phase shares the GPU with it)."""
+        return self.weights + self.grads + self.optimizer + self.overhead
+
+    @property
+    def peak(self) -> float:
+        return self.resident + self.activations + self.logits
+
+
+@dataclass(frozen=True)
+class RolloutMemory:
+    budget: float
+    """GPU memory the engine takes (gpu_memory_utilization x HBM)."""
+    weights: float
+    kv_per_sequence: float
+    sequence_len: int
+    wanted_sequences: int
+    """Sequences one engine should hold at once: samples per step / engines, capped by max_num_seqs."""
+
+    @property
+    def kv_capacity(self) -> float:
+        return self.budget - self.weights - ENGINE_OVERHEAD_GB
+
+    @property
+    def sequences_that_fit(self) -> int:
+        if self.kv_per_sequence <= 0:
+            return 0
+        return max(0, int(self.kv_capacity // self.kv_per_sequence))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    capacity: float
+    placement: Placement
+    train: TrainMemory
+    rollout: RolloutMemory
+
+    @property
+    def train_gpu_peak(self) -> float:
+        if self.placement is Placement.colocated:
+            return max(self.train.peak, self.train.resident + self.rollout.budget)
+        return self.train.peak
+
+    @property
+    def rollout_gpu_peak(self) -> float:
+        return self.rollout.budget if self.placement is Placement.split else self.train_gpu_peak
+
+    @property
+    def problems(self) -> list[str]:
+        found = []
+        cap = self.capacity
+        if self.placement is Placement.colocated:
+            if self.train.peak > cap:
+                found.append(f"training alone needs {self.train.peak:.0f} GB per GPU of {cap:.0f} GB")
+            if self.train.resident + self.rollout.budget > cap:
+                found.append(
+                    f"colocated rollout needs the training state ({self.train.resident:.0f} GB) plus vLLM's "
+                    f"share ({self.rollout.budget:.0f} GB) = {self.train.resident + self.rollout.budget:.0f} GB "
+                    f"per GPU of {cap:.0f} GB"
+                )
+        elif self.train.peak > cap:
+            found.append(f"training needs {self.train.peak:.0f} GB per GPU of {cap:.0f} GB")
+        if self.rollout.sequences_that_fit < 1:
+            found.append(
+                f"a rollout engine's share ({self.rollout.budget:.0f} GB) cannot hold its weights "
+                f"({self.rollout.weights:.0f} GB) and one {self.rollout.sequence_len}-token sequence"
+            )
+        return found
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def estimate_memory(cfg: RunConfig, topo: Topology) -> MemoryEstimate:
+    return MemoryEstimate(
+        capacity=cfg.cluster.gpu_memory_gb,
+        placement=topo.placement,
+        train=estimate_train(cfg, topo),
+        rollout=estimate_rollout(cfg, topo),
+    )
+
+
+def estimate_train(cfg: RunConfig, topo: Topology) -> TrainMemory:
+    model, trainer, par = cfg.model, cfg.trainer, topo.train
+    counts = model.param_counts()
+    frozen = counts.frozen
+    dense_trainable = counts.dense - frozen
+    weight_bytes = 4 if trainer.precision is Precision.float32 else 2
+    if isinstance(trainer, MegatronTrainerConfig):
+        dense_shard = dense_trainable / (par.tp * par.pp)
+        expert_shard = counts.expert / (par.ep * par.expert_tp * par.pp)
+        frozen_shard = frozen / (par.tp * par.pp)
+        weights = weight_bytes * (dense_shard + expert_shard + frozen_shard)
+        grads = 4 * (dense_shard + expert_shard)
+        dense_opt_group = par.dp * par.cp if trainer.distributed_optimizer else 1
+        expert_opt_group = par.expert_dp if trainer.distributed_optimizer else 1
+        optimizer = 12 * (dense_shard / dense_opt_group + expert_shard / expert_opt_group)
+    else:
+        assert isinstance(trainer, FSDPTrainerConfig)
+        # FSDP2 shards everything over the training world; TP/EP only change which rank holds what.
+        trainable = (dense_trainable + counts.expert) / par.world
+        weights = 4 * trainable + 2 * frozen / par.world
+        layer = (counts.total - counts.embedding - frozen) / model.num_layers / par.tp
+        weights += 2 * 2 * layer  # unsharded bf16 copies of the current and the prefetched layer
+        grads = 4 * trainable
+        optimizer = 0.0 if trainer.cpu_offload else 8 * trainable
+    tokens = trainer.micro_batch_size * cfg.max_seq_len / par.cp
+    h = model.hidden_size
+    per_layer_full = 34 * h * tokens / par.tp
+    if model.is_moe:
+        width = model.moe_latent_size or h
+        per_layer_full += tokens * model.experts_per_token * (width + 2 * model.moe_ffn_hidden_size) * 2 / par.tp
+    if trainer.activation_checkpointing:
+        activations = 2 * h * tokens * model.num_layers / par.tp + per_layer_full
+    else:
+        activations = per_layer_full * model.num_layers
+    logits = tokens * model.vocab_size / par.tp * 4 * 2
+    return TrainMemory(
+        weights=weights / GB,
+        grads=grads / GB,
+        optimizer=optimizer / GB,
+        activations=activations / GB,
+        logits=logits / GB,
+    )
+
+
+def estimate_rollout(cfg: RunConfig, topo: Topology) -> RolloutMemory:
+    model, rollout = cfg.model, cfg.rollout
+    tp = topo.rollout.tp
+    counts = model.param_counts()
+    text_only = isinstance(rollout, VLLMRolloutConfig) and rollout.language_model_only
+    served = counts.total - (counts.frozen if text_only else 0)
+    kv_shards = min(tp, model.num_kv_heads)  # KV heads are replicated once tp exceeds them
+    seq_len = cfg.max_seq_len
+    samples = cfg.algo.num_prompts_per_step * cfg.algo.num_generations
+    wanted = -(-samples // topo.rollout.engines)
+    wanted = min(wanted, rollout.max_num_seqs)
+    return RolloutMemory(
+        budget=rollout.gpu_memory_utilization * cfg.cluster.gpu_memory_gb,
+        weights=2 * served / tp / GB,
+        kv_per_sequence=model.kv_bytes_for_sequence(seq_len) / kv_shards / GB,
+        sequence_len=seq_len,
+        wanted_sequences=wanted,
+    )

@@ -1,0 +1,113 @@
+"""From a composed config to a checked plan: quirks applied, topology built, memory estimated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpcrl.cluster import Scheduler
+from hpcrl.config import RunConfig, compose_config
+from hpcrl.errors import ConfigError, DoesNotFitError
+from hpcrl.memory import MemoryEstimate, estimate_memory
+from hpcrl.quirks import AppliedQuirk, apply_quirks
+from hpcrl.topology import Topology, build_topology
+from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig
+
+
+@dataclass(frozen=True)
+class Plan:
+    cfg: RunConfig
+    topology: Topology
+    memory: MemoryEstimate
+    quirks: tuple[AppliedQuirk, ...]
+
+    def require_fit(self) -> None:
+        if not self.memory.fits:
+            problems = "; ".join(self.memory.problems)
+            raise DoesNotFitError(
+                f"{self.cfg.model.name} does not fit on {self.cfg.cluster.name}: {problems}. "
+                "Try more nodes, layout.rollout_nodes>=1 (split), larger trainer.tp/pp/ep, "
+                "trainer.activation_checkpointing=true or a lower rollout.gpu_memory_utilization"
+            )
+
+
+def make_plan(cfg: RunConfig) -> Plan:
+    """Check cross-component rules and derive the plan; raises ConfigError on the first problem."""
+    check_cluster_layout(cfg)
+    quirks = apply_quirks(cfg)
+    check_backend(cfg)
+    trainer = cfg.trainer
+    topo = build_topology(
+        gpus_per_node=cfg.cluster.gpus_per_node,
+        train_nodes=cfg.layout.train_nodes,
+        rollout_nodes=cfg.layout.rollout_nodes,
+        tp=trainer.tp,
+        pp=trainer.pp,
+        cp=trainer.cp,
+        ep=trainer.ep,
+        expert_tp=trainer.expert_tp if isinstance(trainer, MegatronTrainerConfig) else 1,
+        rollout_tp=cfg.rollout.tp,
+    )
+    check_model_parallel(cfg)
+    return Plan(cfg=cfg, topology=topo, memory=estimate_memory(cfg, topo), quirks=tuple(quirks))
+
+
+def plan_from_overrides(overrides: list[str]) -> Plan:
+    return make_plan(compose_config(overrides))
+
+
+def check_cluster_layout(cfg: RunConfig) -> None:
+    cluster, nodes = cfg.cluster, cfg.layout.train_nodes + cfg.layout.rollout_nodes
+    if cluster.scheduler is Scheduler.local and nodes > 1:
+        raise ConfigError(
+            f"cluster=local runs on this machine only, but the layout asks for {nodes} nodes; "
+            "pick a Slurm cluster (e.g. +cluster=gb200) or set layout.train_nodes=1 layout.rollout_nodes=0"
+        )
+    if cluster.max_nodes is not None and nodes > cluster.max_nodes:
+        raise ConfigError(
+            f"the layout asks for {nodes} nodes but cluster '{cluster.name}' has {cluster.max_nodes} "
+            "(cluster.max_nodes); lower layout.train_nodes/rollout_nodes"
+        )
+    segment = cluster.slurm.segment
+    if segment is not None and nodes % segment:
+        raise ConfigError(
+            f"cluster.slurm.segment={segment} does not divide the job's {nodes} nodes; "
+            f"use a segment that divides {nodes} (e.g. cluster.slurm.segment={nodes})"
+        )
+    if segment is not None and segment > cluster.nvlink_domain_nodes > 1:
+        raise ConfigError(
+            f"cluster.slurm.segment={segment} is larger than one NVLink domain "
+            f"({cluster.nvlink_domain_nodes} nodes); a segment must fit in one rack"
+        )
+
+
+def check_backend(cfg: RunConfig) -> None:
+    trainer = cfg.trainer
+    if isinstance(trainer, FSDPTrainerConfig) and trainer.pp > 1:
+        raise ConfigError(
+            f"trainer.pp={trainer.pp}: the fsdp backend has no pipeline parallelism; "
+            "use trainer=megatron or trainer.pp=1"
+        )
+    if trainer.ep > 1 and not cfg.model.is_moe:
+        raise ConfigError(f"trainer.ep={trainer.ep} needs an MoE model; {cfg.model.name} is dense (set trainer.ep=1)")
+
+
+def check_model_parallel(cfg: RunConfig) -> None:
+    model, trainer, rollout = cfg.model, cfg.trainer, cfg.rollout
+    heads = model.num_attention_heads
+    for key, tp in (("trainer.tp", trainer.tp), ("rollout.tp", rollout.tp)):
+        if heads % tp:
+            raise ConfigError(
+                f"{key}={tp} does not divide {model.name}'s {heads} attention heads; "
+                f"use a tp that divides {heads}"
+            )
+    if model.is_moe and model.num_experts % trainer.ep:
+        raise ConfigError(
+            f"trainer.ep={trainer.ep} does not divide {model.name}'s {model.num_experts} experts"
+        )
+    if trainer.pp > model.num_layers:
+        raise ConfigError(f"trainer.pp={trainer.pp} exceeds {model.name}'s {model.num_layers} layers")
+    if cfg.max_seq_len % trainer.cp:
+        raise ConfigError(
+            f"trainer.cp={trainer.cp} must divide the sequence length {cfg.max_seq_len} "
+            "(data.max_prompt_tokens + rollout.max_new_tokens)"
+        )

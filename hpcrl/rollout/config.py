@@ -1,0 +1,60 @@
+"""Rollout schemas, one per backend; the ``rollout`` config group picks one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hpcrl.checks import in_range, non_negative, positive
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "vllm"
+    tp: int = 1
+    """Tensor parallel size of one inference engine (must fit inside a node)."""
+    max_new_tokens: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    gpu_memory_utilization: float = 0.6
+    """Share of each GPU's memory the engine may take (weights + KV cache) while it generates."""
+    max_num_seqs: int = 256
+    """Most sequences one engine generates at once."""
+
+    def check(self) -> None:
+        positive("rollout.tp", self.tp)
+        in_range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, 0.05, 0.98)
+        positive("rollout.max_num_seqs", self.max_num_seqs)
+        positive("rollout.max_new_tokens", self.max_new_tokens)
+        non_negative("rollout.temperature", self.temperature)
+        in_range("rollout.top_p", self.top_p, 1e-6, 1.0)
+
+
+@dataclass
+class VLLMRolloutConfig(RolloutConfig):
+    backend: str = "vllm"
+    block_size: int | None = None
+    """KV-cache block size; None keeps vLLM's default unless a model quirk sets it."""
+    load_format: str | None = None
+    """None starts engines with dummy weights and refits; a quirk may force 'auto'."""
+    enforce_eager: bool = False
+    language_model_only: bool = False
+    dtype: str = "bfloat16"
+    kv_cache_memory_gb: float | None = None
+    """Fixed KV-cache size (needed on CPU, where vLLM sizes memory from one NUMA node)."""
+
+    def check(self) -> None:
+        super().check()
+        if self.block_size is not None:
+            positive("rollout.block_size", self.block_size)
+        if self.kv_cache_memory_gb is not None:
+            positive("rollout.kv_cache_memory_gb", self.kv_cache_memory_gb)
+
+
+@dataclass
+class HFRolloutConfig(RolloutConfig):
+    """transformers ``generate``: slower, no extra dependency; the fallback backend."""
+
+    backend: str = "hf"
+    gpu_memory_utilization: float = 0.3
+    max_num_seqs: int = 64

@@ -1,0 +1,142 @@
+"""The topology plan: which GPUs train, which generate, and how each side is parallelised.
+
+``Topology`` is a frozen value object that validates itself on construction; trainer and
+rollout parallelism are separate types, and every world size is derived, never configured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from hpcrl.checks import divisors
+from hpcrl.errors import ConfigError
+
+
+class Placement(str, Enum):
+    colocated = "colocated"  # rollout engines and trainer share every GPU, taking turns
+    split = "split"  # dedicated rollout nodes; weights are broadcast trainer -> engines
+
+
+@dataclass(frozen=True)
+class TrainParallel:
+    """Training parallelism over ``world`` GPUs: world = dp x cp x pp x tp; ep splits experts."""
+
+    world: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    expert_tp: int = 1
+
+    def __post_init__(self) -> None:
+        model_parallel = self.tp * self.pp * self.cp
+        if self.world % model_parallel:
+            options = ", ".join(str(d) for d in divisors(self.world))
+            raise ConfigError(
+                f"trainer.tp={self.tp} x trainer.pp={self.pp} x trainer.cp={self.cp} = {model_parallel} "
+                f"does not divide the {self.world} training GPUs; each product must be one of {options}"
+            )
+        expert_group = self.ep * self.expert_tp
+        if (self.world // self.pp) % expert_group:
+            raise ConfigError(
+                f"trainer.ep={self.ep} x trainer.expert_tp={self.expert_tp} must divide the "
+                f"{self.world // self.pp} GPUs of one pipeline stage (training GPUs / trainer.pp)"
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert shard (what the distributed optimizer shards expert state over)."""
+        return self.world // (self.pp * self.ep * self.expert_tp)
+
+
+@dataclass(frozen=True)
+class RolloutParallel:
+    """Rollout parallelism: ``engines`` independent inference engines of ``tp`` GPUs each."""
+
+    gpus: int
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.gpus % self.tp:
+            raise ConfigError(
+                f"rollout.tp={self.tp} does not divide the {self.gpus} rollout GPUs; "
+                f"choose one of {', '.join(str(d) for d in divisors(self.gpus))}"
+            )
+
+    @property
+    def engines(self) -> int:
+        return self.gpus // self.tp
+
+
+@dataclass(frozen=True)
+class Topology:
+    placement: Placement
+    gpus_per_node: int
+    train_nodes: int
+    rollout_nodes: int
+    train: TrainParallel
+    rollout: RolloutParallel
+
+    def __post_init__(self) -> None:
+        if self.placement is Placement.colocated and self.rollout_nodes:
+            raise ConfigError("a colocated topology has no dedicated rollout nodes (layout.rollout_nodes must be 0)")
+        if self.placement is Placement.split and not self.rollout_nodes:
+            raise ConfigError("a split topology needs layout.rollout_nodes >= 1")
+        if self.rollout.tp > self.gpus_per_node:
+            raise ConfigError(
+                f"rollout.tp={self.rollout.tp} is larger than a node ({self.gpus_per_node} GPUs); "
+                f"use rollout.tp <= {self.gpus_per_node} and more engines"
+            )
+        if self.gpus_per_node % self.rollout.tp:
+            raise ConfigError(
+                f"rollout.tp={self.rollout.tp} must divide the {self.gpus_per_node} GPUs of a node "
+                "so that no engine spans two nodes"
+            )
+        if self.train.world != self.train_nodes * self.gpus_per_node:
+            raise ConfigError("internal: training world does not match train_nodes x gpus_per_node")
+
+    @property
+    def nodes(self) -> int:
+        return self.train_nodes + self.rollout_nodes
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def node_roles(self) -> list[str]:
+        """Role of each node by index (rank 0 first): rollout nodes lead in a split layout."""
+        if self.placement is Placement.colocated:
+            return ["train+rollout"] * self.train_nodes
+        return ["rollout"] * self.rollout_nodes + ["train"] * self.train_nodes
+
+
+def build_topology(
+    *,
+    gpus_per_node: int,
+    train_nodes: int,
+    rollout_nodes: int,
+    tp: int,
+    pp: int,
+    cp: int,
+    ep: int,
+    expert_tp: int,
+    rollout_tp: int,
+) -> Topology:
+    placement = Placement.split if rollout_nodes else Placement.colocated
+    train = TrainParallel(
+        world=train_nodes * gpus_per_node, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=expert_tp
+    )
+    rollout_gpus = (rollout_nodes if rollout_nodes else train_nodes) * gpus_per_node
+    return Topology(
+        placement=placement,
+        gpus_per_node=gpus_per_node,
+        train_nodes=train_nodes,
+        rollout_nodes=rollout_nodes,
+        train=train,
+        rollout=RolloutParallel(gpus=rollout_gpus, tp=rollout_tp),
+    )

@@ -1,0 +1,1 @@
+"""Training backends (fsdp, megatron). Importing this package does not import torch."""

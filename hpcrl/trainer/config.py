@@ -1,0 +1,82 @@
+"""Trainer schemas, one per backend; the ``trainer`` config group picks one.
+
+Parallel degrees live here and only here: the topology planner reads them, the backends read
+the planner's ``TrainParallel``. Names follow Megatron's short forms (tp, pp, cp, ep).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from hpcrl.checks import non_negative, positive
+
+
+class Precision(str, Enum):
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+
+
+@dataclass
+class TrainerConfig:
+    backend: str = "fsdp"
+    tp: int = 1
+    """Tensor parallel size."""
+    pp: int = 1
+    """Pipeline parallel size (Megatron only)."""
+    cp: int = 1
+    """Context parallel size: each sequence is split over this many GPUs."""
+    ep: int = 1
+    """Expert parallel size (MoE models): routed experts are split over this many GPUs."""
+    micro_batch_size: int = 1
+    """Sequences per forward/backward on one GPU."""
+    max_seq_len: int | None = None
+    """Longest training sequence; None derives it from data.max_prompt_tokens + rollout.max_new_tokens."""
+    precision: Precision = Precision.bfloat16
+    activation_checkpointing: bool = False
+    sequence_packing: bool = False
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    freeze: list[str] = field(default_factory=list)
+    """Parameter-name prefixes kept frozen (vision/audio towers)."""
+    router_dtype: str | None = None
+    """MoE router precision; None keeps the model dtype (the MoE quirk sets fp32)."""
+    moe_aux_loss_coeff: float | None = None
+    """MoE load-balancing loss weight; None keeps the checkpoint's (the MoE quirk turns it off)."""
+
+    def check(self) -> None:
+        for key in ("tp", "pp", "cp", "ep", "micro_batch_size"):
+            positive(f"trainer.{key}", getattr(self, key))
+        if self.max_seq_len is not None:
+            positive("trainer.max_seq_len", self.max_seq_len)
+        positive("trainer.grad_clip", self.grad_clip)
+        non_negative("trainer.weight_decay", self.weight_decay)
+        if self.moe_aux_loss_coeff is not None:
+            non_negative("trainer.moe_aux_loss_coeff", self.moe_aux_loss_coeff)
+
+
+@dataclass
+class FSDPTrainerConfig(TrainerConfig):
+    """PyTorch FSDP2 (DTensor): parameters, gradients and optimizer state sharded over data parallel."""
+
+    backend: str = "fsdp"
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+
+
+@dataclass
+class MegatronTrainerConfig(TrainerConfig):
+    """Megatron-core: TP/PP/CP/EP model parallelism with the distributed optimizer."""
+
+    backend: str = "megatron"
+    sequence_parallel: bool = True
+    distributed_optimizer: bool = True
+    expert_tp: int = 1
+    """Tensor parallel size inside each expert (Megatron's expert_tensor_parallel_size)."""
+    virtual_pp: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        positive("trainer.expert_tp", self.expert_tp)
+        if self.virtual_pp is not None:
+            positive("trainer.virtual_pp", self.virtual_pp)
