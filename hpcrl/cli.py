@@ -30,8 +30,9 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +cluster=gb200 trainer.tp=2")
         if name == "render":
-            p.add_argument("--out", type=Path, default=None,
-                           help="directory to write into (default: the run directory)")
+            p.add_argument(
+                "--out", type=Path, default=None, help="directory to write into (default: the run directory)"
+            )
     show = sub.choices["show"]
     show.add_argument("--groups", action="store_true", help="list the options of every config group")
     return parser

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from omegaconf import MISSING
 
@@ -16,7 +16,7 @@ from hpcrl.checks import non_negative, positive
 from hpcrl.errors import ConfigError
 
 
-class Scheduler(str, Enum):
+class Scheduler(StrEnum):
     local = "local"  # no Slurm: the whole loop runs on this machine
     slurm = "slurm"
 
@@ -145,9 +145,7 @@ def parse_slurm_time(text: str) -> int:
     """Slurm time string to whole minutes (rounded up); raises ConfigError on anything else."""
     match = _TIME.match(text.strip())
     if not match:
-        raise ConfigError(
-            f"cluster.slurm.time='{text}' is not a Slurm time; use MM, HH:MM:SS or D-HH:MM:SS"
-        )
+        raise ConfigError(f"cluster.slurm.time='{text}' is not a Slurm time; use MM, HH:MM:SS or D-HH:MM:SS")
     days, a, b, c = match.groups()
     if days is not None or c is not None:  # D-HH[:MM[:SS]] or HH:MM:SS
         hours, minutes, seconds = int(a), int(b or 0), int(c or 0)

@@ -84,7 +84,9 @@ class RunConfig:
             part.check()
         positive("layout.train_nodes", self.layout.train_nodes)
         if self.layout.rollout_nodes < 0:
-            raise ConfigError(f"layout.rollout_nodes={self.layout.rollout_nodes} must be >= 0 (0 = colocated)")
+            raise ConfigError(
+                f"layout.rollout_nodes={self.layout.rollout_nodes} must be >= 0 (0 = colocated)"
+            )
         positive("checkpoint.period", self.checkpoint.period)
         positive("checkpoint.keep_top_k", self.checkpoint.keep_top_k)
         if self.logger.wandb_mode not in ("offline", "online", "disabled"):
@@ -132,15 +134,21 @@ def normalize_overrides(overrides: list[str]) -> list[str]:
     """Accept both ``+cluster=gb200`` (the documented form) and ``cluster=gb200``.
 
     Every group but ``experiment`` has a default, and every key exists in a schema, so ``+``
-    (append) and ``++`` (force) are only meaningful for ``experiment``; elsewhere they are
+    (append) and ``++`` (force) are only meaningful for ``experiment`` and map entries such as
+    ``+cluster.env.NCCL_DEBUG=INFO``; elsewhere they are
     stripped, which keeps struct mode in force: ``+trainer.typo=1`` fails like ``trainer.typo=1``.
     """
     out = []
     for item in overrides:
         bare = item.lstrip("+")
         key = bare.split("=", 1)[0]
-        out.append("+" + bare if key == "experiment" else bare)
+        appends = key == "experiment" or (key.startswith(DICT_KEYS) and item.startswith("+"))
+        out.append("+" + bare if appends else bare)
     return out
+
+
+DICT_KEYS = ("cluster.env.",)
+"""Free-form maps where ``+key=value`` legitimately adds an entry."""
 
 
 def compose_raw(overrides: list[str]) -> Any:
@@ -185,7 +193,9 @@ def explain_hydra_error(exc: BaseException) -> str:
         return f"unknown key '{key}': no such field in the schema; check the spelling (`hpcrl show` lists every key)"
     if "Available options" in text:
         listed = text.split("Available options", 1)[1].split("Config search path", 1)[0]
-        options = [o.strip() for o in listed.splitlines()[1:] if o.strip() and not o.strip().endswith("_schema")]
+        options = [
+            o.strip() for o in listed.splitlines()[1:] if o.strip() and not o.strip().endswith("_schema")
+        ]
         missing = re.search(r"Could not find '([^']+)'", text)
         what = missing.group(1) if missing else first
         return f"unknown config '{what}'; available: {', '.join(options)}"

@@ -73,19 +73,19 @@ class MemoryEstimate:
 
     @property
     def train_gpu_peak(self) -> float:
-        if self.placement is Placement.colocated:
+        if self.placement is Placement.COLOCATED:
             return max(self.train.peak, self.train.resident + self.rollout.budget)
         return self.train.peak
 
     @property
     def rollout_gpu_peak(self) -> float:
-        return self.rollout.budget if self.placement is Placement.split else self.train_gpu_peak
+        return self.rollout.budget if self.placement is Placement.SPLIT else self.train_gpu_peak
 
     @property
     def problems(self) -> list[str]:
         found = []
         cap = self.capacity
-        if self.placement is Placement.colocated:
+        if self.placement is Placement.COLOCATED:
             if self.train.peak > cap:
                 found.append(f"training alone needs {self.train.peak:.0f} GB per GPU of {cap:.0f} GB")
             if self.train.resident + self.rollout.budget > cap:
@@ -146,7 +146,9 @@ def estimate_train(cfg: RunConfig, topo: Topology) -> TrainMemory:
     per_layer_full = 34 * h * tokens / par.tp
     if model.is_moe:
         width = model.moe_latent_size or h
-        per_layer_full += tokens * model.experts_per_token * (width + 2 * model.moe_ffn_hidden_size) * 2 / par.tp
+        per_layer_full += (
+            tokens * model.experts_per_token * (width + 2 * model.moe_ffn_hidden_size) * 2 / par.tp
+        )
     if trainer.activation_checkpointing:
         activations = 2 * h * tokens * model.num_layers / par.tp + per_layer_full
     else:

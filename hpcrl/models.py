@@ -77,6 +77,8 @@ class ModelConfig:
     """One global-attention layer every N layers (Gemma: 6); 0 when all layers are global."""
     global_head_dim: int = 0
     global_kv_heads: int = 0
+    wide_mlp_layers: int = 0
+    """Gemma 4 E2B: layers whose MLP is twice ``ffn_hidden_size`` wide (the KV-shared layers)."""
     per_layer_embed_dim: int = 0
     """Gemma 4 E-models: per-layer embedding width (the 'E' in E2B/E4B)."""
     hybrid: HybridLayers = field(default_factory=HybridLayers)
@@ -91,11 +93,25 @@ class ModelConfig:
     max_position_embeddings: int = 8192
 
     def check(self) -> None:
-        for key in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
-                    "vocab_size"):
+        for key in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+        ):
             positive(f"model.{key}", getattr(self, key))
-        for key in ("ffn_hidden_size", "num_experts", "experts_per_token", "moe_ffn_hidden_size",
-                    "sliding_window", "global_every", "per_layer_embed_dim", "vision_params_m"):
+        for key in (
+            "ffn_hidden_size",
+            "num_experts",
+            "experts_per_token",
+            "moe_ffn_hidden_size",
+            "sliding_window",
+            "global_every",
+            "per_layer_embed_dim",
+            "vision_params_m",
+        ):
             non_negative(f"model.{key}", getattr(self, key))
         if self.num_attention_heads % self.num_kv_heads:
             raise ConfigError(
@@ -107,12 +123,12 @@ class ModelConfig:
                 f"model.experts_per_token={self.experts_per_token} must be in 1..num_experts={self.num_experts}"
             )
         h = self.hybrid
-        if h.mamba or h.attention or h.moe or h.mlp:
-            if h.mamba + h.attention + h.moe + h.mlp != self.num_layers:
-                raise ConfigError(
-                    f"model.hybrid layer counts ({h.mamba}+{h.attention}+{h.moe}+{h.mlp}) must add up "
-                    f"to model.num_layers={self.num_layers}"
-                )
+        layer_sum = h.mamba + h.attention + h.moe + h.mlp
+        if layer_sum and layer_sum != self.num_layers:
+            raise ConfigError(
+                f"model.hybrid layer counts ({h.mamba}+{h.attention}+{h.moe}+{h.mlp}) must add up "
+                f"to model.num_layers={self.num_layers}"
+            )
 
     @property
     def is_moe(self) -> bool:
@@ -170,7 +186,10 @@ class ModelConfig:
         global_dim = self.global_head_dim or self.head_dim
         attention = local * self._attention_params(self.num_kv_heads, self.head_dim)
         attention += n_global * self._attention_params(global_kv, global_dim)
-        dense_mlp = self.dense_mlp_layers * self._mlp_params(self.ffn_hidden_size) if self.ffn_hidden_size else 0
+        dense_mlp = (
+            self.dense_mlp_layers * self._mlp_params(self.ffn_hidden_size) if self.ffn_hidden_size else 0
+        )
+        dense_mlp += self.wide_mlp_layers * self._mlp_params(self.ffn_hidden_size)
         mamba = self.hybrid.mamba * self._mamba_params()
         expert = active_expert = 0
         if self.is_moe:

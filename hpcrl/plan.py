@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpcrl.cluster import Scheduler
-from hpcrl.config import RunConfig, compose_config
+from hpcrl.config import RunConfig, compose_config, conf_dir
 from hpcrl.errors import ConfigError, DoesNotFitError
 from hpcrl.memory import MemoryEstimate, estimate_memory
 from hpcrl.quirks import AppliedQuirk, apply_quirks
@@ -23,11 +23,27 @@ class Plan:
     def require_fit(self) -> None:
         if not self.memory.fits:
             problems = "; ".join(self.memory.problems)
+            recipes = matching_recipes(self.cfg.model.name, self.cfg.cluster.name)
+            hint = (
+                f"; shipped recipes for this pair: {', '.join('+experiment=' + r for r in recipes)}"
+                if recipes
+                else ""
+            )
             raise DoesNotFitError(
                 f"{self.cfg.model.name} does not fit on {self.cfg.cluster.name}: {problems}. "
                 "Try more nodes, layout.rollout_nodes>=1 (split), larger trainer.tp/pp/ep, "
-                "trainer.activation_checkpointing=true or a lower rollout.gpu_memory_utilization"
+                f"trainer.activation_checkpointing=true or a lower rollout.gpu_memory_utilization{hint}"
             )
+
+
+def matching_recipes(model: str, cluster: str) -> list[str]:
+    """Shipped experiment recipes that select this model on this cluster."""
+    found = []
+    for path in sorted((conf_dir() / "experiment").glob("*.yaml")):
+        text = path.read_text()
+        if f"override /model: {model}\n" in text and f"override /cluster: {cluster}\n" in text:
+            found.append(path.stem)
+    return found
 
 
 def make_plan(cfg: RunConfig) -> Plan:
@@ -88,7 +104,9 @@ def check_backend(cfg: RunConfig) -> None:
             "use trainer=megatron or trainer.pp=1"
         )
     if trainer.ep > 1 and not cfg.model.is_moe:
-        raise ConfigError(f"trainer.ep={trainer.ep} needs an MoE model; {cfg.model.name} is dense (set trainer.ep=1)")
+        raise ConfigError(
+            f"trainer.ep={trainer.ep} needs an MoE model; {cfg.model.name} is dense (set trainer.ep=1)"
+        )
 
 
 def check_model_parallel(cfg: RunConfig) -> None:

@@ -62,42 +62,84 @@ def _gemma3_settings(cfg: RunConfig) -> list[Setting]:
     out = []
     if _uses_vllm(cfg):
         if model.head_dim == 256:
-            out.append(Setting("rollout.block_size", 32,
-                               "head_dim 256: vLLM's default 16-token KV block trips a FlashInfer assertion"))
-        out.append(Setting("rollout.load_format", "auto",
-                           "vLLM's 'normalizer' buffer is not in the checkpoint, so a dummy load + refit leaves it wrong"))
-    out.append(Setting("rollout.stop_token_ids", [106],
-                       "the chat template ends turns with <end_of_turn> (106), not <eos>", strict=False))
+            out.append(
+                Setting(
+                    "rollout.block_size",
+                    32,
+                    "head_dim 256: vLLM's default 16-token KV block trips a FlashInfer assertion",
+                )
+            )
+        out.append(
+            Setting(
+                "rollout.load_format",
+                "auto",
+                "vLLM's 'normalizer' buffer is not in the checkpoint, so a dummy load + refit leaves it wrong",
+            )
+        )
+    out.append(
+        Setting(
+            "rollout.stop_token_ids",
+            [106],
+            "the chat template ends turns with <end_of_turn> (106), not <eos>",
+            strict=False,
+        )
+    )
     if model.vlm:
-        out.append(Setting("trainer.freeze", ["vision_tower", "multi_modal_projector"],
-                           f"{model.hf_class} wraps the language model with a vision tower; RL trains the text path",
-                           strict=False))
+        out.append(
+            Setting(
+                "trainer.freeze",
+                ["vision_tower", "multi_modal_projector"],
+                f"{model.hf_class} wraps the language model with a vision tower; RL trains the text path",
+                strict=False,
+            )
+        )
     return out
 
 
 def _gemma4_settings(cfg: RunConfig) -> list[Setting]:
     out = []
     if _uses_vllm(cfg) and cfg.model.vlm:
-        out.append(Setting("rollout.language_model_only", True,
-                           "text recipes run vLLM on the language model only", strict=False))
+        out.append(
+            Setting(
+                "rollout.language_model_only",
+                True,
+                "text recipes run vLLM on the language model only",
+                strict=False,
+            )
+        )
     if cfg.model.vlm:
-        out.append(Setting("trainer.freeze", ["vision_tower", "audio_tower", "embed_vision", "embed_audio"],
-                           "vision/audio towers stay frozen; refits skip them", strict=False))
+        out.append(
+            Setting(
+                "trainer.freeze",
+                ["vision_tower", "audio_tower", "embed_vision", "embed_audio"],
+                "vision/audio towers stay frozen; refits skip them",
+                strict=False,
+            )
+        )
     return out
 
 
 def _moe_settings(cfg: RunConfig) -> list[Setting]:
     return [
-        Setting("trainer.router_dtype", "fp32",
-                "router logits in high precision keep expert choice stable between rollout and training"),
-        Setting("trainer.moe_aux_loss_coeff", 0.0,
-                "the load-balancing loss changes logprobs between rollout and training"),
+        Setting(
+            "trainer.router_dtype",
+            "fp32",
+            "router logits in high precision keep expert choice stable between rollout and training",
+        ),
+        Setting(
+            "trainer.moe_aux_loss_coeff",
+            0.0,
+            "the load-balancing loss changes logprobs between rollout and training",
+        ),
     ]
 
 
-_NO_PACKING = Forbid("trainer.sequence_packing", lambda v: v is True,
-                     "sliding-window attention bias is not supported with sequence packing",
-                     "set trainer.sequence_packing=false")
+_NO_PACKING = Forbid(
+    "trainer.sequence_packing",
+    lambda v: v is True,
+    "sliding-window attention bias is not supported with sequence packing",
+    "set trainer.sequence_packing=false",
+)
 
 QUIRKS: list[Quirk] = [
     Quirk(
@@ -105,9 +147,12 @@ QUIRKS: list[Quirk] = [
         _family("gemma3"),
         _gemma3_settings,
         [
-            Forbid("trainer.cp", lambda v: isinstance(v, int) and v > 1,
-                   "context parallel fails on Gemma 3's non-null sliding-window attention bias",
-                   "set trainer.cp=1"),
+            Forbid(
+                "trainer.cp",
+                lambda v: isinstance(v, int) and v > 1,
+                "context parallel fails on Gemma 3's non-null sliding-window attention bias",
+                "set trainer.cp=1",
+            ),
             _NO_PACKING,
         ],
     ),
@@ -115,9 +160,14 @@ QUIRKS: list[Quirk] = [
     Quirk(
         "gemma4-unified",
         lambda cfg: cfg.model.family == "gemma4" and cfg.model.unified,
-        forbids=[Forbid("trainer.cp", lambda v: isinstance(v, int) and v > 1,
-                        "the gemma4_unified checkpoint has no model-owned CP attention (CP1 only)",
-                        "set trainer.cp=1")],
+        forbids=[
+            Forbid(
+                "trainer.cp",
+                lambda v: isinstance(v, int) and v > 1,
+                "the gemma4_unified checkpoint has no model-owned CP attention (CP1 only)",
+                "set trainer.cp=1",
+            )
+        ],
     ),
     Quirk("moe", lambda cfg: cfg.model.is_moe, _moe_settings),
 ]

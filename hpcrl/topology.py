@@ -7,15 +7,15 @@ rollout parallelism are separate types, and every world size is derived, never c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from hpcrl.checks import divisors
 from hpcrl.errors import ConfigError
 
 
-class Placement(str, Enum):
-    colocated = "colocated"  # rollout engines and trainer share every GPU, taking turns
-    split = "split"  # dedicated rollout nodes; weights are broadcast trainer -> engines
+class Placement(StrEnum):
+    COLOCATED = "colocated"  # rollout engines and trainer share every GPU, taking turns
+    SPLIT = "split"  # dedicated rollout nodes; weights are broadcast trainer -> engines
 
 
 @dataclass(frozen=True)
@@ -83,20 +83,13 @@ class Topology:
     rollout: RolloutParallel
 
     def __post_init__(self) -> None:
-        if self.placement is Placement.colocated and self.rollout_nodes:
-            raise ConfigError("a colocated topology has no dedicated rollout nodes (layout.rollout_nodes must be 0)")
-        if self.placement is Placement.split and not self.rollout_nodes:
+        if self.placement is Placement.COLOCATED and self.rollout_nodes:
+            raise ConfigError(
+                "a colocated topology has no dedicated rollout nodes (layout.rollout_nodes must be 0)"
+            )
+        if self.placement is Placement.SPLIT and not self.rollout_nodes:
             raise ConfigError("a split topology needs layout.rollout_nodes >= 1")
-        if self.rollout.tp > self.gpus_per_node:
-            raise ConfigError(
-                f"rollout.tp={self.rollout.tp} is larger than a node ({self.gpus_per_node} GPUs); "
-                f"use rollout.tp <= {self.gpus_per_node} and more engines"
-            )
-        if self.gpus_per_node % self.rollout.tp:
-            raise ConfigError(
-                f"rollout.tp={self.rollout.tp} must divide the {self.gpus_per_node} GPUs of a node "
-                "so that no engine spans two nodes"
-            )
+        check_engine_fits_node(self.rollout.tp, self.gpus_per_node)
         if self.train.world != self.train_nodes * self.gpus_per_node:
             raise ConfigError("internal: training world does not match train_nodes x gpus_per_node")
 
@@ -110,9 +103,22 @@ class Topology:
 
     def node_roles(self) -> list[str]:
         """Role of each node by index (rank 0 first): rollout nodes lead in a split layout."""
-        if self.placement is Placement.colocated:
+        if self.placement is Placement.COLOCATED:
             return ["train+rollout"] * self.train_nodes
         return ["rollout"] * self.rollout_nodes + ["train"] * self.train_nodes
+
+
+def check_engine_fits_node(rollout_tp: int, gpus_per_node: int) -> None:
+    if rollout_tp > gpus_per_node:
+        raise ConfigError(
+            f"rollout.tp={rollout_tp} is larger than a node ({gpus_per_node} GPUs); "
+            f"use rollout.tp <= {gpus_per_node} and more engines"
+        )
+    if gpus_per_node % rollout_tp:
+        raise ConfigError(
+            f"rollout.tp={rollout_tp} must divide the {gpus_per_node} GPUs of a node "
+            "so that no engine spans two nodes"
+        )
 
 
 def build_topology(
@@ -127,10 +133,9 @@ def build_topology(
     expert_tp: int,
     rollout_tp: int,
 ) -> Topology:
-    placement = Placement.split if rollout_nodes else Placement.colocated
-    train = TrainParallel(
-        world=train_nodes * gpus_per_node, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=expert_tp
-    )
+    placement = Placement.SPLIT if rollout_nodes else Placement.COLOCATED
+    check_engine_fits_node(rollout_tp, gpus_per_node)
+    train = TrainParallel(world=train_nodes * gpus_per_node, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=expert_tp)
     rollout_gpus = (rollout_nodes if rollout_nodes else train_nodes) * gpus_per_node
     return Topology(
         placement=placement,

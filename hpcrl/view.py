@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hpcrl.cluster import Scheduler
-from hpcrl.plan import Plan
+from hpcrl.plan import Plan, matching_recipes
 from hpcrl.topology import Placement
 from hpcrl.trainer.config import MegatronTrainerConfig
 
@@ -49,27 +49,35 @@ def show_plan(plan: Plan, console: Console) -> None:
     if cfg.model.is_moe:
         notes.append(f"expert DP {tr.expert_dp}")
     notes.append("recompute" if cfg.trainer.activation_checkpointing else "no recompute")
-    par.add_row("train", str(tr.world), str(tr.tp), str(tr.pp), str(tr.cp), str(tr.ep), str(tr.dp),
-                ", ".join(notes))
+    par.add_row(
+        "train", str(tr.world), str(tr.tp), str(tr.pp), str(tr.cp), str(tr.ep), str(tr.dp), ", ".join(notes)
+    )
     ro = topo.rollout
-    par.add_row("rollout", str(ro.gpus), str(ro.tp), "1", "1", "-", str(ro.engines), f"{ro.engines} engine(s)")
+    par.add_row(
+        "rollout", str(ro.gpus), str(ro.tp), "1", "1", "-", str(ro.engines), f"{ro.engines} engine(s)"
+    )
     console.print(par)
 
     table = Table(title=f"Memory per GPU (GB of {mem.capacity:.0f})")
     table.add_column("item")
     table.add_column("GB", justify="right")
     t = mem.train
-    for name, value in (("train: weights", t.weights), ("train: gradients", t.grads),
-                        ("train: optimizer", t.optimizer), ("train: activations", t.activations),
-                        ("train: logits", t.logits), ("train: runtime overhead", t.overhead),
-                        ("train: peak", t.peak)):
+    for name, value in (
+        ("train: weights", t.weights),
+        ("train: gradients", t.grads),
+        ("train: optimizer", t.optimizer),
+        ("train: activations", t.activations),
+        ("train: logits", t.logits),
+        ("train: runtime overhead", t.overhead),
+        ("train: peak", t.peak),
+    ):
         table.add_row(name, f"{value:.1f}")
     r = mem.rollout
     table.add_row("rollout: engine share", f"{r.budget:.1f}")
     table.add_row("rollout: weights (per GPU)", f"{r.weights:.1f}")
     table.add_row(f"rollout: KV per {r.sequence_len}-token sequence", f"{r.kv_per_sequence:.3f}")
     table.add_row("rollout: sequences in KV (fit / wanted)", f"{r.sequences_that_fit} / {r.wanted_sequences}")
-    if topo.placement is Placement.colocated:
+    if topo.placement is Placement.COLOCATED:
         table.add_row("colocated peak (train state + engine share)", f"{mem.train_gpu_peak:.1f}")
     console.print(table)
     if mem.fits:
@@ -77,6 +85,8 @@ def show_plan(plan: Plan, console: Console) -> None:
     else:
         for problem in mem.problems:
             console.print(f"[red]does not fit[/]: {problem}")
+        for recipe in matching_recipes(cfg.model.name, cfg.cluster.name):
+            console.print(f"a shipped layout for this model and cluster: [bold]+experiment={recipe}[/]")
 
     if plan.quirks:
         quirks = Table(title="Model quirks applied")

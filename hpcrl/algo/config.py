@@ -3,29 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from hpcrl.checks import in_range, non_negative, positive
 from hpcrl.errors import ConfigError
 
 
-class KLType(str, Enum):
+class KLType(StrEnum):
     k1 = "k1"
     k2 = "k2"
     k3 = "k3"
 
 
-class LossAgg(str, Enum):
+class LossAgg(StrEnum):
     token = "token"  # every generated token weighs the same (DAPO)
     sequence = "sequence"  # mean over each sequence's tokens, then over sequences (GRPO paper)
 
 
-class Baseline(str, Enum):
+class Baseline(StrEnum):
     mean = "mean"  # group mean
     loo = "loo"  # leave-one-out mean of the other samples of the group
 
 
-class ISCorrection(str, Enum):
+class ISCorrection(StrEnum):
     none = "none"
     tis = "tis"  # truncated importance sampling: weight min(ratio, cap)
     icepop = "icepop"  # drop tokens whose ratio leaves [1/cap, cap]
@@ -67,8 +67,16 @@ class AlgoConfig:
     val_at_start: bool = True
 
     def check(self) -> None:
-        for key in ("num_prompts_per_step", "num_generations", "max_steps", "lr", "is_cap",
-                    "dynamic_sampling_max_rounds", "num_minibatches", "val_period"):
+        for key in (
+            "num_prompts_per_step",
+            "num_generations",
+            "max_steps",
+            "lr",
+            "is_cap",
+            "dynamic_sampling_max_rounds",
+            "num_minibatches",
+            "val_period",
+        ):
             positive(f"algo.{key}", getattr(self, key))
         non_negative("algo.kl_coef", self.kl_coef)
         in_range("algo.eps_low", self.eps_low, 0.0, 1.0)
@@ -83,9 +91,7 @@ class AlgoConfig:
             )
         lo, hi = self.reward_scale_min, self.reward_scale_max
         if (lo is None) != (hi is None) or (lo is not None and hi is not None and lo >= hi):
-            raise ConfigError(
-                "algo.reward_scale_min/max must both be set with min < max (or both null)"
-            )
+            raise ConfigError("algo.reward_scale_min/max must both be set with min < max (or both null)")
         samples = self.num_prompts_per_step * self.num_generations
         if samples % self.num_minibatches:
             raise ConfigError(

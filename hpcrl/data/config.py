@@ -35,8 +35,11 @@ class DataConfig:
         positive("data.max_prompt_tokens", self.max_prompt_tokens)
         positive("data.max_val_samples", self.max_val_samples)
         in_range("data.val_fraction", self.val_fraction, 0.0, 0.5)
-        if not (self.source == "synthetic" or self.source.startswith("hf:")
-                or self.source.endswith((".jsonl", ".json", ".parquet"))):
+        if not (
+            self.source == "synthetic"
+            or self.source.startswith("hf:")
+            or self.source.endswith((".jsonl", ".json", ".parquet"))
+        ):
             raise ConfigError(
                 f"data.source='{self.source}' must be 'synthetic', 'hf:<dataset>' or a .jsonl/.parquet file"
             )

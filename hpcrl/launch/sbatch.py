@@ -85,7 +85,7 @@ def setup_lines(plan: Plan) -> list[str]:
         if channel is not None:
             lines.append(f"export HPCRL_IMEX_CHANNEL={channel}")
         lines.append(
-            'ls /dev/nvidia-caps-imex-channels/ >/dev/null 2>&1 || '
+            "ls /dev/nvidia-caps-imex-channels/ >/dev/null 2>&1 || "
             'echo "hpcrl: warning: no IMEX channel visible on $(hostname); multi-node NVLink will fail" >&2'
         )
     return lines
@@ -101,7 +101,7 @@ def make_executor(plan: Plan, run_dir: Path, *, offline: bool = False) -> Any:
     executor_class = SlurmExecutor
     if offline:
 
-        class OfflineSlurmExecutor(SlurmExecutor):  # type: ignore[misc]
+        class OfflineSlurmExecutor(SlurmExecutor):
             @classmethod
             def affinity(cls) -> int:
                 return 1  # submitit refuses to build an executor where srun is missing

@@ -7,12 +7,12 @@ the planner's ``TrainParallel``. Names follow Megatron's short forms (tp, pp, cp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from hpcrl.checks import non_negative, positive
 
 
-class Precision(str, Enum):
+class Precision(StrEnum):
     bfloat16 = "bfloat16"
     float32 = "float32"
 

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcrl.config import RunConfig, compose_config
+from hpcrl.plan import Plan, make_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = ["cluster.slurm.account=acct", "cluster.container.image=img.sqsh"]
+
+
+def compose(*overrides: str) -> RunConfig:
+    return compose_config(list(overrides))
+
+
+def plan(*overrides: str) -> Plan:
+    return make_plan(compose(*overrides))
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the real console entry point installed in the venv."""
+    exe = Path(sys.executable).with_name("hpcrl")
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(
+        [str(exe), *args], capture_output=True, text=True, cwd=cwd or ROOT, env=env, timeout=120
+    )
+
+
+@pytest.fixture
+def cli():
+    return run_cli

@@ -1,0 +1,57 @@
+"""The CLI through its real entry point."""
+
+from __future__ import annotations
+
+import yaml
+
+from .conftest import SITE
+
+
+def test_plan_default_prints_tables_and_fits(cli):
+    result = cli("plan")
+    assert result.returncode == 0, result.stderr
+    for title in ("Nodes: 1 x 1 GPUs, colocated", "Parallelism", "Memory per GPU", "fits"):
+        assert title in result.stdout
+
+
+def test_documented_form_plans_and_points_to_a_recipe(cli):
+    result = cli("plan", "+cluster=gb200", "+model=nemotron_super", *SITE)
+    assert result.returncode == 1  # the plan is shown, and the verdict is "does not fit"
+    assert "does not fit" in result.stdout
+    assert "+experiment=dapo-nemotron-super-5n4g-megatron" in result.stdout
+
+
+def test_plan_shows_quirks_and_sbatch(cli):
+    result = cli("plan", "+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1", *SITE)
+    assert result.returncode == 0, result.stderr
+    assert "rollout.block_size=32" in result.stdout and "rollout.load_format=auto" in result.stdout
+    assert "acct" in result.stdout and "img.sqsh" in result.stdout
+
+
+def test_render_writes_script_and_resolved_config(cli, tmp_path):
+    out = tmp_path / "run"
+    result = cli("render", "+experiment=dapo-nemotron-super-5n4g-megatron", *SITE, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    script = (out / "sbatch.sh").read_text()
+    assert script.startswith("#!/bin/bash") and "#SBATCH --nodes=5" in script
+    assert f"{out.resolve()}/slurm/%j_0_log.out" in script
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["trainer"]["ep"] == 16
+    assert resolved["trainer"]["router_dtype"] == "fp32"  # quirks are in the resolved config
+
+
+def test_render_local_writes_config_only(cli, tmp_path):
+    result = cli("render", "--out", str(tmp_path / "r"))
+    assert result.returncode == 0
+    assert (tmp_path / "r" / "config.yaml").exists() and not (tmp_path / "r" / "sbatch.sh").exists()
+
+
+def test_show_groups_lists_catalog(cli):
+    result = cli("show", "--groups")
+    assert "nemotron_super" in result.stdout and "gb200" in result.stdout
+    assert "dapo-gemma4-26ba4b-it-4n8g-fsdp2ep16cp2" in result.stdout
+
+
+def test_show_prints_yaml(cli):
+    result = cli("show", "model=gemma3_1b")
+    assert yaml.safe_load(result.stdout)["model"]["head_dim"] == 256

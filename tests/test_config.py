@@ -1,0 +1,93 @@
+"""Composition of the conf/ tree: every shipped YAML composes, both override forms work."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcrl.cluster import Scheduler
+from hpcrl.config import GROUPS, conf_dir
+from hpcrl.errors import ConfigError
+from hpcrl.rollout.config import HFRolloutConfig, VLLMRolloutConfig
+from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig
+
+from .conftest import SITE, compose
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("group", "option"),
+    [(g, o) for g in GROUPS if g != "experiment" for o in options(g)],
+)
+def test_every_group_option_composes(group, option):
+    cfg = compose(f"{group}={option}", *SITE)
+    node = getattr(cfg, group)
+    name = getattr(node, "name", None) or getattr(node, "backend", None)
+    assert name == option
+
+
+@pytest.mark.parametrize("recipe", options("experiment"))
+def test_every_recipe_composes_and_names_itself(recipe):
+    cfg = compose(f"+experiment={recipe}", *SITE)
+    assert cfg.run.name == recipe
+
+
+def test_default_is_the_embedded_local_run():
+    cfg = compose()
+    assert cfg.cluster.scheduler is Scheduler.local
+    assert cfg.model.name == "tiny"
+    assert isinstance(cfg.trainer, FSDPTrainerConfig)
+    assert isinstance(cfg.rollout, VLLMRolloutConfig)
+    assert cfg.data.source == "synthetic"
+
+
+def test_plus_and_plain_group_overrides_are_equivalent():
+    a = compose("+cluster=gb200", "+model=nemotron_super", *SITE)
+    b = compose("cluster=gb200", "model=nemotron_super", *SITE)
+    assert a == b
+    assert a.cluster.gpus_per_node == 4 and a.model.num_layers == 88
+
+
+def test_experiment_without_plus_is_accepted():
+    cfg = compose("experiment=dapo-nemotron-super-5n4g-megatron", *SITE)
+    assert cfg.layout.rollout_nodes == 1 and isinstance(cfg.trainer, MegatronTrainerConfig)
+
+
+def test_group_choice_switches_schema():
+    cfg = compose("trainer=megatron", "rollout=hf")
+    assert isinstance(cfg.trainer, MegatronTrainerConfig)
+    assert isinstance(cfg.rollout, HFRolloutConfig)
+    assert cfg.trainer.sequence_parallel is True
+
+
+def test_yaml_values_reach_typed_fields():
+    cfg = compose("+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1", *SITE)
+    assert cfg.algo.num_prompts_per_step == 32 and cfg.algo.num_generations == 16
+    assert cfg.algo.kl_coef == pytest.approx(0.01)
+    assert cfg.max_seq_len == 2048
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("trainer.tpp=2", "unknown key 'trainer.tpp'"),
+        ("+trainer.tpp=2", "unknown key 'trainer.tpp'"),
+        ("cluster.slurm.partitoin=x", "unknown key 'cluster.slurm.partitoin'"),
+        ("cluster=nope", "unknown config 'cluster/nope'; available: b200, gb200"),
+        ("+experiment=nope", "unknown config 'experiment/nope'"),
+        ("trainer.tp=two", "bad value in override 'trainer.tp=two'"),
+        ("algo.kl_type=k7", "expected one of [k1, k2, k3]"),
+    ],
+)
+def test_composition_errors_name_the_key(override, fragment):
+    with pytest.raises(ConfigError) as info:
+        compose(override)
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_env_entries_can_be_added():
+    cfg = compose("+cluster=gb200", "+cluster.env.NCCL_DEBUG=INFO", *SITE)
+    assert cfg.cluster.env["NCCL_DEBUG"] == "INFO" and cfg.cluster.env["NCCL_MNNVL_ENABLE"] == "1"

@@ -1,0 +1,37 @@
+"""Golden sbatch files: each shipped Slurm recipe renders exactly to ``sbatch/<recipe>.sbatch``."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcrl.launch.golden import GOLDEN_DIR, recipes, render_recipe
+
+SLURM_RECIPES = [r for r in recipes() if render_recipe(r) is not None]
+REFRESH = "if this change is intended, refresh them with `.venv/bin/python -m hpcrl.launch.golden`"
+
+
+@pytest.mark.parametrize("recipe", SLURM_RECIPES)
+def test_render_matches_golden(recipe):
+    path = GOLDEN_DIR / f"{recipe}.sbatch"
+    assert path.exists(), f"sbatch/{recipe}.sbatch is missing; {REFRESH}"
+    assert render_recipe(recipe) == path.read_text(), f"rendering of {recipe} changed; {REFRESH}"
+
+
+def test_no_stale_golden_files():
+    stale = {p.stem for p in GOLDEN_DIR.glob("*.sbatch")} - set(SLURM_RECIPES)
+    assert not stale, f"golden files without a recipe: {sorted(stale)}; delete them"
+
+
+def test_golden_scripts_hold_no_secrets_or_machine_paths():
+    for path in GOLDEN_DIR.glob("*.sbatch"):
+        text = path.read_text()
+        for word in ("HF_TOKEN", "WANDB_API_KEY", "RAY_AUTH", "/root", "/home/"):
+            assert word not in text, f"{path.name} contains {word}"
+
+
+def test_split_recipe_runs_one_task_per_node_fail_fast():
+    text = (GOLDEN_DIR / "dapo-nemotron-super-5n4g-megatron.sbatch").read_text()
+    assert "#SBATCH --nodes=5\n" in text and "#SBATCH --ntasks-per-node=1\n" in text
+    assert "#SBATCH --segment=5\n" in text and "--kill-on-bad-exit=1" in text
+    assert "export HPCRL_ROLES=rollout,train,train,train,train" in text
+    assert "--container-image=IMAGE" in text and "NCCL_MNNVL_ENABLE=1" in text
