@@ -55,3 +55,19 @@ def test_show_groups_lists_catalog(cli):
 def test_show_prints_yaml(cli):
     result = cli("show", "model=gemma3_1b")
     assert yaml.safe_load(result.stdout)["model"]["head_dim"] == 256
+
+
+def test_plan_and_render_do_not_import_heavy_frameworks(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from hpcrl.cli import main\n"
+        f"main(['render', '+experiment=dapo-nemotron-super-5n4g-megatron', *{SITE!r}, '--out', {str(tmp_path)!r}])\n"
+        "main(['plan'])\n"
+        "heavy = sorted(m for m in ('torch', 'ray', 'vllm', 'transformers') if m in sys.modules)\n"
+        "print('HEAVY=' + ','.join(heavy))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "HEAVY=\n" in result.stdout, result.stdout[-500:] + result.stderr[-500:]
