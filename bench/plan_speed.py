@@ -38,12 +38,20 @@ def main() -> int:
         "python -c 'import torch'": [PY, "-c", "import torch"],
         "hpcrl plan (default)": [HPCRL, "plan"],
         "hpcrl plan nemotron gb200 split": [
-            HPCRL, "plan", "+experiment=dapo-nemotron-super-5n4g-megatron",
-            "cluster.slurm.account=a", "cluster.container.image=i",
+            HPCRL,
+            "plan",
+            "+experiment=dapo-nemotron-super-5n4g-megatron",
+            "cluster.slurm.account=a",
+            "cluster.container.image=i",
         ],
         "hpcrl render nemotron gb200 split": [
-            HPCRL, "render", "+experiment=dapo-nemotron-super-5n4g-megatron",
-            "cluster.slurm.account=a", "cluster.container.image=i", "--out", out,
+            HPCRL,
+            "render",
+            "+experiment=dapo-nemotron-super-5n4g-megatron",
+            "cluster.slurm.account=a",
+            "cluster.container.image=i",
+            "--out",
+            out,
         ],
     }
     results = {name: timed(cmd, args.runs) for name, cmd in cases.items()}
