@@ -81,13 +81,19 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from hpcrl.cluster import Scheduler
     from hpcrl.plan import plan_from_overrides
 
     plan = plan_from_overrides(args.overrides)
     plan.require_fit()
+    if plan.cfg.cluster.scheduler is Scheduler.local:
+        from hpcrl.local import run_local
+
+        run_local(plan)
+        return 0
     print(f"plan ok: {plan.cfg.model.name} on {plan.cfg.cluster.name}, {plan.topology.nodes} node(s)")
-    print("hpcrl submit: the RL loop is not built yet (issue 4); `hpcrl plan` and `hpcrl render` work today")
-    return 0
+    print("hpcrl submit: submission to Slurm is not built yet (issue 3); `hpcrl render` writes the script")
+    return 1
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -151,6 +151,17 @@ DICT_KEYS = ("cluster.env.",)
 """Free-form maps where ``+key=value`` legitimately adds an entry."""
 
 
+EMBEDDED_DEFAULT = "grpo-tiny-1n1g-fsdp"
+"""The recipe a bare command runs: no cluster, model or experiment chosen means this one."""
+
+
+def with_embedded_default(overrides: list[str]) -> list[str]:
+    chosen = {item.lstrip("+").split("=", 1)[0] for item in overrides}
+    if chosen & {"cluster", "model", "experiment"}:
+        return overrides
+    return [f"+experiment={EMBEDDED_DEFAULT}", *overrides]
+
+
 def compose_raw(overrides: list[str]) -> Any:
     """Hydra composition only (a DictConfig); errors become one-line ConfigErrors."""
     from hydra import compose, initialize_config_dir
@@ -160,7 +171,9 @@ def compose_raw(overrides: list[str]) -> Any:
     register_schemas()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-            return compose(config_name="config", overrides=normalize_overrides(overrides))
+            return compose(
+                config_name="config", overrides=normalize_overrides(with_embedded_default(overrides))
+            )
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(explain_hydra_error(exc)) from None
 

@@ -1,0 +1,136 @@
+"""Prompt data: the synthetic task, local JSONL/Parquet files and Hugging Face datasets by name,
+mapped to (prompt, answer) pairs through ``data.prompt_field`` / ``data.answer_field`` and a template."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcrl.data.config import DataConfig
+from hpcrl.data.synthetic import synthetic_split
+from hpcrl.errors import ConfigError
+
+TEMPLATES = {
+    "plain": "{problem}",
+    "cot": "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
+    "dapo": (
+        "Solve the following math problem step by step. The last line of your response should be of the "
+        "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+        'Remember to put your answer on its own line after "Answer:".'
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str
+
+
+def render_prompt(template: str, problem: str) -> str:
+    if template not in TEMPLATES:
+        raise ConfigError(f"data.template='{template}' is unknown; use one of {', '.join(TEMPLATES)}")
+    return TEMPLATES[template].format(problem=problem)
+
+
+def _field(record: dict[str, Any], name: str, source: str) -> Any:
+    node: Any = record
+    for part in name.split("."):
+        if isinstance(node, list) and part.isdigit():
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            raise ConfigError(
+                f"{source}: records have no field '{name}' (set data.prompt_field / data.answer_field)"
+            )
+    return node
+
+
+def records_to_examples(records: list[dict[str, Any]], cfg: DataConfig, source: str) -> list[Example]:
+    out = []
+    for rec in records:
+        problem = _field(rec, cfg.prompt_field, source)
+        if isinstance(problem, list):  # chat-style prompt: [{"role": "user", "content": ...}]
+            problem = problem[-1]["content"] if problem and isinstance(problem[-1], dict) else str(problem)
+        answer = _field(rec, cfg.answer_field, source)
+        out.append(Example(render_prompt(cfg.template, str(problem)), str(answer)))
+    return out
+
+
+def read_records(source: str, split: str) -> list[dict[str, Any]]:
+    if source.startswith("hf:"):
+        try:
+            import datasets
+        except ImportError as exc:
+            raise ConfigError(
+                "data.source='hf:...' needs the 'datasets' package (pip install datasets)"
+            ) from exc
+        return list(datasets.load_dataset(source[3:], split=split))
+    path = Path(source)
+    if not path.exists():
+        raise ConfigError(f"data.source file '{source}' does not exist")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.read_table(path).to_pylist())
+    if path.suffix == ".json":
+        return list(json.loads(path.read_text()))
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_examples(cfg: DataConfig, seed: int) -> tuple[list[Example], list[Example]]:
+    """Training and validation examples; validation is ``val_source`` or a held-out slice."""
+    if cfg.source == "synthetic":
+        problems, held_out = synthetic_split(
+            num_train=cfg.num_samples or 4096, num_val=cfg.max_val_samples, seed=seed
+        )
+        return (
+            [Example(render_prompt(cfg.template, p.prompt), p.answer) for p in problems],
+            [Example(render_prompt(cfg.template, p.prompt), p.answer) for p in held_out],
+        )
+    train = records_to_examples(read_records(cfg.source, cfg.split), cfg, cfg.source)
+    if cfg.val_source:
+        val = records_to_examples(read_records(cfg.val_source, cfg.val_split), cfg, cfg.val_source)
+    else:
+        rng = random.Random(seed)
+        train = train[:]
+        rng.shuffle(train)
+        cut = max(1, int(len(train) * cfg.val_fraction))
+        train, val = train[cut:], train[:cut]
+    return train, val[: cfg.max_val_samples]
+
+
+class PromptStream:
+    """Shuffled, epoch-based stream of training examples whose position survives a resume."""
+
+    def __init__(self, examples: list[Example], seed: int) -> None:
+        self.examples, self.seed = examples, seed
+        self.epoch, self.offset = 0, 0
+        self._order = self._shuffle()
+
+    def _shuffle(self) -> list[int]:
+        order = list(range(len(self.examples)))
+        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[Example]:
+        out: list[Example] = []
+        while len(out) < n:
+            if self.offset == len(self._order):
+                self.epoch, self.offset = self.epoch + 1, 0
+                self._order = self._shuffle()
+            out.append(self.examples[self._order[self.offset]])
+            self.offset += 1
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset = state["epoch"], state["offset"]
+        self._order = self._shuffle()

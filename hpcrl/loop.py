@@ -1,0 +1,216 @@
+"""The GRPO/DAPO loop: prompts -> rollouts -> rewards -> advantages -> train step -> weight sync
+-> validation / checkpoint / logs. GRPO and DAPO differ only in ``algo`` settings.
+
+    for each step:
+        sample prompts; generate n completions each on the rollout engines
+        score them with the verifier (worker processes, hard time limit per sample)
+        shape rewards (overlong penalty, scaling); DAPO: drop groups with equal rewards, sample more
+        group-relative advantages; clipped-surrogate + KL loss on the trainer ranks
+        broadcast the new weights to the engines; validate, checkpoint and log when due
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hpcrl.algo.advantages import group_advantages
+from hpcrl.algo.shaping import informative_groups, overlong_penalty, scale_rewards, truncation_mask
+from hpcrl.config import RunConfig
+from hpcrl.data.loader import Example, PromptStream
+from hpcrl.rewards.pool import RewardPool, Task
+from hpcrl.rewards.verifiers import Outcome
+from hpcrl.rollout.base import Completion, SamplingSettings
+from hpcrl.trainer.batch import TrainBatch, build_batch
+
+
+@dataclass
+class Timer:
+    times: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.perf_counter() - start
+
+
+@dataclass
+class Scored:
+    examples: list[Example]
+    groups: list[list[Completion]]
+    rewards: torch.Tensor  # [groups, n], after shaping
+    outcomes: list[list[Outcome]]
+
+
+def generate_and_score(
+    rt: Any,
+    pool: RewardPool,
+    encode: Callable[[str], list[int]],
+    examples: list[Example],
+    settings: SamplingSettings,
+) -> Scored:
+    groups = rt.generate([encode(e.prompt) for e in examples], settings)
+    tasks = [Task(i * settings.n + j, c.text, e.answer, e.prompt)
+             for i, (e, g) in enumerate(zip(examples, groups, strict=True)) for j, c in enumerate(g)]  # fmt: skip
+    flat = pool.score(tasks)
+    outcomes = [flat[i * settings.n : (i + 1) * settings.n] for i in range(len(examples))]
+    rewards = torch.tensor([[1.0 if o is Outcome.correct else 0.0 for o in row] for row in outcomes])
+    return Scored(examples, groups, rewards, outcomes)
+
+
+def shape(cfg: RunConfig, s: Scored) -> torch.Tensor:
+    algo = cfg.algo
+    rewards = s.rewards.clone()
+    if algo.overlong_buffer:
+        lengths = torch.tensor([[len(c.token_ids) for c in g] for g in s.groups])
+        rewards += overlong_penalty(
+            lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty
+        )
+    if algo.reward_scale_min is not None and algo.reward_scale_max is not None:
+        rewards = scale_rewards(rewards, algo.reward_scale_min, algo.reward_scale_max)
+    return rewards
+
+
+def collect(
+    cfg: RunConfig,
+    rt: Any,
+    pool: RewardPool,
+    encode: Callable[[str], list[int]],
+    stream: PromptStream,
+    step: int,
+) -> tuple[Scored, torch.Tensor, dict[str, float]]:
+    """One step's rollouts; with dynamic sampling, keep sampling until the batch holds enough informative groups."""
+    algo = cfg.algo
+    want = algo.num_prompts_per_step
+    kept: list[Scored] = []
+    kept_rewards: list[torch.Tensor] = []
+    seen: list[Scored] = []
+    rounds = 0
+    while rounds < (algo.dynamic_sampling_max_rounds if algo.dynamic_sampling else 1):
+        settings = SamplingSettings(
+            algo.num_generations,
+            cfg.rollout.temperature,
+            cfg.rollout.top_p,
+            cfg.rollout.max_new_tokens,
+            seed=cfg.run.seed * 100_003 + step * 101 + rounds,
+        )
+        scored = generate_and_score(rt, pool, encode, stream.take(want), settings)
+        seen.append(scored)
+        rewards = shape(cfg, scored)
+        keep = (
+            informative_groups(rewards)
+            if algo.dynamic_sampling
+            else torch.ones(len(rewards), dtype=torch.bool)
+        )
+        idx = [i for i in range(len(rewards)) if keep[i]]
+        kept.append(Scored([scored.examples[i] for i in idx], [scored.groups[i] for i in idx],
+                           scored.rewards[idx], [scored.outcomes[i] for i in idx]))  # fmt: skip
+        kept_rewards.append(rewards[idx])
+        rounds += 1
+        if sum(len(k.examples) for k in kept) >= want:
+            break
+    merged = Scored([e for k in kept for e in k.examples][:want], [g for k in kept for g in k.groups][:want],
+                    torch.cat([k.rewards for k in kept])[:want], [o for k in kept for o in k.outcomes][:want])  # fmt: skip
+    shaped = torch.cat(kept_rewards)[:want]
+    every = [o for s in seen for row in s.outcomes for o in row]
+    completions = [c for s in seen for g in s.groups for c in g]
+    stats = {
+        "train/accuracy": sum(o is Outcome.correct for o in every) / max(1, len(every)),
+        "train/parse_error_rate": sum(o is Outcome.parse_error for o in every) / max(1, len(every)),
+        "train/verifier_timeouts": float(sum(o in (Outcome.timeout, Outcome.error) for o in every)),
+        "train/mean_gen_tokens": sum(len(c.token_ids) for c in completions) / max(1, len(completions)),
+        "train/truncated_rate": sum(c.truncated for c in completions) / max(1, len(completions)),
+        "train/dynamic_sampling_rounds": float(rounds),
+        "train/kept_groups": float(len(merged.examples)),
+        "perf/gen_tokens": float(sum(len(c.token_ids) for c in completions)),
+    }
+    return merged, shaped, stats
+
+
+def make_batch(
+    cfg: RunConfig, s: Scored, shaped: torch.Tensor, encode: Callable[[str], list[int]], pad_id: int
+) -> TrainBatch:
+    algo = cfg.algo
+    adv = group_advantages(shaped, algo.baseline, algo.std_normalize)
+    prompts, comps, lps, advs, keep = [], [], [], [], []
+    for i, (e, g) in enumerate(zip(s.examples, s.groups, strict=True)):
+        p = encode(e.prompt)
+        for j, c in enumerate(g):
+            prompts.append(p)
+            comps.append(c.token_ids or [pad_id])
+            lps.append(c.logprobs or [0.0])
+            advs.append(float(adv[i, j]))
+            keep.append(
+                float(truncation_mask(torch.tensor([c.truncated]))[0]) if algo.overlong_filter else 1.0
+            )
+    return build_batch(prompts, comps, lps, advs, keep, pad_id)
+
+
+def validate(
+    cfg: RunConfig, rt: Any, pool: RewardPool, encode: Callable[[str], list[int]], val: list[Example]
+) -> dict[str, float]:
+    """Greedy decoding, one sample per validation prompt."""
+    settings = SamplingSettings(1, 0.0, 1.0, cfg.rollout.max_new_tokens, seed=cfg.run.seed)
+    scored = generate_and_score(rt, pool, encode, val, settings)
+    outcomes = [row[0] for row in scored.outcomes]
+    return {
+        "val/accuracy": sum(o is Outcome.correct for o in outcomes) / max(1, len(outcomes)),
+        "val/parse_error_rate": sum(o is Outcome.parse_error for o in outcomes) / max(1, len(outcomes)),
+        "val/mean_gen_tokens": sum(len(g[0].token_ids) for g in scored.groups) / max(1, len(scored.groups)),
+    }
+
+
+def train(
+    cfg: RunConfig,
+    rt: Any,
+    pool: RewardPool,
+    encode: Callable[[str], list[int]],
+    pad_id: int,
+    stream: PromptStream,
+    val: list[Example],
+    ckpt: Any,
+    logger: Any,
+    say: Callable[[str], None],
+    start_step: int = 0,
+) -> dict[str, float]:
+    algo = cfg.algo
+    last: dict[str, float] = {}
+    if start_step == 0 and algo.val_at_start:
+        last = validate(cfg, rt, pool, encode, val)
+        logger.log(0, last)
+        say(f"step   0/{algo.max_steps} | val {last['val/accuracy']:.3f} (before training)")
+    for step in range(start_step + 1, algo.max_steps + 1):
+        timer, t0 = Timer(), time.perf_counter()
+        with timer("rollout"):
+            scored, shaped, metrics = collect(cfg, rt, pool, encode, stream, step)
+        batch = make_batch(cfg, scored, shaped, encode, pad_id)
+        with timer("ref_logprobs"):
+            ref = rt.ref_logprobs(batch) if algo.kl_coef > 0 else None
+        with timer("train"):
+            metrics.update({f"train/{k}": v for k, v in rt.train_step(batch, ref).items()})
+        with timer("weight_sync"):
+            rt.sync_weights()
+        metrics["train/reward"] = float(shaped.mean())
+        if step % algo.val_period == 0 or step == algo.max_steps:
+            with timer("validation"):
+                metrics.update(validate(cfg, rt, pool, encode, val))
+        metrics.update(timer.times)
+        metrics["time/step"] = time.perf_counter() - t0
+        metrics["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(timer.times["time/rollout"], 1e-9)
+        if cfg.checkpoint.enabled and (step % cfg.checkpoint.period == 0 or step == algo.max_steps):
+            state = {"trainer": rt.state_dict(), "stream": stream.state(), "step": step,
+                     "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}}  # fmt: skip
+            ckpt.save(step, state, metrics)
+        logger.log(step, metrics)
+        from hpcrl.metrics import console_line
+
+        say(console_line(step, algo.max_steps, metrics))
+        last = {**last, **metrics}
+    return last

@@ -1,0 +1,70 @@
+"""Metric sinks: a live console line per step, metrics.jsonl, TensorBoard, and wandb (offline by default)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hpcrl.config import LoggerConfig
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, cfg: LoggerConfig, run_name: str, config: dict[str, Any]) -> None:
+        self.run_dir = run_dir
+        self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        self.tb: Any = None
+        self.wandb: Any = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if cfg.wandb and cfg.wandb_mode != "disabled":
+            try:
+                import wandb
+            except ImportError:
+                print("hpcrl: logger.wandb=true but wandb is not installed; skipping wandb", file=sys.stderr)
+            else:
+                os.environ.setdefault("WANDB_DIR", str(run_dir))
+                self.wandb = wandb.init(
+                    project=cfg.wandb_project, name=run_name, mode=cfg.wandb_mode, config=config
+                )
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, "time": time.time(), **metrics}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in metrics.items():
+                self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def console_line(step: int, total: int, m: dict[str, float]) -> str:
+    parts = [f"step {step:>3}/{total}"]
+    for key, fmt in (
+        ("train/reward", "reward {:.3f}"),
+        ("train/accuracy", "acc {:.3f}"),
+        ("val/accuracy", "val {:.3f}"),
+        ("train/kl", "kl {:.4f}"),
+        ("train/entropy", "ent {:.3f}"),
+        ("train/gen_kl_error", "gen_kl {:.1e}"),
+        ("train/mean_gen_tokens", "len {:.1f}"),
+        ("perf/gen_tokens_per_s", "{:.0f} tok/s"),
+        ("time/step", "{:.1f}s"),
+    ):
+        if key in m:
+            parts.append(fmt.format(m[key]))
+    return " | ".join(parts)

@@ -1,0 +1,1 @@
+"""Verifiable rewards: a registry of verifiers and a worker pool that bounds each sample's time."""

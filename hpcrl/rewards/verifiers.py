@@ -1,0 +1,98 @@
+"""Verifiers: ``fn(completion, answer, prompt) -> Verdict``. Register your own with ``@register("name")``
+and select it with ``data.verifier=name`` (import your module with ``HPCRL_PLUGINS=my.module``).
+
+Verifiers run inside reward worker processes, never in the training loop's process.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Outcome(StrEnum):
+    correct = "correct"
+    wrong = "wrong"
+    parse_error = "parse_error"  # nothing answer-like could be read from the completion
+    timeout = "timeout"  # the verifier ran past its time limit (set by the pool)
+    error = "error"  # the verifier raised (set by the pool)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcome: Outcome
+
+    @property
+    def reward(self) -> float:
+        return 1.0 if self.outcome is Outcome.correct else 0.0
+
+
+Verifier = Callable[[str, str, str], Verdict]
+REGISTRY: dict[str, Verifier] = {}
+
+
+def register(name: str) -> Callable[[Verifier], Verifier]:
+    def wrap(fn: Verifier) -> Verifier:
+        REGISTRY[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_verifier(name: str) -> Verifier:
+    if name not in REGISTRY:
+        raise KeyError(f"unknown verifier '{name}'; registered: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name]
+
+
+_BOXED = re.compile(r"\\boxed\{")
+
+
+@register("math")
+def math_verify(completion: str, answer: str, prompt: str = "") -> Verdict:
+    """HF math-verify: symbolic equivalence of the completion's final answer and the reference.
+
+    Timeouts inside math-verify use signal.alarm, which fails outside the main thread; they are
+    turned off here and the pool enforces a hard per-sample limit instead.
+    """
+    from math_verify import parse, verify
+
+    gold = parse(answer if _BOXED.search(answer) or not answer else f"${answer}$", parsing_timeout=None)
+    pred = parse(completion, parsing_timeout=None)
+    if not pred:
+        return Verdict(Outcome.parse_error)
+    ok = verify(gold, pred, timeout_seconds=None)
+    return Verdict(Outcome.correct if ok else Outcome.wrong)
+
+
+_FACTOR_PROMPT = re.compile(r"\bfactor", re.IGNORECASE)
+
+
+@register("math_structural")
+def math_verify_structural(completion: str, answer: str, prompt: str = "") -> Verdict:
+    """math-verify plus a structural check: a 'factor ...' prompt answered with an expanded
+    (unfactored) expression scores 0 even when SymPy finds it equal (seed 000, step 40)."""
+    verdict = math_verify(completion, answer, prompt)
+    if (
+        verdict.outcome is Outcome.correct
+        and _FACTOR_PROMPT.search(prompt)
+        and not _looks_factored(completion)
+    ):
+        return Verdict(Outcome.wrong)
+    return verdict
+
+
+def _looks_factored(completion: str) -> bool:
+    boxed = completion.rsplit("\\boxed{", 1)[-1]
+    # a product of factors: parentheses multiplied together, or a power of a parenthesised term
+    return bool(re.search(r"\)\s*(\^|\*|\()|\)\s*\\cdot|^\s*\d*\s*\(", boxed))
+
+
+@register("exact")
+def exact_match(completion: str, answer: str, prompt: str = "") -> Verdict:
+    text = completion.strip()
+    if not text:
+        return Verdict(Outcome.parse_error)
+    return Verdict(Outcome.correct if text == answer.strip() else Outcome.wrong)

@@ -1,0 +1,35 @@
+"""The rollout interface every backend implements: generate completions, take new weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    """Log-probability of each generated token under the engine's weights (for IS correction)."""
+    text: str
+    truncated: bool
+    """True when generation hit max_new_tokens instead of ending with EOS."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    n: int
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
+        """``n`` completions per prompt (prompts are token ids), in prompt order."""
+        ...
+
+    def load_weights(self, weights: dict[str, Any]) -> None:
+        """Replace the engine's weights in place (HF parameter names); caches from old weights are dropped."""
+        ...

@@ -1,0 +1,29 @@
+"""The trainer interface every backend implements (fsdp here, megatron in its own module)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from hpcrl.trainer.batch import TrainBatch
+
+
+class Trainer(Protocol):
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        """[B, T-1] log-probabilities of the target tokens, under the policy or the frozen reference."""
+        ...
+
+    def train_step(self, batch: TrainBatch, ref_logp: torch.Tensor | None) -> dict[str, float]:
+        """One optimizer step per minibatch over ``batch``; returns loss/KL/grad-norm/entropy metrics."""
+        ...
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Full (gathered) weights under Hugging Face names, for the rollout engines."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model + optimizer state for checkpoints."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...

@@ -1,0 +1,55 @@
+"""The training batch handed to a trainer backend: token ids plus per-token masks and weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    input_ids: torch.Tensor
+    """[B, T] prompt + completion, right-padded."""
+    attention_mask: torch.Tensor
+    """[B, T] 1 on real tokens."""
+    loss_mask: torch.Tensor
+    """[B, T-1] 1 where the target token (input_ids[:, 1:]) is a generated token that counts in the loss."""
+    advantages: torch.Tensor
+    """[B] one advantage per sequence."""
+    rollout_logp: torch.Tensor
+    """[B, T-1] the rollout engine's logprob of each generated target token (0 elsewhere)."""
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, idx: slice | torch.Tensor) -> TrainBatch:
+        return TrainBatch(
+            self.input_ids[idx], self.attention_mask[idx], self.loss_mask[idx], self.advantages[idx],
+            self.rollout_logp[idx],
+        )  # fmt: skip
+
+
+def build_batch(
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    rollout_logps: list[list[float]],
+    advantages: list[float],
+    keep: list[float],
+    pad_id: int,
+) -> TrainBatch:
+    """Right-padded batch; ``keep`` (0/1 per sample) zeroes the loss mask of filtered samples."""
+    rows = [p + c for p, c in zip(prompts, completions, strict=True)]
+    width = max(len(r) for r in rows)
+    n = len(rows)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    loss_mask = torch.zeros((n, width - 1), dtype=torch.float32)
+    rlp = torch.zeros((n, width - 1), dtype=torch.float32)
+    for i, (p, c, lp) in enumerate(zip(prompts, completions, rollout_logps, strict=True)):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        attn[i, : len(p) + len(c)] = 1
+        # target position j predicts ids[j+1]: completion tokens sit at targets len(p)-1 ... len(p)+len(c)-2
+        loss_mask[i, len(p) - 1 : len(p) - 1 + len(c)] = keep[i]
+        rlp[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp, dtype=torch.float32)
+    return TrainBatch(ids, attn, loss_mask, torch.tensor(advantages, dtype=torch.float32), rlp)

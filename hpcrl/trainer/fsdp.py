@@ -1,0 +1,183 @@
+"""FSDP2 training backend: parameters, gradients and optimizer state sharded with ``fully_shard``
+over the training ranks (NCCL on GPUs, gloo on CPU).
+
+Per optimizer step: the batch is split into ``num_minibatches``; each minibatch is walked in
+micro-batches of ``trainer.micro_batch_size`` sequences with gradients accumulated, the gradient
+norm is clipped, and AdamW steps once.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.algo.losses import gen_kl_error, grpo_loss
+from hpcrl.config import RunConfig
+from hpcrl.trainer.batch import TrainBatch
+
+
+def init_process_group(rank: int, world: int, master: str, backend: str) -> None:
+    if dist.is_initialized():
+        return
+    dist.init_process_group(backend=backend, init_method=f"tcp://{master}", rank=rank, world_size=world)
+
+
+def token_logprobs(model: Any, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability and entropy of every target token: [B, T-1] each."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+class FSDPTrainer:
+    def __init__(
+        self,
+        model_dir: Path,
+        cfg: RunConfig,
+        *,
+        rank: int = 0,
+        world: int = 1,
+        master: str = "127.0.0.1:29517",
+        device: str = "cpu",
+    ) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM
+
+        self.cfg, self.device = cfg, device
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        init_process_group(rank, world, master, backend)
+        torch.manual_seed(cfg.run.seed + rank)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+        # The frozen reference policy for the KL term: a copy taken before any update.
+        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+        for name in cfg.trainer.freeze:
+            for pname, param in model.named_parameters():
+                if name in pname:
+                    param.requires_grad_(False)
+        mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(
+                layer, mesh=mesh, reshard_after_forward=getattr(cfg.trainer, "reshard_after_forward", True)
+            )
+        fully_shard(model, mesh=mesh)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=cfg.algo.lr,
+            weight_decay=cfg.trainer.weight_decay, betas=(0.9, 0.999),
+        )  # fmt: skip
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        model = self.ref if reference else self.model
+        assert model is not None, "no reference model: algo.kl_coef is 0"
+        out = []
+        with torch.no_grad():
+            for mb in self._micro_batches(batch):
+                out.append(token_logprobs(model, mb)[0])
+        return _cat_padded(out)
+
+    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        size = self.cfg.trainer.micro_batch_size
+        return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
+
+    def train_step(self, batch: TrainBatch, ref_logp: torch.Tensor | None) -> dict[str, float]:
+        algo = self.cfg.algo
+        self.model.train()
+        old_logp = self.logprobs(
+            batch
+        )  # on-policy: the policy that produced the rollouts, seen by the trainer
+        metrics: dict[str, float] = {
+            "gen_kl_error": gen_kl_error(old_logp, batch.rollout_logp, batch.loss_mask)
+        }
+        totals = {
+            "loss": 0.0,
+            "policy_loss": 0.0,
+            "kl": 0.0,
+            "clip_fraction": 0.0,
+            "entropy": 0.0,
+            "grad_norm": 0.0,
+        }
+        n_micro = 0
+        order = torch.arange(len(batch))
+        for minibatch in order.chunk(algo.num_minibatches):
+            self.optimizer.zero_grad(set_to_none=True)
+            tokens_in_minibatch = batch.loss_mask[minibatch].sum().clamp(min=1)
+            for start in range(0, len(minibatch), self.cfg.trainer.micro_batch_size):
+                idx = minibatch[start : start + self.cfg.trainer.micro_batch_size]
+                mb = batch.select(idx)
+                logp, entropy = token_logprobs(self.model, mb)
+                terms = grpo_loss(
+                    logp, old_logp[idx], ref_logp[idx] if ref_logp is not None else None, mb.rollout_logp,
+                    mb.advantages, mb.loss_mask, eps_low=algo.eps_low, eps_high=algo.eps_high,
+                    dual_clip=algo.dual_clip, kl_coef=algo.kl_coef, kl_type=algo.kl_type, agg=algo.loss_agg,
+                    is_correction=algo.is_correction, is_cap=algo.is_cap,
+                )  # fmt: skip
+                # Weight each micro-batch by its share of the minibatch's tokens so accumulation
+                # reproduces the full-minibatch mean (exact for token-level aggregation).
+                share = mb.loss_mask.sum() / tokens_in_minibatch
+                (terms.loss * share).backward()
+                n_micro += 1
+                totals["loss"] += float(terms.loss) * float(share)
+                totals["policy_loss"] += terms.policy * float(share)
+                totals["kl"] += terms.kl * float(share)
+                totals["clip_fraction"] += terms.clip_fraction * float(share)
+                totals["entropy"] += float((entropy.detach() * mb.loss_mask).sum() / tokens_in_minibatch)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+            totals["grad_norm"] += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            self.optimizer.step()
+        k = algo.num_minibatches
+        metrics.update({key: value / k for key, value in totals.items()})
+        self.model.eval()
+        return metrics
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return {
+            k: v
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor) and not (k.startswith("lm_head.") and self._tied())
+        }
+
+    def _tied(self) -> bool:
+        return bool(getattr(self.model.config, "tie_word_embeddings", False))
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=opts)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(full_state_dict=True),
+        )
+
+
+def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts], dim=0)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,91 @@
+"""Ray actors: trainer ranks and rollout engines, placed on nodes by role resources.
+
+Every node advertises ``hpcrl_train`` and/or ``hpcrl_rollout`` resources (one unit per GPU of that
+role); an actor asks for one unit of its role, so the topology decides where it lands.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+TRAIN_RESOURCE = "hpcrl_train"
+ROLLOUT_RESOURCE = "hpcrl_rollout"
+
+
+def _threads() -> None:
+    import torch
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+
+class TrainerWorker:
+    def __init__(self, model_dir: str, cfg: Any, rank: int, world: int, master: str, device: str) -> None:
+        _threads()
+        from hpcrl.trainer.fsdp import FSDPTrainer
+
+        self.rank = rank
+        self.trainer = FSDPTrainer(Path(model_dir), cfg, rank=rank, world=world, master=master, device=device)
+
+    def where(self) -> dict[str, Any]:
+        return {"role": "train", "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid()}
+
+    def ref_logprobs(self, batch: Any) -> Any:
+        return self.trainer.logprobs(batch, reference=True)
+
+    def train_step(self, batch: Any, ref_logp: Any) -> dict[str, float]:
+        return self.trainer.train_step(batch, ref_logp)
+
+    def export_weights(self) -> dict[str, Any]:
+        return self.trainer.export_weights()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state_dict(state)
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        model_dir: str,
+        cfg: Any,
+        max_model_len: int,
+        scratch: str,
+        on_cpu: bool,
+        kv_cache_gb: float | None,
+    ) -> None:
+        _threads()
+        from hpcrl.rollout.config import VLLMRolloutConfig
+
+        rollout = cfg.rollout
+        self.engine: Any
+        if isinstance(rollout, VLLMRolloutConfig):
+            from hpcrl.rollout.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(
+                Path(model_dir),
+                rollout,
+                seed=cfg.run.seed,
+                max_model_len=max_model_len,
+                on_cpu=on_cpu,
+                scratch=Path(scratch),
+                kv_cache_gb=kv_cache_gb,
+            )
+        else:
+            from hpcrl.rollout.hf_engine import HFEngine
+
+            self.engine = HFEngine(Path(model_dir), rollout, device="cpu" if on_cpu else "cuda")
+
+    def where(self) -> dict[str, Any]:
+        return {"role": "rollout", "host": socket.gethostname(), "pid": os.getpid()}
+
+    def generate(self, prompts: list[list[int]], settings: Any) -> Any:
+        return self.engine.generate(prompts, settings)
+
+    def load_weights(self, weights: dict[str, Any]) -> bool:
+        self.engine.load_weights(weights)
+        return True
