@@ -24,7 +24,27 @@ from hpcrl.models import ModelConfig
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = string.digits + "+-*/=() .,:?" + string.ascii_letters
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-WARM_START_VERSION = 2  # bump when the warm-start recipe below changes
+WARM_START_VERSION = 4  # bump when the warm-start recipe below changes
+
+
+TEACHER_RAMBLE = 0.6
+"""Share of warm-start answers the teacher follows with a second guess ('15 16'). The warm start
+imitates an imperfect teacher: the policy learns the arithmetic but, like models that run past
+their answer, usually keeps writing, and math-verify then reads the last number. Learning to stop
+after the answer is a global behaviour that RL with the verifier corrects within a few dozen steps,
+on held-out problems too; the arithmetic itself keeps improving more slowly."""
+
+
+def noisy_teacher(problems: list[Problem], ramble: float, seed: int) -> list[Problem]:
+    import random
+
+    rng = random.Random(seed + 7)
+    out = []
+    for p in problems:
+        if rng.random() < ramble:
+            p = Problem(p.prompt, f"{p.answer} {int(p.answer) + rng.choice((-2, -1, 1, 2))}")
+        out.append(p)
+    return out
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int) -> Any:
@@ -143,7 +163,7 @@ def ensure_tiny_model(
     model_cfg: ModelConfig,
     cache: Path,
     *,
-    sft_steps: int = 250,
+    sft_steps: int = 350,
     seed: int = 0,
     log: Callable[[str], None] = print,
 ) -> Path:
@@ -158,6 +178,7 @@ def ensure_tiny_model(
     tok = build_tokenizer(tmp, model_cfg.vocab_size)
     model = build_model(model_cfg, seed)
     train, _ = synthetic_split(num_train=20000, num_val=256, seed=seed)
+    train = noisy_teacher(train, TEACHER_RAMBLE, seed)
     if sft_steps:
         warm_start(model, tok, train, steps=sft_steps, batch=64, lr=1e-3, seed=seed, log=log)
     model.save_pretrained(tmp, safe_serialization=True)

@@ -108,6 +108,7 @@ class VLLMEngine:
     def load_weights(self, weights: dict[str, Any]) -> None:
         from safetensors.torch import save
 
-        payload = save({k: v.contiguous() for k, v in weights.items()})
+        # clone: tied tensors share storage, which safetensors refuses to serialise
+        payload = save({k: v.detach().clone().contiguous() for k, v in weights.items()})
         self.llm.collective_rpc("hpcrl_reload_weights", args=(payload,))
         self.llm.reset_prefix_cache()

@@ -137,16 +137,17 @@ class FSDPTrainer:
         return metrics
 
     def export_weights(self) -> dict[str, torch.Tensor]:
+        """Full weights in HF names. A tied lm_head is sent explicitly: vLLM's in-place reload does
+        not re-tie it, so without it the engine kept the old output embedding."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        return {
-            k: v
-            for k, v in state.items()
-            if isinstance(v, torch.Tensor) and not (k.startswith("lm_head.") and self._tied())
-        }
+        weights = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        if self._tied() and "model.embed_tokens.weight" in weights:
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        return weights
 
     def _tied(self) -> bool:
         return bool(getattr(self.model.config, "tie_word_embeddings", False))
