@@ -22,7 +22,12 @@ class DataConfig:
     val_fraction: float = 0.05
     max_val_samples: int = 256
     prompt_field: str = "problem"
+    """Record field holding the problem (dotted for nested fields, e.g. ``prompt.0.content``)."""
     answer_field: str = "answer"
+    """Record field holding the reference answer (e.g. ``reward_model.ground_truth``)."""
+    val_prompt_field: str | None = None
+    """Field names of ``val_source`` when they differ from the training set's (None: the same)."""
+    val_answer_field: str | None = None
     template: str = "cot"
     """Prompt template name (see hpcrl.data.templates)."""
     max_prompt_tokens: int = 1024

@@ -50,13 +50,17 @@ def _field(record: dict[str, Any], name: str, source: str) -> Any:
     return node
 
 
-def records_to_examples(records: list[dict[str, Any]], cfg: DataConfig, source: str) -> list[Example]:
+def records_to_examples(
+    records: list[dict[str, Any]], cfg: DataConfig, source: str, *, validation: bool = False
+) -> list[Example]:
+    prompt_field = (cfg.val_prompt_field if validation else None) or cfg.prompt_field
+    answer_field = (cfg.val_answer_field if validation else None) or cfg.answer_field
     out = []
     for rec in records:
-        problem = _field(rec, cfg.prompt_field, source)
+        problem = _field(rec, prompt_field, source)
         if isinstance(problem, list):  # chat-style prompt: [{"role": "user", "content": ...}]
             problem = problem[-1]["content"] if problem and isinstance(problem[-1], dict) else str(problem)
-        answer = _field(rec, cfg.answer_field, source)
+        answer = _field(rec, answer_field, source)
         out.append(Example(render_prompt(cfg.template, str(problem)), str(answer)))
     return out
 
@@ -95,7 +99,9 @@ def load_examples(cfg: DataConfig, seed: int) -> tuple[list[Example], list[Examp
         )
     train = records_to_examples(read_records(cfg.source, cfg.split), cfg, cfg.source)
     if cfg.val_source:
-        val = records_to_examples(read_records(cfg.val_source, cfg.val_split), cfg, cfg.val_source)
+        val = records_to_examples(
+            read_records(cfg.val_source, cfg.val_split), cfg, cfg.val_source, validation=True
+        )
     else:
         rng = random.Random(seed)
         train = train[:]

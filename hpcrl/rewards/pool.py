@@ -2,19 +2,21 @@
 
 An adversarial completion that makes SymPy spin, or a verifier that crashes its process, costs
 that one sample (scored as timeout/error, counted apart) and a worker restart, never the run.
+Each worker has its own pipe and gets one task at a time, so the parent always knows which task
+a worker holds and since when: a killed or dead worker can never lose a task silently.
 """
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing as mp
 import os
-import queue
 import time
+from collections import deque
 from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from hpcrl.rewards.verifiers import Outcome, Verdict, get_verifier
+from hpcrl.rewards.verifiers import Outcome, Verdict, get_verifier, load_plugins
 
 
 @dataclass(frozen=True)
@@ -25,82 +27,99 @@ class Task:
     prompt: str
 
 
-def _worker(verifier_name: str, plugins: str, tasks: Any, results: Any, worker_id: int) -> None:
+def _worker(verifier_name: str, plugins: str, conn: Connection) -> None:
     import logging
 
     logging.disable(logging.WARNING)  # math-verify warns on every call that its own timeouts are off
-    for module in filter(None, plugins.split(",")):
-        importlib.import_module(module)
+    load_plugins(plugins)
     verify = get_verifier(verifier_name)
     while True:
-        task = tasks.get()
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
         if task is None:
             return
-        results.put(("start", worker_id, task.index, time.monotonic()))
         try:
             verdict = verify(task.completion, task.answer, task.prompt)
         except Exception:
             verdict = Verdict(Outcome.error)
-        results.put(("done", worker_id, task.index, verdict.outcome.value))
+        conn.send((task.index, verdict.outcome.value))
+
+
+@dataclass
+class _Slot:
+    proc: Any
+    conn: Connection
+    task: int | None = None
+    started: float = 0.0
 
 
 class RewardPool:
     def __init__(self, verifier: str, workers: int = 2, timeout_s: float = 5.0) -> None:
-        get_verifier(verifier)  # fail here, in the caller, on an unknown name
-        self.verifier, self.size, self.timeout_s = verifier, workers, timeout_s
         self.plugins = os.environ.get("HPCRL_PLUGINS", "")
+        load_plugins(self.plugins)
+        get_verifier(verifier)  # fail here, in the caller, on an unknown name
+        self.verifier, self.timeout_s = verifier, timeout_s
         self.ctx = mp.get_context("spawn")  # no fork of a process that holds torch/Ray threads
-        self.tasks: Any = self.ctx.Queue()
-        self.results: Any = self.ctx.Queue()
-        self.procs: dict[int, Any] = {}
-        self.next_id = 0
+        self.slots = [self._spawn() for _ in range(workers)]
         self.restarts = 0
-        for _ in range(workers):
-            self._spawn()
 
-    def _spawn(self) -> None:
-        wid = self.next_id
-        self.next_id += 1
-        proc = self.ctx.Process(
-            target=_worker, args=(self.verifier, self.plugins, self.tasks, self.results, wid), daemon=True
-        )
+    def _spawn(self) -> _Slot:
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(target=_worker, args=(self.verifier, self.plugins, child), daemon=True)
         proc.start()
-        self.procs[wid] = proc
+        child.close()
+        return _Slot(proc, parent)
+
+    def _replace(self, i: int) -> None:
+        slot = self.slots[i]
+        slot.proc.kill()
+        slot.proc.join(timeout=5)
+        slot.conn.close()
+        self.slots[i] = self._spawn()
+        self.restarts += 1
 
     def score(self, tasks: list[Task]) -> list[Outcome]:
+        pending = deque(tasks)
         outcomes: dict[int, Outcome] = {}
-        running: dict[int, tuple[int, float]] = {}  # worker -> (task index, started)
-        for task in tasks:
-            self.tasks.put(task)
         while len(outcomes) < len(tasks):
-            try:
-                kind, wid, index, value = self.results.get(timeout=0.2)
-                if kind == "start":
-                    running[wid] = (index, value)
-                elif index not in outcomes:
+            for slot in self.slots:
+                if slot.task is None and pending:
+                    task = pending.popleft()
+                    slot.conn.send(task)
+                    slot.task, slot.started = task.index, time.monotonic()
+            busy = [s.conn for s in self.slots if s.task is not None]
+            ready = wait(busy, timeout=0.2)
+            for i, slot in enumerate(self.slots):
+                if slot.task is None:
+                    continue
+                if slot.conn in ready:
+                    try:
+                        index, value = slot.conn.recv()
+                    except (EOFError, OSError):  # the worker died mid-task
+                        outcomes[slot.task] = Outcome.error
+                        self._replace(i)
+                        continue
                     outcomes[index] = Outcome(value)
-                    running.pop(wid, None)
-            except queue.Empty:
-                pass
-            now = time.monotonic()
-            for wid, (index, started) in list(running.items()):
-                dead = not self.procs[wid].is_alive()
-                if now - started > self.timeout_s or dead:
-                    self.procs.pop(wid).kill()
-                    running.pop(wid)
-                    outcomes.setdefault(index, Outcome.error if dead else Outcome.timeout)
-                    self.restarts += 1
-                    self._spawn()
+                    slot.task = None
+                elif time.monotonic() - slot.started > self.timeout_s:
+                    outcomes[slot.task] = Outcome.timeout
+                    self._replace(i)
         return [outcomes[t.index] for t in tasks]
 
     def close(self) -> None:
-        for _ in self.procs:
-            self.tasks.put(None)
-        for proc in self.procs.values():
-            proc.join(timeout=2)
-            if proc.is_alive():
-                proc.kill()
-        self.procs.clear()
+        for slot in self.slots:
+            try:
+                slot.conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for slot in self.slots:
+            slot.proc.join(timeout=2)
+            if slot.proc.is_alive():
+                slot.proc.kill()
+            slot.conn.close()
+        self.slots = []
 
     def __enter__(self) -> RewardPool:
         return self

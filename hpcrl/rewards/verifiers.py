@@ -41,6 +41,14 @@ def register(name: str) -> Callable[[Verifier], Verifier]:
     return wrap
 
 
+def load_plugins(modules: str) -> None:
+    """Import comma-separated modules whose ``@register`` calls add verifiers (``HPCRL_PLUGINS``)."""
+    import importlib
+
+    for module in filter(None, (m.strip() for m in modules.split(","))):
+        importlib.import_module(module)
+
+
 def get_verifier(name: str) -> Verifier:
     if name not in REGISTRY:
         raise KeyError(f"unknown verifier '{name}'; registered: {', '.join(sorted(REGISTRY))}")
