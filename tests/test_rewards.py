@@ -37,7 +37,7 @@ def test_structural_check_rejects_unfactored_answer():
 
 
 def test_unknown_verifier_names_the_registered_ones():
-    with pytest.raises(KeyError, match="registered: .*math"):
+    with pytest.raises(KeyError, match=r"registered: .*math"):
         get_verifier("nope")
 
 

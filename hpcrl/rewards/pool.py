@@ -8,6 +8,7 @@ a worker holds and since when: a killed or dead worker can never lose a task sil
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -110,10 +111,8 @@ class RewardPool:
 
     def close(self) -> None:
         for slot in self.slots:
-            try:
+            with contextlib.suppress(OSError, BrokenPipeError):
                 slot.conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
         for slot in self.slots:
             slot.proc.join(timeout=2)
             if slot.proc.is_alive():
