@@ -22,15 +22,26 @@ def plan(*overrides: str) -> Plan:
     return make_plan(compose(*overrides))
 
 
-def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run the real console entry point installed in the venv."""
     exe = Path(sys.executable).with_name("hpcrl")
     env = {**os.environ, "COLUMNS": "200"}
     return subprocess.run(
-        [str(exe), *args], capture_output=True, text=True, cwd=cwd or ROOT, env=env, timeout=120
+        [str(exe), *args], capture_output=True, text=True, cwd=cwd or ROOT, env=env, timeout=timeout
     )
 
 
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A randomly initialised tiny model (no warm start): fast to build, real HF checkpoint."""
+    from hpcrl.tiny import ensure_tiny_model
+
+    cfg = compose("model=tiny")
+    return ensure_tiny_model(
+        cfg.model, tmp_path_factory.mktemp("cache"), sft_steps=0, seed=0, log=lambda _: None
+    )

@@ -123,7 +123,7 @@ class FSDPTrainer:
                 share = mb.loss_mask.sum() / tokens_in_minibatch
                 (terms.loss * share).backward()
                 n_micro += 1
-                totals["loss"] += float(terms.loss) * float(share)
+                totals["loss"] += float(terms.loss.detach()) * float(share)
                 totals["policy_loss"] += terms.policy * float(share)
                 totals["kl"] += terms.kl * float(share)
                 totals["clip_fraction"] += terms.clip_fraction * float(share)
