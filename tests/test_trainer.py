@@ -43,7 +43,9 @@ def test_micro_batching_matches_one_big_batch(tiny_dir):
     assert m_small["loss"] == pytest.approx(m_big["loss"], abs=1e-6)
     assert m_small["grad_norm"] == pytest.approx(m_big["grad_norm"], rel=1e-5)
     wa, wb = big.export_weights(), small.export_weights()
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
+    assert (
+        max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+    )  # a wrong accumulation differs by ~lr (1e-3)
 
 
 def test_update_follows_the_advantage_sign(tiny_dir):

@@ -62,6 +62,8 @@ class FSDPTrainerConfig(TrainerConfig):
     backend: str = "fsdp"
     reshard_after_forward: bool = True
     cpu_offload: bool = False
+    compile: bool = False
+    """torch.compile each decoder layer (GPU only)."""
 
 
 @dataclass

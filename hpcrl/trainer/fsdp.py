@@ -18,6 +18,7 @@ import torch.distributed as dist
 from hpcrl.algo.losses import gen_kl_error, grpo_loss
 from hpcrl.config import RunConfig
 from hpcrl.trainer.batch import TrainBatch
+from hpcrl.trainer.config import Precision
 
 
 def init_process_group(rank: int, world: int, master: str, backend: str) -> None:
@@ -28,10 +29,18 @@ def init_process_group(rank: int, world: int, master: str, backend: str) -> None
 
 def token_logprobs(model: Any, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability and entropy of every target token: [B, T-1] each."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    return logprob_and_entropy(logits, batch.input_ids[:, 1:])
+
+
+def logprob_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) = logit - logsumexp(logits), in fp32, without materialising a full log-softmax
+    (which at 8 x 2048 x 152k vocab is 10 GB, plus as much again for its gradient)."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[..., None]).squeeze(-1) - lse
+    with torch.no_grad():  # a metric only: keep it out of the autograd graph
+        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return logp, entropy
 
 
@@ -47,7 +56,7 @@ class FSDPTrainer:
         device: str = "cpu",
     ) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
         self.cfg, self.device = cfg, device
@@ -62,11 +71,17 @@ class FSDPTrainer:
                 if name in pname:
                     param.requires_grad_(False)
         mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (world,))
+        shard: dict[str, Any] = {"mesh": mesh}
+        if device.startswith("cuda") and cfg.trainer.precision is Precision.bfloat16:
+            # fp32 sharded master weights and gradient reduction, bf16 compute
+            shard["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        reshard = getattr(cfg.trainer, "reshard_after_forward", True)
+        compile_layers = device.startswith("cuda") and getattr(cfg.trainer, "compile", False)
         for layer in model.model.layers:
-            fully_shard(
-                layer, mesh=mesh, reshard_after_forward=getattr(cfg.trainer, "reshard_after_forward", True)
-            )
-        fully_shard(model, mesh=mesh)
+            if compile_layers:
+                layer.compile()  # per decoder layer, before sharding (the torchtitan recipe)
+            fully_shard(layer, reshard_after_forward=reshard, **shard)
+        fully_shard(model, **shard)
         self.model = model
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=cfg.algo.lr,
@@ -89,13 +104,15 @@ class FSDPTrainer:
     def train_step(self, batch: TrainBatch, ref_logp: torch.Tensor | None) -> dict[str, float]:
         algo = self.cfg.algo
         self.model.train()
-        old_logp = self.logprobs(
-            batch
-        )  # on-policy: the policy that produced the rollouts, seen by the trainer
-        metrics: dict[str, float] = {
-            "gen_kl_error": gen_kl_error(old_logp, batch.rollout_logp, batch.loss_mask)
-        }
+        # The "old" policy is the one that generated the rollouts, as the trainer computes it. With a
+        # single optimizer step per batch it equals the current policy, so its logprobs come free from
+        # the training forward pass (logp.detach()) instead of a separate forward over the batch.
+        old_logp = None if algo.num_minibatches == 1 else self.logprobs(batch)
+        metrics: dict[str, float] = {}
+        if old_logp is not None:
+            metrics["gen_kl_error"] = gen_kl_error(old_logp, batch.rollout_logp, batch.loss_mask)
         totals = {
+            "gen_kl_error": 0.0,
             "loss": 0.0,
             "policy_loss": 0.0,
             "kl": 0.0,
@@ -112,8 +129,9 @@ class FSDPTrainer:
                 idx = minibatch[start : start + self.cfg.trainer.micro_batch_size]
                 mb = batch.select(idx)
                 logp, entropy = token_logprobs(self.model, mb)
+                old = logp.detach() if old_logp is None else old_logp[idx]
                 terms = grpo_loss(
-                    logp, old_logp[idx], ref_logp[idx] if ref_logp is not None else None, mb.rollout_logp,
+                    logp, old, ref_logp[idx] if ref_logp is not None else None, mb.rollout_logp,
                     mb.advantages, mb.loss_mask, eps_low=algo.eps_low, eps_high=algo.eps_high,
                     dual_clip=algo.dual_clip, kl_coef=algo.kl_coef, kl_type=algo.kl_type, agg=algo.loss_agg,
                     is_correction=algo.is_correction, is_cap=algo.is_cap,
@@ -124,6 +142,8 @@ class FSDPTrainer:
                 (terms.loss * share).backward()
                 n_micro += 1
                 totals["loss"] += float(terms.loss.detach()) * float(share)
+                if old_logp is None:
+                    totals["gen_kl_error"] += gen_kl_error(old, mb.rollout_logp, mb.loss_mask) * float(share)
                 totals["policy_loss"] += terms.policy * float(share)
                 totals["kl"] += terms.kl * float(share)
                 totals["clip_fraction"] += terms.clip_fraction * float(share)
@@ -132,6 +152,9 @@ class FSDPTrainer:
             totals["grad_norm"] += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             self.optimizer.step()
         k = algo.num_minibatches
+        if old_logp is None:
+            metrics["gen_kl_error"] = totals["gen_kl_error"]
+        totals.pop("gen_kl_error")
         metrics.update({key: value / k for key, value in totals.items()})
         self.model.eval()
         return metrics
