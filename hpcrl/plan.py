@@ -50,6 +50,7 @@ def make_plan(cfg: RunConfig) -> Plan:
     """Check cross-component rules and derive the plan; raises ConfigError on the first problem."""
     check_cluster_layout(cfg)
     quirks = apply_quirks(cfg)
+    check_algo(cfg)
     check_backend(cfg)
     trainer = cfg.trainer
     topo = build_topology(
@@ -93,6 +94,16 @@ def check_cluster_layout(cfg: RunConfig) -> None:
         raise ConfigError(
             f"cluster.slurm.segment={segment} is larger than one NVLink domain "
             f"({cluster.nvlink_domain_nodes} nodes); a segment must fit in one rack"
+        )
+
+
+def check_algo(cfg: RunConfig) -> None:
+    algo, rollout = cfg.algo, cfg.rollout
+    if algo.overlong_buffer >= rollout.max_new_tokens:
+        raise ConfigError(
+            f"algo.overlong_buffer={algo.overlong_buffer} must be smaller than rollout.max_new_tokens="
+            f"{rollout.max_new_tokens} (the penalty ramps over the last overlong_buffer tokens); "
+            f"lower it, e.g. algo.overlong_buffer={rollout.max_new_tokens // 4}"
         )
 
 

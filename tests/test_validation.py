@@ -65,6 +65,10 @@ CASES = {
     ),
     "local_cluster_multi_node": (["layout.train_nodes=2"], "cluster=local runs on this machine only"),
     "secret_in_env": (["+cluster.env.HF_TOKEN=abc"], "cluster.env.HF_TOKEN looks like a secret"),
+    "overlong_buffer_too_long": (
+        ["algo=dapo", "rollout.max_new_tokens=8"],
+        "algo.overlong_buffer=512 must be smaller than rollout.max_new_tokens=8",
+    ),
     "too_few_generations": (["algo.num_generations=1"], "a group-relative baseline needs at least 2 samples"),
 }
 
