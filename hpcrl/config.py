@@ -110,11 +110,9 @@ def register_schemas() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
+    # cluster/model/algo/data are typed by RunConfig itself; only the groups whose schema depends on
+    # the option chosen (trainer, rollout) need a schema each for their YAML files to extend.
     cs.store(name="hpcrl_schema", node=RunConfig)
-    cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="algo", name="algo_schema", node=AlgoConfig)
-    cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="trainer", name="fsdp_schema", node=FSDPTrainerConfig)
     cs.store(group="trainer", name="megatron_schema", node=MegatronTrainerConfig)
     cs.store(group="rollout", name="vllm_schema", node=VLLMRolloutConfig)
