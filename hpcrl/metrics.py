@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from hpcrl.config import LoggerConfig
 
@@ -30,7 +30,7 @@ class MetricsLogger:
             else:
                 os.environ.setdefault("WANDB_DIR", str(run_dir))
                 self.wandb = wandb.init(
-                    project=cfg.wandb_project, name=run_name, mode=cfg.wandb_mode, config=config
+                    project=cfg.wandb_project, name=run_name, mode=cast(Any, cfg.wandb_mode), config=config
                 )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
