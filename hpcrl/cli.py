@@ -33,6 +33,20 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--out", type=Path, default=None, help="directory to write into (default: the run directory)"
             )
+    for name, text in (
+        ("status", "state of a job (or of the recent ones)"),
+        ("logs", "per-node logs of a job"),
+        ("cancel", "cancel a job"),
+        ("ls", "recent runs with state, nodes and start time"),
+    ):
+        p = sub.add_parser(name, help=text, description=text)
+        if name in ("status", "logs", "cancel"):
+            p.add_argument("job", nargs="?" if name == "status" else None)
+        if name == "logs":
+            p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+        p.add_argument(
+            "--root", type=Path, default=Path("runs"), help="run.output_root of the runs (default: runs)"
+        )
     show = sub.choices["show"]
     show.add_argument("--groups", action="store_true", help="list the options of every config group")
     return parser
@@ -91,9 +105,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
         run_local(plan)
         return 0
-    print(f"plan ok: {plan.cfg.model.name} on {plan.cfg.cluster.name}, {plan.topology.nodes} node(s)")
-    print("hpcrl submit: submission to Slurm is not built yet (issue 3); `hpcrl render` writes the script")
-    return 1
+    from hpcrl.launch.submit import submit
+
+    done = submit(plan)
+    print(f"job     {done.job_id}  ({plan.topology.nodes} node(s) on {plan.cfg.cluster.name})")
+    print(f"run dir {done.run_dir}")
+    for path in done.logs:
+        print(f"log     {path}")
+    return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -112,7 +131,53 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"plan": cmd_plan, "render": cmd_render, "submit": cmd_submit, "show": cmd_show}
+def cmd_status(args: argparse.Namespace) -> int:
+    from hpcrl.launch import lifecycle
+
+    if args.job is None:
+        return cmd_ls(args)
+    job = lifecycle.info(args.job, args.root)
+    print(f"{job.job_id}  {job.state}  {job.name}  {job.nodes} node(s)  {job.run_dir}")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from hpcrl.launch import lifecycle
+
+    jobs = lifecycle.recent(args.root)
+    if not jobs:
+        print(f"no Slurm runs under {args.root}/")
+    for job in jobs:
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.submitted))
+        print(
+            f"{job.job_id:>8}  {job.state:<24} {job.nodes:>3} node(s)  {started}  {job.name}  {job.run_dir}"
+        )
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from hpcrl.launch import lifecycle
+
+    job = lifecycle.info(args.job, args.root)
+    if args.follow:
+        lifecycle.wait(job.job_id, job.run_dir, timeout_s=7 * 24 * 3600)
+    for path in lifecycle.log_paths(job):
+        print(f"==> {path} <==")
+        print(path.read_text() if path.exists() else "(not written yet)")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from hpcrl.launch import lifecycle
+
+    job = lifecycle.info(args.job, args.root)
+    lifecycle.cancel(job.job_id)
+    print(f"cancelled {job.job_id} ({job.run_dir})")
+    return 0
+
+
+COMMANDS = {"plan": cmd_plan, "render": cmd_render, "submit": cmd_submit, "show": cmd_show, "status": cmd_status,
+            "logs": cmd_logs, "cancel": cmd_cancel, "ls": cmd_ls}  # fmt: skip
 
 if __name__ == "__main__":
     started = time.perf_counter()

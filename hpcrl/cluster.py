@@ -77,8 +77,9 @@ class ClusterConfig:
     nvlink_domain_nodes: int = 1
     """Nodes in one NVLink domain (18 on a GB200 NVL72 rack)."""
     max_nodes: int | None = None
-    python: str = "python3"
-    """Interpreter that runs the job on the nodes (inside the container when there is one)."""
+    python: str | None = "python3"
+    """Interpreter that runs the job on the nodes (inside the container when there is one);
+    None: the interpreter running hpcrl (clusters that share this machine's filesystem and venv)."""
     slurm: SlurmSite = field(default_factory=SlurmSite)
     container: ContainerConfig = field(default_factory=ContainerConfig)
     imex: ImexConfig = field(default_factory=ImexConfig)

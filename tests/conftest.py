@@ -45,3 +45,21 @@ def tiny_dir(tmp_path_factory):
     return ensure_tiny_model(
         cfg.model, tmp_path_factory.mktemp("cache"), sft_steps=0, seed=0, log=lambda _: None
     )
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real 3-node Slurm cluster (namespace nodes) for the whole session; torn down at the end."""
+    tool = ROOT / "tools" / "slurm-cluster"
+    subprocess.run([str(tool), "up", "3"], check=True, timeout=600)
+    conf = "/tmp/hpcrl-slurm/etc/slurm.conf"
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = conf
+    try:
+        yield conf
+    finally:
+        subprocess.run([str(tool), "down"], check=False, timeout=120)
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old

@@ -8,6 +8,7 @@ exports the submitting shell's environment (HF_TOKEN, WANDB_API_KEY) to the job 
 from __future__ import annotations
 
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,7 @@ def make_executor(plan: Plan, run_dir: Path, *, offline: bool = False) -> Any:
     executor = executor_class(
         folder=run_dir / SUBMITIT_DIR,
         max_num_timeout=plan.cfg.cluster.slurm.max_requeues,
-        python=plan.cfg.cluster.python,
+        python=plan.cfg.cluster.python or shlex.quote(sys.executable),
     )
     executor.update_parameters(**slurm_parameters(plan))
     return executor

@@ -1,0 +1,100 @@
+"""Job lifecycle: state, logs, cancel and a listing of recent runs.
+
+State comes from ``squeue``; a job that left the queue is looked up with ``scontrol show job``
+(``sacct`` is not required), and a job no longer known to Slurm is reported from what its run
+directory holds, so nothing here waits on a job that died without a result.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcrl.errors import HpcrlError
+from hpcrl.launch.sbatch import SUBMITIT_DIR
+from hpcrl.launch.submit import JOBS_INDEX
+
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    job_id: str
+    run_dir: Path
+    state: str
+    nodes: int
+    name: str
+    submitted: float
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return ""
+
+
+def job_state(job_id: str, run_dir: Path | None = None) -> str:
+    state = _run(["squeue", "-h", "-j", job_id, "-o", "%T"]).strip()
+    if state:
+        return state.splitlines()[0]
+    match = re.search(r"JobState=(\S+)", _run(["scontrol", "show", "job", job_id]))
+    if match:
+        return match.group(1)
+    if run_dir is not None:  # forgotten by Slurm: judge by what submitit left behind
+        results = list((run_dir / SUBMITIT_DIR).glob(f"{job_id}_*_result.pkl"))
+        return "ENDED (results present)" if results else "ENDED (no result)"
+    return "UNKNOWN"
+
+
+def run_dir_of(job_id: str, root: Path) -> Path:
+    entry = root / JOBS_INDEX / job_id
+    if not entry.exists():
+        raise HpcrlError(
+            f"no run of job {job_id} under {root}/; pass --root <run.output_root> if it is elsewhere"
+        )
+    return Path(entry.read_text().strip())
+
+
+def info(job_id: str, root: Path) -> JobInfo:
+    run_dir = run_dir_of(job_id, root)
+    meta = json.loads((run_dir / "job.json").read_text())
+    return JobInfo(
+        job_id, run_dir, job_state(job_id, run_dir), meta["nodes"], meta["name"], meta["submitted"]
+    )
+
+
+def recent(root: Path, limit: int = 20) -> list[JobInfo]:
+    index = root / JOBS_INDEX
+    if not index.exists():
+        return []
+    entries = sorted(index.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)[:limit]
+    return [info(p.name, root) for p in entries]
+
+
+def log_paths(job: JobInfo) -> list[Path]:
+    return [
+        job.run_dir / SUBMITIT_DIR / f"{job.job_id}_{i}_log.{ext}"
+        for i in range(job.nodes)
+        for ext in ("out", "err")
+    ]
+
+
+def cancel(job_id: str) -> None:
+    result = subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        raise HpcrlError(f"scancel {job_id} failed: {result.stderr.strip()}")
+
+
+def wait(job_id: str, run_dir: Path, timeout_s: float) -> str:
+    """Poll until the job leaves the active states (or the deadline passes); returns the last state."""
+    deadline = time.monotonic() + timeout_s
+    state = job_state(job_id, run_dir)
+    while state.split()[0] in ACTIVE and time.monotonic() < deadline:
+        time.sleep(0.5)
+        state = job_state(job_id, run_dir)
+    return state

@@ -1,0 +1,47 @@
+"""``hpcrl submit`` on a Slurm cluster: write the run directory, submit through submitit, return at once."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcrl.launch.job import NodeTask
+from hpcrl.launch.sbatch import SUBMITIT_DIR, make_executor, render_sbatch
+from hpcrl.plan import Plan
+from hpcrl.rundir import atomic_write_text, new_run_dir, write_resolved_config
+
+JOBS_INDEX = ".jobs"
+"""``<output_root>/.jobs/<job id>`` holds the run directory of each submitted job."""
+
+
+@dataclass(frozen=True)
+class Submitted:
+    job_id: str
+    run_dir: Path
+
+    @property
+    def logs(self) -> list[Path]:
+        return [self.run_dir / SUBMITIT_DIR / f"{self.job_id}_{i}_log.out" for i in range(self.nodes)]
+
+    @property
+    def nodes(self) -> int:
+        return int(json.loads((self.run_dir / "job.json").read_text())["nodes"])
+
+
+def submit(plan: Plan) -> Submitted:
+    cfg = plan.cfg
+    run_dir = new_run_dir(cfg).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_resolved_config(cfg, run_dir)
+    atomic_write_text(run_dir / "sbatch.sh", render_sbatch(plan, run_dir))
+    executor = make_executor(plan, run_dir)
+    job = executor.submit(NodeTask(str(run_dir), plan.topology.node_roles()))
+    meta = {"job_id": job.job_id, "nodes": plan.topology.nodes, "submitted": time.time(),
+            "roles": plan.topology.node_roles(), "cluster": cfg.cluster.name, "name": cfg.run.name}  # fmt: skip
+    atomic_write_text(run_dir / "job.json", json.dumps(meta, indent=1))
+    index = Path(cfg.run.output_root) / JOBS_INDEX
+    index.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(index / str(job.job_id), str(run_dir))
+    return Submitted(str(job.job_id), run_dir)

@@ -1,0 +1,49 @@
+"""`hpcrl submit` / status / logs / ls on the real namespace-node Slurm cluster (tools/slurm-cluster)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from hpcrl.launch import lifecycle
+
+from .conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_submit_places_one_task_per_node_with_roles(slurm_cluster, tmp_path):
+    result = run_cli("submit", "cluster=slurmtest", "model=tiny", "layout.train_nodes=2", "layout.rollout_nodes=1",
+                     f"run.output_root={tmp_path}", "run.name=checkin")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    job_id = re.search(r"^job\s+(\d+)", result.stdout, re.M).group(1)
+    run_dir = lifecycle.run_dir_of(job_id, tmp_path)
+    assert (run_dir / "sbatch.sh").read_text().count("#SBATCH --nodes=3") == 1
+    state = lifecycle.wait(job_id, run_dir, timeout_s=120)
+    assert state == "COMPLETED", state
+    records = [json.loads((run_dir / "nodes" / f"{i}.json").read_text()) for i in range(3)]
+    assert [r["role"] for r in records] == ["rollout", "train", "train"]
+    assert [r["host"] for r in records] == ["hpcrl-node1", "hpcrl-node2", "hpcrl-node3"]
+    assert all(
+        r["gpus"] == "0" and r["job_id"] == job_id for r in records
+    )  # --gpus-per-node reached the tasks
+
+    status = run_cli("status", job_id, "--root", str(tmp_path))
+    assert f"{job_id}  COMPLETED  checkin  3 node(s)" in status.stdout
+    logs = run_cli("logs", job_id, "--root", str(tmp_path))
+    for i, role in enumerate(["rollout", "train", "train"]):
+        assert f"{job_id}_{i}_log.out" in logs.stdout
+        assert f"node {i} (hpcrl-node{i + 1}) checked in as {role}" in logs.stdout
+    listing = run_cli("ls", "--root", str(tmp_path))
+    assert job_id in listing.stdout and "checkin" in listing.stdout
+
+
+def test_unknown_job_is_one_clear_line(tmp_path):
+    result = run_cli("status", "999999", "--root", str(tmp_path))
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        == f"hpcrl: error: no run of job 999999 under {tmp_path}/; pass --root <run.output_root> if it is elsewhere"
+    )
