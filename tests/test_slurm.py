@@ -21,7 +21,7 @@ def test_submit_places_one_task_per_node_with_roles(slurm_cluster, tmp_path):
     job_id = re.search(r"^job\s+(\d+)", result.stdout, re.M).group(1)
     run_dir = lifecycle.run_dir_of(job_id, tmp_path)
     assert (run_dir / "sbatch.sh").read_text().count("#SBATCH --nodes=3") == 1
-    state = lifecycle.wait(job_id, run_dir, timeout_s=120)
+    state = lifecycle.wait(job_id, run_dir, timeout_s=240)
     assert state == "COMPLETED", state
     records = [json.loads((run_dir / "nodes" / f"{i}.json").read_text()) for i in range(3)]
     assert [r["role"] for r in records] == ["rollout", "train", "train"]
@@ -38,6 +38,17 @@ def test_submit_places_one_task_per_node_with_roles(slurm_cluster, tmp_path):
         assert f"node {i} (hpcrl-node{i + 1}) checked in as {role}" in logs.stdout
     listing = run_cli("ls", "--root", str(tmp_path))
     assert job_id in listing.stdout and "checkin" in listing.stdout
+
+    # Ray came up across the three nodes and placed one actor per node by its role resource
+    placement = json.loads((run_dir / "placement.json").read_text())["actors"]
+    assert [(a["role"], a["host"], a["gpus"]) for a in placement] == [
+        ("rollout", "hpcrl-node1", ["0"]), ("train", "hpcrl-node2", ["0"]), ("train", "hpcrl-node3", ["0"])
+    ]  # fmt: skip
+    ready = json.loads((run_dir / "ray" / f"ready-{job_id}.json").read_text())
+    assert 0 < ready["seconds"] < 120
+    token = run_dir / "ray" / "token"
+    assert token.stat().st_mode & 0o777 == 0o600
+    assert token.read_text() not in (run_dir / "sbatch.sh").read_text()  # the secret never reaches the script
 
 
 def test_unknown_job_is_one_clear_line(tmp_path):

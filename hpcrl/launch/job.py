@@ -1,18 +1,70 @@
 """What runs inside the Slurm job: one submitit task per node.
 
-This first increment checks every node in: it records which node it is (SLURM_NODEID), its role in
-the topology, its hostname and the GPUs Slurm gave it, in ``<run dir>/nodes/<id>.json``. The Ray
-bootstrap and the RL driver build on the same entry point (issue 3, next increment).
+Every node checks in (``<run dir>/nodes/<id>.json``: role, host, GPUs), proves it sees the shared
+filesystem, and starts Ray: node 0 the head, the others join. Node 0 waits for the whole cluster,
+runs the driver, then tells the others to stop. Any node whose Ray dies ends its task non-zero with a
+message that names it, and srun's --kill-on-bad-exit ends the job: no allocation idles on a hang.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+from hpcrl.launch.ray_cluster import GCS_PORT, BootstrapError, start_node, this_node, wait_for_cluster
+
+CANARY_DEADLINE_S = 30.0
+HEAD_DEADLINE_S = 90.0
+CLUSTER_DEADLINE_S = 120.0
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _wait_for(path: Path, deadline_s: float, what: str) -> None:
+    start = time.monotonic()
+    while not path.exists():
+        if time.monotonic() - start > deadline_s:
+            raise BootstrapError(what)
+        time.sleep(0.1)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop the Ray processes this node started (its own session), never anyone else's."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=3)  # Ray would drain for 30 s; the job is over, nothing to drain for
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def probe_placement(roles: list[str]) -> list[dict[str, Any]]:
+    """Driver of this increment: one actor per node, placed by its role resource; where did each run?"""
+    import ray
+
+    from hpcrl.workers import ROLLOUT_RESOURCE, TRAIN_RESOURCE
+
+    @ray.remote(num_cpus=0)
+    def where(role: str) -> dict[str, Any]:
+        return {"role": role, "host": socket.gethostname(), "gpus": ray.get_gpu_ids()}
+
+    futures = []
+    for role in roles:
+        resource = ROLLOUT_RESOURCE if role == "rollout" else TRAIN_RESOURCE
+        futures.append(where.options(resources={resource: 1}, num_gpus=1).remote(role))
+    return list(ray.get(futures))
 
 
 class NodeTask:
@@ -23,19 +75,56 @@ class NodeTask:
         self.roles = roles
 
     def __call__(self) -> dict[str, Any]:
-        node_id = int(os.environ.get("SLURM_NODEID", "0"))
-        record = {
-            "node_id": node_id,
-            "role": self.roles[node_id],
-            "host": socket.gethostname(),
-            "job_id": os.environ.get("SLURM_JOB_ID"),
-            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-            "time": time.time(),
-        }
-        out = Path(self.run_dir) / "nodes"
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f".{node_id}.json.tmp"
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, out / f"{node_id}.json")
-        print(f"hpcrl: node {node_id} ({record['host']}) checked in as {record['role']}", flush=True)
+        run_dir, job_id = Path(self.run_dir), os.environ.get("SLURM_JOB_ID", "local")
+        spec = this_node(self.roles)
+        record = {"node_id": spec.node_id, "role": spec.role, "host": spec.host, "ip": spec.ip,
+                  "job_id": job_id, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "time": time.time()}  # fmt: skip
+        _write(run_dir / "nodes" / f"{spec.node_id}.json", record)
+        print(f"hpcrl: node {spec.node_id} ({spec.host}) checked in as {spec.role}", flush=True)
+        canary = run_dir / f".canary-{job_id}"
+        if spec.node_id == 0:
+            _write(canary, {"host": spec.host})
+        _wait_for(canary, CANARY_DEADLINE_S,
+                  f"node {spec.node_id} ({spec.host}) cannot see the shared run directory {run_dir}")  # fmt: skip
+        head_file = run_dir / "ray" / f"head-{job_id}.json"
+        done_file = run_dir / "ray" / f"done-{job_id}"
+        if spec.node_id == 0:
+            return self._head(spec, run_dir, job_id, head_file, done_file)
+        _wait_for(
+            head_file, HEAD_DEADLINE_S, f"node {spec.node_id} ({spec.host}): the Ray head never came up"
+        )
+        head_ip = json.loads(head_file.read_text())["ip"]
+        proc = start_node(spec, run_dir, head_ip, job_id)
+        while not done_file.exists():
+            if proc.poll() is not None and not done_file.exists():
+                raise BootstrapError(
+                    f"Ray on node {spec.node_id} ({spec.host}) exited with code {proc.returncode}"
+                )
+            time.sleep(0.2)
+        _stop(proc)
         return record
+
+    def _head(
+        self, spec: Any, run_dir: Path, job_id: str, head_file: Path, done_file: Path
+    ) -> dict[str, Any]:
+        started = time.monotonic()
+        proc = start_node(spec, run_dir, spec.ip, job_id)
+        try:
+            _write(head_file, {"ip": spec.ip, "port": GCS_PORT})
+            os.environ.update(
+                {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(run_dir / "ray" / "token")}
+            )
+            gpus = sum(len([g for g in json.loads((run_dir / "nodes" / f"{i}.json").read_text())["gpus"].split(",") if g])
+                       for i in range(len(self.roles)) if (run_dir / "nodes" / f"{i}.json").exists())  # fmt: skip
+            waited = wait_for_cluster(
+                f"{spec.ip}:{GCS_PORT}", len(self.roles), gpus, CLUSTER_DEADLINE_S, proc
+            )
+            ready_s = time.monotonic() - started
+            _write(run_dir / "ray" / f"ready-{job_id}.json", {"seconds": ready_s, "polled_s": waited})
+            print(f"hpcrl: Ray ready with {len(self.roles)} nodes after {ready_s:.1f}s", flush=True)
+            placement = probe_placement(self.roles)
+            _write(run_dir / "placement.json", {"actors": placement})
+            return {"ready_s": ready_s, "placement": placement}
+        finally:
+            done_file.touch()
+            _stop(proc)

@@ -75,7 +75,7 @@ def setup_lines(plan: Plan) -> list[str]:
     cluster = plan.cfg.cluster
     lines = [
         "set -euo pipefail",
-        "ulimit -Sn 65535 || true  # Ray opens many sockets per worker",
+        'ulimit -Sn "$(ulimit -Hn)" 2>/dev/null || true  # Ray opens many sockets per worker',
         f"export HPCRL_ROLES={shlex.quote(','.join(plan.topology.node_roles()))}",
     ]
     for name in sorted(cluster.env):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.launch.job import NodeTask
+from hpcrl.launch.ray_cluster import make_token
 from hpcrl.launch.sbatch import SUBMITIT_DIR, make_executor, render_sbatch
 from hpcrl.plan import Plan
 from hpcrl.rundir import atomic_write_text, new_run_dir, write_resolved_config
@@ -35,6 +36,7 @@ def submit(plan: Plan) -> Submitted:
     run_dir = new_run_dir(cfg).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     write_resolved_config(cfg, run_dir)
+    make_token(run_dir)  # 0600, on the shared filesystem: the job's nodes and `hpcrl run` read it
     atomic_write_text(run_dir / "sbatch.sh", render_sbatch(plan, run_dir))
     executor = make_executor(plan, run_dir)
     job = executor.submit(NodeTask(str(run_dir), plan.topology.node_roles()))

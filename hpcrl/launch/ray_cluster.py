@@ -1,0 +1,126 @@
+"""Ray inside a Slurm job, started from Python on every node (no bash launcher).
+
+Node 0 starts the head, the others join it; everyone runs ``ray start --block`` as a child so a
+dying Ray is noticed at once (the task exits non-zero and srun's --kill-on-bad-exit ends the job).
+Ports are pinned below 9000, every node has its own temp dir, token auth is on with a per-job
+token file readable only by the user, the dashboard listens on 127.0.0.1, readiness is detected by
+polling the cluster for the expected nodes and GPUs under a deadline, never by sleeping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcrl.workers import ROLLOUT_RESOURCE, TRAIN_RESOURCE
+
+GCS_PORT = 1200
+CLIENT_PORT = 1201
+NODE_MANAGER_PORT = 1301
+OBJECT_MANAGER_PORT = 1302
+WORKER_PORTS = (2000, 2999)
+DASHBOARD_PORT = 8265
+DROP_PREFIXES = ("PMI", "PMIX", "OMPI", "SLURM_CPU_BIND", "SLURM_MPI")
+
+
+class BootstrapError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    node_id: int
+    role: str
+    host: str
+    ip: str
+    gpus: int
+
+
+def make_token(run_dir: Path) -> Path:
+    """Per-job Ray auth token, 0600, written before the job is submitted."""
+    path = run_dir / "ray" / "token"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
+def ray_env(run_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(DROP_PREFIXES)}
+    env.update({
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(run_dir / "ray" / "token"),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_worker_register_timeout_seconds": "120",
+    })  # fmt: skip
+    return env
+
+
+def this_node(roles: list[str]) -> NodeSpec:
+    node_id = int(os.environ.get("SLURM_NODEID", "0"))
+    host = socket.gethostname()
+    visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+    return NodeSpec(node_id, roles[node_id], host, socket.gethostbyname(host), len(visible))
+
+
+def start_node(spec: NodeSpec, run_dir: Path, head_ip: str, job_id: str) -> subprocess.Popen[bytes]:
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(65535, hard), hard))  # Ray opens many sockets
+    temp = f"/tmp/hpcrl-ray-{job_id}-{spec.node_id}"  # short: unix socket paths are length-limited
+    role_resources = {}
+    if "train" in spec.role:
+        role_resources[TRAIN_RESOURCE] = spec.gpus or 1
+    if "rollout" in spec.role:
+        role_resources[ROLLOUT_RESOURCE] = spec.gpus or 1
+    cmd = [
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--block", f"--node-ip-address={spec.ip}",
+        f"--temp-dir={temp}", f"--num-gpus={spec.gpus}", f"--num-cpus={os.cpu_count() or 1}",
+        f"--resources={json.dumps(role_resources)}", "--object-store-memory=200000000",
+        f"--node-manager-port={NODE_MANAGER_PORT}", f"--object-manager-port={OBJECT_MANAGER_PORT}",
+        f"--min-worker-port={WORKER_PORTS[0]}", f"--max-worker-port={WORKER_PORTS[1]}",
+    ]  # fmt: skip
+    if spec.node_id == 0:
+        cmd += ["--head", f"--port={GCS_PORT}", f"--ray-client-server-port={CLIENT_PORT}",
+                "--include-dashboard=false", f"--dashboard-port={DASHBOARD_PORT}", "--dashboard-host=127.0.0.1"]  # fmt: skip
+    else:
+        cmd += [f"--address={head_ip}:{GCS_PORT}"]
+    log = open(run_dir / "ray" / f"node{spec.node_id}.log", "ab")  # noqa: SIM115 - lives as long as Ray
+    return subprocess.Popen(
+        cmd, env=ray_env(run_dir), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def wait_for_cluster(
+    address: str, nodes: int, gpus: int, deadline_s: float, ray_proc: subprocess.Popen[bytes]
+) -> float:
+    """Poll the cluster until ``nodes`` nodes and ``gpus`` GPUs are alive; returns the seconds it took."""
+    import ray
+
+    start = time.monotonic()
+    while True:
+        if ray_proc.poll() is not None:
+            raise BootstrapError(
+                f"Ray on the head node exited with code {ray_proc.returncode} during start-up"
+            )
+        try:
+            if not ray.is_initialized():
+                ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+            alive = [n for n in ray.nodes() if n["Alive"]]
+            if len(alive) >= nodes and sum(n["Resources"].get("GPU", 0) for n in alive) >= gpus:
+                return time.monotonic() - start
+        except Exception:  # the GCS is not up yet
+            pass
+        if time.monotonic() - start > deadline_s:
+            raise BootstrapError(
+                f"only part of the Ray cluster registered after {deadline_s:.0f}s (wanted {nodes} nodes)"
+            )
+        time.sleep(0.2)
