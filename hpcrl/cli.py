@@ -33,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--out", type=Path, default=None, help="directory to write into (default: the run directory)"
             )
+        if name == "submit":
+            p.add_argument(
+                "--hold", type=float, default=0.0, metavar="SECONDS",
+                help="Slurm: keep the job's Ray cluster up this long after the driver (debugging)",
+            )  # fmt: skip
     for name, text in (
         ("status", "state of a job (or of the recent ones)"),
         ("logs", "per-node logs of a job"),
@@ -107,7 +112,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 0
     from hpcrl.launch.submit import submit
 
-    done = submit(plan)
+    done = submit(plan, hold_s=args.hold)
     print(f"job     {done.job_id}  ({plan.topology.nodes} node(s) on {plan.cfg.cluster.name})")
     print(f"run dir {done.run_dir}")
     for path in done.logs:

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +64,49 @@ def test_unknown_job_is_one_clear_line(tmp_path):
         result.stderr.strip()
         == f"hpcrl: error: no run of job 999999 under {tmp_path}/; pass --root <run.output_root> if it is elsewhere"
     )
+
+
+def _namespace_pids(ns: str) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_client_without_token_is_refused_and_a_dead_node_ends_the_job(slurm_cluster, tmp_path):
+    result = run_cli("submit", "cluster=slurmtest", "model=tiny", "layout.train_nodes=2", "layout.rollout_nodes=1",
+                     f"run.output_root={tmp_path}", "run.name=failfast", "--hold", "300")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    job_id = re.search(r"^job\s+(\d+)", result.stdout, re.M).group(1)
+    run_dir = lifecycle.run_dir_of(job_id, tmp_path)
+    ready = run_dir / "placement.json"
+    deadline = time.monotonic() + 180
+    while not ready.exists():
+        assert time.monotonic() < deadline, "Ray never became ready"
+        time.sleep(0.5)
+
+    # a client without the job's token is refused by the head
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    head = json.loads((run_dir / "ray" / f"head-{job_id}.json").read_text())
+    probe = subprocess.run(
+        [sys.executable, "-c", f"import ray; ray.init(address='{head['ip']}:{head['port']}')"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert probe.returncode != 0
+    assert "InvalidAuthToken" in probe.stderr or "uthentication" in probe.stderr, probe.stderr[-2000:]
+
+    # kill every Ray process of the third node: the job must end, non-zero, naming that node
+    killed_at = time.monotonic()
+    for pid in _namespace_pids("hpcrl-node3"):
+        if "raylet" in _cmdline(pid) or "ray.scripts" in _cmdline(pid):
+            os.kill(pid, signal.SIGKILL)
+    state = lifecycle.wait(job_id, run_dir, timeout_s=90)
+    assert time.monotonic() - killed_at < 60, state
+    assert state in ("FAILED", "CANCELLED", "NODE_FAIL"), state
+    logs = run_cli("logs", job_id, "--root", str(tmp_path)).stdout
+    assert "Ray on node 2 (hpcrl-node3) exited with code" in logs, logs[-3000:]

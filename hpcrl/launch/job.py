@@ -70,9 +70,11 @@ def probe_placement(roles: list[str]) -> list[dict[str, Any]]:
 class NodeTask:
     """Picklable callable: submitit runs it once on every node of the allocation."""
 
-    def __init__(self, run_dir: str, roles: list[str]) -> None:
+    def __init__(self, run_dir: str, roles: list[str], hold_s: float = 0.0) -> None:
         self.run_dir = run_dir
         self.roles = roles
+        self.hold_s = hold_s
+        """Keep the Ray cluster up this long after the driver (debugging; the seed of `hpcrl debug`)."""
 
     def __call__(self) -> dict[str, Any]:
         run_dir, job_id = Path(self.run_dir), os.environ.get("SLURM_JOB_ID", "local")
@@ -124,6 +126,11 @@ class NodeTask:
             print(f"hpcrl: Ray ready with {len(self.roles)} nodes after {ready_s:.1f}s", flush=True)
             placement = probe_placement(self.roles)
             _write(run_dir / "placement.json", {"actors": placement})
+            held = time.monotonic()
+            while time.monotonic() - held < self.hold_s:
+                if proc.poll() is not None:
+                    raise BootstrapError(f"Ray on node 0 ({spec.host}) exited with code {proc.returncode}")
+                time.sleep(0.2)
             return {"ready_s": ready_s, "placement": placement}
         finally:
             done_file.touch()

@@ -31,7 +31,7 @@ class Submitted:
         return int(json.loads((self.run_dir / "job.json").read_text())["nodes"])
 
 
-def submit(plan: Plan) -> Submitted:
+def submit(plan: Plan, hold_s: float = 0.0) -> Submitted:
     cfg = plan.cfg
     run_dir = new_run_dir(cfg).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -39,7 +39,7 @@ def submit(plan: Plan) -> Submitted:
     make_token(run_dir)  # 0600, on the shared filesystem: the job's nodes and `hpcrl run` read it
     atomic_write_text(run_dir / "sbatch.sh", render_sbatch(plan, run_dir))
     executor = make_executor(plan, run_dir)
-    job = executor.submit(NodeTask(str(run_dir), plan.topology.node_roles()))
+    job = executor.submit(NodeTask(str(run_dir), plan.topology.node_roles(), hold_s=hold_s))
     meta = {"job_id": job.job_id, "nodes": plan.topology.nodes, "submitted": time.time(),
             "roles": plan.topology.node_roles(), "cluster": cfg.cluster.name, "name": cfg.run.name}  # fmt: skip
     atomic_write_text(run_dir / "job.json", json.dumps(meta, indent=1))
