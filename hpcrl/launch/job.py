@@ -50,21 +50,32 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+class _Where:
+    def where(self, role: str) -> dict[str, Any]:
+        import ray
+
+        return {"role": role, "host": socket.gethostname(), "gpus": [str(g) for g in ray.get_gpu_ids()]}
+
+
 def probe_placement(roles: list[str]) -> list[dict[str, Any]]:
-    """Driver of this increment: one actor per node, placed by its role resource; where did each run?"""
+    """Driver of this increment: one actor per node, placed by its role resource; where did each run?
+
+    Actors (not tasks) hold their GPU while alive, so each lands on its own node."""
     import ray
 
     from hpcrl.workers import ROLLOUT_RESOURCE, TRAIN_RESOURCE
 
-    @ray.remote(num_cpus=0)
-    def where(role: str) -> dict[str, Any]:
-        return {"role": role, "host": socket.gethostname(), "gpus": ray.get_gpu_ids()}
-
-    futures = []
-    for role in roles:
-        resource = ROLLOUT_RESOURCE if role == "rollout" else TRAIN_RESOURCE
-        futures.append(where.options(resources={resource: 1}, num_gpus=1).remote(role))
-    return list(ray.get(futures))
+    actor_cls = ray.remote(num_cpus=0)(_Where)
+    actors = [
+        actor_cls.options(
+            num_gpus=1, resources={ROLLOUT_RESOURCE if role == "rollout" else TRAIN_RESOURCE: 1}
+        ).remote()
+        for role in roles
+    ]
+    placement = list(ray.get([a.where.remote(role) for a, role in zip(actors, roles, strict=True)]))
+    for actor in actors:
+        ray.kill(actor)
+    return sorted(placement, key=lambda p: (p["role"] != "rollout", p["host"]))
 
 
 class NodeTask:
