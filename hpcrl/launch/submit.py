@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcrl.errors import HpcrlError
 from hpcrl.launch.job import NodeTask
 from hpcrl.launch.ray_cluster import make_token
 from hpcrl.launch.sbatch import SUBMITIT_DIR, make_executor, render_sbatch
@@ -38,8 +39,15 @@ def submit(plan: Plan, hold_s: float = 0.0) -> Submitted:
     write_resolved_config(cfg, run_dir)
     make_token(run_dir)  # 0600, on the shared filesystem: the job's nodes and `hpcrl run` read it
     atomic_write_text(run_dir / "sbatch.sh", render_sbatch(plan, run_dir))
-    executor = make_executor(plan, run_dir)
-    job = executor.submit(NodeTask(str(run_dir), plan.topology.node_roles(), hold_s=hold_s))
+    try:
+        executor = make_executor(plan, run_dir)
+        job = executor.submit(NodeTask(str(run_dir), plan.topology.node_roles(), hold_s=hold_s))
+    except Exception as exc:  # submitit raises RuntimeError/FailedSubmissionError with sbatch's own words
+        reason = " ".join(str(exc).split())[:400]
+        raise HpcrlError(
+            f"submission to Slurm failed ({reason}); check that sbatch works here "
+            f"(SLURM_CONF, partition/account in cluster.slurm.*). Run dir kept: {run_dir}"
+        ) from None
     meta = {"job_id": job.job_id, "nodes": plan.topology.nodes, "submitted": time.time(),
             "roles": plan.topology.node_roles(), "cluster": cfg.cluster.name, "name": cfg.run.name}  # fmt: skip
     atomic_write_text(run_dir / "job.json", json.dumps(meta, indent=1))
