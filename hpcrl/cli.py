@@ -185,5 +185,4 @@ COMMANDS = {"plan": cmd_plan, "render": cmd_render, "submit": cmd_submit, "show"
             "logs": cmd_logs, "cancel": cmd_cancel, "ls": cmd_ls}  # fmt: skip
 
 if __name__ == "__main__":
-    started = time.perf_counter()
     sys.exit(main())

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-import secrets
 import shutil
 import sys
 import tempfile
@@ -63,12 +62,10 @@ def start_local_ray(plan: Plan, scratch: Path) -> None:
 
     if "ray" in sys.modules:
         raise RuntimeError("internal: ray was imported before its auth settings were made")
-    token = scratch / "ray_token"
-    token.write_text(secrets.token_hex(32))
-    token.chmod(0o600)
+    from hpcrl.launch.ray_cluster import auth_env, make_token
+
     # Token auth even on a laptop, with the token in a private file (Ray's own default file is 0644).
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
+    os.environ.update(auth_env(make_token(scratch)))
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep every listener on 127.0.0.1
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import ray

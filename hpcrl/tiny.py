@@ -182,6 +182,9 @@ def ensure_tiny_model(
     if sft_steps:
         warm_start(model, tok, train, steps=sft_steps, batch=64, lr=1e-3, seed=seed, log=log)
     model.save_pretrained(tmp, safe_serialization=True)
-    os.replace(tmp, out) if not out.exists() else shutil.rmtree(tmp)
+    if out.exists():  # another process built the same model meanwhile
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, out)
     log(f"tiny model ready in {time.perf_counter() - started:.1f}s: {out}")
     return out

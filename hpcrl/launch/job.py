@@ -18,7 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpcrl.launch.ray_cluster import GCS_PORT, BootstrapError, start_node, this_node, wait_for_cluster
+from hpcrl.launch.ray_cluster import (
+    GCS_PORT,
+    BootstrapError,
+    auth_env,
+    start_node,
+    this_node,
+    wait_for_cluster,
+)
 
 CANARY_DEADLINE_S = 30.0
 HEAD_DEADLINE_S = 90.0
@@ -124,11 +131,8 @@ class NodeTask:
         proc = start_node(spec, run_dir, spec.ip, job_id)
         try:
             _write(head_file, {"ip": spec.ip, "port": GCS_PORT})
-            os.environ.update(
-                {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(run_dir / "ray" / "token")}
-            )
-            gpus = sum(len([g for g in json.loads((run_dir / "nodes" / f"{i}.json").read_text())["gpus"].split(",") if g])
-                       for i in range(len(self.roles)) if (run_dir / "nodes" / f"{i}.json").exists())  # fmt: skip
+            os.environ.update(auth_env(run_dir / "ray" / "token"))
+            gpus = spec.gpus * len(self.roles)  # every node gets the same --gpus-per-node
             waited = wait_for_cluster(
                 f"{spec.ip}:{GCS_PORT}", len(self.roles), gpus, CLUSTER_DEADLINE_S, proc
             )

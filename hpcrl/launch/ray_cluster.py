@@ -54,11 +54,15 @@ def make_token(run_dir: Path) -> Path:
     return path
 
 
+def auth_env(token: Path) -> dict[str, str]:
+    """Token auth for every Ray process and client of one cluster (Ray reads it when first imported)."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+
+
 def ray_env(run_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(DROP_PREFIXES)}
+    env.update(auth_env(run_dir / "ray" / "token"))
     env.update({
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN_PATH": str(run_dir / "ray" / "token"),
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_worker_register_timeout_seconds": "120",
     })  # fmt: skip

@@ -120,7 +120,6 @@ class FSDPTrainer:
             "entropy": 0.0,
             "grad_norm": 0.0,
         }
-        n_micro = 0
         order = torch.arange(len(batch))
         for minibatch in order.chunk(algo.num_minibatches):
             self.optimizer.zero_grad(set_to_none=True)
@@ -140,7 +139,6 @@ class FSDPTrainer:
                 # reproduces the full-minibatch mean (exact for token-level aggregation).
                 share = mb.loss_mask.sum() / tokens_in_minibatch
                 (terms.loss * share).backward()
-                n_micro += 1
                 totals["loss"] += float(terms.loss.detach()) * float(share)
                 if old_logp is None:
                     totals["gen_kl_error"] += gen_kl_error(old, mb.rollout_logp, mb.loss_mask) * float(share)
