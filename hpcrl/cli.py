@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
                 "--hold", type=float, default=0.0, metavar="SECONDS",
                 help="Slurm: keep the job's Ray cluster up this long after the driver (debugging)",
             )  # fmt: skip
+            p.add_argument(
+                "--smoke", action="store_true",
+                help="Slurm: only bring up Ray and place one actor per node by role (checks an allocation; no training)",
+            )  # fmt: skip
     for name, text in (
         ("status", "state of a job (or of the recent ones)"),
         ("logs", "per-node logs of a job"),
@@ -105,6 +109,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     plan = plan_from_overrides(args.overrides)
     plan.require_fit()
+    plan.require_buildable()
     if plan.cfg.cluster.scheduler is Scheduler.local:
         from hpcrl.local import run_local
 
@@ -112,7 +117,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 0
     from hpcrl.launch.submit import submit
 
-    done = submit(plan, hold_s=args.hold)
+    done = submit(plan, hold_s=args.hold, smoke=args.smoke)
     print(f"job     {done.job_id}  ({plan.topology.nodes} node(s) on {plan.cfg.cluster.name})")
     print(f"run dir {done.run_dir}")
     for path in done.logs:

@@ -35,6 +35,27 @@ class Plan:
                 f"trainer.activation_checkpointing=true or a lower rollout.gpu_memory_utilization{hint}"
             )
 
+    @property
+    def backend_gaps(self) -> list[str]:
+        """Why the chosen training backend cannot build this model yet (empty: it can)."""
+        cfg = self.cfg
+        if isinstance(cfg.trainer, MegatronTrainerConfig) and cfg.model.family not in MEGATRON_FAMILIES:
+            return [
+                f"trainer=megatron cannot build {cfg.model.name} yet (family {cfg.model.family}; the "
+                f"backend's HF<->Megatron weight mapping covers {', '.join(MEGATRON_FAMILIES)}); "
+                "the plan above is the layout it will use once it can"
+            ]
+        return []
+
+    def require_buildable(self) -> None:
+        """Before anything is submitted: refuse a run whose backend cannot build the model."""
+        if self.backend_gaps:
+            raise ConfigError("; ".join(self.backend_gaps))
+
+
+MEGATRON_FAMILIES = ("qwen2", "qwen3", "llama")
+"""Model families ``trainer=megatron`` maps from/to Hugging Face (hpcrl/trainer/megatron/weights.py)."""
+
 
 def matching_recipes(model: str, cluster: str) -> list[str]:
     """Shipped experiment recipes that select this model on this cluster."""

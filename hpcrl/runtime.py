@@ -6,7 +6,7 @@ over the trainer ranks (each takes its shard of the batch), weights go trainer -
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,35 +20,55 @@ from hpcrl.workers import ROLLOUT_RESOURCE, TRAIN_RESOURCE, RolloutWorker, Train
 class Runtime:
     trainers: list[Any]
     engines: list[Any]
+    placement: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def start(cls, plan: Plan, model_dir: Path, scratch: Path, *, on_cpu: bool, master: str) -> Runtime:
+    def start(
+        cls, plan: Plan, model_dir: Path, scratch: Path, *, device: str, gpu_resources: bool
+    ) -> Runtime:
+        """Trainer ranks on the train role's GPUs, engines on the rollout role's.
+
+        ``gpu_resources`` false (a local run): one trainer and one engine, no GPU requests."""
         import ray
 
         cfg = plan.cfg
-        world = plan.topology.train.world if not on_cpu else 1
-        device = "cpu" if on_cpu else "cuda"
+        topo = plan.topology
+        world = topo.train.world if gpu_resources else 1
+        on_cpu = device == "cpu"
         trainer_cls = ray.remote(TrainerWorker)
         rollout_cls = ray.remote(RolloutWorker)
         trainers = [
             trainer_cls.options(
-                num_cpus=0, num_gpus=0 if on_cpu else 1, resources={TRAIN_RESOURCE: 1}
-            ).remote(str(model_dir), cfg, rank, world, master, device)
+                num_cpus=0, num_gpus=1 if gpu_resources else 0, resources={TRAIN_RESOURCE: 1}
+            ).remote(str(model_dir), cfg, rank, world, device)
             for rank in range(world)
         ]
-        engines_n = plan.topology.rollout.engines if not on_cpu else 1
+        # Rank 0 picks the rendezvous address on its own node: the ranks may span several nodes.
+        master = ray.get(trainers[0].endpoint.remote())
+        setups = [t.setup.remote(master) for t in trainers]
+        engines_n = topo.rollout.engines if gpu_resources else 1
         # On CPU the KV cache is sized from the plan (a step's sequences, twice over) instead of a memory share.
         r = plan.memory.rollout
         kv_gb = max(0.05, 2 * r.wanted_sequences * r.kv_per_sequence) if on_cpu else None
         tp = cfg.rollout.tp
         engines = [
             rollout_cls.options(
-                num_cpus=0, num_gpus=0 if on_cpu else tp, resources={ROLLOUT_RESOURCE: tp}
+                num_cpus=0, num_gpus=tp if gpu_resources else 0, resources={ROLLOUT_RESOURCE: tp}
             ).remote(str(model_dir), cfg, cfg.max_seq_len, str(scratch), on_cpu, kv_gb)
             for _ in range(engines_n)
         ]
-        ray.get([a.where.remote() for a in trainers + engines])  # surface start-up errors here
-        return cls(trainers, engines)
+        ray.get(setups)
+        where = ray.get([a.where.remote() for a in trainers + engines])  # surface start-up errors here
+        return cls(trainers, engines, where)
+
+    def describe(self) -> str:
+        """One line: which role runs where, e.g. ``train x1 on node2; rollout x1 on node1``."""
+        parts = []
+        for role in ("train", "rollout"):
+            hosts = sorted({w["host"] for w in self.placement if w["role"] == role})
+            n = sum(w["role"] == role for w in self.placement)
+            parts.append(f"{role} x{n} on {', '.join(hosts)}")
+        return "; ".join(parts)
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
         import ray

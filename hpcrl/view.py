@@ -80,6 +80,8 @@ def show_plan(plan: Plan, console: Console) -> None:
     if topo.placement is Placement.COLOCATED:
         table.add_row("colocated peak (train state + engine share)", f"{mem.train_gpu_peak:.1f}")
     console.print(table)
+    for gap in plan.backend_gaps:
+        console.print(f"[yellow]cannot submit yet[/]: {gap}")
     if mem.fits:
         console.print(f"[green]fits[/]: peak {mem.train_gpu_peak:.0f} GB of {mem.capacity:.0f} GB per GPU")
     else:

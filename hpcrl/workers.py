@@ -15,6 +15,12 @@ TRAIN_RESOURCE = "hpcrl_train"
 ROLLOUT_RESOURCE = "hpcrl_rollout"
 
 
+def ray_node_ip() -> str:
+    import ray
+
+    return str(ray.util.get_node_ip_address())
+
+
 def _threads() -> None:
     import torch
 
@@ -22,12 +28,29 @@ def _threads() -> None:
 
 
 class TrainerWorker:
-    def __init__(self, model_dir: str, cfg: Any, rank: int, world: int, master: str, device: str) -> None:
-        _threads()
-        from hpcrl.trainer.fsdp import FSDPTrainer
+    """One training rank. Built in two steps: rank 0 first names the rendezvous address on its
+    own node (``endpoint``), then every rank joins it (``setup``)."""
 
-        self.rank = rank
-        self.trainer = FSDPTrainer(Path(model_dir), cfg, rank=rank, world=world, master=master, device=device)
+    def __init__(self, model_dir: str, cfg: Any, rank: int, world: int, device: str) -> None:
+        _threads()
+        self.model_dir, self.cfg, self.rank, self.world, self.device = model_dir, cfg, rank, world, device
+        self.trainer: Any = None
+
+    def endpoint(self) -> str:
+        from hpcrl.trainer.fsdp import free_port
+
+        if self.world == 1:
+            return f"127.0.0.1:{free_port()}"
+        ip = ray_node_ip()
+        return f"{ip}:{free_port(ip)}"
+
+    def setup(self, master: str) -> bool:
+        from hpcrl.trainer import make_trainer
+
+        self.trainer = make_trainer(
+            Path(self.model_dir), self.cfg, self.rank, self.world, master, self.device
+        )
+        return True
 
     def where(self) -> dict[str, Any]:
         return {"role": "train", "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid()}

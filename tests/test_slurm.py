@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_submit_places_one_task_per_node_with_roles(slurm_cluster, tmp_path):
-    result = run_cli("submit", "cluster=slurmtest", "model=tiny", "layout.train_nodes=2", "layout.rollout_nodes=1",
+    result = run_cli("submit", "--smoke", "cluster=slurmtest", "model=tiny", "layout.train_nodes=2", "layout.rollout_nodes=1",
                      f"run.output_root={tmp_path}", "run.name=checkin")  # fmt: skip
     assert result.returncode == 0, result.stderr
     job_id = re.search(r"^job\s+(\d+)", result.stdout, re.M).group(1)
@@ -79,7 +79,7 @@ def _cmdline(pid: int) -> str:
 
 
 def test_client_without_token_is_refused_and_a_dead_node_ends_the_job(slurm_cluster, tmp_path):
-    result = run_cli("submit", "cluster=slurmtest", "model=tiny", "layout.train_nodes=2", "layout.rollout_nodes=1",
+    result = run_cli("submit", "--smoke", "cluster=slurmtest", "model=tiny", "layout.train_nodes=2", "layout.rollout_nodes=1",
                      f"run.output_root={tmp_path}", "run.name=failfast", "--hold", "300")  # fmt: skip
     assert result.returncode == 0, result.stderr
     job_id = re.search(r"^job\s+(\d+)", result.stdout, re.M).group(1)
@@ -110,3 +110,29 @@ def test_client_without_token_is_refused_and_a_dead_node_ends_the_job(slurm_clus
     assert state in ("FAILED", "CANCELLED", "NODE_FAIL"), state
     logs = run_cli("logs", job_id, "--root", str(tmp_path)).stdout
     assert "Ray on node 2 (hpcrl-node3) exited with code" in logs, logs[-3000:]
+
+
+def test_split_tiny_run_learns_on_two_nodes(slurm_cluster, tmp_path):
+    """Issue 4 item 9: the tiny recipe split over 1 rollout + 1 train node, through `hpcrl submit`."""
+    result = run_cli("submit", "+experiment=grpo-tiny-2n1g-fsdp-split", f"run.output_root={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    job_id = re.search(r"^job\s+(\d+)", result.stdout, re.M).group(1)
+    run_dir = lifecycle.run_dir_of(job_id, tmp_path)
+    state = lifecycle.wait(job_id, run_dir, timeout_s=540)
+    logs = run_cli("logs", job_id, "--root", str(tmp_path)).stdout
+    assert state == "COMPLETED", (state, logs[-3000:])
+    placement = json.loads((run_dir / "placement.json").read_text())["actors"]
+    assert sorted((a["role"], a["host"]) for a in placement) == [
+        ("rollout", "hpcrl-node1"),
+        ("train", "hpcrl-node2"),
+    ]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 30
+    first, last = rows[1:6], rows[-5:]
+    mean = lambda rs: sum(r["train/reward"] for r in rs) / len(rs)  # noqa: E731
+    assert mean(last) > mean(first) + 0.05, (mean(first), mean(last))
+    vals = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
+    assert vals[-1] > vals[0], vals
+    assert (
+        "validation accuracy" in logs and "placed: train x1 on hpcrl-node2; rollout x1 on hpcrl-node1" in logs
+    )

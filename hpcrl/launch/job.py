@@ -26,6 +26,7 @@ from hpcrl.launch.ray_cluster import (
     this_node,
     wait_for_cluster,
 )
+from hpcrl.plan import Plan
 
 CANARY_DEADLINE_S = 30.0
 HEAD_DEADLINE_S = 90.0
@@ -88,9 +89,11 @@ def probe_placement(roles: list[str]) -> list[dict[str, Any]]:
 class NodeTask:
     """Picklable callable: submitit runs it once on every node of the allocation."""
 
-    def __init__(self, run_dir: str, roles: list[str], hold_s: float = 0.0) -> None:
+    def __init__(self, run_dir: str, roles: list[str], plan: Plan | None, hold_s: float = 0.0) -> None:
         self.run_dir = run_dir
         self.roles = roles
+        self.plan = plan
+        """What the driver trains; None: a smoke run that only places one actor per node by role."""
         self.hold_s = hold_s
         """Keep the Ray cluster up this long after the driver (debugging; the seed of `hpcrl debug`)."""
 
@@ -124,6 +127,19 @@ class NodeTask:
         _stop(proc)
         return record
 
+    def _drive(self, run_dir: Path, address: str) -> dict[str, float]:
+        import ray
+
+        from hpcrl.driver import run_loop
+
+        assert self.plan is not None
+
+        def connect(_scratch: Path) -> None:
+            ray.shutdown()  # the readiness poll's quiet connection; the driver wants its actors' output
+            ray.init(address=address, log_to_driver=True, configure_logging=False)
+
+        return run_loop(self.plan, run_dir, connect, slurm=True)
+
     def _head(
         self, spec: Any, run_dir: Path, job_id: str, head_file: Path, done_file: Path
     ) -> dict[str, Any]:
@@ -139,14 +155,18 @@ class NodeTask:
             ready_s = time.monotonic() - started
             _write(run_dir / "ray" / f"ready-{job_id}.json", {"seconds": ready_s, "polled_s": waited})
             print(f"hpcrl: Ray ready with {len(self.roles)} nodes after {ready_s:.1f}s", flush=True)
-            placement = probe_placement(self.roles)
-            _write(run_dir / "placement.json", {"actors": placement})
+            if self.plan is None:
+                placement = probe_placement(self.roles)
+                _write(run_dir / "placement.json", {"actors": placement})
+                result: dict[str, Any] = {"ready_s": ready_s, "placement": placement}
+            else:
+                result = {"ready_s": ready_s, "metrics": self._drive(run_dir, f"{spec.ip}:{GCS_PORT}")}
             held = time.monotonic()
             while time.monotonic() - held < self.hold_s:
                 if proc.poll() is not None:
                     raise BootstrapError(f"Ray on node 0 ({spec.host}) exited with code {proc.returncode}")
                 time.sleep(0.2)
-            return {"ready_s": ready_s, "placement": placement}
+            return result
         finally:
             done_file.touch()
             _stop(proc)

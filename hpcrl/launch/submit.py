@@ -32,7 +32,7 @@ class Submitted:
         return int(json.loads((self.run_dir / "job.json").read_text())["nodes"])
 
 
-def submit(plan: Plan, hold_s: float = 0.0) -> Submitted:
+def submit(plan: Plan, hold_s: float = 0.0, smoke: bool = False) -> Submitted:
     cfg = plan.cfg
     run_dir = new_run_dir(cfg).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -41,7 +41,9 @@ def submit(plan: Plan, hold_s: float = 0.0) -> Submitted:
     atomic_write_text(run_dir / "sbatch.sh", render_sbatch(plan, run_dir))
     try:
         executor = make_executor(plan, run_dir)
-        job = executor.submit(NodeTask(str(run_dir), plan.topology.node_roles(), hold_s=hold_s))
+        job = executor.submit(
+            NodeTask(str(run_dir), plan.topology.node_roles(), None if smoke else plan, hold_s=hold_s)
+        )
     except Exception as exc:  # submitit raises RuntimeError/FailedSubmissionError with sbatch's own words
         reason = " ".join(str(exc).split())[:400]
         raise HpcrlError(

@@ -197,9 +197,9 @@ def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts], dim=0)
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -1,0 +1,131 @@
+"""The run's driver: everything between "a Ray cluster is reachable" and "the run is summarised".
+
+``hpcrl submit`` with no cluster calls it after starting a local Ray (``local.py``); inside a Slurm
+job node 0 calls it once the job's Ray cluster is up (``launch/job.py``). Same code either way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hpcrl.plan import Plan
+
+
+def say(msg: str) -> None:
+    print(f"[hpcrl {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HPCRL_CACHE", Path.home() / ".cache" / "hpcrl"))
+
+
+def prepare_model(plan: Plan) -> Path:
+    model = plan.cfg.model
+    if model.name == "tiny":
+        from hpcrl.tiny import ensure_tiny_model
+
+        return ensure_tiny_model(model, cache_dir(), seed=plan.cfg.run.seed, log=say)
+    return Path(model.hf_id)
+
+
+def make_encoder(model_dir: Path, template: str) -> tuple[Callable[[str], list[int]], int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if tok.chat_template and template != "plain":
+
+        def encode(prompt: str) -> list[int]:
+            msgs = [{"role": "user", "content": prompt}]
+            return list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+    else:
+        bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+
+        def encode(prompt: str) -> list[int]:
+            return bos + tok.encode(prompt, add_special_tokens=False)
+
+    return encode, int(pad)
+
+
+def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slurm: bool) -> dict[str, float]:
+    """Connect to Ray (``connect(scratch)``), start the actors, train, summarise.
+
+    ``slurm``: actors ask for the job's GPUs (real or the test cluster's fake ones) and are spread
+    over the topology's nodes; locally there is one trainer and one engine without GPU requests."""
+    import torch
+
+    from hpcrl.checkpoint import CheckpointManager, load_state
+    from hpcrl.data.loader import PromptStream, load_examples
+    from hpcrl.loop import train
+    from hpcrl.metrics import MetricsLogger
+    from hpcrl.rewards.pool import RewardPool
+    from hpcrl.rundir import atomic_write_text, config_yaml
+    from hpcrl.runtime import Runtime
+
+    cfg = plan.cfg
+    started = time.perf_counter()
+    say(f"run directory {run_dir}")
+    model_dir = prepare_model(plan)
+    encode, pad_id = make_encoder(model_dir, cfg.data.template)
+    train_ex, val_ex = load_examples(cfg.data, cfg.run.seed)
+    say(f"data: {len(train_ex)} training / {len(val_ex)} validation prompts ({cfg.data.name})")
+    scratch = Path(tempfile.mkdtemp(prefix="hpcrl-"))  # short path: Ray's socket names have a length limit
+    random.seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+    ckpt = CheckpointManager(Path(cfg.checkpoint.dir or run_dir / "checkpoints"), cfg.checkpoint.keep_top_k,
+                             cfg.checkpoint.metric, cfg.checkpoint.higher_is_better)  # fmt: skip
+    stream = PromptStream(train_ex, cfg.run.seed)
+    logger = MetricsLogger(run_dir, cfg.logger, cfg.run.name, {"config": config_yaml(cfg)})
+    try:
+        connect(scratch)
+        say("starting trainer and rollout workers")
+        rt = Runtime.start(plan, model_dir, scratch, device="cuda" if torch.cuda.is_available() else "cpu",
+                           gpu_resources=slurm)  # fmt: skip
+        say(f"placed: {rt.describe()}")
+        atomic_write_text(run_dir / "placement.json", json.dumps({"actors": rt.placement}, indent=1))
+        start_step = 0
+        latest = ckpt.latest()
+        if latest is not None:
+            state = load_state(latest)
+            rt.load_state_dict(state["trainer"])
+            stream.restore(state["stream"])
+            random.setstate(state["rng"]["python"])
+            torch.set_rng_state(state["rng"]["torch"])
+            rt.sync_weights()
+            start_step = int(state["step"])
+            say(f"resumed from {latest.path} (step {start_step})")
+        with RewardPool(cfg.data.verifier, workers=2, timeout_s=5.0) as pool:
+            say(f"ready after {time.perf_counter() - started:.0f}s; training {cfg.algo.max_steps} steps")
+            last = train(cfg, rt, pool, encode, pad_id, stream, val_ex, ckpt, logger, say, start_step)
+    finally:
+        logger.close()
+        if "ray" in sys.modules:
+            import ray
+
+            ray.shutdown()
+        shutil.rmtree(scratch, ignore_errors=True)
+    summarize(run_dir, ckpt, started)
+    return last
+
+
+def summarize(run_dir: Path, ckpt: Any, started: float) -> None:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    vals = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
+    if vals:
+        say(
+            f"validation accuracy {vals[0][1]:.3f} (step {vals[0][0]}) -> {vals[-1][1]:.3f} (step {vals[-1][0]})"
+        )
+    best = ckpt.best()
+    say(f"done in {time.perf_counter() - started:.0f}s")
+    print(f"  metrics      {run_dir / 'metrics.jsonl'}", file=sys.stdout)
+    print(f"  tensorboard  tensorboard --logdir {run_dir / 'tensorboard'}", file=sys.stdout)
+    print(f"  checkpoints  {ckpt.root}" + (f" (best: {best.path.name})" if best else ""), file=sys.stdout)

@@ -1,0 +1,11 @@
+"""Megatron-core training backend (``trainer=megatron``).
+
+compat.py   the one place that handles Megatron-core's hard CUDA calls on a CPU-only host
+spec.py     TransformerConfig + layer spec (Transformer Engine when installed, else local + torch SDPA)
+weights.py  Hugging Face <-> Megatron weight mapping (Qwen2/Qwen3/Llama), TP/PP sharding
+trainer.py  the Trainer: logprobs, GRPO/DAPO loss through Megatron's pipeline schedules, export
+"""
+
+from hpcrl.trainer.megatron.trainer import MegatronTrainer
+
+__all__ = ["MegatronTrainer"]

@@ -1,0 +1,142 @@
+"""Megatron-core on a CPU-only host: the one place that deals with its hard CUDA calls.
+
+Megatron-core allocates buffers with ``device=torch.cuda.current_device()`` or ``device="cuda"``,
+seeds and forks the CUDA RNG, and synchronises streams — all over its modules. On a host without
+CUDA (our CPU tests with gloo) every ``megatron.core`` module's ``torch`` is swapped for a proxy
+that is the real ``torch`` except that CUDA devices mean the CPU, CUDA RNG calls use the CPU
+generator and stream/cache calls do nothing. On GPUs nothing is patched.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from importlib.metadata import version
+from typing import Any
+
+import torch
+
+SUPPORTED = ("0.16", "0.17", "0.18", "0.19")
+"""megatron-core minor versions this backend is tested with: 0.16.1 on CPU (Python 3.11), 0.19.2 on GPU."""
+
+
+def check_version() -> str:
+    found = version("megatron-core")
+    if not found.startswith(SUPPORTED):
+        raise RuntimeError(
+            f"megatron-core {found} is not supported by hpcrl's megatron backend (tested: "
+            f"{', '.join(v + '.x' for v in SUPPORTED)}); install megatron-core==0.19.2 (or 0.16.1 on Python 3.11)"
+        )
+    return found
+
+
+def _cpu(device: Any) -> Any:
+    if device is None:
+        return None
+    if isinstance(device, int) or str(device).startswith("cuda"):
+        return torch.device("cpu")
+    return device
+
+
+class _CpuCuda:
+    """``torch.cuda`` as Megatron-core uses it, on the CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    def current_device(self) -> str:
+        return "cpu"
+
+    def synchronize(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def get_rng_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        torch.set_rng_state(state)
+
+    @property
+    def random(self) -> _CpuCuda:
+        return self  # ``torch.cuda.random.get_rng_state``: the same CPU-generator calls
+
+    @property
+    def default_generators(self) -> tuple[torch.Generator, ...]:
+        return (torch.default_generator,)
+
+    def is_available(self) -> bool:
+        return False
+
+    def device_count(self) -> int:
+        return 0
+
+
+_FACTORIES = (
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "arange",
+    "rand",
+    "randn",
+    "empty_like",
+    "zeros_like",
+)
+
+
+class _CpuTorch(types.ModuleType):
+    """The real ``torch`` module, except that "cuda" means the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CpuCuda()
+        for name in _FACTORIES:
+            setattr(self, name, self._on_cpu(getattr(torch, name)))
+
+    @staticmethod
+    def _on_cpu(factory: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if "device" in kwargs:
+                kwargs["device"] = _cpu(kwargs["device"])
+            return factory(*args, **kwargs)
+
+        return call
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+_PROXY: _CpuTorch | None = None
+
+
+def _cpu_tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``tensor.cuda()`` (Megatron's tied-embedding set-up, data helpers) on a host that has no CUDA,
+    where it could only raise: the tensor stays where it is."""
+    return self
+
+
+def prepare(device: str) -> None:
+    """Import what the backend uses, then (CPU only) point every ``megatron.core`` module at the proxy.
+
+    Idempotent; call before building any Megatron object."""
+    global _PROXY
+    check_version()
+    import megatron.core.models.gpt
+    import megatron.core.pipeline_parallel
+    import megatron.core.tensor_parallel  # noqa: F401
+
+    if device != "cpu" or torch.cuda.is_available():
+        return
+    if _PROXY is None:
+        _PROXY = _CpuTorch()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
+            module.torch = _PROXY  # type: ignore[attr-defined]
+    torch.Tensor.cuda = _cpu_tensor_cuda  # type: ignore[method-assign,assignment]

@@ -1,0 +1,362 @@
+"""The Megatron-core Trainer: a GPTModel split by tensor/pipeline parallelism from the topology,
+loaded from Hugging Face safetensors, trained with the same GRPO/DAPO loss as the fsdp backend.
+
+Data: ranks of one data-parallel group see the same shard. Per optimizer step the shard is cut
+into equal micro-batches (a short last one is padded with zero-weight rows, as the pipeline
+schedules need one tensor shape) and run through Megatron's forward/backward schedule; gradients
+are averaged over data parallel, tied-embedding copies summed over the embedding group, the
+norm clipped over the model-parallel group, then AdamW steps. Logprobs come from the last pipeline
+stage (vocab-parallel log-softmax across TP) and are broadcast to the whole pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.algo.losses import gen_kl_error, grpo_loss
+from hpcrl.config import RunConfig
+from hpcrl.topology import TrainParallel
+from hpcrl.trainer.batch import TrainBatch
+from hpcrl.trainer.fsdp import init_process_group
+from hpcrl.trainer.megatron import compat
+from hpcrl.trainer.megatron.spec import layer_spec, transformer_config, uses_fused_norms
+from hpcrl.trainer.megatron.weights import Shape, is_sharded, relocate, shard, to_hf, to_megatron, unshard
+
+SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama")
+
+
+def load_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(f))
+    return out
+
+
+def model_shape(hf: Any, tp: int) -> Shape:
+    heads = hf.num_attention_heads
+    padded = math.ceil(hf.vocab_size / tp) * tp
+    return Shape(heads=heads, groups=hf.num_key_value_heads,
+                 head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+                 vocab=hf.vocab_size, padded_vocab=padded, fused_norms=uses_fused_norms())  # fmt: skip
+
+
+def rope_base(hf: Any) -> float:
+    params = getattr(hf, "rope_parameters", None) or {}
+    return float(getattr(hf, "rope_theta", None) or params.get("rope_theta", 10000.0))
+
+
+class MegatronTrainer:
+    def __init__(
+        self,
+        model_dir: Path,
+        cfg: RunConfig,
+        *,
+        rank: int = 0,
+        world: int = 1,
+        master: str = "127.0.0.1:29518",
+        device: str = "cpu",
+    ) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from megatron.core.models.gpt import GPTModel
+        from transformers import AutoConfig
+
+        compat.prepare(device)
+        t = cfg.trainer
+        self.cfg, self.device = cfg, torch.device(device)
+        self.par = TrainParallel(world=world, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep,
+                                 expert_tp=getattr(t, "expert_tp", 1))  # fmt: skip
+        hf = AutoConfig.from_pretrained(model_dir)
+        if hf.model_type not in SUPPORTED_ARCHS:
+            raise ValueError(f"trainer=megatron cannot build model_type {hf.model_type!r} yet "
+                             f"(supported: {', '.join(SUPPORTED_ARCHS)}); use trainer=fsdp for {model_dir}")  # fmt: skip
+        if hf.num_hidden_layers % self.par.pp:
+            raise ValueError(
+                f"trainer.pp={self.par.pp} must divide the model's {hf.num_hidden_layers} layers"
+            )
+        init_process_group(rank, world, master, "nccl" if device.startswith("cuda") else "gloo")
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=self.par.tp,
+                                         pipeline_model_parallel_size=self.par.pp,
+                                         context_parallel_size=self.par.cp,
+                                         expert_model_parallel_size=self.par.ep)  # fmt: skip
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.run.seed)
+        self.ps = ps
+        self.tied = bool(getattr(hf, "tie_word_embeddings", False))
+        self.shape = model_shape(hf, self.par.tp)
+        config = transformer_config(hf, t, self.par, device=device)  # type: ignore[arg-type]
+
+        def build() -> Any:
+            return GPTModel(
+                config=config, transformer_layer_spec=layer_spec(), vocab_size=self.shape.padded_vocab,
+                max_sequence_length=hf.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
+                post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=self.tied,
+                position_embedding_type="rope", rotary_base=rope_base(hf),
+            ).to(self.device)  # fmt: skip
+
+        self.layer_offset = hf.num_hidden_layers // self.par.pp * ps.get_pipeline_model_parallel_rank()
+        full = to_megatron(load_hf_weights(model_dir), self.shape, self.tied)
+        self.model = build()
+        self._load(self.model, full)
+        # The frozen reference policy for the KL term (a second model: Megatron modules hold process
+        # groups, which cannot be deep-copied).
+        self.ref = None
+        if cfg.algo.kl_coef > 0:
+            self.ref = build().eval().requires_grad_(False)
+            self._load(self.ref, full)
+        for name in t.freeze:
+            for pname, param in self.model.named_parameters():
+                if name in pname:
+                    param.requires_grad_(False)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.algo.lr, weight_decay=t.weight_decay,
+                                           betas=(0.9, 0.999))  # fmt: skip
+
+    # -- weights -----------------------------------------------------------------------------------
+    def _load(self, model: Any, full: dict[str, torch.Tensor]) -> None:
+        tp, tp_rank = self.par.tp, self.ps.get_tensor_model_parallel_rank()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                key = relocate(name, self.layer_offset)
+                if key not in full:
+                    raise KeyError(f"checkpoint has no weight for Megatron parameter {key}")
+                param.copy_(shard(key, full[key], tp, tp_rank).to(param.dtype))
+
+    def _local_full(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """This stage's parameters (or their gradients), gathered over tensor parallel, under global
+        Megatron names."""
+        group, tp = self.ps.get_tensor_model_parallel_group(), self.par.tp
+        out = {}
+        for name, param in self.model.named_parameters():
+            if grads and param.grad is None:
+                continue
+            data = param.grad.detach() if grads else param.detach()
+            if tp > 1 and is_sharded(name):
+                parts = [torch.empty_like(data) for _ in range(tp)]
+                dist.all_gather(parts, data.contiguous(), group=group)
+            else:
+                parts = [data]
+            out[relocate(name, self.layer_offset)] = unshard(name, parts).cpu()
+        return out
+
+    def _gather_to_rank0(self, local: Any) -> list[Any]:
+        if dist.get_world_size() == 1:
+            return [local]
+        objs: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(local, objs, dst=0)
+        return objs or []
+
+    def export_weights(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Full weights (or the last step's gradients) in HF names on global rank 0 (empty elsewhere):
+        TP gathered, stages merged."""
+        local = self._local_full(grads)  # collective over TP: every rank takes part
+        first = self.ps.get_data_parallel_rank() == 0 and self.ps.get_tensor_model_parallel_rank() == 0
+        merged: dict[str, torch.Tensor] = {}
+        for part in self._gather_to_rank0(local if first else {}):
+            merged.update(part or {})
+        return to_hf(merged, self.shape, self.tied) if merged else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Whole model (HF names) and every rank's optimizer state, on rank 0: resume needs the same layout."""
+        model = self.export_weights()
+        return {"model": model, "optimizer": self._gather_to_rank0(self.optimizer.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load(self.model, to_megatron(state["model"], self.shape, self.tied))
+        self.optimizer.load_state_dict(state["optimizer"][dist.get_rank() if dist.is_initialized() else 0])
+
+    # -- forward -----------------------------------------------------------------------------------
+    def _token_stats(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Vocab-parallel log p(target) and entropy from this rank's [b, s, vocab/tp] logits."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        logits = logits.float()
+        group = self.ps.get_tensor_model_parallel_group()
+        with torch.no_grad():  # entropy is a metric: all-reduced pieces of logsumexp and E[logit]
+            m = logits.max(-1).values
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            e = torch.exp(logits - m[..., None])
+            z, s = e.sum(-1), (e * logits).sum(-1)
+            dist.all_reduce(z, group=group)
+            dist.all_reduce(s, group=group)
+            entropy = torch.log(z) + m - s / z
+        logp = -vocab_parallel_cross_entropy(logits, targets)
+        return logp, entropy
+
+    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        """Equal micro-batches (pipeline schedules pass one tensor shape), width a multiple of TP."""
+        size = min(self.cfg.trainer.micro_batch_size, len(batch))
+        extra = (-len(batch)) % size
+        if extra:
+            pad = batch.select(torch.zeros(extra, dtype=torch.long))
+            pad.loss_mask.zero_()
+            batch = _concat([batch, pad])
+        width = batch.input_ids.shape[1]
+        grow = (-width) % self.par.tp
+        if grow:
+            batch = _widen(batch, width + grow)
+        return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
+
+    def _run(self, model: Any, mbs: list[TrainBatch], loss_fn: Any, forward_only: bool) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+            i, mb = next(data_iterator)
+            ids = mb.input_ids.to(self.device)
+            pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+            out = model(input_ids=ids, position_ids=pos, attention_mask=None)
+            return out, partial(loss_fn, i, mb)
+
+        return list(get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(enumerate(mbs)), model=[model],
+            num_microbatches=len(mbs), seq_length=mbs[0].input_ids.shape[1],
+            micro_batch_size=len(mbs[0]), forward_only=forward_only,
+        ))  # fmt: skip
+
+    def _targets(self, mb: TrainBatch) -> torch.Tensor:
+        ids = mb.input_ids.to(self.device)
+        return torch.nn.functional.pad(ids[:, 1:], (0, 1))  # the last position predicts nothing we use
+
+    def _broadcast_from_last_stage(self, obj: Any) -> Any:
+        if self.par.pp == 1:
+            return obj
+        box = [obj]
+        src = self.ps.get_pipeline_model_parallel_last_rank()
+        dist.broadcast_object_list(box, src=src, group=self.ps.get_pipeline_model_parallel_group())
+        return box[0]
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        model = self.ref if reference else self.model
+        assert model is not None, "no reference model: algo.kl_coef is 0"
+        n, width = len(batch), batch.input_ids.shape[1] - 1
+
+        def keep_logp(i: int, mb: TrainBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            logp, _ = self._token_stats(logits, self._targets(mb))
+            return logits.new_zeros(()), {"logp": logp.detach().cpu()}
+
+        model.eval()
+        with torch.no_grad():
+            outs = self._run(model, self._micro_batches(batch), keep_logp, forward_only=True)
+        logp = torch.cat([o["logp"] for o in outs])[:n, :width] if outs else None
+        return self._broadcast_from_last_stage(logp)
+
+    def train_step(self, batch: TrainBatch, ref_logp: torch.Tensor | None) -> dict[str, float]:
+        algo = self.cfg.algo
+        old_all = None if algo.num_minibatches == 1 else self.logprobs(batch)
+        sums = dict.fromkeys(("loss", "policy_loss", "kl", "clip_fraction", "entropy", "gen_kl_error"), 0.0)
+        grad_norm = 0.0
+        self.model.train()
+        for chunk in torch.arange(len(batch)).chunk(algo.num_minibatches):
+            minibatch = batch.select(chunk)
+            tokens = float(minibatch.loss_mask.sum().clamp(min=1))
+            mbs = self._micro_batches(minibatch)
+            size = len(mbs[0])
+
+            def loss_fn(i: int, mb: TrainBatch, logits: torch.Tensor, _chunk: Any = chunk,
+                        _tokens: float = tokens, _k: int = len(mbs), _size: int = size) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+                targets = self._targets(mb)
+                logp, entropy = self._token_stats(logits, targets)
+                w = mb.loss_mask.shape[1]
+                logp, entropy = logp[:, :w], entropy[:, :w]
+                rows = _chunk[i * _size : (i + 1) * _size]
+                real = len(rows)  # the rest are zero-weight padding rows
+                mask = mb.loss_mask.to(self.device)
+                old = logp.detach() if old_all is None else _rows(old_all, rows, real, logp)
+                ref = None if ref_logp is None else _rows(ref_logp, rows, real, logp)
+                terms = grpo_loss(
+                    logp, old, ref, mb.rollout_logp.to(self.device), mb.advantages.to(self.device), mask,
+                    eps_low=algo.eps_low, eps_high=algo.eps_high, dual_clip=algo.dual_clip,
+                    kl_coef=algo.kl_coef, kl_type=algo.kl_type, agg=algo.loss_agg,
+                    is_correction=algo.is_correction, is_cap=algo.is_cap,
+                )  # fmt: skip
+                share = float(mask.sum()) / _tokens
+                stats = {"loss": float(terms.loss.detach()) * share, "policy_loss": terms.policy * share,
+                         "kl": terms.kl * share, "clip_fraction": terms.clip_fraction * share,
+                         "entropy": float((entropy * mask).sum()) / _tokens,
+                         "gen_kl_error": gen_kl_error(old, mb.rollout_logp.to(self.device), mask) * share}  # fmt: skip
+                # the schedule divides by the number of micro-batches; the token share is the real weight
+                return terms.loss * share * _k, stats
+
+            self.optimizer.zero_grad(set_to_none=True)
+            outs = self._run(self.model, mbs, loss_fn, forward_only=False)
+            for stats in self._broadcast_from_last_stage(outs):
+                for key, value in stats.items():
+                    sums[key] += value
+            self._finalize_grads()
+            grad_norm += self._clip_grads(self.cfg.trainer.grad_clip)
+            self.optimizer.step()
+        self.model.eval()
+        k = algo.num_minibatches
+        metrics = {key: value / k for key, value in sums.items() if key != "gen_kl_error"}
+        metrics["gen_kl_error"] = sums["gen_kl_error"] / k
+        metrics["grad_norm"] = grad_norm / k
+        return metrics
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def _finalize_grads(self) -> None:
+        """What Megatron's DDP would do: average over data parallel, sum the sequence-parallel norm
+        grads over TP, sum the two tied-embedding copies (first and last stage) over their group."""
+        ps = self.ps
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.par.dp > 1:
+            group = ps.get_data_parallel_group()
+            for p in self.params:
+                dist.all_reduce(p.grad, group=group)
+                p.grad.div_(self.par.dp)
+        if self.par.tp > 1:
+            for p in self.params:
+                if getattr(p, "sequence_parallel", False):
+                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+        if self.par.pp > 1 and self.tied and ps.is_rank_in_embedding_group():
+            weight = self.model.shared_embedding_or_output_weight()
+            dist.all_reduce(weight.grad, group=ps.get_embedding_group())
+
+    def _clip_grads(self, max_norm: float) -> float:
+        """Global L2 norm over the model-parallel group; TP-replicated and tied copies counted once."""
+        tp_rank = self.ps.get_tensor_model_parallel_rank()
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for name, p in self.model.named_parameters():
+            if p.grad is None or getattr(p, "shared", False):
+                continue  # frozen, or the last stage's copy of a tied embedding
+            if is_sharded(name) or tp_rank == 0:
+                sq += p.grad.float().pow(2).sum()
+        dist.all_reduce(sq, group=self.ps.get_model_parallel_group())
+        norm = float(sq.sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in self.params:
+                p.grad.mul_(coef)
+        return norm
+
+
+def _rows(full: torch.Tensor, rows: torch.Tensor, real: int, like: torch.Tensor) -> torch.Tensor:
+    """Rows of a [B, T-1] tensor for one micro-batch, zero rows for its padding, shaped like ``like``."""
+    out = torch.zeros_like(like)
+    part = full[rows].to(like.device, like.dtype)
+    out[:real, : min(part.shape[1], out.shape[1])] = part[:, : out.shape[1]]
+    return out
+
+
+def _concat(parts: list[TrainBatch]) -> TrainBatch:
+    return TrainBatch(*(torch.cat([getattr(p, f) for p in parts]) for f in
+                        ("input_ids", "attention_mask", "loss_mask", "advantages", "rollout_logp")))  # fmt: skip
+
+
+def _widen(batch: TrainBatch, width: int) -> TrainBatch:
+    grow = width - batch.input_ids.shape[1]
+    pad = torch.nn.functional.pad
+    return TrainBatch(pad(batch.input_ids, (0, grow)), pad(batch.attention_mask, (0, grow)),
+                      pad(batch.loss_mask, (0, grow)), batch.advantages, pad(batch.rollout_logp, (0, grow)))  # fmt: skip

@@ -1,0 +1,174 @@
+"""Hugging Face <-> Megatron-core weights for Qwen2/Qwen3/Llama-family decoders.
+
+Two steps each way. ``to_megatron`` turns HF tensors into Megatron names and layouts as one
+unsharded (TP=1) model: Q/K/V fused per query group ([q heads of the group; k; v]), gate and up
+fused into ``linear_fc1``. ``shard`` then cuts one tensor for one tensor-parallel rank
+(column-parallel on dim 0 — fc1 per half, so each rank keeps matching gate and up rows —,
+row-parallel on dim 1, norms replicated). ``unshard`` and ``to_hf`` invert both exactly.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+HF_LAYER_KEYS = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+}
+COLUMN = (
+    "linear_qkv.weight",
+    "linear_qkv.bias",
+    "linear_fc1.weight",
+    "word_embeddings.weight",
+    "output_layer.weight",
+)
+ROW = ("linear_proj.weight", "linear_fc2.weight")
+
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int
+    groups: int
+    head_dim: int
+    vocab: int
+    padded_vocab: int
+    fused_norms: bool = False
+    """Transformer Engine's spec keeps the norms inside linear_qkv / linear_fc1."""
+
+    @property
+    def per_group(self) -> int:
+        return self.heads // self.groups
+
+
+def _norm_names(fused: bool) -> dict[str, str]:
+    if not fused:
+        return {}
+    return {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+            "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}  # fmt: skip
+
+
+def _pad_vocab(t: torch.Tensor, shape: Shape) -> torch.Tensor:
+    extra = shape.padded_vocab - t.shape[0]
+    return torch.cat([t, t.new_zeros((extra, *t.shape[1:]))]) if extra else t
+
+
+def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    norms = _norm_names(shape.fused_norms)
+    parts: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in hf.items():
+        if name == "model.embed_tokens.weight":
+            out["embedding.word_embeddings.weight"] = _pad_vocab(t, shape)
+            if tied:
+                out["output_layer.weight"] = out["embedding.word_embeddings.weight"]
+        elif name == "lm_head.weight":
+            if not tied:
+                out["output_layer.weight"] = _pad_vocab(t, shape)
+        elif name == "model.norm.weight":
+            out["decoder.final_layernorm.weight"] = t
+        elif m := LAYER.match(name.removeprefix("model.")):
+            i, key = int(m.group(1)), m.group(2)
+            if key in HF_LAYER_KEYS:
+                mkey = HF_LAYER_KEYS[key]
+                out[f"decoder.layers.{i}.{norms.get(mkey, mkey)}"] = t
+            else:
+                parts.setdefault(i, {})[key] = t
+        else:
+            raise KeyError(f"no Megatron name for Hugging Face weight {name!r}")
+    g, d, per = shape.groups, shape.head_dim, shape.per_group
+    for i, p in parts.items():
+        pre = f"decoder.layers.{i}"
+        for kind in ("weight", "bias"):
+            if f"self_attn.q_proj.{kind}" not in p:
+                continue
+            q = p[f"self_attn.q_proj.{kind}"].reshape(g, per * d, -1)
+            k = p[f"self_attn.k_proj.{kind}"].reshape(g, d, -1)
+            v = p[f"self_attn.v_proj.{kind}"].reshape(g, d, -1)
+            fused = torch.cat([q, k, v], dim=1).reshape(g * (per + 2) * d, -1)
+            out[f"{pre}.self_attention.linear_qkv.{kind}"] = fused.squeeze(-1) if kind == "bias" else fused
+        out[f"{pre}.mlp.linear_fc1.weight"] = torch.cat([p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]])
+    return out
+
+
+def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    back = {v: k for k, v in HF_LAYER_KEYS.items()}
+    unfused = {v: k for k, v in _norm_names(shape.fused_norms).items()}
+    g, d, per = shape.groups, shape.head_dim, shape.per_group
+    for name, t in meg.items():
+        if name == "embedding.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = t[: shape.vocab]
+        elif name == "output_layer.weight":
+            out["lm_head.weight"] = t[: shape.vocab]  # sent even when tied: vLLM's reload does not re-tie
+        elif name == "decoder.final_layernorm.weight":
+            out["model.norm.weight"] = t
+        else:
+            m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
+            if m is None:
+                raise KeyError(f"no Hugging Face name for Megatron weight {name!r}")
+            i, key = m.group(1), unfused.get(m.group(2), m.group(2))
+            pre = f"model.layers.{i}"
+            if key in back:
+                out[f"{pre}.{back[key]}"] = t
+            elif key.startswith("self_attention.linear_qkv."):
+                kind = key.rsplit(".", 1)[1]
+                fused = t.reshape(g, (per + 2) * d, -1)
+                q, k, v = fused.split([per * d, d, d], dim=1)
+                for proj, part in (("q", q), ("k", k), ("v", v)):
+                    flat = part.reshape(-1, part.shape[-1])
+                    out[f"{pre}.self_attn.{proj}_proj.{kind}"] = flat.squeeze(-1) if kind == "bias" else flat
+            elif key == "mlp.linear_fc1.weight":
+                gate, up = t.chunk(2)
+                out[f"{pre}.mlp.gate_proj.weight"], out[f"{pre}.mlp.up_proj.weight"] = gate, up
+            else:
+                raise KeyError(f"no Hugging Face name for Megatron weight {name!r}")
+    if tied and "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def is_sharded(name: str) -> bool:
+    """Split over tensor parallel (else replicated on every TP rank)."""
+    return name.endswith(COLUMN) or name.endswith(ROW)
+
+
+def shard(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """This tensor-parallel rank's slice of one unsharded Megatron tensor."""
+    if tp == 1:
+        return full
+    if name.endswith("linear_fc1.weight"):
+        gate, up = full.chunk(2)
+        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+    if name.endswith(COLUMN):
+        return full.chunk(tp, dim=0)[rank]
+    if name.endswith(ROW):
+        return full.chunk(tp, dim=1)[rank]
+    return full
+
+
+def unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of ``shard`` given every rank's slice in rank order."""
+    if len(parts) == 1:
+        return parts[0]
+    if name.endswith("linear_fc1.weight"):
+        halves = [p.chunk(2) for p in parts]
+        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
+    if name.endswith(COLUMN):
+        return torch.cat(parts, dim=0)
+    if name.endswith(ROW):
+        return torch.cat(parts, dim=1)
+    return parts[0]
+
+
+def relocate(name: str, offset: int) -> str:
+    """A pipeline stage's local layer name -> the model's global one (``decoder.layers.<i + offset>``)."""
+    m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
+    return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name

@@ -1,0 +1,63 @@
+"""One Megatron training step on the tiny model, run under torchrun (gloo, CPU): rank 0 saves the
+logprobs, the step's metrics and the full (TP-gathered, stage-merged) gradients in HF names.
+
+    python -m torch.distributed.run --nproc_per_node N tests/megatron_parity.py MODEL_DIR OUT TP PP [BACKEND]
+
+BACKEND is megatron (default) or fsdp (the reference: same batch, same loss, one process).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcrl.config import compose_config
+from hpcrl.trainer.batch import TrainBatch, build_batch
+
+
+def parity_batch() -> TrainBatch:
+    """Seven sequences of uneven length (micro-batches of 2 leave a short last one to pad)."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[1, *torch.randint(3, 120, (n,), generator=gen).tolist()] for n in (3, 5, 2, 4, 6, 3, 2)]
+    comps = [torch.randint(3, 120, (n,), generator=gen).tolist() for n in (4, 2, 5, 3, 1, 4, 2)]
+    logps = [(-torch.rand(len(c), generator=gen) * 5).tolist() for c in comps]
+    adv = [1.0, -1.0, 0.5, -0.5, 0.25, 2.0, -2.0]
+    return build_batch(prompts, comps, logps, adv, [1.0] * 7, pad_id=0)
+
+
+def overrides(tp: int, pp: int, backend: str = "megatron") -> list[str]:
+    return ["model=tiny", f"trainer={backend}", f"trainer.tp={tp}", f"trainer.pp={pp}",
+            "trainer.micro_batch_size=2", "algo.kl_coef=0.05", "algo.num_minibatches=1"]  # fmt: skip
+
+
+def _full(grad: Any) -> torch.Tensor:
+    """An FSDP2 gradient (a DTensor) as one plain tensor."""
+    return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+
+
+def main() -> None:
+    model_dir, out, tp, pp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    from hpcrl.trainer import make_trainer
+
+    backend = sys.argv[5] if len(sys.argv) > 5 else "megatron"
+    torch.set_num_threads(1)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    master = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', 29500)}"
+    cfg = compose_config(overrides(tp, pp, backend))
+    trainer: Any = make_trainer(model_dir, cfg, rank, world, master, "cpu")
+    batch = parity_batch()
+    ref = trainer.logprobs(batch, reference=True)
+    metrics = trainer.train_step(batch, ref)
+    grads = (trainer.export_weights(grads=True) if backend == "megatron"
+             else {n: _full(p.grad) for n, p in trainer.model.named_parameters()})  # fmt: skip
+    weights = trainer.export_weights()
+    if rank == 0:
+        torch.save({"logp": ref, "metrics": metrics, "grads": grads, "weights": weights}, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Megatron-core backend: HF<->Megatron weight mapping (exact round trips) and, under torchrun with
+gloo on CPU, TP=2 / PP=2 / TP=2xPP=2 giving the TP=1 losses and gradients, TP=1 giving fsdp's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcrl.trainer.megatron.weights import Shape, shard, to_hf, to_megatron, unshard
+
+from .conftest import ROOT, run_cli
+from .megatron_parity import parity_batch
+
+
+def _hf_model(kind: str) -> tuple[dict[str, torch.Tensor], Shape, bool]:
+    """A small random HF model of each supported family, as its safetensors state dict."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        model, tied = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True)), True
+    elif kind == "qwen3":
+        model, tied = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)), False
+    else:
+        model, tied = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False)), False
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if tied:
+        state.pop("lm_head.weight", None)  # what save_pretrained writes for a tied model
+    head_dim = 32 if kind == "qwen3" else 16
+    return state, Shape(heads=4, groups=2, head_dim=head_dim, vocab=96, padded_vocab=96), tied
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+def test_hf_to_megatron_to_hf_is_bit_identical(kind):
+    hf, shape, tied = _hf_model(kind)
+    meg = to_megatron(hf, shape, tied)
+    assert "decoder.layers.1.self_attention.linear_qkv.weight" in meg
+    assert ("decoder.layers.0.self_attention.linear_qkv.bias" in meg) == (
+        kind == "qwen2"
+    )  # Qwen2 has QKV bias
+    back = to_hf(meg, shape, tied)
+    if tied:
+        assert torch.equal(back.pop("lm_head.weight"), hf["model.embed_tokens.weight"])
+    assert back.keys() == hf.keys()
+    for name, tensor in hf.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_qkv_is_fused_per_query_group():
+    """Megatron's layout: [q heads of group 0; k0; v0; q heads of group 1; k1; v1]."""
+    hf, shape, tied = _hf_model("llama")
+    qkv = to_megatron(hf, shape, tied)["decoder.layers.0.self_attention.linear_qkv.weight"]
+    q, k, v = (hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    d = shape.head_dim
+    assert torch.equal(qkv[: 2 * d], q[: 2 * d])  # group 0's two query heads
+    assert torch.equal(qkv[2 * d : 3 * d], k[:d]) and torch.equal(qkv[3 * d : 4 * d], v[:d])
+    assert torch.equal(qkv[4 * d : 6 * d], q[2 * d :])  # group 1
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_shard_then_unshard_is_exact_and_fc1_keeps_gate_with_up(tp):
+    hf, shape, tied = _hf_model("qwen2")
+    meg = to_megatron(hf, shape, tied)
+    for name, full in meg.items():
+        parts = [shard(name, full, tp, r) for r in range(tp)]
+        assert torch.equal(unshard(name, parts), full), name
+    fc1 = meg["decoder.layers.0.mlp.linear_fc1.weight"]
+    gate = hf["model.layers.0.mlp.gate_proj.weight"]
+    rank1 = shard("decoder.layers.0.mlp.linear_fc1.weight", fc1, tp, 1)
+    rows = gate.shape[0] // tp
+    assert torch.equal(rank1[:rows], gate[rows : 2 * rows])  # rank 1's gate rows, then its up rows
+
+
+def test_plan_names_a_model_the_backend_cannot_build_and_submit_refuses(tmp_path):
+    site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh"]
+    plan = run_cli("plan", "+experiment=dapo-nemotron-super-5n4g-megatron", *site)
+    assert plan.returncode == 0, plan.stderr
+    assert "cannot submit yet" in plan.stdout and "cannot build nemotron_super" in plan.stdout
+    submitted = run_cli(
+        "submit", "+experiment=dapo-nemotron-super-5n4g-megatron", f"run.output_root={tmp_path}", *site
+    )
+    assert submitted.returncode == 2
+    assert "trainer=megatron cannot build nemotron_super yet" in submitted.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted
+
+
+def _torchrun(
+    model_dir: Path, out: Path, tp: int, pp: int, backend: str = "megatron", port: int = 29631
+) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={max(1, tp * pp)}",
+           f"--master_port={port}", str(ROOT / "tests" / "megatron_parity.py"), str(model_dir), str(out),
+           str(tp), str(pp), backend]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out)
+
+
+@pytest.mark.slow
+def test_tensor_and_pipeline_parallel_match_tp1_and_tp1_matches_fsdp(tiny_dir, tmp_path):
+    mask = parity_batch().loss_mask.bool()
+    base = _torchrun(tiny_dir, tmp_path / "tp1.pt", 1, 1)
+    fsdp = _torchrun(tiny_dir, tmp_path / "fsdp.pt", 1, 1, backend="fsdp")
+    assert torch.allclose(base["logp"][mask], fsdp["logp"][mask], atol=1e-5)
+    for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm"):
+        assert base["metrics"][key] == pytest.approx(fsdp["metrics"][key], rel=1e-4, abs=1e-6), key
+    for name, grad in fsdp["grads"].items():
+        ours = base["grads"][name if name in base["grads"] else "model.embed_tokens.weight"]
+        assert torch.allclose(ours, grad, atol=1e-5), name
+    for tp, pp in ((2, 1), (1, 2), (2, 2)):
+        run = _torchrun(tiny_dir, tmp_path / f"tp{tp}pp{pp}.pt", tp, pp, port=29641 + tp * 10 + pp)
+        where = f"TP={tp} PP={pp}"
+        assert torch.allclose(run["logp"][mask], base["logp"][mask], atol=1e-5), where
+        for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm"):
+            assert run["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-4, abs=1e-6), (
+                where,
+                key,
+            )
+        assert run["grads"].keys() == base["grads"].keys(), where
+        for name, grad in base["grads"].items():
+            assert torch.allclose(run["grads"][name], grad, atol=1e-5), (where, name)
+        for name, weight in base["weights"].items():
+            assert torch.allclose(run["weights"][name], weight, atol=1e-6), (where, name)
