@@ -21,6 +21,7 @@ class Runtime:
     trainers: list[Any]
     engines: list[Any]
     placement: list[dict[str, Any]] = field(default_factory=list)
+    data_ranks: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def start(
@@ -85,9 +86,19 @@ class Runtime:
                 out[i + j * k] = group
         return out
 
+    def _data_ranks(self) -> list[tuple[int, int]]:
+        """(data-parallel rank, data-parallel size) of every trainer rank: ranks that differ only in
+        TP/PP/CP hold the same shard of the batch (fsdp: every rank its own)."""
+        import ray
+
+        if not self.data_ranks:
+            self.data_ranks = [
+                (int(r), int(n)) for r, n in ray.get([t.data_rank.remote() for t in self.trainers])
+            ]
+        return self.data_ranks
+
     def _shards(self, batch: TrainBatch) -> list[TrainBatch]:
-        n = len(self.trainers)
-        return [batch.select(slice(r, None, n)) for r in range(n)]
+        return [batch.select(slice(r, None, n)) for r, n in self._data_ranks()]
 
     def ref_logprobs(self, batch: TrainBatch) -> Any:
         import ray
@@ -96,13 +107,17 @@ class Runtime:
         parts = ray.get(
             [t.ref_logprobs.remote(s) for t, s in zip(self.trainers, self._shards(batch), strict=True)]
         )
-        return _interleave(parts) if len(parts) > 1 else parts[0] if parts else torch.empty(0)
+        first: dict[int, Any] = {}  # one answer per data-parallel shard
+        for (r, _n), part in zip(self._data_ranks(), parts, strict=True):
+            first.setdefault(r, part)
+        ordered = [first[r] for r in sorted(first)]
+        return _interleave(ordered) if len(ordered) > 1 else ordered[0] if ordered else torch.empty(0)
 
     def train_step(self, batch: TrainBatch, ref_logp: Any) -> dict[str, float]:
         import ray
 
-        n = len(self.trainers)
-        refs = [None] * n if ref_logp is None else [ref_logp[r::n] for r in range(n)]
+        ranks = self._data_ranks()
+        refs = [None if ref_logp is None else ref_logp[r::n] for r, n in ranks]
         results = ray.get([t.train_step.remote(s, r)
                            for t, s, r in zip(self.trainers, self._shards(batch), refs, strict=True)])  # fmt: skip
         return dict(results[0])

@@ -55,6 +55,9 @@ class TrainerWorker:
     def where(self) -> dict[str, Any]:
         return {"role": "train", "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid()}
 
+    def data_rank(self) -> tuple[int, int]:
+        return self.trainer.data_rank()
+
     def ref_logprobs(self, batch: Any) -> Any:
         return self.trainer.logprobs(batch, reference=True)
 

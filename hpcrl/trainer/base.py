@@ -10,6 +10,10 @@ from hpcrl.trainer.batch import TrainBatch
 
 
 class Trainer(Protocol):
+    def data_rank(self) -> tuple[int, int]:
+        """(data-parallel rank, data-parallel size): which shard of the batch this rank trains on."""
+        ...
+
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         """[B, T-1] log-probabilities of the target tokens, under the policy or the frozen reference."""
         ...

@@ -23,6 +23,10 @@ class TrainBatch:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def to(self, device: torch.device | str) -> TrainBatch:
+        return TrainBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask,
+                                                  self.advantages, self.rollout_logp)))  # fmt: skip
+
     def select(self, idx: slice | torch.Tensor) -> TrainBatch:
         return TrainBatch(
             self.input_ids[idx], self.attention_mask[idx], self.loss_mask[idx], self.advantages[idx],

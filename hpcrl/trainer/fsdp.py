@@ -88,14 +88,18 @@ class FSDPTrainer:
             weight_decay=cfg.trainer.weight_decay, betas=(0.9, 0.999),
         )  # fmt: skip
 
+    def data_rank(self) -> tuple[int, int]:
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         model = self.ref if reference else self.model
         assert model is not None, "no reference model: algo.kl_coef is 0"
+        batch = batch.to(self.device)  # the driver sends CPU tensors
         out = []
         with torch.no_grad():
             for mb in self._micro_batches(batch):
                 out.append(token_logprobs(model, mb)[0])
-        return _cat_padded(out)
+        return _cat_padded(out).cpu()
 
     def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
         size = self.cfg.trainer.micro_batch_size
@@ -103,11 +107,13 @@ class FSDPTrainer:
 
     def train_step(self, batch: TrainBatch, ref_logp: torch.Tensor | None) -> dict[str, float]:
         algo = self.cfg.algo
+        batch = batch.to(self.device)  # the driver sends CPU tensors
+        ref_logp = None if ref_logp is None else ref_logp.to(self.device)
         self.model.train()
         # The "old" policy is the one that generated the rollouts, as the trainer computes it. With a
         # single optimizer step per batch it equals the current policy, so its logprobs come free from
         # the training forward pass (logp.detach()) instead of a separate forward over the batch.
-        old_logp = None if algo.num_minibatches == 1 else self.logprobs(batch)
+        old_logp = None if algo.num_minibatches == 1 else self.logprobs(batch).to(self.device)
         metrics: dict[str, float] = {}
         if old_logp is not None:
             metrics["gen_kl_error"] = gen_kl_error(old_logp, batch.rollout_logp, batch.loss_mask)

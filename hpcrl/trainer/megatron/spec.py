@@ -111,7 +111,7 @@ def transformer_config(hf: Any, trainer: MegatronTrainerConfig, par: TrainParall
         use_cpu_initialization=True,  # the weights come from the checkpoint right after
         perform_initialization=False,
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
+        bias_activation_fusion=on_gpu,  # Megatron's fused SwiGLU (no Transformer Engine needed)
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,

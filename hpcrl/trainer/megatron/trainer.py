@@ -176,6 +176,9 @@ class MegatronTrainer:
         self._load(self.model, to_megatron(state["model"], self.shape, self.tied))
         self.optimizer.load_state_dict(state["optimizer"][dist.get_rank() if dist.is_initialized() else 0])
 
+    def data_rank(self) -> tuple[int, int]:
+        return self.ps.get_data_parallel_rank(), self.par.dp
+
     # -- forward -----------------------------------------------------------------------------------
     def _token_stats(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Vocab-parallel log p(target) and entropy from this rank's [b, s, vocab/tp] logits."""
