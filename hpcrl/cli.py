@@ -26,9 +26,29 @@ def _parser() -> argparse.ArgumentParser:
         ("render", "write the sbatch script and resolved config that submit would use, without submitting"),
         ("submit", "validate, then run locally (no cluster) or submit to Slurm"),
         ("show", "print the composed config as YAML"),
+        ("debug", "hold an allocation with the planned nodes and its Ray cluster up; prints how to attach"),
+        ("run", "run the driver against a held debug session's Ray cluster (no restart)"),
     ):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +cluster=gb200 trainer.tp=2")
+        if name in ("debug", "run"):
+            p.add_argument(
+                "--root",
+                type=Path,
+                default=None,
+                help="run.output_root of the debug job (default: from the overrides)",
+            )
+        if name == "run":
+            p.add_argument(
+                "--job",
+                default=None,
+                help="the debug job (default: $SLURM_JOB_ID, i.e. the allocation you are in)",
+            )
+            p.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # on the head node already
+        if name == "debug":
+            p.add_argument(
+                "--no-wait", action="store_true", help="return once submitted, without waiting for Ray"
+            )
         if name == "render":
             p.add_argument(
                 "--out", type=Path, default=None, help="directory to write into (default: the run directory)"
@@ -39,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
                 help="Slurm: keep the job's Ray cluster up this long after the driver (debugging)",
             )  # fmt: skip
             p.add_argument(
+                "-m", "--multirun", action="store_true",
+                help="Slurm: Hydra sweep syntax (algo.lr=1e-6,3e-6 ...): one job per point, returns at once",
+            )  # fmt: skip
+            p.add_argument(
                 "--smoke", action="store_true",
                 help="Slurm: only bring up Ray and place one actor per node by role (checks an allocation; no training)",
             )  # fmt: skip
@@ -47,8 +71,17 @@ def _parser() -> argparse.ArgumentParser:
         ("logs", "per-node logs of a job"),
         ("cancel", "cancel a job"),
         ("ls", "recent runs with state, nodes and start time"),
+        ("attach", "open a shell (or run a command after --) on a node of a held debug session"),
     ):
         p = sub.add_parser(name, help=text, description=text)
+        if name == "attach":
+            p.add_argument("job")
+            p.add_argument(
+                "node", nargs="?", default=None, help="host name or node index (default: the head)"
+            )
+            p.epilog = "hpcrl attach JOB [NODE] -- COMMAND...  runs COMMAND there instead of a shell"
+        if name == "ls":
+            p.add_argument("--sweep", type=Path, default=None, metavar="DIR", help="the points of one sweep")
         if name in ("status", "logs", "cancel"):
             p.add_argument("job", nargs="?" if name == "status" else None)
         if name == "logs":
@@ -62,7 +95,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if argv[:1] == ["attach"] and "--" in argv:  # everything after -- is the command to run there
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1 :]
     args = _parser().parse_args(argv)
+    args.cmd = command
     try:
         return COMMANDS[args.command](args)
     except HpcrlError as exc:
@@ -107,6 +146,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from hpcrl.cluster import Scheduler
     from hpcrl.plan import plan_from_overrides
 
+    if args.multirun:
+        return submit_multirun(args.overrides)
     plan = plan_from_overrides(args.overrides)
     plan.require_fit()
     plan.require_buildable()
@@ -151,8 +192,115 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def submit_multirun(overrides: list[str]) -> int:
+    from hpcrl.cluster import Scheduler
+    from hpcrl.launch.sweep import plan_points, submit_sweep
+
+    points = plan_points(overrides)  # every point validated before the first job goes out
+    if points[0].plan.cfg.cluster.scheduler is Scheduler.local:
+        raise HpcrlError("submit -m submits one Slurm job per point; choose a Slurm cluster (cluster=...)")
+    sweep_dir, rows = submit_sweep(points)
+    print(f"sweep   {sweep_dir}  ({len(rows)} jobs)")
+    print(f"{'point':>5}  {'job':>8}  {'overrides':40s}  run dir")
+    for row in rows:
+        print(f"{row['point']:>5}  {row['job_id']:>8}  {' '.join(row['overrides']):40s}  {row['run_dir']}")
+    print(f"follow with: hpcrl ls --sweep {sweep_dir}")
+    return 0
+
+
+def cmd_debug(args: argparse.Namespace) -> int:
+    from hpcrl.cluster import Scheduler
+    from hpcrl.launch.debug import READY_TIMEOUT_S, node_hosts, wait_ready
+    from hpcrl.launch.submit import submit
+    from hpcrl.plan import plan_from_overrides
+
+    plan = plan_from_overrides(args.overrides)
+    plan.require_fit()
+    if plan.cfg.cluster.scheduler is Scheduler.local:
+        raise HpcrlError("hpcrl debug holds a Slurm allocation; choose a Slurm cluster (cluster=...)")
+    done = submit(plan, debug=True)
+    root = plan.cfg.run.output_root
+    print(f"job     {done.job_id}  (debug session, {plan.topology.nodes} node(s) on {plan.cfg.cluster.name})")
+    print(f"run dir {done.run_dir}")
+    if not args.no_wait:
+        ready = wait_ready(
+            done.job_id, done.run_dir, READY_TIMEOUT_S, lambda m: print(f"        {m}", flush=True)
+        )
+        hosts = node_hosts(done.run_dir, plan.topology.nodes)
+        print(
+            f"ready   Ray up on {', '.join(hosts)} after {ready['seconds']:.0f}s; held until the time limit"
+        )
+    print(f"attach  hpcrl attach {done.job_id} --root {root}        (shell on the head node)")
+    print(f"run     hpcrl run --job {done.job_id} --root {root} {' '.join(args.overrides)}")
+    print(f"stop    hpcrl cancel {done.job_id} --root {root}")
+    return 0
+
+
+def _debug_root(args: argparse.Namespace) -> Path:
+    if args.root is not None:
+        return Path(args.root)
+    from hpcrl.config import compose_config
+
+    return Path(compose_config(list(args.overrides)).run.output_root)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import os
+    import socket
+    import subprocess
+
+    from hpcrl.launch.debug import check_fits_allocation, driver_argv, held, node_hosts, run_here
+    from hpcrl.plan import plan_from_overrides
+
+    job_id = args.job or os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        raise HpcrlError(
+            "which debug session? pass --job JOB (or run inside its allocation: `hpcrl attach JOB`)"
+        )
+    root = _debug_root(args)
+    plan = plan_from_overrides(args.overrides)
+    plan.require_fit()
+    plan.require_buildable()
+    job, meta = held(job_id, root)
+    check_fits_allocation(plan, job_id, meta)
+    head = node_hosts(job.run_dir, 1)[0]
+    if args.here or socket.gethostname() == head:
+        run_dir = run_here(plan, job)
+        print(f"run dir {run_dir}")
+        return 0
+    return subprocess.call(driver_argv(job_id, meta, head, root, list(args.overrides)))
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    import os
+
+    from hpcrl.launch.debug import attach_argv, held, node_hosts
+
+    job, meta = held(args.job, args.root)
+    hosts = node_hosts(job.run_dir, job.nodes)
+    node = args.node or hosts[0]
+    if node.isdigit():
+        node = hosts[int(node)]
+    if node not in hosts:
+        raise HpcrlError(f"node {node} is not in job {job.job_id} (its nodes: {', '.join(hosts)})")
+    argv = attach_argv(job.job_id, meta, node, args.cmd)
+    sys.stdout.flush()
+    os.execvp(argv[0], argv)
+    return 1  # not reached
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     from hpcrl.launch import lifecycle
+
+    if args.sweep is not None:
+        from hpcrl.launch.sweep import summary
+
+        print(f"{'point':>5}  {'job':>8}  {'state':<12} {'overrides':40s}  latest")
+        for row in summary(args.sweep):
+            print(
+                f"{row['point']:>5}  {row['job_id']:>8}  {row['state']:<12} {' '.join(row['overrides']):40s}  {row['metric']}"
+            )
+        return 0
 
     jobs = lifecycle.recent(args.root)
     if not jobs:
@@ -187,7 +335,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"plan": cmd_plan, "render": cmd_render, "submit": cmd_submit, "show": cmd_show, "status": cmd_status,
-            "logs": cmd_logs, "cancel": cmd_cancel, "ls": cmd_ls}  # fmt: skip
+            "logs": cmd_logs, "cancel": cmd_cancel, "ls": cmd_ls, "debug": cmd_debug, "run": cmd_run,
+            "attach": cmd_attach}  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,6 +12,7 @@ from typing import Any
 
 from hpcrl.plan import Plan
 from hpcrl.rollout.base import Completion, SamplingSettings
+from hpcrl.topology import Placement
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.workers import ROLLOUT_RESOURCE, TRAIN_RESOURCE, RolloutWorker, TrainerWorker
 
@@ -36,11 +37,13 @@ class Runtime:
         topo = plan.topology
         world = topo.train.world if gpu_resources else 1
         on_cpu = device == "cpu"
+        # Colocated: trainer rank and engine share each GPU (half a Ray GPU each); split: a whole one.
+        share = 0.5 if topo.placement is Placement.COLOCATED else 1.0
         trainer_cls = ray.remote(TrainerWorker)
         rollout_cls = ray.remote(RolloutWorker)
         trainers = [
             trainer_cls.options(
-                num_cpus=0, num_gpus=1 if gpu_resources else 0, resources={TRAIN_RESOURCE: 1}
+                num_cpus=0, num_gpus=share if gpu_resources else 0, resources={TRAIN_RESOURCE: 1}
             ).remote(str(model_dir), cfg, rank, world, device)
             for rank in range(world)
         ]
@@ -54,7 +57,7 @@ class Runtime:
         tp = cfg.rollout.tp
         engines = [
             rollout_cls.options(
-                num_cpus=0, num_gpus=tp if gpu_resources else 0, resources={ROLLOUT_RESOURCE: tp}
+                num_cpus=0, num_gpus=tp * share if gpu_resources else 0, resources={ROLLOUT_RESOURCE: tp}
             ).remote(str(model_dir), cfg, cfg.max_seq_len, str(scratch), on_cpu, kv_gb)
             for _ in range(engines_n)
         ]

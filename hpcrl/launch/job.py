@@ -8,7 +8,6 @@ message that names it, and srun's --kill-on-bad-exit ends the job: no allocation
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -49,13 +48,18 @@ def _wait_for(path: Path, deadline_s: float, what: str) -> None:
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """Stop the Ray processes this node started (its own session), never anyone else's."""
+    """Stop the Ray processes this node started: their reaper stops the whole group (reaper.py)."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=3)  # Ray would drain for 30 s; the job is over, nothing to drain for
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        proc.terminate()
+        try:
+            proc.wait(timeout=6)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _terminated(signum: int, _frame: Any) -> None:
+    raise SystemExit(f"hpcrl: node task got signal {signum} (job cancelled or out of time); stopping Ray")
 
 
 class _Where:
@@ -98,6 +102,9 @@ class NodeTask:
         """Keep the Ray cluster up this long after the driver (debugging; the seed of `hpcrl debug`)."""
 
     def __call__(self) -> dict[str, Any]:
+        # scancel / the time limit end a job with SIGTERM (submitit would ignore it): unwind, so the
+        # ``finally`` blocks stop this node's Ray at once instead of waiting for Slurm's SIGKILL.
+        signal.signal(signal.SIGTERM, _terminated)
         run_dir, job_id = Path(self.run_dir), os.environ.get("SLURM_JOB_ID", "local")
         spec = this_node(self.roles)
         record = {"node_id": spec.node_id, "role": spec.role, "host": spec.host, "ip": spec.ip,

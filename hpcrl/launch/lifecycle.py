@@ -90,7 +90,7 @@ def cancel(job_id: str) -> None:
         raise HpcrlError(f"scancel {job_id} failed: {result.stderr.strip()}")
 
 
-def wait(job_id: str, run_dir: Path, timeout_s: float) -> str:
+def wait(job_id: str, run_dir: Path | None, timeout_s: float) -> str:
     """Poll until the job leaves the active states (or the deadline passes); returns the last state."""
     deadline = time.monotonic() + timeout_s
     state = job_state(job_id, run_dir)

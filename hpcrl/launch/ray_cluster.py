@@ -98,9 +98,9 @@ def start_node(spec: NodeSpec, run_dir: Path, head_ip: str, job_id: str) -> subp
     else:
         cmd += [f"--address={head_ip}:{GCS_PORT}"]
     log = open(run_dir / "ray" / f"node{spec.node_id}.log", "ab")  # noqa: SIM115 - lives as long as Ray
-    return subprocess.Popen(
-        cmd, env=ray_env(run_dir), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    # Under the reaper: Ray cannot outlive this node task, however the task ends (see reaper.py).
+    reaped = [sys.executable, "-m", "hpcrl.launch.reaper", "--", *cmd]
+    return subprocess.Popen(reaped, env=ray_env(run_dir), stdout=log, stderr=subprocess.STDOUT)
 
 
 def wait_for_cluster(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 from hpcrl.errors import HpcrlError
 from hpcrl.launch.job import NodeTask
 from hpcrl.launch.ray_cluster import make_token
-from hpcrl.launch.sbatch import SUBMITIT_DIR, make_executor, render_sbatch
+from hpcrl.launch.sbatch import SUBMITIT_DIR, make_executor, render_sbatch, srun_args
 from hpcrl.plan import Plan
 from hpcrl.rundir import atomic_write_text, new_run_dir, write_resolved_config
 
@@ -32,18 +33,23 @@ class Submitted:
         return int(json.loads((self.run_dir / "job.json").read_text())["nodes"])
 
 
-def submit(plan: Plan, hold_s: float = 0.0, smoke: bool = False) -> Submitted:
+def submit(plan: Plan, hold_s: float = 0.0, smoke: bool = False, *, debug: bool = False,
+           suffix: str = "") -> Submitted:  # fmt: skip
+    """``debug``: a held session (placement check, then Ray stays up until the time limit or cancel).
+    ``suffix``: appended to the run directory's name (sweep points submitted in the same second)."""
     cfg = plan.cfg
     run_dir = new_run_dir(cfg).resolve()
+    if suffix:
+        run_dir = run_dir.with_name(f"{run_dir.name}-{suffix}")
     run_dir.mkdir(parents=True, exist_ok=True)
     write_resolved_config(cfg, run_dir)
     make_token(run_dir)  # 0600, on the shared filesystem: the job's nodes and `hpcrl run` read it
     atomic_write_text(run_dir / "sbatch.sh", render_sbatch(plan, run_dir))
     try:
         executor = make_executor(plan, run_dir)
-        job = executor.submit(
-            NodeTask(str(run_dir), plan.topology.node_roles(), None if smoke else plan, hold_s=hold_s)
-        )
+        task = NodeTask(str(run_dir), plan.topology.node_roles(), None if smoke or debug else plan,
+                        hold_s=math.inf if debug else hold_s)  # fmt: skip
+        job = executor.submit(task)
     except Exception as exc:  # submitit raises RuntimeError/FailedSubmissionError with sbatch's own words
         reason = " ".join(str(exc).split())[:400]
         raise HpcrlError(
@@ -51,7 +57,9 @@ def submit(plan: Plan, hold_s: float = 0.0, smoke: bool = False) -> Submitted:
             f"(SLURM_CONF, partition/account in cluster.slurm.*). Run dir kept: {run_dir}"
         ) from None
     meta = {"job_id": job.job_id, "nodes": plan.topology.nodes, "submitted": time.time(),
-            "roles": plan.topology.node_roles(), "cluster": cfg.cluster.name, "name": cfg.run.name}  # fmt: skip
+            "roles": plan.topology.node_roles(), "cluster": cfg.cluster.name, "name": cfg.run.name,
+            "debug": debug, "gpus_per_node": cfg.cluster.gpus_per_node, "python": cfg.cluster.python,
+            "container_args": [a for a in srun_args(cfg.cluster) if a.startswith("--container") or a.startswith("--no-container")]}  # fmt: skip
     atomic_write_text(run_dir / "job.json", json.dumps(meta, indent=1))
     index = Path(cfg.run.output_root) / JOBS_INDEX
     index.mkdir(parents=True, exist_ok=True)

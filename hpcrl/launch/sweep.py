@@ -1,0 +1,99 @@
+"""``hpcrl submit -m``: Hydra multirun syntax, one Slurm job per point.
+
+``algo.lr=1e-6,3e-6 algo.kl_coef=0,0.01`` is four points (the cartesian product). Every point is
+composed and planned before the first job goes out: one bad point submits nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcrl.errors import HpcrlError
+from hpcrl.plan import Plan, plan_from_overrides
+
+SWEEPS_DIR = "sweeps"
+
+
+def expand(overrides: list[str]) -> list[list[str]]:
+    """Hydra override lines -> one override list per point (sweeps: ``a=1,2``, ``range(..)``, ``choice(..)``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    axes: list[list[str]] = []
+    for o in OverridesParser.create().parse_overrides(overrides):
+        if o.is_sweep_override():
+            axes.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+        else:
+            axes.append([o.input_line or ""])
+    return [list(point) for point in itertools.product(*axes)]
+
+
+@dataclass(frozen=True)
+class Point:
+    index: int
+    overrides: list[str]
+    """Only the overrides that vary between points (what the table shows)."""
+    plan: Plan
+
+
+def plan_points(overrides: list[str]) -> list[Point]:
+    points = expand(overrides)
+    varying = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
+    planned = []
+    for n, point in enumerate(points):
+        try:
+            plan = plan_from_overrides(point)
+            plan.require_fit()
+            plan.require_buildable()
+        except HpcrlError as exc:
+            shown = " ".join(point[i] for i in varying)
+            raise HpcrlError(f"sweep point {n} ({shown}): {exc}; nothing was submitted") from None
+        planned.append(Point(n, [point[i] for i in varying], plan))
+    return planned
+
+
+def submit_sweep(points: list[Point]) -> tuple[Path, list[dict[str, Any]]]:
+    from hpcrl.launch.submit import submit
+
+    first = points[0].plan.cfg
+    sweep_dir = (
+        Path(first.run.output_root) / SWEEPS_DIR / f"{first.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for p in points:
+        done = submit(p.plan, suffix=f"p{p.index}")
+        rows.append(
+            {"point": p.index, "overrides": p.overrides, "job_id": done.job_id, "run_dir": str(done.run_dir)}
+        )
+        (sweep_dir / "sweep.json").write_text(json.dumps({"points": rows}, indent=1))
+    return sweep_dir, rows
+
+
+def latest_metric(run_dir: Path) -> str:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return "-"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for key in ("val/accuracy", "train/reward"):
+        hits = [r for r in rows if key in r]
+        if hits:
+            return f"{key}={hits[-1][key]:.3f} @ step {hits[-1]['step']}"
+    return "-"
+
+
+def summary(sweep_dir: Path) -> list[dict[str, Any]]:
+    from hpcrl.launch.lifecycle import job_state
+
+    path = sweep_dir / "sweep.json"
+    if not path.exists():
+        raise HpcrlError(f"{sweep_dir} is not a sweep directory (no sweep.json); `hpcrl submit -m` prints it")
+    rows = json.loads(path.read_text())["points"]
+    for row in rows:
+        row["state"] = job_state(row["job_id"], Path(row["run_dir"]))
+        row["metric"] = latest_metric(Path(row["run_dir"]))
+    return rows
