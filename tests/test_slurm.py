@@ -29,6 +29,7 @@ def test_submit_places_one_task_per_node_with_roles(slurm_cluster, tmp_path):
     assert (run_dir / "sbatch.sh").read_text().count("#SBATCH --nodes=3") == 1
     state = lifecycle.wait(job_id, run_dir, timeout_s=240)
     assert state == "COMPLETED", state
+    assert lifecycle.sacct_state(job_id) == "COMPLETED"  # slurmdbd + MariaDB keep the record for good
     records = [json.loads((run_dir / "nodes" / f"{i}.json").read_text()) for i in range(3)]
     assert [r["role"] for r in records] == ["rollout", "train", "train"]
     assert [r["host"] for r in records] == ["hpcrl-node1", "hpcrl-node2", "hpcrl-node3"]
@@ -136,3 +137,12 @@ def test_split_tiny_run_learns_on_two_nodes(slurm_cluster, tmp_path):
     assert (
         "validation accuracy" in logs and "placed: train x1 on hpcrl-node2; rollout x1 on hpcrl-node1" in logs
     )
+
+
+def test_state_falls_back_to_scontrol_without_accounting(monkeypatch):
+    """On a cluster without slurmdbd (sacct prints nothing useful) the state comes from scontrol."""
+    answers = {"squeue": "", "sacct": "", "scontrol": "JobId=7 JobName=x\n   JobState=TIMEOUT Reason=None"}
+    monkeypatch.setattr(lifecycle, "_run", lambda cmd: answers[cmd[0]])
+    assert lifecycle.job_state("7") == "TIMEOUT"
+    answers["sacct"] = "7|CANCELLED by 0\n"
+    assert lifecycle.job_state("7") == "CANCELLED"

@@ -160,7 +160,9 @@ class NodeTask:
                 f"{spec.ip}:{GCS_PORT}", len(self.roles), gpus, CLUSTER_DEADLINE_S, proc
             )
             ready_s = time.monotonic() - started
-            _write(run_dir / "ray" / f"ready-{job_id}.json", {"seconds": ready_s, "polled_s": waited})
+            job_start = float(os.environ.get("HPCRL_JOB_START", "nan"))
+            _write(run_dir / "ray" / f"ready-{job_id}.json",
+                   {"seconds": ready_s, "polled_s": waited, "since_job_start_s": time.time() - job_start})  # fmt: skip
             print(f"hpcrl: Ray ready with {len(self.roles)} nodes after {ready_s:.1f}s", flush=True)
             if self.plan is None:
                 placement = probe_placement(self.roles)

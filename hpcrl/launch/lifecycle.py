@@ -1,8 +1,9 @@
 """Job lifecycle: state, logs, cancel and a listing of recent runs.
 
-State comes from ``squeue``; a job that left the queue is looked up with ``scontrol show job``
-(``sacct`` is not required), and a job no longer known to Slurm is reported from what its run
-directory holds, so nothing here waits on a job that died without a result.
+State comes from ``squeue``; a job that left the queue is looked up in accounting (``sacct``, which
+remembers it for good) and, on clusters without slurmdbd, with ``scontrol show job`` (which forgets
+it after MinJobAge); a job no longer known to Slurm is reported from what its run directory holds, so
+nothing here waits on a job that died without a result.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def job_state(job_id: str, run_dir: Path | None = None) -> str:
     state = _run(["squeue", "-h", "-j", job_id, "-o", "%T"]).strip()
     if state:
         return state.splitlines()[0]
+    accounted = sacct_state(job_id)
+    if accounted:
+        return accounted
     match = re.search(r"JobState=(\S+)", _run(["scontrol", "show", "job", job_id]))
     if match:
         return match.group(1)
@@ -49,6 +53,17 @@ def job_state(job_id: str, run_dir: Path | None = None) -> str:
         results = list((run_dir / SUBMITIT_DIR).glob(f"{job_id}_*_result.pkl"))
         return "ENDED (results present)" if results else "ENDED (no result)"
     return "UNKNOWN"
+
+
+def sacct_state(job_id: str) -> str:
+    """The job's state from Slurm accounting, or "" when the cluster has none (sacct fails) or
+    has no record of it. "CANCELLED by 0" is reported as CANCELLED."""
+    out = _run(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,State"])
+    for line in out.splitlines():
+        jid, _, state = line.partition("|")
+        if jid == job_id and state:
+            return state.split()[0]
+    return ""
 
 
 def run_dir_of(job_id: str, root: Path) -> Path:

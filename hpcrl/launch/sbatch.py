@@ -77,6 +77,7 @@ def setup_lines(plan: Plan) -> list[str]:
         "set -euo pipefail",
         'ulimit -Sn "$(ulimit -Hn)" 2>/dev/null || true  # Ray opens many sockets per worker',
         f"export HPCRL_ROLES={shlex.quote(','.join(plan.topology.node_roles()))}",
+        'export HPCRL_JOB_START="$(date +%s.%N)"  # the head reports seconds from here to "Ray ready"',
     ]
     for name in sorted(cluster.env):
         lines.append(f"export {name}={shlex.quote(str(cluster.env[name]))}")
