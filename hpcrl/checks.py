@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from hpcrl.errors import ConfigError
 
@@ -31,3 +32,8 @@ def one_of(key: str, value: object, choices: Iterable[object]) -> None:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+MISSING: Any = "???"
+"""A required field without a default: the same sentinel as ``omegaconf.MISSING`` (which Hydra's
+structured configs recognise), defined here so that loading a cached config imports no omegaconf."""

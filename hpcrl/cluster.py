@@ -10,9 +10,7 @@ import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from omegaconf import MISSING
-
-from hpcrl.checks import non_negative, positive
+from hpcrl.checks import MISSING, non_negative, positive
 from hpcrl.errors import ConfigError
 
 

@@ -12,10 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING
-
 from hpcrl.algo.config import AlgoConfig
-from hpcrl.checks import positive
+from hpcrl.checks import MISSING, positive
 from hpcrl.cluster import ClusterConfig
 from hpcrl.data.config import DataConfig
 from hpcrl.errors import ConfigError
@@ -177,7 +175,14 @@ def compose_raw(overrides: list[str]) -> Any:
 
 
 def compose_config(overrides: list[str]) -> RunConfig:
-    """Compose, convert to typed dataclasses and run the per-component checks."""
+    """Compose, convert to typed dataclasses and run the per-component checks.
+
+    A successful composition is cached (see ``_cache_path``): the next ``hpcrl plan``/``render`` with
+    the same overrides, conf/ tree and hpcrl code skips Hydra (about half a second of start-up)."""
+    cache = _cache_path(overrides)
+    cached = _load_cached(cache)
+    if cached is not None:
+        return cached
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -188,7 +193,53 @@ def compose_config(overrides: list[str]) -> RunConfig:
         raise ConfigError(explain_hydra_error(exc)) from None
     assert isinstance(cfg, RunConfig)
     cfg.check()
+    _store_cached(cache, cfg)
     return cfg
+
+
+def _cache_path(overrides: list[str]) -> Path | None:
+    """Key: the overrides, the name/size/mtime of every file under conf/ and hpcrl/ (the schemas and
+    the code that checks them), the Python version. Any edit there is a miss. HPCRL_COMPOSE_CACHE=0
+    turns the cache off."""
+    import hashlib
+    import sys
+
+    if os.environ.get("HPCRL_COMPOSE_CACHE", "1") == "0":
+        return None
+    digest = hashlib.sha256("\0".join([sys.version, *overrides]).encode())
+    for root in (conf_dir(), Path(__file__).resolve().parent):
+        for path in sorted(root.rglob("*")):
+            if path.suffix in (".yaml", ".py"):
+                st = path.stat()
+                digest.update(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode())
+    base = Path(os.environ.get("HPCRL_CACHE", Path.home() / ".cache" / "hpcrl"))
+    return base / "compose" / f"{digest.hexdigest()[:32]}.pkl"
+
+
+def _load_cached(path: Path | None) -> RunConfig | None:
+    import pickle
+
+    if path is None or not path.exists():
+        return None
+    try:
+        cfg = pickle.loads(path.read_bytes())
+    except Exception:  # a partial or stale file is only a miss
+        return None
+    return cfg if isinstance(cfg, RunConfig) else None
+
+
+def _store_cached(path: Path | None, cfg: RunConfig) -> None:
+    import pickle
+
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_bytes(pickle.dumps(cfg))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs the speed-up
 
 
 def explain_hydra_error(exc: BaseException) -> str:

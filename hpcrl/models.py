@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from omegaconf import MISSING
-
-from hpcrl.checks import non_negative, positive
+from hpcrl.checks import MISSING, non_negative, positive
 from hpcrl.errors import ConfigError
 
 

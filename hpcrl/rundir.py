@@ -32,10 +32,11 @@ def _plain(value: Any) -> Any:
 
 
 def config_yaml(cfg: RunConfig) -> str:
-    """The resolved config as YAML (quirks applied). Holds no secrets: the schemas have no secret fields."""
-    from omegaconf import OmegaConf
+    """The resolved config as YAML (quirks applied). Holds no secrets: the schemas have no secret fields.
+    Plain PyYAML rather than OmegaConf: ``hpcrl render`` stays clear of the OmegaConf import."""
+    import yaml
 
-    return OmegaConf.to_yaml(OmegaConf.create(_plain(cfg)))
+    return str(yaml.safe_dump(_plain(cfg), sort_keys=False, default_flow_style=False))
 
 
 def write_resolved_config(cfg: RunConfig, run_dir: Path) -> Path:

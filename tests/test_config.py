@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from hpcrl.cluster import Scheduler
@@ -91,3 +96,23 @@ def test_composition_errors_name_the_key(override, fragment):
 def test_env_entries_can_be_added():
     cfg = compose("+cluster=gb200", "+cluster.env.NCCL_DEBUG=INFO", *SITE)
     assert cfg.cluster.env["NCCL_DEBUG"] == "INFO" and cfg.cluster.env["NCCL_MNNVL_ENABLE"] == "1"
+
+
+def _compose_in_subprocess(cache_dir, overrides):
+    code = ("import sys; from hpcrl.config import compose_config; cfg = compose_config(sys.argv[1:]); "
+            "print(cfg.model.name, cfg.trainer.tp, 'hydra' in sys.modules)")  # fmt: skip
+    env = {**os.environ, "HPCRL_CACHE": str(cache_dir), "HPCRL_COMPOSE_CACHE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code, *overrides], capture_output=True, text=True, env=env, check=True
+    )
+    return out.stdout.split()
+
+
+def test_composition_cache_skips_hydra_and_any_edit_invalidates_it(tmp_path):
+    overrides = ["model=qwen2_1p5b", "trainer.tp=2"]
+    assert _compose_in_subprocess(tmp_path, overrides) == ["qwen2_1p5b", "2", "True"]  # composed by Hydra
+    assert _compose_in_subprocess(tmp_path, overrides) == ["qwen2_1p5b", "2", "False"]  # from the cache
+    assert _compose_in_subprocess(tmp_path, ["model=qwen2_1p5b", "trainer.tp=4"])[1:] == ["4", "True"]
+    conf = Path(__file__).resolve().parents[1] / "conf" / "model" / "qwen2_1p5b.yaml"
+    os.utime(conf)  # an edited conf file: the cached composition is not used
+    assert _compose_in_subprocess(tmp_path, overrides) == ["qwen2_1p5b", "2", "True"]

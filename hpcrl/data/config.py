@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omegaconf import MISSING
-
-from hpcrl.checks import in_range, positive
+from hpcrl.checks import MISSING, in_range, positive
 from hpcrl.errors import ConfigError
 
 
