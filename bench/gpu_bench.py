@@ -149,18 +149,51 @@ def bench_rollout(cfg, model_dir: Path, gen_batch: int, gen_tokens: int, bandwid
     }
 
 
+def rollout_only(cfg, model_dir: Path, args, bandwidth: float) -> int:
+    """hf rollout with the static cache + compiled decode step (the GPU default) and with the dynamic
+    cache loop, each beside HF generate, in one run."""
+    t0 = time.perf_counter()
+    static = bench_rollout(cfg, model_dir, args.gen_batch, args.gen_tokens, bandwidth)
+    static_s = time.perf_counter() - t0
+    cfg.rollout.static_cache = False
+    torch.cuda.empty_cache()
+    dynamic = bench_rollout(cfg, model_dir, args.gen_batch, args.gen_tokens, bandwidth)
+    roof = static["roofline_tokens_per_s"]
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "rollout_shape": f"{args.gen_batch} x (128 prompt + {args.gen_tokens} new)",
+               "static_cache_compiled": static, "dynamic_cache": dynamic,
+               "static_bench_wall_s_incl_compile": static_s, "roofline_tokens_per_s": roof}  # fmt: skip
+    print(json.dumps(results, indent=1))
+    print(f"\n{'rollout':36s} {'tok/s':>9s} {'% roofline':>11s} {'x HF generate':>14s}")
+    for name, r in (("hf engine, static cache + compiled", static), ("hf engine, dynamic cache", dynamic)):
+        print(f"{name:36s} {r['ours_tokens_per_s']:9.0f} {100 * r['ours_tokens_per_s'] / roof:10.1f}% "
+              f"{r['ours_tokens_per_s'] / r['baseline_tokens_per_s']:14.2f}")  # fmt: skip
+    print(
+        f"{'HF generate (baseline)':36s} {dynamic['baseline_tokens_per_s']:9.0f} {100 * dynamic['baseline_tokens_per_s'] / roof:10.1f}%"
+    )
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "rollout_bench.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--gen-batch", type=int, default=256)
     p.add_argument("--gen-tokens", type=int, default=256)
+    p.add_argument(
+        "--rollout-only", action="store_true", help="only the hf rollout: static-cache path vs dynamic"
+    )
     args = p.parse_args()
     cfg = compose_config(["model=qwen2_1p5b", "cluster=h200", "cluster.slurm.account=x", "cluster.container.image=x",
                           f"trainer.micro_batch_size={args.batch}", "algo.kl_coef=0", "rollout=hf",
                           f"rollout.max_num_seqs={args.gen_batch}"])  # fmt: skip
     tflops, bandwidth = measure_peaks()
     model_dir = make_model_dir(cfg)
+    if args.rollout_only:
+        return rollout_only(cfg, model_dir, args, bandwidth)
     flops = train_flops_per_token(cfg, args.seq)
     base = bench_train_baseline(model_dir, args.batch, args.seq)
     torch.cuda.empty_cache()

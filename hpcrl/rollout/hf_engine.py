@@ -9,6 +9,17 @@ from hpcrl.rollout.base import Completion, SamplingSettings
 from hpcrl.rollout.config import HFRolloutConfig
 
 
+def sample_tokens(logits: Any, temperature: float, gen: Any) -> Any:
+    """One token per row from softmax(logits / T) (greedy at T = 0). Gumbel-max: argmax of
+    logits / T + Gumbel noise is an exact sample, in one pass (``multinomial`` is far slower on GPUs)."""
+    import torch
+
+    if temperature == 0:
+        return logits.argmax(-1)
+    u = torch.rand(logits.shape, generator=gen, device=logits.device).clamp_(min=1e-20)
+    return (logits / temperature - torch.log(-torch.log(u))).argmax(-1)
+
+
 class HFEngine:
     def __init__(self, model_dir: Path, cfg: HFRolloutConfig, *, device: str = "cpu") -> None:
         import torch
@@ -20,6 +31,7 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         self.device = device
         self.cfg = cfg
+        self._static: dict[tuple[int, int], Any] = {}
         self.eos_id: int = int(self.tok.eos_token_id) if self.tok.eos_token_id is not None else -1
         self.pad_id: int = (
             int(self.tok.pad_token_id) if self.tok.pad_token_id is not None else max(self.eos_id, 0)
@@ -45,7 +57,10 @@ class HFEngine:
         self, rows: list[list[int]], s: SamplingSettings, gen: Any, eos: int, pad: int
     ) -> list[Completion]:
         torch = self.torch
+        static = self._use_static()
         width = max(len(r) for r in rows)
+        if static:  # prompt widths in steps of 64: a handful of cache shapes, each compiled once
+            width = -(-width // 64) * 64
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         attn = torch.zeros_like(ids)
         for i, r in enumerate(rows):  # left padding so every row ends at the same position
@@ -57,26 +72,25 @@ class HFEngine:
         past = None
         x, mask = ids.to(self.device), attn.to(self.device)
         position = (mask.cumsum(-1) - 1).clamp(min=0)
+        forward = self._static_forward(mask, s.max_tokens) if static else self._dynamic_forward
         with torch.no_grad():
             for step in range(s.max_tokens):
-                out = self.model(input_ids=x, attention_mask=mask, position_ids=position, past_key_values=past,
-                                 use_cache=True)  # fmt: skip
-                past = out.past_key_values
-                logits = out.logits[:, -1].float()
-                if s.temperature == 0:
-                    nxt = logits.argmax(-1)
-                else:
-                    probs = torch.softmax(logits / s.temperature, dim=-1)
-                    nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+                logits, past = forward(x, mask, position, past, step)
+                logits = logits.float()
+                nxt = sample_tokens(logits, s.temperature, gen)
                 nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
                 tokens.append(nxt)
-                chosen_lps.append(torch.log_softmax(logits, dim=-1).gather(-1, nxt[:, None]).squeeze(-1))
+                # log p(token) under the policy itself (T = 1), what the trainer computes
+                chosen_lps.append(
+                    logits.gather(-1, nxt[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+                )
                 finished |= nxt == eos
                 # one host sync every 16 tokens instead of one per token
                 if step % 16 == 15 and bool(finished.all()):
                     break
                 x = nxt[:, None]
-                mask = torch.cat([mask, torch.ones_like(x)], dim=1)
+                if not static:  # the static path's mask already spans the whole cache
+                    mask = torch.cat([mask, torch.ones_like(x)], dim=1)
                 position = position[:, -1:] + 1
         all_ids = torch.stack(tokens, 1).cpu().tolist()
         all_lps = torch.stack(chosen_lps, 1).float().cpu().tolist()
@@ -87,6 +101,50 @@ class HFEngine:
             text = str(self.tok.decode(ids_, skip_special_tokens=True))
             done.append(Completion(ids_, row_lps[:end], text, truncated=eos not in row_ids))
         return done
+
+    def _use_static(self) -> bool:
+        return bool(self.cfg.static_cache) and str(self.device).startswith("cuda")
+
+    def _dynamic_forward(self, x: Any, mask: Any, position: Any, past: Any, step: int) -> tuple[Any, Any]:
+        out = self.model(input_ids=x, attention_mask=mask, position_ids=position, past_key_values=past,
+                         use_cache=True)  # fmt: skip
+        return out.logits[:, -1], out.past_key_values
+
+    def _static_forward(self, prompt_mask: Any, max_tokens: int) -> Any:
+        """A forward over a preallocated cache with fixed shapes: the prompt once, then one token per
+        call through a compiled step (CUDA-graph replay). The mask covers the whole cache: left padding
+        0, everything else 1 (the causal mask, by cache position, hides what is not written yet).
+        Cache, mask and compiled step are kept per (batch, length) shape and reused, so each shape
+        compiles once per engine, not once per step."""
+        from transformers import StaticCache
+
+        torch = self.torch
+        rows, width = prompt_mask.shape
+        length = width + max_tokens
+        if (rows, length) not in self._static:
+            cache = StaticCache(config=self.model.config, max_cache_len=length)
+            full = torch.ones((rows, length), dtype=prompt_mask.dtype, device=self.device)
+            model = self.model
+
+            def step_fn(tok: Any, pos: Any, cache_pos: Any) -> Any:
+                return model(input_ids=tok, attention_mask=full, position_ids=pos, past_key_values=cache,
+                             cache_position=cache_pos, use_cache=True).logits[:, -1]  # fmt: skip
+
+            self._static[(rows, length)] = (cache, full, torch.compile(step_fn, mode="reduce-overhead"))
+        cache, full, compiled = self._static[(rows, length)]
+        cache.reset()
+        full.fill_(1)
+        full[:, :width] = prompt_mask
+
+        def forward(x: Any, mask: Any, position: Any, past: Any, step: int) -> tuple[Any, Any]:
+            if step == 0:
+                out = self.model(input_ids=x, attention_mask=full, position_ids=position, past_key_values=cache,
+                                 cache_position=torch.arange(width, device=self.device), use_cache=True)  # fmt: skip
+                return out.logits[:, -1], cache
+            cache_pos = torch.full((1,), width + step - 1, dtype=torch.long, device=self.device)
+            return compiled(x, position, cache_pos).clone(), cache  # clone: the graph reuses its output
+
+        return forward
 
     def load_weights(self, weights: dict[str, Any]) -> None:
         self.model.load_state_dict(weights, strict=False)
