@@ -83,3 +83,20 @@ def test_megatron_backend_runs_the_loop_and_feeds_the_engine_exact_weights(tmp_p
     val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
     assert val[-1] > val[0], val
     assert (run_dir / "checkpoints" / "step_000006" / "state.pt").exists()
+
+
+def test_dapo_runs_the_loop_with_dynamic_sampling_and_overlong_shaping(tmp_path):
+    """algo=dapo over the embedded default: groups whose rewards are all equal are dropped and more
+    prompts are sampled (up to the round limit); the overlong penalty and clip-higher are in the loss."""
+    result = submit(tmp_path / "runs", tmp_path / "cache", "algo=dapo", "algo.overlong_buffer=2",
+                    "algo.lr=3e-4", "algo.max_steps=4", "algo.val_period=4", "algo.num_prompts_per_step=32",
+                    "algo.num_generations=8")  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    rows = [r for r in metrics(run_dir) if "train/kept_groups" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert 1 <= r["train/dynamic_sampling_rounds"] <= 3
+        # only informative groups are kept, never more than the step asks for
+        assert 0 < r["train/kept_groups"] <= 32
+    assert any(r["train/dynamic_sampling_rounds"] > 1 or r["train/kept_groups"] < 32 for r in rows)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from hpcrl.launch.golden import GOLDEN_DIR, recipes, render_recipe
@@ -25,7 +27,16 @@ def test_no_stale_golden_files():
 def test_golden_scripts_hold_no_secrets_or_machine_paths():
     for path in GOLDEN_DIR.glob("*.sbatch"):
         text = path.read_text()
-        for word in ("HF_TOKEN", "WANDB_API_KEY", "RAY_AUTH", "/root", "/home/"):
+        for word in (
+            "HF_TOKEN",
+            "WANDB_API_KEY",
+            "RAY_AUTH",
+            "/root",
+            "/home/",
+            "/work/",
+            "/tmp/",
+            sys.executable,
+        ):
             assert word not in text, f"{path.name} contains {word}"
 
 

@@ -146,3 +146,28 @@ def test_state_falls_back_to_scontrol_without_accounting(monkeypatch):
     assert lifecycle.job_state("7") == "TIMEOUT"
     answers["sacct"] = "7|CANCELLED by 0\n"
     assert lifecycle.job_state("7") == "CANCELLED"
+
+
+def test_usr2_requeues_and_the_next_attempt_resumes_from_the_checkpoint(slurm_cluster, tmp_path):
+    """The time-limit/preemption signal (USR2, what `--signal=USR2@...` sends) requeues the job through
+    submitit; the next attempt brings Ray up again and the driver resumes from the latest checkpoint."""
+    result = run_cli("submit", "+experiment=grpo-tiny-2n1g-fsdp-split", f"run.output_root={tmp_path}",
+                     "algo.max_steps=8", "checkpoint.period=2", "algo.val_period=4", "algo.num_prompts_per_step=16")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    job_id = re.search(r"^job\s+(\d+)", result.stdout, re.M).group(1)
+    run_dir = lifecycle.run_dir_of(job_id, tmp_path)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "checkpoints" / "step_000002").exists():
+        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+        assert lifecycle.job_state(job_id, run_dir) in ("PENDING", "RUNNING"), lifecycle.job_state(
+            job_id, run_dir
+        )
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    state = lifecycle.wait(job_id, run_dir, timeout_s=480)
+    logs = run_cli("logs", job_id, "--root", str(tmp_path)).stdout
+    assert state == "COMPLETED", (state, logs[-3000:])
+    assert (run_dir / "ray" / f"ready-{job_id}.r1.json").exists()  # a second attempt bootstrapped Ray
+    assert re.search(r"resumed from \S+step_0000(0[2-8]) \(step [2-8]\)", logs), logs[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 8

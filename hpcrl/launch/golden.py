@@ -1,7 +1,8 @@
 """Golden sbatch scripts: every shipped Slurm recipe rendered into ``sbatch/<recipe>.sbatch``.
 
-Site keys a real site supplies (account, container image) are filled with placeholders, and the
-run directory is ``/RUN_DIR/<recipe>``, so the files are the same on every machine.
+Site keys a real site supplies (account, container image) are filled with placeholders, the run
+directory is ``/RUN_DIR/<recipe>``, and a cluster whose ``python`` is this machine's interpreter (the
+namespace test cluster) gets ``/VENV/bin/python``, so the files are the same on every machine.
 Refresh after an intended change: ``.venv/bin/python -m hpcrl.launch.golden``.
 """
 
@@ -28,6 +29,8 @@ def render_recipe(name: str) -> str | None:
     cfg = compose_config([f"+experiment={name}", *SITE_PLACEHOLDERS])
     if cfg.cluster.scheduler is Scheduler.local:
         return None
+    if cfg.cluster.python is None:
+        cfg.cluster.python = "/VENV/bin/python"
     plan = make_plan(cfg)
     plan.require_fit()
     return render_sbatch(plan, Path("/RUN_DIR") / name)

@@ -90,6 +90,14 @@ def probe_placement(roles: list[str]) -> list[dict[str, Any]]:
     return sorted(placement, key=lambda p: (p["role"] != "rollout", p["host"]))
 
 
+def attempt_key() -> str:
+    """The job id, plus the restart count once Slurm has requeued it: each attempt gets its own
+    check-in, head and ready files (a requeued job may land on other nodes)."""
+    job_id = os.environ.get("SLURM_JOB_ID", "local")
+    restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    return job_id if restart == 0 else f"{job_id}.r{restart}"
+
+
 class NodeTask:
     """Picklable callable: submitit runs it once on every node of the allocation."""
 
@@ -105,7 +113,7 @@ class NodeTask:
         # scancel / the time limit end a job with SIGTERM (submitit would ignore it): unwind, so the
         # ``finally`` blocks stop this node's Ray at once instead of waiting for Slurm's SIGKILL.
         signal.signal(signal.SIGTERM, _terminated)
-        run_dir, job_id = Path(self.run_dir), os.environ.get("SLURM_JOB_ID", "local")
+        run_dir, job_id = Path(self.run_dir), attempt_key()
         spec = this_node(self.roles)
         record = {"node_id": spec.node_id, "role": spec.role, "host": spec.host, "ip": spec.ip,
                   "job_id": job_id, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "time": time.time()}  # fmt: skip
@@ -133,6 +141,16 @@ class NodeTask:
             time.sleep(0.2)
         _stop(proc)
         return record
+
+    def checkpoint(self) -> Any:
+        """submitit calls this on the time-limit/preemption signal (USR2): requeue the same task. The
+        driver of the next attempt resumes from the run's latest checkpoint (same run directory), so at
+        most ``checkpoint.period`` steps are redone. Debug sessions and smoke jobs are not requeued."""
+        if self.plan is None:
+            return None
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(NodeTask(self.run_dir, self.roles, self.plan, self.hold_s))
 
     def _drive(self, run_dir: Path, address: str) -> dict[str, float]:
         import ray
