@@ -114,3 +114,29 @@ def test_three_point_sweep_all_finish_and_ls_sweep_shows_them(slurm_cluster, tmp
     for p, line in zip(points, lines, strict=True):
         assert p["job_id"] in line and "COMPLETED" in line and " ".join(p["overrides"]) in line
         assert "val/accuracy=" in line and "@ step 2" in line
+
+
+def test_attach_command_uses_the_jobs_container_and_overlaps_the_allocation():
+    from hpcrl.launch.debug import attach_argv
+
+    meta = {"container_args": ["--container-image=img.sqsh", "--container-mounts=/data:/data"]}
+    shell = attach_argv("42", meta, "node7", [])
+    assert shell[:6] == ["srun", "--jobid=42", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=node7"]
+    assert shell[6:8] == meta["container_args"] and "--pty" in shell
+    assert attach_argv("42", meta, "node7", ["nvidia-smi"])[-1] == "nvidia-smi"
+
+
+def test_a_config_that_does_not_fit_the_held_allocation_is_refused():
+    from hpcrl.errors import HpcrlError
+    from hpcrl.launch.debug import check_fits_allocation
+
+    from .conftest import plan
+
+    held = {"roles": ["rollout", "train"], "nodes": 2, "gpus_per_node": 1}
+    check_fits_allocation(plan(SPLIT), "9", held)  # the same layout: accepted
+    with pytest.raises(
+        HpcrlError, match=r"needs 1 node\(s\) with roles \['train\+rollout'\], but debug job 9 holds 2"
+    ):
+        check_fits_allocation(plan("+experiment=grpo-tiny-1n1g-fsdp", "cluster=slurmtest"), "9", held)
+    with pytest.raises(HpcrlError, match="uses 1 GPUs per node; debug job 9 holds 4"):
+        check_fits_allocation(plan(SPLIT), "9", {**held, "gpus_per_node": 4})
