@@ -30,7 +30,8 @@ def parity_batch() -> TrainBatch:
 
 
 def overrides(tp: int, pp: int, backend: str = "megatron") -> list[str]:
-    return ["model=tiny", f"trainer={backend}", f"trainer.tp={tp}", f"trainer.pp={pp}",
+    # fp32 everywhere: on GPUs too (HPCRL_PARITY_DEVICE=cuda), so ranks can be compared closely
+    return ["model=tiny", f"trainer={backend}", f"trainer.tp={tp}", f"trainer.pp={pp}", "trainer.precision=float32",
             "trainer.micro_batch_size=2", "algo.kl_coef=0.05", "algo.num_minibatches=1"]  # fmt: skip
 
 
@@ -48,7 +49,8 @@ def main() -> None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     master = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', 29500)}"
     cfg = compose_config(overrides(tp, pp, backend))
-    trainer: Any = make_trainer(model_dir, cfg, rank, world, master, "cpu")
+    device = os.environ.get("HPCRL_PARITY_DEVICE", "cpu")
+    trainer: Any = make_trainer(model_dir, cfg, rank, world, master, device)
     batch = parity_batch()
     ref = trainer.logprobs(batch, reference=True)
     metrics = trainer.train_step(batch, ref)
@@ -56,7 +58,9 @@ def main() -> None:
              else {n: _full(p.grad) for n, p in trainer.model.named_parameters()})  # fmt: skip
     weights = trainer.export_weights()
     if rank == 0:
-        torch.save({"logp": ref, "metrics": metrics, "grads": grads, "weights": weights}, out)
+        cpu = {k: v.cpu() for k, v in grads.items()}
+        torch.save({"logp": ref.cpu(), "metrics": metrics, "grads": cpu,
+                    "weights": {k: v.cpu() for k, v in weights.items()}}, out)  # fmt: skip
 
 
 if __name__ == "__main__":

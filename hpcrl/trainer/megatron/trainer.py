@@ -12,6 +12,7 @@ stage (vocab-parallel log-softmax across TP) and are broadcast to the whole pipe
 from __future__ import annotations
 
 import math
+import os
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,9 @@ class MegatronTrainer:
 
         compat.prepare(device)
         t = cfg.trainer
+        if device == "cuda":  # torchrun: one GPU per local rank; a Ray actor sees only its own GPU
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            torch.cuda.set_device(device)
         self.cfg, self.device = cfg, torch.device(device)
         self.par = TrainParallel(world=world, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep,
                                  expert_tp=getattr(t, "expert_tp", 1))  # fmt: skip

@@ -1,0 +1,66 @@
+"""Issue 7, part 1: the megatron backend with NCCL on 2 GPUs. TP=2 and PP=2 against TP=1 on the same
+batch (tiny model, fp32): max differences of log-probs, loss, gradients; wall time of each run.
+
+    python bench/multi_gpu.py        (on a machine with >= 2 GPUs)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hpcrl.config import compose_config  # noqa: E402
+from hpcrl.tiny import ensure_tiny_model  # noqa: E402
+from tests.megatron_parity import parity_batch  # noqa: E402
+
+
+def run(model_dir: Path, out: Path, tp: int, pp: int, port: int) -> tuple[dict, float]:
+    env = {**os.environ, "HPCRL_PARITY_DEVICE": "cuda"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp * pp}", f"--master_port={port}",
+           str(ROOT / "tests" / "megatron_parity.py"), str(model_dir), str(out), str(tp), str(pp)]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-3000:])
+    return torch.load(out), time.perf_counter() - start
+
+
+def main() -> int:
+    tmp = Path(tempfile.mkdtemp())
+    cfg = compose_config(["model=tiny"])
+    model_dir = ensure_tiny_model(cfg.model, tmp / "cache", sft_steps=0, seed=0, log=lambda _: None)
+    mask = parity_batch().loss_mask.bool()
+    base, t1 = run(model_dir, tmp / "tp1.pt", 1, 1, 29701)
+    rows = {"TP1 (1 GPU)": {"wall_s": t1}}
+    for tp, pp in ((2, 1), (1, 2)):
+        got, t = run(model_dir, tmp / f"tp{tp}pp{pp}.pt", tp, pp, 29711 + tp * 10 + pp)
+        rows[f"TP{tp} PP{pp} (2 GPUs, NCCL)"] = {
+            "wall_s": t,
+            "max_logp_diff": float((got["logp"][mask] - base["logp"][mask]).abs().max()),
+            "loss_diff": abs(got["metrics"]["loss"] - base["metrics"]["loss"]),
+            "grad_norm": [got["metrics"]["grad_norm"], base["metrics"]["grad_norm"]],
+            "max_grad_diff": max(float((got["grads"][n] - g).abs().max()) for n, g in base["grads"].items()),
+            "max_weight_diff": max(
+                float((got["weights"][n] - w).abs().max()) for n, w in base["weights"].items()
+            ),
+        }
+    result = {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+              "torch": torch.__version__, "base_loss": base["metrics"]["loss"], "rows": rows}  # fmt: skip
+    print(json.dumps(result, indent=1))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "multi_gpu.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
