@@ -212,8 +212,12 @@ def _cache_path(overrides: list[str]) -> Path | None:
             if path.suffix in (".yaml", ".py"):
                 st = path.stat()
                 digest.update(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode())
-    base = Path(os.environ.get("HPCRL_CACHE", Path.home() / ".cache" / "hpcrl"))
-    return base / "compose" / f"{digest.hexdigest()[:32]}.pkl"
+    return cache_dir() / "compose" / f"{digest.hexdigest()[:32]}.pkl"
+
+
+def cache_dir() -> Path:
+    """hpcrl's cache (tiny model, composed configs): ``$HPCRL_CACHE`` or ``~/.cache/hpcrl``."""
+    return Path(os.environ.get("HPCRL_CACHE", Path.home() / ".cache" / "hpcrl"))
 
 
 def _load_cached(path: Path | None) -> RunConfig | None:

@@ -7,7 +7,6 @@ job node 0 calls it once the job's Ray cluster is up (``launch/job.py``). Same c
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import sys
@@ -17,15 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hpcrl.config import cache_dir
 from hpcrl.plan import Plan
 
 
 def say(msg: str) -> None:
     print(f"[hpcrl {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("HPCRL_CACHE", Path.home() / ".cache" / "hpcrl"))
 
 
 def prepare_model(plan: Plan) -> Path:

@@ -96,7 +96,11 @@ def test_dapo_runs_the_loop_with_dynamic_sampling_and_overlong_shaping(tmp_path)
     rows = [r for r in metrics(run_dir) if "train/kept_groups" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
-        assert 1 <= r["train/dynamic_sampling_rounds"] <= 3
+        # sampling stops early only once the step has its 32 informative groups; a short step used all 3 rounds
+        if r["train/kept_groups"] < 32:
+            assert r["train/dynamic_sampling_rounds"] == 3, r
+        else:
+            assert r["train/dynamic_sampling_rounds"] in (1, 2, 3), r
         # only informative groups are kept, never more than the step asks for
         assert 0 < r["train/kept_groups"] <= 32
     assert any(r["train/dynamic_sampling_rounds"] > 1 or r["train/kept_groups"] < 32 for r in rows)
