@@ -6,6 +6,11 @@ The command runs in its own process group. The reaper stops that whole group (SI
 after 3 s) when it is signalled (job cancelled, out of time, the task stopping Ray) or when its parent,
 the node task, disappears — even if the task died in a way that ran no cleanup (Ray's own signal
 handler aborts the driver process on SIGTERM). It exits with the command's code when the command ends.
+
+Signal handlers only record the request; the main loop does the stopping. Stopping inside the handler
+once deadlocked: Slurm signals a cancelled step more than once, and a second handler nested inside the
+first one's ``Popen.wait`` blocks forever on the wait lock the first one holds — the reaper then outlived
+the job it was meant to clean up.
 """
 
 from __future__ import annotations
@@ -19,42 +24,54 @@ import time
 from types import FrameType
 
 GRACE_S = 3.0
+POLL_S = 0.2
 
 
-def _kill_group(pgid: int) -> None:
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _kill_group(child: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the child's group, SIGKILL what is left after GRACE_S; reap the child itself."""
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGTERM)
+        os.killpg(child.pid, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
+        child.poll()  # reap the leader, so a zombie does not count as a live group member
+        if not _group_alive(child.pid):
             return
-        time.sleep(0.1)
+        time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
 
 
 def main(argv: list[str]) -> int:
     cmd = argv[argv.index("--") + 1 :] if "--" in argv else argv
     parent = os.getppid()
-    child = subprocess.Popen(cmd, start_new_session=True)
+    requested: list[int] = []
 
-    def stop(signum: int, _frame: FrameType | None) -> None:
-        _kill_group(child.pid)
-        child.wait()
-        sys.exit(128 + signum)
+    def request_stop(signum: int, _frame: FrameType | None) -> None:
+        requested.append(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, stop)
+        signal.signal(sig, request_stop)
+    child = subprocess.Popen(cmd, start_new_session=True)
     while True:
         code = child.poll()
         if code is not None:
-            _kill_group(child.pid)  # whatever the command left behind in its group
+            _kill_group(child)  # whatever the command left behind in its group
             return code
-        if os.getppid() != parent:  # the node task is gone: nobody will stop Ray but us
-            stop(signal.SIGTERM, None)
-        time.sleep(0.2)
+        if not requested and os.getppid() != parent:  # the node task is gone: nobody else will stop Ray
+            requested.append(signal.SIGTERM)
+        if requested:
+            _kill_group(child)
+            return 128 + requested[0]
+        time.sleep(POLL_S)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,74 @@
+"""The reaper stops its command's whole process group on signals and on the death of its parent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+# A command whose group holds a grandchild, and which ignores SIGTERM so only SIGKILL ends it.
+STUBBORN = "trap '' TERM; sleep 300 & echo $! ; wait"
+
+
+def _start(cmd: str) -> tuple[subprocess.Popen[str], int]:
+    reaper = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.launch.reaper", "--", "bash", "-c", cmd],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert reaper.stdout is not None
+    grandchild = int(reaper.stdout.readline())
+    return reaper, grandchild
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # a zombie waiting for its parent to reap it is as good as gone
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(")")[-1].split()[0] == "Z":
+                return True
+        time.sleep(0.05)
+    return False
+
+
+def test_repeated_signals_stop_the_group_and_the_reaper():
+    reaper, grandchild = _start(STUBBORN)
+    time.sleep(0.5)  # let the reaper install its handlers and enter its loop
+    for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGHUP, signal.SIGTERM):
+        reaper.send_signal(sig)
+        time.sleep(0.1)
+    assert reaper.wait(timeout=15) == 128 + signal.SIGTERM
+    assert _gone(grandchild, within_s=5)
+
+
+def test_command_exit_is_passed_through_and_leftovers_are_stopped():
+    reaper, grandchild = _start("sleep 300 & echo $!; exit 7")
+    assert reaper.wait(timeout=15) == 7
+    assert _gone(grandchild, within_s=5)
+
+
+def test_parent_death_stops_the_group():
+    # The reaper's parent is a shell that exits at once: the reaper must notice and clean up alone.
+    shell = subprocess.Popen(
+        [
+            "bash",
+            "-c",
+            f"{sys.executable} -m hpcrl.launch.reaper -- bash -c 'sleep 300 & echo child $!; wait' & "
+            "echo reaper $!; sleep 1",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert shell.stdout is not None
+    pids = dict(shell.stdout.readline().split() for _ in range(2))
+    reaper_pid, grandchild = int(pids["reaper"]), int(pids["child"])
+    assert shell.wait(timeout=10) == 0
+    assert _gone(reaper_pid, within_s=10)
+    assert _gone(grandchild, within_s=5)
