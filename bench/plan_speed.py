@@ -1,7 +1,9 @@
 """Cold-start time of `hpcrl plan` and `hpcrl render`, against a bare interpreter start measured
-in the same run (and `import torch`, the cost the CLI avoids). Prints a table of medians and ratios:
-each hpcrl command composing with Hydra (first use of an override set, or after an edit of conf/ or
-hpcrl/) and with its composition cached (every later use).
+in the same run (and `import torch`, the cost the CLI avoids). Prints a table of medians and ratios,
+each hpcrl command in three modes: a cold start (nothing cached: the first use of an override set, or
+after an edit of conf/ or hpcrl/; composed by hpcrl.fastcompose), the same composed by Hydra (what a
+cold start cost before fastcompose, and what overrides outside its subset still cost), and with the
+composition cached (every later use).
 
     .venv/bin/python bench/plan_speed.py [--runs 7]
 """
@@ -22,10 +24,17 @@ PY = sys.executable
 HPCRL = str(Path(PY).with_name("hpcrl"))
 
 
-def timed(cmd: list[str], runs: int, cache: bool) -> float:
-    """Median wall time; ``cache`` False composes with Hydra every time (HPCRL_COMPOSE_CACHE=0)."""
-    env = {**os.environ, "HPCRL_COMPOSE_CACHE": "1" if cache else "0"}
-    if cache:
+MODES = {
+    "cold": {"HPCRL_COMPOSE_CACHE": "0"},
+    "cold, Hydra": {"HPCRL_COMPOSE_CACHE": "0", "HPCRL_FAST_COMPOSE": "0"},
+    "cached": {"HPCRL_COMPOSE_CACHE": "1"},
+}
+
+
+def timed(cmd: list[str], runs: int, mode: str) -> float:
+    """Median wall time of ``cmd`` in one of MODES."""
+    env = {**os.environ, **MODES[mode]}
+    if mode == "cached":
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env=env)  # fill the cache once
     samples = []
     for _ in range(runs):
@@ -61,19 +70,19 @@ def main() -> int:
             out,
         ],
     }
-    results = {name: timed(cmd, args.runs, cache=False) for name, cmd in cases.items()}
+    results = {}
     for name, cmd in cases.items():
-        if name.startswith("hpcrl"):
-            results[name + ", composition cached"] = timed(cmd, args.runs, cache=True)
-    base = results["python -c pass (baseline)"]
-    print(f"{'command':40s} {'median s':>9s} {'x baseline':>11s}")
-    for name, seconds in results.items():
-        print(f"{name:40s} {seconds:9.3f} {seconds / base:11.1f}")
-    cold = max(v for k, v in results.items() if k.startswith("hpcrl") and "cached" not in k)
-    warm = max(v for k, v in results.items() if "cached" in k)
-    print(
-        f"slowest hpcrl command: {cold:.3f} s composing with Hydra, {warm:.3f} s with the composition cached"
-    )
+        for mode in MODES if name.startswith("hpcrl") else ["cold"]:
+            results[(name, mode)] = timed(cmd, args.runs, mode)
+    base = results[("python -c pass (baseline)", "cold")]
+    print(f"{'command':36s} {'mode':12s} {'median s':>9s} {'x baseline':>11s} {'x Hydra':>8s}")
+    for (name, mode), seconds in results.items():
+        hydra = results.get((name, "cold, Hydra"))
+        vs = f"{seconds / hydra:8.2f}" if hydra else " " * 8
+        print(f"{name:36s} {mode:12s} {seconds:9.3f} {seconds / base:11.1f} {vs}")
+    for mode in MODES:
+        worst = max(v for (k, m), v in results.items() if k.startswith("hpcrl") and m == mode)
+        print(f"slowest hpcrl command, {mode}: {worst:.3f} s")
     return 0
 
 

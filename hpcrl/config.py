@@ -108,14 +108,20 @@ def register_schemas() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    # cluster/model/algo/data are typed by RunConfig itself; only the groups whose schema depends on
-    # the option chosen (trainer, rollout) need a schema each for their YAML files to extend.
     cs.store(name="hpcrl_schema", node=RunConfig)
-    cs.store(group="trainer", name="fsdp_schema", node=FSDPTrainerConfig)
-    cs.store(group="trainer", name="megatron_schema", node=MegatronTrainerConfig)
-    cs.store(group="rollout", name="vllm_schema", node=VLLMRolloutConfig)
-    cs.store(group="rollout", name="hf_schema", node=HFRolloutConfig)
+    for (group, name), schema in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=name, node=schema)
     _registered = True
+
+
+GROUP_SCHEMAS: dict[tuple[str, str], type] = {
+    ("trainer", "fsdp_schema"): FSDPTrainerConfig,
+    ("trainer", "megatron_schema"): MegatronTrainerConfig,
+    ("rollout", "vllm_schema"): VLLMRolloutConfig,
+    ("rollout", "hf_schema"): HFRolloutConfig,
+}
+"""cluster/model/algo/data are typed by RunConfig itself; only the groups whose schema depends on the
+option chosen (trainer, rollout) need a schema each for their YAML files to extend."""
 
 
 def conf_dir() -> Path:
@@ -178,11 +184,30 @@ def compose_config(overrides: list[str]) -> RunConfig:
     """Compose, convert to typed dataclasses and run the per-component checks.
 
     A successful composition is cached (see ``_cache_path``): the next ``hpcrl plan``/``render`` with
-    the same overrides, conf/ tree and hpcrl code skips Hydra (about half a second of start-up)."""
+    the same overrides, conf/ tree and hpcrl code skips composing. A first composition of a plain
+    override set skips Hydra too (``hpcrl.fastcompose``, about half a second of start-up); anything
+    else, errors included, is composed by Hydra. HPCRL_FAST_COMPOSE=0 always uses Hydra."""
     cache = _cache_path(overrides)
     cached = _load_cached(cache)
     if cached is not None:
         return cached
+    cfg = _compose_fast(overrides) or _compose_hydra(overrides)
+    cfg.check()
+    _store_cached(cache, cfg)
+    return cfg
+
+
+def _compose_fast(overrides: list[str]) -> RunConfig | None:
+    if os.environ.get("HPCRL_FAST_COMPOSE", "1") == "0":
+        return None
+    from hpcrl import fastcompose
+
+    normalized = normalize_overrides(with_embedded_default(overrides))
+    cfg = fastcompose.compose(conf_dir(), normalized, GROUP_SCHEMAS, RunConfig)
+    return cfg if isinstance(cfg, RunConfig) else None
+
+
+def _compose_hydra(overrides: list[str]) -> RunConfig:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -192,8 +217,6 @@ def compose_config(overrides: list[str]) -> RunConfig:
     except OmegaConfBaseException as exc:
         raise ConfigError(explain_hydra_error(exc)) from None
     assert isinstance(cfg, RunConfig)
-    cfg.check()
-    _store_cached(cache, cfg)
     return cfg
 
 
