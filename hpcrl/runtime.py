@@ -23,6 +23,11 @@ class Runtime:
     engines: list[Any]
     placement: list[dict[str, Any]] = field(default_factory=list)
     data_ranks: list[tuple[int, int]] = field(default_factory=list)
+    weight_sync: str = "collective"
+    bucket_mb: int = 512
+    backend: str = "gloo"
+    weight_group_ready: bool = False
+    last_sync: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def start(
@@ -63,7 +68,8 @@ class Runtime:
         ]
         ray.get(setups)
         where = ray.get([a.where.remote() for a in trainers + engines])  # surface start-up errors here
-        return cls(trainers, engines, where)
+        return cls(trainers, engines, where, weight_sync=cfg.rollout.weight_sync,
+                   bucket_mb=cfg.rollout.weight_sync_bucket_mb, backend="gloo" if on_cpu else "nccl")  # fmt: skip
 
     def describe(self) -> str:
         """One line: which role runs where, e.g. ``train x1 on node2; rollout x1 on node1``."""
@@ -126,10 +132,45 @@ class Runtime:
         return dict(results[0])
 
     def sync_weights(self) -> None:
+        """New weights from the trainer to every engine (``rollout.weight_sync``)."""
         import ray
 
-        weights = [t.export_weights.remote() for t in self.trainers]  # collective: every rank takes part
-        ray.get([e.load_weights.remote(weights[0]) for e in self.engines])
+        if self.weight_sync == "object_store":
+            weights = [t.export_weights.remote() for t in self.trainers]  # collective: every rank takes part
+            ray.get([e.load_weights.remote(weights[0]) for e in self.engines])
+            return
+        if not self.weight_group_ready:
+            self._form_weight_group()
+        parts = ray.get([t.send_weights.remote() for t in self.trainers]
+                        + [e.receive_weights.remote() for e in self.engines])  # fmt: skip
+        self.last_sync = dict(parts[0])
+
+    def _form_weight_group(self) -> None:
+        """Trainer rank 0 (rank 0 of the group) and every engine worker (ranks 1..) agree on the
+        weights' names and shapes and open the group they broadcast over."""
+        import ray
+
+        from hpcrl.weight_sync import dtype_of
+
+        metas = next(m for m in ray.get([t.weight_metas.remote() for t in self.trainers]) if m)
+        master = ray.get(self.trainers[0].weight_endpoint.remote())
+        engines = ray.get([e.weight_ranks.remote() for e in self.engines])
+        dtypes = {dtype for _, dtype, _ in engines}
+        if len(dtypes) != 1:
+            raise RuntimeError(f"rollout engines hold weights in different dtypes: {sorted(dtypes)}")
+        world = 1 + sum(ranks for ranks, _, _ in engines)
+        # Buckets in elements of the wire dtype; every end derives the same plan from the same numbers.
+        (dtype,) = dtypes
+        bucket_numel = self.bucket_mb * 2**20 // dtype_of(dtype).itemsize
+        joins = [self.trainers[0].join_weight_group.remote(master, world, metas, bucket_numel, dtype,
+                                                           self.backend)]  # fmt: skip
+        rank_base = 1
+        for engine, (ranks, _, ip) in zip(self.engines, engines, strict=True):
+            joins.append(engine.join_weight_group.remote(master, rank_base, world, metas, bucket_numel,
+                                                         ip, self.backend))  # fmt: skip
+            rank_base += ranks
+        ray.get(joins)
+        self.weight_group_ready = True
 
     def state_dict(self) -> dict[str, Any]:
         import ray

@@ -67,6 +67,38 @@ class TrainerWorker:
     def export_weights(self) -> dict[str, Any]:
         return self.trainer.export_weights()
 
+    # -- weight broadcast to the engines (hpcrl.weight_sync); rank 0 is the sender ----------------
+    def weight_metas(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Names and shapes of the exported weights (a collective: every rank calls it; rank 0 answers)."""
+        weights = self.trainer.export_weights()
+        return [(name, tuple(t.shape)) for name, t in weights.items()] if self.rank == 0 else []
+
+    def weight_endpoint(self) -> str:
+        from hpcrl.trainer.fsdp import free_port
+
+        ip = ray_node_ip()
+        return f"{ip}:{free_port(ip)}"
+
+    def join_weight_group(self, master: str, world: int, metas: list[Any], bucket_numel: int,
+                          dtype: str, backend: str) -> None:  # fmt: skip
+        import torch
+
+        from hpcrl.weight_sync import TensorMeta, WeightSender, dtype_of, new_group, plan_buckets
+
+        group = new_group(backend, master, 0, world, local_ip=master.rsplit(":", 1)[0])
+        buckets = plan_buckets([TensorMeta(n, tuple(s)) for n, s in metas], bucket_numel)
+        self.sender = WeightSender(group, buckets, dtype_of(dtype), torch.device(self.device))
+
+    def send_weights(self) -> dict[str, float]:
+        """Export (every rank) and broadcast (rank 0): seconds of each part and the bytes sent."""
+        import time
+
+        start = time.perf_counter()
+        weights = self.trainer.export_weights()
+        exported = time.perf_counter()
+        sent = self.sender.send(weights) if self.rank == 0 else 0
+        return {"export_s": exported - start, "broadcast_s": time.perf_counter() - exported, "bytes": sent}
+
     def state_dict(self) -> dict[str, Any]:
         return self.trainer.state_dict()
 
@@ -114,4 +146,16 @@ class RolloutWorker:
 
     def load_weights(self, weights: dict[str, Any]) -> bool:
         self.engine.load_weights(weights)
+        return True
+
+    def weight_ranks(self) -> tuple[int, str, str]:
+        """(ranks this engine takes in the weight group, the dtype it wants, this node's address)."""
+        return self.engine.ranks, self.engine.weight_dtype, ray_node_ip()
+
+    def join_weight_group(self, master: str, rank_base: int, world: int, metas: list[Any],
+                          bucket_numel: int, local_ip: str, backend: str) -> None:  # fmt: skip
+        self.engine.join_weight_group(master, rank_base, world, metas, bucket_numel, local_ip, backend)
+
+    def receive_weights(self) -> bool:
+        self.engine.receive_weights()
         return True

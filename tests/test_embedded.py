@@ -72,9 +72,10 @@ def test_resume_continues_the_same_trajectory(tmp_path):
 
 
 def test_megatron_backend_runs_the_loop_and_feeds_the_engine_exact_weights(tmp_path):
-    """trainer=megatron in the real loop: vLLM reloads the exported (HF-named) weights after every step."""
+    """trainer=megatron in the real loop: vLLM reloads the exported (HF-named) weights after every step,
+    here through Ray's object store (the other runs of this file broadcast them over gloo)."""
     result = submit(tmp_path / "runs", tmp_path / "cache", "trainer=megatron", "algo.max_steps=6",
-                    "algo.val_period=3", "checkpoint.period=3")  # fmt: skip
+                    "algo.val_period=3", "checkpoint.period=3", "rollout.weight_sync=object_store")  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     rows = metrics(run_dir)

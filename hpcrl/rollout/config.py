@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hpcrl.checks import in_range, non_negative, positive
+from hpcrl.errors import ConfigError
+
+WEIGHT_SYNC = ("collective", "object_store")
 
 
 @dataclass
@@ -20,9 +23,21 @@ class RolloutConfig:
     """Share of each GPU's memory the engine may take (weights + KV cache) while it generates."""
     max_num_seqs: int = 256
     """Most sequences one engine generates at once."""
+    weight_sync: str = "collective"
+    """How new weights reach the engines after a step. ``collective``: trainer rank 0 broadcasts
+    them to every engine worker over a process group of their own (NCCL on GPUs, gloo on CPUs).
+    ``object_store``: through Ray's object store (slower; for networks where the trainer cannot
+    reach the rollout nodes directly)."""
+    weight_sync_bucket_mb: int = 512
+    """Size of one broadcast bucket: fewer, larger collectives, at the cost of one bucket of memory."""
 
     def check(self) -> None:
         positive("rollout.tp", self.tp)
+        if self.weight_sync not in WEIGHT_SYNC:
+            raise ConfigError(
+                f"rollout.weight_sync={self.weight_sync!r} must be one of {', '.join(WEIGHT_SYNC)}"
+            )
+        positive("rollout.weight_sync_bucket_mb", self.weight_sync_bucket_mb)
         in_range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, 0.05, 0.98)
         positive("rollout.max_num_seqs", self.max_num_seqs)
         positive("rollout.max_new_tokens", self.max_new_tokens)

@@ -146,5 +146,24 @@ class HFEngine:
 
         return forward
 
+    @property
+    def weight_dtype(self) -> str:
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    ranks = 1
+    """Ranks this engine takes in the weight group (one process)."""
+
+    def join_weight_group(self, master: str, rank_base: int, world: int, metas: list[Any],
+                          bucket_numel: int, local_ip: str, backend: str) -> None:  # fmt: skip
+        from hpcrl.weight_sync import TensorMeta, WeightReceiver, dtype_of, new_group, plan_buckets
+
+        group = new_group(backend, master, rank_base, world, local_ip=local_ip)
+        buckets = plan_buckets([TensorMeta(str(n), tuple(s)) for n, s in metas], bucket_numel)
+        device = self.torch.device(self.device)
+        self._receiver = WeightReceiver(group, buckets, dtype_of(self.weight_dtype), device)
+
+    def receive_weights(self) -> None:
+        self.load_weights(dict(self._receiver.receive()))
+
     def load_weights(self, weights: dict[str, Any]) -> None:
         self.model.load_state_dict(weights, strict=False)

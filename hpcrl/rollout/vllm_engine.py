@@ -20,6 +20,29 @@ from hpcrl.rollout.config import VLLMRolloutConfig
 class WeightReloader:
     """vLLM worker extension (named by ``worker_extension_cls``): runs inside each vLLM worker."""
 
+    def hpcrl_join_weight_group(
+        self, master: str, rank_base: int, world: int, metas: list[Any], bucket_numel: int,
+        dtype: str, local_ip: str, backend: str,
+    ) -> int:  # fmt: skip
+        """Join the trainer's weight group as rank ``rank_base`` + this worker's rank in the engine."""
+        import torch
+
+        from hpcrl.weight_sync import TensorMeta, WeightReceiver, dtype_of, new_group, plan_buckets
+
+        rank = rank_base + int(getattr(self, "rank", 0))
+        group = new_group(backend, master, rank, world, local_ip=local_ip)
+        device = getattr(self, "device", None) or torch.device("cpu")
+        buckets = plan_buckets([TensorMeta(str(n), tuple(int(d) for d in s)) for n, s in metas], bucket_numel)
+        self._hpcrl_receiver = WeightReceiver(group, buckets, dtype_of(dtype), torch.device(device))
+        return rank
+
+    def hpcrl_receive_weights(self) -> int:
+        """Take part in one broadcast; weights load bucket by bucket as they arrive."""
+        self.model_runner.reload_weights(  # type: ignore[attr-defined]
+            weights_iterator=self._hpcrl_receiver.receive(), is_checkpoint_format=True
+        )
+        return len(self._hpcrl_receiver.buckets)
+
     def hpcrl_reload_weights(self, payload: bytes) -> int:
         from safetensors.torch import load
 
@@ -76,6 +99,8 @@ class VLLMEngine:
             **kwargs,
         )
         self.stop_token_ids = list(cfg.stop_token_ids)
+        self.ranks = cfg.tp
+        self.weight_dtype = "float32" if on_cpu else cfg.dtype
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
         from vllm import SamplingParams, TokensPrompt
@@ -104,6 +129,17 @@ class VLLMEngine:
                 group.append(Completion(ids, lps, c.text, truncated=c.finish_reason == "length"))
             groups.append(group)
         return groups
+
+    def join_weight_group(self, master: str, rank_base: int, world: int, metas: list[Any],
+                          bucket_numel: int, local_ip: str, backend: str) -> None:  # fmt: skip
+        self.llm.collective_rpc(
+            "hpcrl_join_weight_group",
+            args=(master, rank_base, world, metas, bucket_numel, self.weight_dtype, local_ip, backend),
+        )
+
+    def receive_weights(self) -> None:
+        self.llm.collective_rpc("hpcrl_receive_weights")
+        self.llm.reset_prefix_cache()
 
     def load_weights(self, weights: dict[str, Any]) -> None:
         from safetensors.torch import save
