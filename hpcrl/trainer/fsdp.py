@@ -168,8 +168,11 @@ class FSDPTrainer:
         not re-tie it, so without it the engine kept the old output embedding."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        # Gathered on the GPU when the weights are broadcast from there (NCCL); through host memory
+        # when they go through Ray's object store or the run is on CPUs.
+        on_device = self.cfg.rollout.weight_sync == "collective" and str(self.device).startswith("cuda")
         state = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_device)
         )
         weights = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         if self._tied() and "model.embed_tokens.weight" in weights:
