@@ -29,12 +29,10 @@ def worker(rank: int, port: int, gb: float, device: str) -> None:
     )
     buf = torch.ones(int(gb * 1e9 / 2), dtype=torch.bfloat16, device=dev)
     for i in range(6):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        group.barrier(buf.device)
         start = time.perf_counter()
         group.broadcast(buf)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        group.barrier(buf.device)  # the receiver has the data (a broadcast alone does not hold the root)
         took = time.perf_counter() - start
         if rank == 1 and i:
             print(f"broadcast {gb:.1f} GB: {took * 1e3:.1f} ms = {gb / took:.1f} GB/s", flush=True)

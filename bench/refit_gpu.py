@@ -86,11 +86,10 @@ def worker(rank: int, args: argparse.Namespace, work: Path) -> None:
     else:
         engine.join_weight_group(master, 1, 2, info["metas"], bucket_numel, "127.0.0.1", backend)
         group = engine._receiver.group
-    flag = torch.zeros(1, device=device)
 
     def barrier() -> None:
-        group.broadcast(flag)
         _sync(device)
+        group.barrier(torch.device(device))
 
     times: dict[str, list[float]] = {"collective": [], "host_memory": [], "export": []}
     shm = Path("/dev/shm" if Path("/dev/shm").is_dir() else work) / f"hpcrl-refit-{os.getpid()}.bin"

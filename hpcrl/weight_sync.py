@@ -84,6 +84,14 @@ class WeightGroup:
         opts.rootRank = 0
         self.pg.broadcast([buf], opts).wait()
 
+    def barrier(self, device: torch.device) -> None:
+        """Every rank has reached this point (an all-reduce: a broadcast does not hold its root, which
+        may finish as soon as its data sits in the peers' buffers)."""
+        flag = torch.zeros(1, device=device)
+        self.pg.allreduce([flag]).wait()
+        if flag.is_cuda:
+            torch.cuda.synchronize(device)
+
 
 def new_group(
     backend: str, master: str, rank: int, world: int, *, local_ip: str, timeout_s: float = 600.0
