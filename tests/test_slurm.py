@@ -104,7 +104,7 @@ def test_client_without_token_is_refused_and_a_dead_node_ends_the_job(slurm_clus
     # kill every Ray process of the third node: the job must end, non-zero, naming that node
     killed_at = time.monotonic()
     for pid in _namespace_pids("hpcrl-node3"):
-        if "raylet" in _cmdline(pid) or "ray.scripts" in _cmdline(pid):
+        if "raylet" in _cmdline(pid) or "hpcrl.launch.ray_node" in _cmdline(pid):
             os.kill(pid, signal.SIGKILL)
     state = lifecycle.wait(job_id, run_dir, timeout_s=90)
     assert time.monotonic() - killed_at < 60, state

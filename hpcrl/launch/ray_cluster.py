@@ -1,7 +1,8 @@
 """Ray inside a Slurm job, started from Python on every node (no bash launcher).
 
-Node 0 starts the head, the others join it; everyone runs ``ray start --block`` as a child so a
-dying Ray is noticed at once (the task exits non-zero and srun's --kill-on-bad-exit ends the job).
+Node 0 starts the head, the others join it; everyone runs Ray's node processes as a blocking child
+(``hpcrl.launch.ray_node``, what ``ray start --block`` does without Ray's CLI) so a dying Ray is noticed
+at once (the task exits non-zero and srun's --kill-on-bad-exit ends the job).
 Ports are pinned below 9000, every node has its own temp dir, token auth is on with a per-job
 token file readable only by the user, the dashboard listens on 127.0.0.1, readiness is detected by
 polling the cluster for the expected nodes and GPUs under a deadline, never by sleeping.
@@ -23,7 +24,6 @@ from pathlib import Path
 from hpcrl.workers import ROLLOUT_RESOURCE, TRAIN_RESOURCE
 
 GCS_PORT = 1200
-CLIENT_PORT = 1201
 NODE_MANAGER_PORT = 1301
 OBJECT_MANAGER_PORT = 1302
 WORKER_PORTS = (2000, 2999)
@@ -85,16 +85,21 @@ def start_node(spec: NodeSpec, run_dir: Path, head_ip: str, job_id: str) -> subp
         role_resources[TRAIN_RESOURCE] = spec.gpus or 1
     if "rollout" in spec.role:
         role_resources[ROLLOUT_RESOURCE] = spec.gpus or 1
+    # hpcrl.launch.ray_node: `ray start --block` without importing Ray's CLI (~2 s of CPU per node).
     cmd = [
-        sys.executable, "-m", "ray.scripts.scripts", "start", "--block", f"--node-ip-address={spec.ip}",
+        sys.executable, "-m", "hpcrl.launch.ray_node", f"--node-ip-address={spec.ip}",
         f"--temp-dir={temp}", f"--num-gpus={spec.gpus}", f"--num-cpus={os.cpu_count() or 1}",
         f"--resources={json.dumps(role_resources)}", "--object-store-memory=200000000",
         f"--node-manager-port={NODE_MANAGER_PORT}", f"--object-manager-port={OBJECT_MANAGER_PORT}",
         f"--min-worker-port={WORKER_PORTS[0]}", f"--max-worker-port={WORKER_PORTS[1]}",
     ]  # fmt: skip
     if spec.node_id == 0:
-        cmd += ["--head", f"--port={GCS_PORT}", f"--ray-client-server-port={CLIENT_PORT}",
-                "--include-dashboard=false", f"--dashboard-port={DASHBOARD_PORT}", "--dashboard-host=127.0.0.1"]  # fmt: skip
+        cmd += [
+            "--head",
+            f"--port={GCS_PORT}",
+            f"--dashboard-port={DASHBOARD_PORT}",
+            "--dashboard-host=127.0.0.1",
+        ]
     else:
         cmd += [f"--address={head_ip}:{GCS_PORT}"]
     log = open(run_dir / "ray" / f"node{spec.node_id}.log", "ab")  # noqa: SIM115 - lives as long as Ray
