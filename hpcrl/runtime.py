@@ -68,8 +68,10 @@ class Runtime:
         ]
         ray.get(setups)
         where = ray.get([a.where.remote() for a in trainers + engines])  # surface start-up errors here
-        return cls(trainers, engines, where, weight_sync=cfg.rollout.weight_sync,
-                   bucket_mb=cfg.rollout.weight_sync_bucket_mb, backend="gloo" if on_cpu else "nccl")  # fmt: skip
+        split = topo.placement is Placement.SPLIT and gpu_resources
+        mode, backend = choose_weight_sync(cfg.rollout.weight_sync, on_cpu=on_cpu, split=split)
+        return cls(trainers, engines, where, weight_sync=mode, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+                   backend=backend)  # fmt: skip
 
     def describe(self) -> str:
         """One line: which role runs where, e.g. ``train x1 on node2; rollout x1 on node1``."""
@@ -181,6 +183,20 @@ class Runtime:
         import ray
 
         ray.get([t.load_state_dict.remote(state) for t in self.trainers])
+
+
+def choose_weight_sync(requested: str, *, on_cpu: bool, split: bool) -> tuple[str, str]:
+    """(mode, process-group backend) for ``rollout.weight_sync``.
+
+    On CPUs the broadcast runs over gloo. On GPUs it runs over NCCL only when trainer and engines hold
+    different GPUs (split placement): when they share GPUs (colocated, or a local run on one GPU) two
+    ranks of the group would sit on one device, which NCCL refuses, so those runs go through the object
+    store (CUDA IPC handles would be the fast path there; not written yet)."""
+    if requested != "collective":
+        return requested, "gloo"
+    if on_cpu:
+        return "collective", "gloo"
+    return ("collective", "nccl") if split else ("object_store", "nccl")
 
 
 def _interleave(parts: list[Any]) -> Any:

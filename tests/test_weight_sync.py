@@ -94,5 +94,15 @@ def test_sender_refuses_a_weight_whose_shape_changed():
         sender.send(weights)
 
 
+def test_mode_and_backend_follow_devices_and_placement():
+    from hpcrl.runtime import choose_weight_sync
+
+    assert choose_weight_sync("collective", on_cpu=True, split=False) == ("collective", "gloo")
+    assert choose_weight_sync("collective", on_cpu=False, split=True) == ("collective", "nccl")
+    # trainer and engine share GPUs: NCCL refuses two ranks on one device
+    assert choose_weight_sync("collective", on_cpu=False, split=False)[0] == "object_store"
+    assert choose_weight_sync("object_store", on_cpu=False, split=True)[0] == "object_store"
+
+
 if __name__ == "__main__":
     _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]))
