@@ -171,7 +171,14 @@ class Runtime:
             joins.append(engine.join_weight_group.remote(master, rank_base, world, metas, bucket_numel,
                                                          ip, self.backend))  # fmt: skip
             rank_base += ranks
-        ray.get(joins)
+        try:
+            ray.get(joins)
+        except Exception as exc:  # a rendezvous that fails says why, and what to do about it
+            raise RuntimeError(
+                f"weight sync: trainer rank 0 ({master}) and the {len(self.engines)} rollout engine(s) could "
+                f"not form their {self.backend} group: {str(exc).splitlines()[-1]}. If the rollout nodes "
+                "cannot reach the train nodes directly, set rollout.weight_sync=object_store"
+            ) from exc
         self.weight_group_ready = True
 
     def state_dict(self) -> dict[str, Any]:

@@ -94,7 +94,7 @@ class WeightGroup:
 
 
 def new_group(
-    backend: str, master: str, rank: int, world: int, *, local_ip: str, timeout_s: float = 600.0
+    backend: str, master: str, rank: int, world: int, *, local_ip: str, timeout_s: float = 300.0
 ) -> WeightGroup:
     """A process group of ``world`` ranks that rendezvous at ``master`` (host:port; rank 0 hosts the
     store). ``local_ip`` is the address this rank's gloo traffic leaves from: the node's own address,
