@@ -1,0 +1,110 @@
+"""hpcrl.launch.ray_node on loopback: a head and a worker with role resources register; a dead raylet
+ends its node's launcher with a message; the reaper leaves no Ray process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcrl.trainer.fsdp import free_port
+
+pytestmark = pytest.mark.slow
+
+CLIENT = """
+import json, sys, time, ray
+deadline = time.time() + 90
+while True:
+    try:
+        ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+        break
+    except Exception:
+        if time.time() > deadline:
+            raise
+        time.sleep(0.5)
+while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.time() < deadline:
+    time.sleep(0.2)
+print(json.dumps(sorted(sorted(k for k in n["Resources"] if k.startswith("hpcrl") or k == "GPU")
+                        for n in ray.nodes() if n["Alive"])))
+"""
+
+
+def _node(tmp: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
+    ports = [str(free_port()) for _ in range(2)]
+    low = free_port()
+    cmd = [sys.executable, "-m", "hpcrl.launch.reaper", "--", sys.executable, "-m", "hpcrl.launch.ray_node",
+           "--node-ip-address=127.0.0.1", f"--temp-dir={tmp / name}", "--num-cpus=1",
+           "--object-store-memory=80000000", f"--node-manager-port={ports[0]}",
+           f"--object-manager-port={ports[1]}", f"--min-worker-port={low}", f"--max-worker-port={low + 30}",
+           *args]  # fmt: skip
+    log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the test's tmp dir
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "RAY_AUTH_MODE": "disabled"}  # fmt: skip
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _group_of(tmp: Path, name: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every process in the node's Ray process group: the reaper starts the
+    launcher in a group of its own, and every Ray process the launcher starts stays in it."""
+    rows = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            rows.append((int(pid), os.getpgid(int(pid)), args))
+        except (OSError, ProcessLookupError):
+            continue
+    launcher = [pid for pid, _, args in rows if "hpcrl.launch.ray_node" in args
+                and f"--temp-dir={tmp / name} " in args and "reaper" not in args]  # fmt: skip
+    return [(pid, args) for pid, pgid, args in rows if launcher and pgid == launcher[0] and _alive(pid)]
+
+
+def test_head_and_worker_register_and_a_dead_raylet_stops_its_node():
+    tmp = Path(f"/tmp/hpcrl-rn-{os.getpid()}")  # short: Ray's socket paths are length-limited
+    tmp.mkdir(parents=True, exist_ok=True)
+    gcs = free_port()
+    head = _node(tmp, "head", "--head", f"--port={gcs}", f"--dashboard-port={free_port()}",
+                 '--resources={"hpcrl_rollout": 1}')  # fmt: skip
+    worker = _node(
+        tmp, "worker", f"--address=127.0.0.1:{gcs}", "--num-gpus=1", '--resources={"hpcrl_train": 1}'
+    )
+    try:
+        client = subprocess.run([sys.executable, "-c", CLIENT, f"127.0.0.1:{gcs}"], capture_output=True,
+                                text=True, env=_env(), timeout=150)  # fmt: skip
+        assert client.returncode == 0, client.stderr[-2000:]
+        assert json.loads(client.stdout) == [["GPU", "hpcrl_train"], ["hpcrl_rollout"]]
+
+        head_group = _group_of(tmp, "head")
+        assert any("gcs_server" in args for _, args in head_group), head_group
+        worker_group = _group_of(tmp, "worker")
+        assert len(worker_group) >= 3, worker_group  # launcher, raylet, agents
+        (raylet,) = [pid for pid, args in worker_group if "raylet/raylet" in args]
+        os.kill(raylet, signal.SIGKILL)
+        assert worker.wait(timeout=30) == 1  # the launcher saw it, stopped the node and exited 1
+        assert "Ray process died: raylet" in (tmp / "worker.log").read_text()
+        assert [pid for pid, _ in worker_group if _alive(pid)] == []
+
+        head.send_signal(signal.SIGTERM)  # what a node task's _stop does
+        assert head.wait(timeout=30) == 128 + signal.SIGTERM
+        alive = [pid for pid, _ in head_group if _alive(pid)]
+        assert alive == []  # GCS, raylet, agents: the whole group
+    finally:
+        for proc in (head, worker):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
