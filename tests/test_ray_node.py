@@ -103,8 +103,16 @@ def test_head_and_worker_register_and_a_dead_raylet_stops_its_node():
         assert head.wait(timeout=30) == 128 + signal.SIGTERM
         alive = [pid for pid, _ in head_group if _alive(pid)]
         assert alive == []  # GCS, raylet, agents: the whole group
-    finally:
+    finally:  # also when an assertion failed: the reaper stops its launcher's group on SIGTERM
+        leftovers = [pid for name in ("head", "worker") for pid, _ in _group_of(tmp, name)]
         for proc in (head, worker):
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                proc.terminate()
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        for pid in leftovers:  # whatever outlived the reaper (it should be nothing)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
