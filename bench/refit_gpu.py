@@ -48,7 +48,7 @@ def worker(rank: int, args: argparse.Namespace, work: Path) -> None:
 
     from hpcrl.config import compose_config
     from hpcrl.trainer.fsdp import free_port
-    from hpcrl.weight_sync import TensorMeta, WeightSender, dtype_of, new_group, plan_buckets
+    from hpcrl.weight_sync import dtype_of, join_as_sender
 
     cfg = compose_config([f"model={args.model}", f"model.num_layers={args.layers}", "rollout=hf"])
     gpu = args.device == "cuda"
@@ -80,9 +80,8 @@ def worker(rank: int, args: argparse.Namespace, work: Path) -> None:
     bucket_numel = cfg.rollout.weight_sync_bucket_mb * 2**20 // dtype_of(wire).itemsize
     backend = "nccl" if gpu else "gloo"
     if rank == 0:
-        group = new_group(backend, master, 0, 2, local_ip="127.0.0.1")
-        metas = [TensorMeta(n, tuple(s)) for n, s in info["metas"]]
-        sender = WeightSender(group, plan_buckets(metas, bucket_numel), dtype_of(wire), torch.device(device))
+        sender = join_as_sender(backend, master, 2, info["metas"], bucket_numel, wire, device)
+        group = sender.group
     else:
         engine.join_weight_group(master, 1, 2, info["metas"], bucket_numel, "127.0.0.1", backend)
         group = engine._receiver.group

@@ -81,13 +81,9 @@ class TrainerWorker:
 
     def join_weight_group(self, master: str, world: int, metas: list[Any], bucket_numel: int,
                           dtype: str, backend: str) -> None:  # fmt: skip
-        import torch
+        from hpcrl.weight_sync import join_as_sender
 
-        from hpcrl.weight_sync import TensorMeta, WeightSender, dtype_of, new_group, plan_buckets
-
-        group = new_group(backend, master, 0, world, local_ip=master.rsplit(":", 1)[0])
-        buckets = plan_buckets([TensorMeta(n, tuple(s)) for n, s in metas], bucket_numel)
-        self.sender = WeightSender(group, buckets, dtype_of(dtype), torch.device(self.device))
+        self.sender = join_as_sender(backend, master, world, metas, bucket_numel, dtype, self.device)
 
     def send_weights(self) -> dict[str, float]:
         """Export (every rank) and broadcast (rank 0): seconds of each part and the bytes sent."""

@@ -155,12 +155,10 @@ class HFEngine:
 
     def join_weight_group(self, master: str, rank_base: int, world: int, metas: list[Any],
                           bucket_numel: int, local_ip: str, backend: str) -> None:  # fmt: skip
-        from hpcrl.weight_sync import TensorMeta, WeightReceiver, dtype_of, new_group, plan_buckets
+        from hpcrl.weight_sync import join_as_receiver
 
-        group = new_group(backend, master, rank_base, world, local_ip=local_ip)
-        buckets = plan_buckets([TensorMeta(str(n), tuple(s)) for n, s in metas], bucket_numel)
-        device = self.torch.device(self.device)
-        self._receiver = WeightReceiver(group, buckets, dtype_of(self.weight_dtype), device)
+        self._receiver = join_as_receiver(backend, master, rank_base, world, metas, bucket_numel,
+                                          self.weight_dtype, self.device, local_ip)  # fmt: skip
 
     def receive_weights(self) -> None:
         self.load_weights(dict(self._receiver.receive()))

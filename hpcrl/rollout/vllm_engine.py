@@ -27,13 +27,12 @@ class WeightReloader:
         """Join the trainer's weight group as rank ``rank_base`` + this worker's rank in the engine."""
         import torch
 
-        from hpcrl.weight_sync import TensorMeta, WeightReceiver, dtype_of, new_group, plan_buckets
+        from hpcrl.weight_sync import join_as_receiver
 
         rank = rank_base + int(getattr(self, "rank", 0))
-        group = new_group(backend, master, rank, world, local_ip=local_ip)
         device = getattr(self, "device", None) or torch.device("cpu")
-        buckets = plan_buckets([TensorMeta(str(n), tuple(int(d) for d in s)) for n, s in metas], bucket_numel)
-        self._hpcrl_receiver = WeightReceiver(group, buckets, dtype_of(dtype), torch.device(device))
+        self._hpcrl_receiver = join_as_receiver(backend, master, rank, world, metas, bucket_numel, dtype,
+                                                device, local_ip)  # fmt: skip
         return rank
 
     def hpcrl_receive_weights(self) -> int:
