@@ -43,3 +43,41 @@ def test_gumbel_max_sampling_follows_softmax_over_temperature(temperature):
     expected = torch.softmax(logits[0] / temperature, dim=0)
     assert torch.allclose(freq, expected, atol=0.01), (freq, expected)
     assert torch.equal(sample_tokens(logits[:3], 0.0, None), torch.zeros(3, dtype=torch.long))
+
+
+def test_decode_attention_equals_stock_sdpa_with_grouped_heads_and_padding():
+    """One new token per row, 12 query heads over 2 KV heads, left-padded rows: the grouped-rows
+    form gives stock SDPA's (repeat_kv) output."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hpcrl.rollout.decode_attention import decode_sdpa_forward
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 12, 1, 8, generator=g)
+    k, v = torch.randn(3, 2, 10, 8, generator=g), torch.randn(3, 2, 10, 8, generator=g)
+    mask = torch.ones(3, 1, 1, 10, dtype=torch.bool)
+    mask[0, ..., :4] = False  # row 0: four pad positions on the left
+    mask[2, ..., :1] = False
+    module = SimpleNamespace(num_key_value_groups=6, is_causal=True)
+    ours, _ = decode_sdpa_forward(module, q, k, v, mask, scaling=0.3)
+    stock, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    assert ours.shape == stock.shape == (3, 1, 12, 8)
+    torch.testing.assert_close(ours, stock)
+    shuffled, _ = decode_sdpa_forward(module, q[:, torch.randperm(12, generator=g)], k, v, mask, scaling=0.3)
+    assert not torch.allclose(shuffled, stock)  # the head -> KV head assignment matters
+
+
+def test_engine_decodes_with_the_grouped_attention(tiny_dir):
+    engine = HFEngine(tiny_dir, compose("model=tiny", "rollout=hf").rollout, device="cpu")
+    assert engine.model.config._attn_implementation == "hpcrl_sdpa"
+    engine.eos_id = -1
+    prompts = [[1, 5, 6, 7], [1, 8, 9]]
+    greedy = SamplingSettings(1, 0.0, 1.0, 8, 0)
+    ours = engine.generate(prompts, greedy)
+    engine.model.set_attn_implementation("sdpa")
+    stock = engine.generate(prompts, greedy)
+    for a, b in zip(ours, stock, strict=True):
+        assert a[0].token_ids == b[0].token_ids
+        assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-5)

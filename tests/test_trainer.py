@@ -79,3 +79,20 @@ def test_state_dict_round_trip_and_tied_head(tiny_dir):
     b.train_step(batch(), None)
     wa, wb = a.export_weights(), b.export_weights()
     assert all(torch.allclose(wa[k], wb[k], atol=1e-7) for k in wa)
+
+
+def test_fused_logprob_head_matches_the_logits_path(tiny_dir):
+    """Same log-probs, loss and gradient norm with the chunked head as with full logits (and the
+    padding mask left out for right-padded batches in both)."""
+    fused = trainer(tiny_dir)
+    plain = trainer(tiny_dir, "trainer.fused_logprob=false")
+    b = batch()
+    assert type(fused.model.lm_head).__name__ == "LogprobHead"
+    assert type(plain.model.lm_head).__name__ == "Linear"
+    torch.testing.assert_close(fused.logprobs(b), plain.logprobs(b), atol=1e-5, rtol=1e-5)
+    m_fused, m_plain = fused.train_step(b, None), plain.train_step(b, None)
+    for key in ("loss", "grad_norm", "entropy"):
+        assert m_fused[key] == pytest.approx(m_plain[key], rel=1e-5, abs=1e-7), key
+    wa, wb = fused.export_weights(), plain.export_weights()
+    assert wa.keys() == wb.keys()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6

@@ -28,7 +28,13 @@ class HFEngine:
         self.torch = torch
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        from hpcrl.rollout.decode_attention import register
+
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=register())
+            .to(device)
+            .eval()
+        )
         self.device = device
         self.cfg = cfg
         self._static: dict[tuple[int, int], Any] = {}

@@ -64,6 +64,9 @@ class FSDPTrainerConfig(TrainerConfig):
     cpu_offload: bool = False
     compile: bool = False
     """torch.compile each decoder layer (GPU only)."""
+    fused_logprob: bool = True
+    """Log-probs straight from the hidden states in chunks (``trainer/logprob_head.py``) instead of
+    materialising the [tokens, vocab] logits; same numbers, far less memory."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ from hpcrl.algo.losses import gen_kl_error, grpo_loss
 from hpcrl.config import RunConfig
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import Precision
+from hpcrl.trainer.logprob_head import LogprobHead, install_logprob_head
 
 
 def init_process_group(rank: int, world: int, master: str, backend: str) -> None:
@@ -29,8 +30,25 @@ def init_process_group(rank: int, world: int, master: str, backend: str) -> None
 
 def token_logprobs(model: Any, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability and entropy of every target token: [B, T-1] each."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    # Right padding sits after every real token, so under causal attention no real token sees it:
+    # the padding mask changes nothing that counts and, left out, lets SDPA take its flash kernel
+    # (with a mask it falls back to the memory-efficient kernel and repeats the GQA heads).
+    mask = None if is_right_padded(batch.attention_mask) else batch.attention_mask
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, LogprobHead):
+        targets = torch.nn.functional.pad(
+            batch.input_ids[:, 1:], (0, 1)
+        )  # the last position predicts nothing
+        with head.targets(targets):
+            out = model(input_ids=batch.input_ids, attention_mask=mask).logits[:, :-1]
+        return out[..., 0], out[..., 1]
+    logits = model(input_ids=batch.input_ids, attention_mask=mask).logits[:, :-1]
     return logprob_and_entropy(logits, batch.input_ids[:, 1:])
+
+
+def is_right_padded(mask: torch.Tensor) -> bool:
+    """Every row is ones then zeros (what ``build_batch`` makes)."""
+    return bool((mask[:, 1:] <= mask[:, :-1]).all())
 
 
 def logprob_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,6 +82,8 @@ class FSDPTrainer:
         init_process_group(rank, world, master, backend)
         torch.manual_seed(cfg.run.seed + rank)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+        if getattr(cfg.trainer, "fused_logprob", True):
+            install_logprob_head(model)  # before the reference copy and sharding: both see the new head
         # The frozen reference policy for the KL term: a copy taken before any update.
         self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
         for name in cfg.trainer.freeze:
@@ -75,7 +95,9 @@ class FSDPTrainer:
         if device.startswith("cuda") and cfg.trainer.precision is Precision.bfloat16:
             # fp32 sharded master weights and gradient reduction, bf16 compute
             shard["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        reshard = getattr(cfg.trainer, "reshard_after_forward", True)
+        # With one rank there is nothing to free by resharding: it would only re-gather (and re-cast to
+        # bf16) every layer's weights again for the backward pass.
+        reshard = getattr(cfg.trainer, "reshard_after_forward", True) and world > 1
         compile_layers = device.startswith("cuda") and getattr(cfg.trainer, "compile", False)
         for layer in model.model.layers:
             if compile_layers:
@@ -86,6 +108,7 @@ class FSDPTrainer:
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=cfg.algo.lr,
             weight_decay=cfg.trainer.weight_decay, betas=(0.9, 0.999),
+            fused=True if device.startswith("cuda") else None,  # one kernel per step instead of ~10 per tensor list
         )  # fmt: skip
 
     def data_rank(self) -> tuple[int, int]:

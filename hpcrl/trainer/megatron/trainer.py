@@ -125,7 +125,8 @@ class MegatronTrainer:
                     param.requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.algo.lr, weight_decay=t.weight_decay,
-                                           betas=(0.9, 0.999))  # fmt: skip
+                                           betas=(0.9, 0.999),
+                                           fused=True if self.device.type == "cuda" else None)  # fmt: skip
 
     # -- weights -----------------------------------------------------------------------------------
     def _load(self, model: Any, full: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,67 @@
+"""The chunked log-prob head against the plain logits path: values, gradients, masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hpcrl.trainer.fsdp import is_right_padded, logprob_and_entropy
+from hpcrl.trainer.logprob_head import LogprobHead, chunked_logprob, install_logprob_head
+
+
+def reference(hidden, weight, targets):
+    return logprob_and_entropy(hidden @ weight.t(), targets)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 100])  # one row per chunk, ragged last chunk, a single chunk
+def test_values_and_gradients_match_the_logits_path(rows):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 7, 16, generator=g, dtype=torch.float32, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, dtype=torch.float32, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 7), generator=g)
+    upstream = torch.randn(2, 7, generator=g, dtype=torch.float32)  # a loss that weights tokens unequally
+
+    logp, entropy = chunked_logprob(hidden, weight, targets, rows=rows)
+    (logp * upstream).sum().backward()
+    got = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    ref_logp, ref_entropy = reference(hidden, weight, targets)
+    (ref_logp * upstream).sum().backward()
+
+    torch.testing.assert_close(logp, ref_logp)
+    torch.testing.assert_close(entropy, ref_entropy)
+    torch.testing.assert_close(got[0], hidden.grad)
+    torch.testing.assert_close(got[1], weight.grad)
+    assert not entropy.requires_grad  # a metric: never part of the loss graph
+
+
+def test_head_is_installed_with_the_tied_weight_and_refuses_calls_without_targets():
+    emb = nn.Embedding(50, 16)
+    model = nn.Module()
+    model.lm_head = nn.Linear(16, 50, bias=False)
+    model.lm_head.weight = emb.weight
+    head = install_logprob_head(model)
+    assert isinstance(head, LogprobHead) and model.lm_head is head
+    assert head.weight is emb.weight  # the tie survives: one parameter, one gradient
+    with pytest.raises(RuntimeError, match="needs targets"):
+        head(torch.zeros(1, 16))
+    with head.targets(torch.tensor([[3]])):
+        out = head(torch.zeros(1, 1, 16))
+    assert out.shape == (1, 1, 2)
+    assert out[0, 0, 0].item() == pytest.approx(-torch.log(torch.tensor(50.0)).item())  # uniform logits
+
+
+def test_soft_capped_or_biased_heads_are_left_alone():
+    capped = nn.Module()
+    capped.lm_head = nn.Linear(4, 8, bias=False)
+    capped.config = type("C", (), {"final_logit_softcapping": 30.0})()
+    biased = nn.Module()
+    biased.lm_head = nn.Linear(4, 8, bias=True)
+    assert install_logprob_head(capped) is None and type(capped.lm_head) is nn.Linear
+    assert install_logprob_head(biased) is None
+
+
+def test_right_padding_detection():
+    assert is_right_padded(torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]]))
+    assert not is_right_padded(torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]]))  # left padding keeps its mask
