@@ -30,6 +30,8 @@ def init_process_group(rank: int, world: int, master: str, backend: str) -> None
 
 def token_logprobs(model: Any, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability and entropy of every target token: [B, T-1] each."""
+    # use_cache=False: HF would otherwise build a KV cache in every training forward (a copy of each
+    # layer's keys and values, and a per-layer guard that made torch.compile recompile every layer).
     # Right padding sits after every real token, so under causal attention no real token sees it:
     # the padding mask changes nothing that counts and, left out, lets SDPA take its flash kernel
     # (with a mask it falls back to the memory-efficient kernel and repeats the GQA heads).
@@ -40,9 +42,9 @@ def token_logprobs(model: Any, batch: TrainBatch) -> tuple[torch.Tensor, torch.T
             batch.input_ids[:, 1:], (0, 1)
         )  # the last position predicts nothing
         with head.targets(targets):
-            out = model(input_ids=batch.input_ids, attention_mask=mask).logits[:, :-1]
+            out = model(input_ids=batch.input_ids, attention_mask=mask, use_cache=False).logits[:, :-1]
         return out[..., 0], out[..., 1]
-    logits = model(input_ids=batch.input_ids, attention_mask=mask).logits[:, :-1]
+    logits = model(input_ids=batch.input_ids, attention_mask=mask, use_cache=False).logits[:, :-1]
     return logprob_and_entropy(logits, batch.input_ids[:, 1:])
 
 

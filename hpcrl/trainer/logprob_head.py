@@ -22,34 +22,63 @@ import torch
 from torch import nn
 
 CHUNK_ELEMENTS = 1 << 28
-"""Logit elements per chunk (1 GiB in fp32): 1766 tokens at a 152k vocabulary."""
+"""Logit elements per chunk where the chunk math runs eagerly (CPU: 1 GiB fp32 temporaries each):
+1766 tokens at a 152k vocabulary."""
+FUSED_CHUNK_ELEMENTS = 1 << 30
+"""On GPUs, where the chunk math is compiled into kernels that read the bf16 logits once and keep no
+fp32 copies: fewer, larger chunks (2 GiB of bf16 logits) mean fewer weight-gradient accumulations."""
 
 
-def chunk_rows(vocab: int) -> int:
-    return max(1, CHUNK_ELEMENTS // max(vocab, 1))
+def chunk_stats(
+    logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log p(target), entropy, logsumexp) of one chunk of logits, in fp32 (fp64 stays fp64)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(x, dim=-1)
+    target = x.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = lse - (torch.exp(x - lse[:, None]) * x).sum(-1)
+    return target - lse, entropy, lse
+
+
+def chunk_grad(
+    logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor
+) -> torch.Tensor:
+    """d(sum g * log p(target)) / d logits = g * (onehot(target) - softmax(logits)), in the logits' dtype."""
+    x = logits.to(lse.dtype)
+    onehot = torch.arange(x.shape[-1], device=x.device)[None, :] == targets[:, None]
+    return (g[:, None] * (onehot.to(x.dtype) - torch.exp(x - lse[:, None]))).to(logits.dtype)
+
+
+_compiled: dict[str, Any] = {}
+
+
+def chunk_fns(device: torch.device) -> tuple[Any, Any, int]:
+    """The chunk math and chunk size for ``device``: compiled on GPUs (dynamic shapes: the last,
+    shorter chunk and every new batch width reuse the same kernels), eager elsewhere."""
+    if device.type != "cuda":
+        return chunk_stats, chunk_grad, CHUNK_ELEMENTS
+    if not _compiled:
+        _compiled["stats"] = torch.compile(chunk_stats, dynamic=True)
+        _compiled["grad"] = torch.compile(chunk_grad, dynamic=True)
+    return _compiled["stats"], _compiled["grad"], FUSED_CHUNK_ELEMENTS
 
 
 class ChunkedLogprob(torch.autograd.Function):
     """(hidden [N, h], weight [V, h], targets [N]) -> (log p(target) [N], entropy [N]), both fp32
-    (fp64 for fp64 inputs).
-    Gradients flow to ``hidden`` and ``weight`` through log p only (the entropy is a metric)."""
+    (fp64 for fp64 inputs). Gradients flow to ``hidden`` and ``weight`` through log p only (the
+    entropy is a metric)."""
 
     @staticmethod
     def forward(
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int | None
     ) -> Any:
-        n = hidden.shape[0]
-        acc = torch.promote_types(weight.dtype, torch.float32)  # fp32 for bf16/fp32 weights
-        logp = torch.empty(n, dtype=acc, device=hidden.device)
-        entropy = torch.empty_like(logp)
-        lse = torch.empty_like(logp)
-        for s in range(0, n, rows):
-            logits = (hidden[s : s + rows] @ weight.t()).to(acc)
-            chunk_lse = torch.logsumexp(logits, dim=-1)
-            lse[s : s + rows] = chunk_lse
-            logp[s : s + rows] = logits.gather(-1, targets[s : s + rows, None]).squeeze(-1) - chunk_lse
-            probs = torch.exp(logits - chunk_lse[:, None])
-            entropy[s : s + rows] = chunk_lse - (probs * logits).sum(-1)
+        stats, _, elements = chunk_fns(hidden.device)
+        rows = rows or max(1, elements // weight.shape[0])
+        parts = [
+            stats(hidden[s : s + rows] @ weight.t(), targets[s : s + rows])
+            for s in range(0, hidden.shape[0], rows)
+        ]
+        logp, entropy, lse = (torch.cat(p) for p in zip(*parts, strict=True))
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.rows = rows
         ctx.mark_non_differentiable(entropy)
@@ -59,20 +88,21 @@ class ChunkedLogprob(torch.autograd.Function):
     def backward(ctx: Any, grad_logp: torch.Tensor, _grad_entropy: Any) -> Any:
         hidden, weight, targets, lse = ctx.saved_tensors
         rows = ctx.rows
-        acc = torch.promote_types(weight.dtype, torch.float32)  # fp32 for bf16/fp32 weights
+        _, grad_fn, _ = chunk_fns(hidden.device)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        # fp32 accumulator: the weight gradient sums over every chunk
+        # accumulated over the chunks in fp32 (fp64 for fp64 weights), cast once at the end
+        acc = torch.promote_types(weight.dtype, torch.float32)
         grad_weight = (
             torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
         )
         for s in range(0, hidden.shape[0], rows):
             h = hidden[s : s + rows]
-            g = grad_logp[s : s + rows].to(acc)
-            logits = (h @ weight.t()).to(acc)
-            # d log p(t) / d logits = onehot(t) - softmax(logits)
-            grad_logits = torch.exp(logits - lse[s : s + rows, None]).mul_(-g[:, None])
-            grad_logits.scatter_add_(-1, targets[s : s + rows, None], g[:, None])
-            grad_logits = grad_logits.to(hidden.dtype)
+            grad_logits = grad_fn(
+                h @ weight.t(),
+                targets[s : s + rows],
+                lse[s : s + rows],
+                grad_logp[s : s + rows].to(lse.dtype),
+            )
             if grad_hidden is not None:
                 grad_hidden[s : s + rows] = grad_logits @ weight
             if grad_weight is not None:
@@ -85,7 +115,6 @@ def chunked_logprob(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) and entropy for hidden states of any leading shape ``[..., h]``."""
     lead = hidden.shape[:-1]
-    rows = rows or chunk_rows(weight.shape[0])
     logp, entropy = ChunkedLogprob.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), rows
     )
