@@ -71,18 +71,22 @@ def importance_weights(
     return torch.where(keep, ratio, torch.zeros_like(ratio))
 
 
-def gen_kl_error(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean k3 KL between trainer and rollout-engine logprobs over generated tokens (should be ~0)."""
+def gen_kl_error(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean k3 KL between trainer and rollout-engine logprobs over generated tokens (should be ~0).
+    A 0-dim tensor, like every metric here: a GPU step converts its metrics to floats once, at
+    its end, instead of waiting for the GPU at each one."""
     k3 = kl_penalty(train_logp.detach(), rollout_logp, KLType.k3)
-    return float((k3 * mask).sum() / mask.sum().clamp(min=1))
+    return (k3 * mask).sum() / mask.sum().clamp(min=1)
 
 
 @dataclass(frozen=True)
 class LossTerms:
     loss: torch.Tensor
-    policy: float
-    kl: float
-    clip_fraction: float
+    """The objective to differentiate."""
+    policy: torch.Tensor
+    """Detached 0-dim metrics from here on."""
+    kl: torch.Tensor
+    clip_fraction: torch.Tensor
 
 
 def grpo_loss(
@@ -114,7 +118,7 @@ def grpo_loss(
     total = policy + kl_coef * kl if kl is not None else policy
     return LossTerms(
         loss=total,
-        policy=float(policy.detach()),
-        kl=float(kl.detach()) if kl is not None else 0.0,
-        clip_fraction=float((clipped * mask).sum() / mask.sum().clamp(min=1)),
+        policy=policy.detach(),
+        kl=kl.detach() if kl is not None else torch.zeros((), device=total.device),
+        clip_fraction=(clipped * mask).sum() / mask.sum().clamp(min=1),
     )

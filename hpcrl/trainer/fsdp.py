@@ -28,14 +28,19 @@ def init_process_group(rank: int, world: int, master: str, backend: str) -> None
     dist.init_process_group(backend=backend, init_method=f"tcp://{master}", rank=rank, world_size=world)
 
 
-def token_logprobs(model: Any, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability and entropy of every target token: [B, T-1] each."""
+def token_logprobs(
+    model: Any, batch: TrainBatch, right_padded: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability and entropy of every target token: [B, T-1] each. ``right_padded``: known
+    already (saves a check that waits on the GPU); None checks."""
     # use_cache=False: HF would otherwise build a KV cache in every training forward (a copy of each
     # layer's keys and values, and a per-layer guard that made torch.compile recompile every layer).
     # Right padding sits after every real token, so under causal attention no real token sees it:
     # the padding mask changes nothing that counts and, left out, lets SDPA take its flash kernel
     # (with a mask it falls back to the memory-efficient kernel and repeats the GQA heads).
-    mask = None if is_right_padded(batch.attention_mask) else batch.attention_mask
+    if right_padded is None:
+        right_padded = is_right_padded(batch.attention_mask)
+    mask = None if right_padded else batch.attention_mask
     head = getattr(model, "lm_head", None)
     if isinstance(head, LogprobHead):
         targets = torch.nn.functional.pad(
@@ -119,11 +124,12 @@ class FSDPTrainer:
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         model = self.ref if reference else self.model
         assert model is not None, "no reference model: algo.kl_coef is 0"
+        mask_ok = is_right_padded(batch.attention_mask)
         batch = batch.to(self.device)  # the driver sends CPU tensors
         out = []
         with torch.no_grad():
             for mb in self._micro_batches(batch):
-                out.append(token_logprobs(model, mb)[0])
+                out.append(token_logprobs(model, mb, right_padded=mask_ok)[0])
         return _cat_padded(out).cpu()
 
     def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
@@ -132,6 +138,7 @@ class FSDPTrainer:
 
     def train_step(self, batch: TrainBatch, ref_logp: torch.Tensor | None) -> dict[str, float]:
         algo = self.cfg.algo
+        mask_ok = is_right_padded(batch.attention_mask)  # on the driver's CPU tensors, once per step
         batch = batch.to(self.device)  # the driver sends CPU tensors
         ref_logp = None if ref_logp is None else ref_logp.to(self.device)
         self.model.train()
@@ -139,18 +146,18 @@ class FSDPTrainer:
         # single optimizer step per batch it equals the current policy, so its logprobs come free from
         # the training forward pass (logp.detach()) instead of a separate forward over the batch.
         old_logp = None if algo.num_minibatches == 1 else self.logprobs(batch).to(self.device)
-        metrics: dict[str, float] = {}
+        # Metrics stay 0-dim tensors on the device until the end of the step: a float() per metric
+        # would stall the CPU on the GPU before every backward and optimizer launch.
+        totals: dict[str, torch.Tensor] = {}
+
+        def add(key: str, value: torch.Tensor) -> None:
+            totals[key] = totals[key] + value if key in totals else value
+
         if old_logp is not None:
-            metrics["gen_kl_error"] = gen_kl_error(old_logp, batch.rollout_logp, batch.loss_mask)
-        totals = {
-            "gen_kl_error": 0.0,
-            "loss": 0.0,
-            "policy_loss": 0.0,
-            "kl": 0.0,
-            "clip_fraction": 0.0,
-            "entropy": 0.0,
-            "grad_norm": 0.0,
-        }
+            add(
+                "gen_kl_error",
+                gen_kl_error(old_logp, batch.rollout_logp, batch.loss_mask) * algo.num_minibatches,
+            )
         order = torch.arange(len(batch))
         for minibatch in order.chunk(algo.num_minibatches):
             self.optimizer.zero_grad(set_to_none=True)
@@ -158,7 +165,7 @@ class FSDPTrainer:
             for start in range(0, len(minibatch), self.cfg.trainer.micro_batch_size):
                 idx = minibatch[start : start + self.cfg.trainer.micro_batch_size]
                 mb = batch.select(idx)
-                logp, entropy = token_logprobs(self.model, mb)
+                logp, entropy = token_logprobs(self.model, mb, right_padded=mask_ok)
                 old = logp.detach() if old_logp is None else old_logp[idx]
                 terms = grpo_loss(
                     logp, old, ref_logp[idx] if ref_logp is not None else None, mb.rollout_logp,
@@ -170,23 +177,20 @@ class FSDPTrainer:
                 # reproduces the full-minibatch mean (exact for token-level aggregation).
                 share = mb.loss_mask.sum() / tokens_in_minibatch
                 (terms.loss * share).backward()
-                totals["loss"] += float(terms.loss.detach()) * float(share)
+                add("loss", terms.loss.detach() * share)
                 if old_logp is None:
-                    totals["gen_kl_error"] += gen_kl_error(old, mb.rollout_logp, mb.loss_mask) * float(share)
-                totals["policy_loss"] += terms.policy * float(share)
-                totals["kl"] += terms.kl * float(share)
-                totals["clip_fraction"] += terms.clip_fraction * float(share)
-                totals["entropy"] += float((entropy.detach() * mb.loss_mask).sum() / tokens_in_minibatch)
+                    add("gen_kl_error", gen_kl_error(old, mb.rollout_logp, mb.loss_mask) * share)
+                add("policy_loss", terms.policy * share)
+                add("kl", terms.kl * share)
+                add("clip_fraction", terms.clip_fraction * share)
+                add("entropy", (entropy.detach() * mb.loss_mask).sum() / tokens_in_minibatch)
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
-            totals["grad_norm"] += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            add("grad_norm", norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             self.optimizer.step()
-        k = algo.num_minibatches
-        if old_logp is None:
-            metrics["gen_kl_error"] = totals["gen_kl_error"]
-        totals.pop("gen_kl_error")
-        metrics.update({key: value / k for key, value in totals.items()})
+        keys = list(totals)
+        values = torch.stack([totals[k].float() for k in keys]).tolist()  # the step's one host sync
         self.model.eval()
-        return metrics
+        return {k: v / algo.num_minibatches for k, v in zip(keys, values, strict=True)}
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Full weights in HF names. A tied lm_head is sent explicitly: vLLM's in-place reload does

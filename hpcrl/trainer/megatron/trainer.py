@@ -289,10 +289,10 @@ class MegatronTrainer:
                     is_correction=algo.is_correction, is_cap=algo.is_cap,
                 )  # fmt: skip
                 share = float(mask.sum()) / _tokens
-                stats = {"loss": float(terms.loss.detach()) * share, "policy_loss": terms.policy * share,
-                         "kl": terms.kl * share, "clip_fraction": terms.clip_fraction * share,
+                stats = {"loss": float(terms.loss.detach()) * share, "policy_loss": float(terms.policy) * share,
+                         "kl": float(terms.kl) * share, "clip_fraction": float(terms.clip_fraction) * share,
                          "entropy": float((entropy * mask).sum()) / _tokens,
-                         "gen_kl_error": gen_kl_error(old, mb.rollout_logp.to(self.device), mask) * share}  # fmt: skip
+                         "gen_kl_error": float(gen_kl_error(old, mb.rollout_logp.to(self.device), mask)) * share}  # fmt: skip
                 # the schedule divides by the number of micro-batches; the token share is the real weight
                 return terms.loss * share * _k, stats
 
