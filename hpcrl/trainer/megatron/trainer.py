@@ -25,6 +25,7 @@ from hpcrl.config import RunConfig
 from hpcrl.topology import TrainParallel
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.fsdp import init_process_group
+from hpcrl.trainer.logprob_head import chunked_logprob
 from hpcrl.trainer.megatron import compat
 from hpcrl.trainer.megatron.spec import layer_spec, transformer_config, uses_fused_norms
 from hpcrl.trainer.megatron.weights import Shape, is_sharded, relocate, shard, to_hf, to_megatron, unshard
@@ -101,13 +102,18 @@ class MegatronTrainer:
         self.shape = model_shape(hf, self.par.tp)
         config = transformer_config(hf, t, self.par, device=device)  # type: ignore[arg-type]
 
+        # At TP=1 the loss reads log-probs from the final hidden states in chunks, never the logits
+        # (trainer/logprob_head.py); under TP the vocab-parallel cross-entropy keeps the logits split.
+        self.fused_head = self.par.tp == 1 and getattr(t, "fused_logprob", True)
+        self.compute_dtype = torch.bfloat16 if config.enable_autocast else torch.float32
+
         def build() -> Any:
-            return GPTModel(
+            return with_hidden_output(GPTModel(
                 config=config, transformer_layer_spec=layer_spec(), vocab_size=self.shape.padded_vocab,
                 max_sequence_length=hf.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
                 post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=self.tied,
                 position_embedding_type="rope", rotary_base=rope_base(hf),
-            ).to(self.device)  # fmt: skip
+            ).to(self.device), self.fused_head)  # fmt: skip
 
         self.layer_offset = hf.num_hidden_layers // self.par.pp * ps.get_pipeline_model_parallel_rank()
         full = to_megatron(load_hf_weights(model_dir), self.shape, self.tied)
@@ -185,10 +191,18 @@ class MegatronTrainer:
         return self.ps.get_data_parallel_rank(), self.par.dp
 
     # -- forward -----------------------------------------------------------------------------------
-    def _token_stats(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Vocab-parallel log p(target) and entropy from this rank's [b, s, vocab/tp] logits."""
+    def _token_stats(
+        self, model: Any, out: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p(target) and entropy per token: from the final hidden states [b, s, h] in chunks
+        (``fused_head``), else vocab-parallel from this rank's [b, s, vocab/tp] logits."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+        if self.fused_head:
+            weight = model.shared_embedding_or_output_weight() if self.tied else model.output_layer.weight
+            # the loss runs outside the schedule's autocast: cast as autocast would have
+            return chunked_logprob(out.to(self.compute_dtype), weight.to(self.compute_dtype), targets)
+        logits = out
         logits = logits.float()
         group = self.ps.get_tensor_model_parallel_group()
         with torch.no_grad():  # entropy is a metric: all-reduced pieces of logsumexp and E[logit]
@@ -250,7 +264,7 @@ class MegatronTrainer:
         n, width = len(batch), batch.input_ids.shape[1] - 1
 
         def keep_logp(i: int, mb: TrainBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-            logp, _ = self._token_stats(logits, self._targets(mb))
+            logp, _ = self._token_stats(model, logits, self._targets(mb))
             return logits.new_zeros(()), {"logp": logp.detach().cpu()}
 
         model.eval()
@@ -272,9 +286,9 @@ class MegatronTrainer:
             size = len(mbs[0])
 
             def loss_fn(i: int, mb: TrainBatch, logits: torch.Tensor, _chunk: Any = chunk,
-                        _tokens: float = tokens, _k: int = len(mbs), _size: int = size) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+                        _tokens: float = tokens, _k: int = len(mbs), _size: int = size) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
                 targets = self._targets(mb)
-                logp, entropy = self._token_stats(logits, targets)
+                logp, entropy = self._token_stats(self.model, logits, targets)
                 w = mb.loss_mask.shape[1]
                 logp, entropy = logp[:, :w], entropy[:, :w]
                 rows = _chunk[i * _size : (i + 1) * _size]
@@ -288,16 +302,17 @@ class MegatronTrainer:
                     kl_coef=algo.kl_coef, kl_type=algo.kl_type, agg=algo.loss_agg,
                     is_correction=algo.is_correction, is_cap=algo.is_cap,
                 )  # fmt: skip
-                share = float(mask.sum()) / _tokens
-                stats = {"loss": float(terms.loss.detach()) * share, "policy_loss": float(terms.policy) * share,
-                         "kl": float(terms.kl) * share, "clip_fraction": float(terms.clip_fraction) * share,
-                         "entropy": float((entropy * mask).sum()) / _tokens,
-                         "gen_kl_error": float(gen_kl_error(old, mb.rollout_logp.to(self.device), mask)) * share}  # fmt: skip
+                share = float(mb.loss_mask.sum()) / _tokens  # host tensor: no wait on the GPU
+                # device tensors, converted once after the schedule (a float() here would stall it)
+                stats = {"loss": terms.loss.detach() * share, "policy_loss": terms.policy * share,
+                         "kl": terms.kl * share, "clip_fraction": terms.clip_fraction * share,
+                         "entropy": (entropy.detach() * mask).sum() / _tokens,
+                         "gen_kl_error": gen_kl_error(old, mb.rollout_logp.to(self.device), mask) * share}  # fmt: skip
                 # the schedule divides by the number of micro-batches; the token share is the real weight
                 return terms.loss * share * _k, stats
 
             self.optimizer.zero_grad(set_to_none=True)
-            outs = self._run(self.model, mbs, loss_fn, forward_only=False)
+            outs = _as_floats(self._run(self.model, mbs, loss_fn, forward_only=False))
             for stats in self._broadcast_from_last_stage(outs):
                 for key, value in stats.items():
                     sums[key] += value
@@ -348,6 +363,33 @@ class MegatronTrainer:
             for p in self.params:
                 p.grad.mul_(coef)
         return norm
+
+
+def _as_floats(outs: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """The schedule's per-micro-batch metric tensors as floats, in one host sync."""
+    if not outs:
+        return []  # not the last pipeline stage
+    keys = list(outs[0])
+    values = torch.stack([torch.stack([o[k].float() for k in keys]) for o in outs]).tolist()
+    return [dict(zip(keys, row, strict=True)) for row in values]
+
+
+class HiddenOutput(torch.nn.Module):
+    """Stands in for ``GPTModel.output_layer`` (and keeps its weight, so names and the optimizer's
+    parameters do not change): the model returns its final hidden states [b, s, h] instead of logits."""
+
+    def __init__(self, layer: Any) -> None:
+        super().__init__()
+        self.weight = layer.weight  # None when tied to the input embedding
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        return hidden, None
+
+
+def with_hidden_output(model: Any, enabled: bool) -> Any:
+    if enabled and getattr(model, "output_layer", None) is not None:
+        model.output_layer = HiddenOutput(model.output_layer)
+    return model
 
 
 def _rows(full: torch.Tensor, rows: torch.Tensor, real: int, like: torch.Tensor) -> torch.Tensor:
