@@ -264,26 +264,17 @@ def train_part(cfg, model_dir: Path, args) -> dict:
     out_dir = os.environ.get("OUT", tempfile.gettempdir())
     rows = {"HF + SDPA loop (baseline)": bench_train_baseline(model_dir, b, s)}
     torch.cuda.empty_cache()
-    rows["fsdp, logits path (trainer.fused_logprob=false)"] = bench_train_fsdp(
-        cfg, model_dir, b, s, fused_logprob=False
+    rows["fsdp, trainer.compile=false fused_logprob=false"] = bench_train_fsdp(
+        cfg, model_dir, b, s, compile_layers=False, fused_logprob=False
     )
-    rows["fsdp, chunked log-prob head (default)"] = bench_train_fsdp(
+    rows["fsdp, trainer.compile=false"] = bench_train_fsdp(cfg, model_dir, b, s, compile_layers=False)
+    rows["fsdp, trainer.fused_logprob=false"] = bench_train_fsdp(cfg, model_dir, b, s, fused_logprob=False)
+    rows["fsdp, default (compiled layers, chunked log-prob head)"] = bench_train_fsdp(
         cfg, model_dir, b, s, profile=str(Path(out_dir, "profile_fsdp_default.txt"))
     )
     rows["fsdp, default + cuDNN attention first"] = bench_train_fsdp(
-        cfg,
-        model_dir,
-        b,
-        s,
-        sdpa_backends=[
-            SDPBackend.CUDNN_ATTENTION,
-            SDPBackend.FLASH_ATTENTION,
-            SDPBackend.EFFICIENT_ATTENTION,
-            SDPBackend.MATH,
-        ],
-    )
-    rows["fsdp, default + trainer.compile=true"] = bench_train_fsdp(
-        cfg, model_dir, b, s, compile_layers=True, profile=str(Path(out_dir, "profile_fsdp_compiled.txt")))  # fmt: skip
+        cfg, model_dir, b, s, sdpa_backends=[SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])  # fmt: skip
     base = rows["HF + SDPA loop (baseline)"]["tokens_per_s"]
     print(f"\n{'train ' + f'{b}x{s}':50s} {'tok/s':>8s} {'MFU':>6s} {'peak GB':>8s} {'x HF':>6s}")
     for name, r in rows.items():

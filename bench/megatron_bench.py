@@ -36,9 +36,10 @@ def grpo_batch(batch: int, seq: int):
     return build_batch(prompts, comps, [[-1.0] * len(c) for c in comps], adv, [1.0] * batch, 0)
 
 
-def bench_backend(backend: str, model_dir: Path, batch: int, seq: int, local_spec: bool = False) -> dict:
+def bench_backend(backend: str, model_dir: Path, batch: int, seq: int, local_spec: bool = False,
+                  overrides: tuple[str, ...] = ()) -> dict:  # fmt: skip
     cfg = compose_config(["model=qwen2_1p5b", f"trainer={backend}", f"trainer.micro_batch_size={batch}",
-                          "trainer.activation_checkpointing=false", "algo.kl_coef=0"])  # fmt: skip
+                          "trainer.activation_checkpointing=false", "algo.kl_coef=0", *overrides])  # fmt: skip
     if backend == "megatron":
         from hpcrl.trainer.megatron import spec
 
@@ -84,10 +85,12 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batches", default="2,8")
     p.add_argument("--one", nargs=4, metavar=("BACKEND", "MODEL_DIR", "BATCH", "LOCAL_SPEC"))
+    p.add_argument("--override", action="append", default=[], help="config override for --one")
     args = p.parse_args()
     if args.one:
         backend, model_dir, batch, local = args.one
-        print(json.dumps(bench_backend(backend, Path(model_dir), int(batch), args.seq, local == "1")))
+        print(json.dumps(bench_backend(backend, Path(model_dir), int(batch), args.seq, local == "1",
+                                       tuple(args.override))))  # fmt: skip
         return 0
     cfg = compose_config(["model=qwen2_1p5b"])
     model_dir = make_model_dir(cfg)
@@ -98,6 +101,8 @@ def main() -> int:
         rows[f"hf_sdpa_baseline {shape}"] = bench_train_baseline(model_dir, batch, args.seq)
         torch.cuda.empty_cache()
         for name, cmd in ((f"megatron_sdpa {shape}", ["megatron", str(model_dir), str(batch), "0"]),
+                          (f"megatron_sdpa_logits_path {shape}", ["megatron", str(model_dir), str(batch), "0",
+                                                                  "--override", "trainer.fused_logprob=false"]),
                           (f"megatron_local_spec {shape}", ["megatron", str(model_dir), str(batch), "1"]),
                           (f"fsdp {shape}", ["fsdp", str(model_dir), str(batch), "0"])):  # fmt: skip
             rows[name] = run_isolated(name, [*cmd, "--seq", str(args.seq)])
