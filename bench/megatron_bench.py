@@ -86,6 +86,7 @@ def main() -> int:
     p.add_argument("--batches", default="2,8")
     p.add_argument("--one", nargs=4, metavar=("BACKEND", "MODEL_DIR", "BATCH", "LOCAL_SPEC"))
     p.add_argument("--override", action="append", default=[], help="config override for --one")
+    p.add_argument("--rows", default="", help="comma-separated row names to run (default: all)")
     args = p.parse_args()
     if args.one:
         backend, model_dir, batch, local = args.one
@@ -103,9 +104,12 @@ def main() -> int:
         for name, cmd in ((f"megatron_sdpa {shape}", ["megatron", str(model_dir), str(batch), "0"]),
                           (f"megatron_sdpa_logits_path {shape}", ["megatron", str(model_dir), str(batch), "0",
                                                                   "--override", "trainer.fused_logprob=false"]),
+                          (f"megatron_sdpa_compiled {shape}", ["megatron", str(model_dir), str(batch), "0",
+                                                               "--override", "trainer.compile=true"]),
                           (f"megatron_local_spec {shape}", ["megatron", str(model_dir), str(batch), "1"]),
                           (f"fsdp {shape}", ["fsdp", str(model_dir), str(batch), "0"])):  # fmt: skip
-            rows[name] = run_isolated(name, [*cmd, "--seq", str(args.seq)])
+            if not args.rows or name.split()[0] in args.rows.split(","):
+                rows[name] = run_isolated(name, [*cmd, "--seq", str(args.seq)])
     for row in rows.values():
         if "tokens_per_s" in row:
             row["mfu_datasheet"] = row["tokens_per_s"] * flops / DATASHEET_TFLOPS / 1e12

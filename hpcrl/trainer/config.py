@@ -34,6 +34,10 @@ class TrainerConfig:
     """Longest training sequence; None derives it from data.max_prompt_tokens + rollout.max_new_tokens."""
     precision: Precision = Precision.bfloat16
     activation_checkpointing: bool = False
+    compile: bool = True
+    """torch.compile each decoder layer (GPU only; CPUs run eagerly). On one H200 this took the fsdp
+    backend's Qwen2-1.5B GRPO step from 37.9k to 47.3k tokens/s (bench/results/README.md); the first
+    step pays the compilation (~10 s). ``false`` if a model does not compile."""
     fused_logprob: bool = True
     """Log-probs straight from the final hidden states in chunks (``trainer/logprob_head.py``) instead
     of materialising the [tokens, vocab] logits: the same numbers, 40 GB less memory and 1.1x faster
@@ -66,10 +70,6 @@ class FSDPTrainerConfig(TrainerConfig):
     backend: str = "fsdp"
     reshard_after_forward: bool = True
     cpu_offload: bool = False
-    compile: bool = True
-    """torch.compile each decoder layer (GPU only; CPUs run eagerly). On one H200 this took the
-    Qwen2-1.5B GRPO step from 37k to 45k tokens/s (bench/results/README.md); the first step pays
-    the compilation. ``false`` if a model does not compile."""
 
 
 @dataclass
@@ -77,6 +77,8 @@ class MegatronTrainerConfig(TrainerConfig):
     """Megatron-core: TP/PP/CP/EP model parallelism with the distributed optimizer."""
 
     backend: str = "megatron"
+    compile: bool = False
+    """Off until measured on GPUs for Megatron's layers (``bench/megatron_bench.py`` has the row)."""
     sequence_parallel: bool = True
     distributed_optimizer: bool = True
     expert_tp: int = 1
