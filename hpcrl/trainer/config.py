@@ -77,8 +77,6 @@ class MegatronTrainerConfig(TrainerConfig):
     """Megatron-core: TP/PP/CP/EP model parallelism with the distributed optimizer."""
 
     backend: str = "megatron"
-    compile: bool = False
-    """Off until measured on GPUs for Megatron's layers (``bench/megatron_bench.py`` has the row)."""
     sequence_parallel: bool = True
     distributed_optimizer: bool = True
     expert_tp: int = 1
