@@ -58,6 +58,16 @@ def test_pool_survives_hanging_crashing_and_raising_verifiers(monkeypatch):
 
 
 @pytest.mark.slow
+def test_worker_start_up_does_not_count_against_the_first_sample(monkeypatch):
+    """Workers warm up (imports, first-call parser builds) before taking work: a 2 s first call
+    with a 1 s limit per sample times nothing out."""
+    monkeypatch.setenv("HPCRL_PLUGINS", "tests.verifier_plugins")
+    with RewardPool("test_slow_first_call", workers=2, timeout_s=1.0) as pool:
+        out = pool.score([Task(i, c, "ok", "") for i, c in enumerate(["ok", "no", "ok"])])
+    assert out == [Outcome.correct, Outcome.wrong, Outcome.correct]
+
+
+@pytest.mark.slow
 def test_pool_scores_math_in_workers():
     with RewardPool("math", workers=2, timeout_s=5.0) as pool:
         tasks = [

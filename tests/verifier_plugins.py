@@ -17,3 +17,17 @@ def adversarial(completion: str, answer: str, prompt: str = "") -> Verdict:
     if completion == "raise":
         raise ValueError("broken verifier")
     return Verdict(Outcome.correct if completion == answer else Outcome.wrong)
+
+
+_first_call = [True]
+
+
+@register("test_slow_first_call")
+def slow_first_call(completion: str, answer: str, prompt: str = "") -> Verdict:
+    """Like math-verify: the first call in a process builds its parsers (here: sleeps 2 s)."""
+    if _first_call[0]:
+        _first_call[0] = False
+        import time
+
+        time.sleep(2.0)
+    return Verdict(Outcome.correct if completion == answer else Outcome.wrong)

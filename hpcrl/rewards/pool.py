@@ -34,6 +34,11 @@ def _worker(verifier_name: str, plugins: str, conn: Connection) -> None:
     logging.disable(logging.WARNING)  # math-verify warns on every call that its own timeouts are off
     load_plugins(plugins)
     verify = get_verifier(verifier_name)
+    # Warm up before saying ready: the first call imports and builds the parsers (seconds on a loaded
+    # machine), which must not count against the first real sample's time limit.
+    with contextlib.suppress(Exception):
+        verify("\\boxed{1}", "1", "")
+    conn.send(READY)
     while True:
         try:
             task = conn.recv()
@@ -48,12 +53,19 @@ def _worker(verifier_name: str, plugins: str, conn: Connection) -> None:
         conn.send((task.index, verdict.outcome.value))
 
 
+READY = ("ready", None)
+STARTUP_S = 300.0
+"""A worker that has not warmed up by then is broken (not slow): the pool stops with an error."""
+
+
 @dataclass
 class _Slot:
     proc: Any
     conn: Connection
     task: int | None = None
     started: float = 0.0
+    ready: bool = False
+    spawned: float = 0.0
 
 
 class RewardPool:
@@ -71,7 +83,7 @@ class RewardPool:
         proc = self.ctx.Process(target=_worker, args=(self.verifier, self.plugins, child), daemon=True)
         proc.start()
         child.close()
-        return _Slot(proc, parent)
+        return _Slot(proc, parent, spawned=time.monotonic())
 
     def _replace(self, i: int) -> None:
         slot = self.slots[i]
@@ -86,13 +98,16 @@ class RewardPool:
         outcomes: dict[int, Outcome] = {}
         while len(outcomes) < len(tasks):
             for slot in self.slots:
-                if slot.task is None and pending:
+                if slot.ready and slot.task is None and pending:
                     task = pending.popleft()
                     slot.conn.send(task)
                     slot.task, slot.started = task.index, time.monotonic()
-            busy = [s.conn for s in self.slots if s.task is not None]
+            busy = [s.conn for s in self.slots if s.task is not None or not s.ready]
             ready = wait(busy, timeout=0.2)
             for i, slot in enumerate(self.slots):
+                if not slot.ready:
+                    self._await_ready(i, slot, slot.conn in ready)
+                    continue
                 if slot.task is None:
                     continue
                 if slot.conn in ready:
@@ -108,6 +123,19 @@ class RewardPool:
                     outcomes[slot.task] = Outcome.timeout
                     self._replace(i)
         return [outcomes[t.index] for t in tasks]
+
+    def _await_ready(self, i: int, slot: _Slot, readable: bool) -> None:
+        """A starting worker: ready once it says so; restarted if it died; an error past STARTUP_S."""
+        if readable:
+            try:
+                slot.ready = slot.conn.recv() == READY
+            except (EOFError, OSError):
+                self._replace(i)
+        elif time.monotonic() - slot.spawned > STARTUP_S:
+            raise RuntimeError(
+                f"reward worker for verifier {self.verifier!r} did not start within {STARTUP_S:.0f} s "
+                f"(plugins: {self.plugins or 'none'}); check that the verifier imports in a fresh process"
+            )
 
     def close(self) -> None:
         for slot in self.slots:
