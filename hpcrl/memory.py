@@ -6,7 +6,9 @@ from one that cannot, before an allocation is spent finding out. Sources of each
   FSDP2 keeps fp32 sharded parameters instead of a bf16 copy (16 B/param, all sharded);
 - activations per layer and token: 34*h bytes without recompute, 2*h with full recompute plus one
   recomputed layer (Korthikanti et al. 2022, flash attention, sequence parallel dividing by tp);
-- logits: fp32 logits and their gradient over the tensor-parallel vocabulary shard;
+- logits: fp32 logits and their gradient over the tensor-parallel vocabulary shard; with the chunked
+  log-prob head (``trainer.fused_logprob``: fsdp, or megatron at tp=1) only one chunk of bf16 logits
+  and its gradient exist at a time (``trainer/logprob_head.py``);
 - vLLM: ``gpu_memory_utilization`` of the GPU is taken while generating (weights/tp + KV cache).
 """
 
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from hpcrl.config import RunConfig
 from hpcrl.rollout.config import VLLMRolloutConfig
 from hpcrl.topology import Placement, Topology
-from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig, Precision
+from hpcrl.trainer.config import FUSED_CHUNK_ELEMENTS, FSDPTrainerConfig, MegatronTrainerConfig, Precision
 
 GB = 1e9
 RUNTIME_OVERHEAD_GB = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
@@ -153,7 +155,11 @@ def estimate_train(cfg: RunConfig, topo: Topology) -> TrainMemory:
         activations = 2 * h * tokens * model.num_layers / par.tp + per_layer_full
     else:
         activations = per_layer_full * model.num_layers
-    logits = tokens * model.vocab_size / par.tp * 4 * 2
+    if trainer.fused_logprob and (isinstance(trainer, FSDPTrainerConfig) or par.tp == 1):
+        chunk = min(tokens, FUSED_CHUNK_ELEMENTS // model.vocab_size)
+        logits = chunk * model.vocab_size * 2 * 2
+    else:
+        logits = tokens * model.vocab_size / par.tp * 4 * 2
     return TrainMemory(
         weights=weights / GB,
         grads=grads / GB,

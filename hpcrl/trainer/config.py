@@ -12,6 +12,14 @@ from enum import StrEnum
 from hpcrl.checks import non_negative, positive
 
 
+CHUNK_ELEMENTS = 1 << 28
+"""Logit elements per chunk of ``trainer/logprob_head.py`` where its chunk math runs eagerly (CPU:
+1 GiB fp32 temporaries each): 1766 tokens at a 152k vocabulary. Here, torch-free, for the planner."""
+FUSED_CHUNK_ELEMENTS = 1 << 30
+"""The same on GPUs, where the chunk math is compiled into kernels that read the bf16 logits once and
+keep no fp32 copies: fewer, larger chunks (2 GiB of bf16 logits) mean fewer weight-gradient sums."""
+
+
 class Precision(StrEnum):
     bfloat16 = "bfloat16"
     float32 = "float32"

@@ -21,12 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-CHUNK_ELEMENTS = 1 << 28
-"""Logit elements per chunk where the chunk math runs eagerly (CPU: 1 GiB fp32 temporaries each):
-1766 tokens at a 152k vocabulary."""
-FUSED_CHUNK_ELEMENTS = 1 << 30
-"""On GPUs, where the chunk math is compiled into kernels that read the bf16 logits once and keep no
-fp32 copies: fewer, larger chunks (2 GiB of bf16 logits) mean fewer weight-gradient accumulations."""
+from hpcrl.trainer.config import CHUNK_ELEMENTS, FUSED_CHUNK_ELEMENTS  # torch-free there, for the planner
 
 
 def chunk_stats(
