@@ -11,7 +11,6 @@ from enum import StrEnum
 
 from hpcrl.checks import non_negative, positive
 
-
 CHUNK_ELEMENTS = 1 << 28
 """Logit elements per chunk of ``trainer/logprob_head.py`` where its chunk math runs eagerly (CPU:
 1 GiB fp32 temporaries each): 1766 tokens at a 152k vocabulary. Here, torch-free, for the planner."""
