@@ -40,6 +40,27 @@ def _full(grad: Any) -> torch.Tensor:
     return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
 
 
+def _state_round_trip(trainer: Any, local: Any, out: Path, rank: int, world: int) -> bool:
+    """Checkpoint as the loop does (rank 0 writes what ``state_dict`` gathered), wipe this rank's
+    optimizer state, load the file on every rank: True when each rank got its own state back."""
+    state = trainer.state_dict()
+    path = out.with_suffix(".state.pt")
+    if rank == 0:
+        torch.save(state, path)
+    if world > 1:
+        torch.distributed.barrier()
+    before = [v.clone() for st in local.state.values() for v in st.values() if torch.is_tensor(v)]
+    for st in local.state.values():
+        for v in st.values():
+            if torch.is_tensor(v):
+                v.zero_()
+    trainer.load_state_dict(torch.load(path, weights_only=False))
+    after = [v for st in local.state.values() for v in st.values() if torch.is_tensor(v)]
+    return len(before) == len(after) > 0 and all(
+        torch.equal(a, b) for a, b in zip(before, after, strict=True)
+    )
+
+
 def main() -> None:
     model_dir, out, tp, pp = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     from hpcrl.trainer import make_trainer
@@ -57,9 +78,21 @@ def main() -> None:
     grads = (trainer.export_weights(grads=True) if backend == "megatron"
              else {n: _full(p.grad) for n, p in trainer.model.named_parameters()})  # fmt: skip
     weights = trainer.export_weights()
+    # optimizer state elements held by each rank (sharded under the distributed optimizer)
+    local = trainer.local_optimizer() if backend == "megatron" else trainer.optimizer
+    held = sum(
+        v.numel() for st in local.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()
+    )
+    restored = backend != "megatron" or _state_round_trip(trainer, local, out, rank, world)
+    per_rank: list[Any] = [None] * world
+    if world > 1:
+        torch.distributed.all_gather_object(per_rank, (held, restored))
+    else:
+        per_rank = [(held, restored)]
     if rank == 0:
         cpu = {k: v.cpu() for k, v in grads.items()}
-        torch.save({"logp": ref.cpu(), "metrics": metrics, "grads": cpu,
+        torch.save({"logp": ref.cpu(), "metrics": metrics, "grads": cpu, "optimizer_numel": [h for h, _ in per_rank],
+                    "state_restored": [r for _, r in per_rank],
                     "weights": {k: v.cpu() for k, v in weights.items()}}, out)  # fmt: skip
 
 

@@ -98,9 +98,9 @@ def test_plan_names_a_model_the_backend_cannot_build_and_submit_refuses(tmp_path
 
 
 def _torchrun(
-    model_dir: Path, out: Path, tp: int, pp: int, backend: str = "megatron", port: int = 29631
+    model_dir: Path, out: Path, tp: int, pp: int, backend: str = "megatron", port: int = 29631, dp: int = 1
 ) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={max(1, tp * pp)}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={max(1, tp * pp * dp)}",
            f"--master_port={port}", str(ROOT / "tests" / "megatron_parity.py"), str(model_dir), str(out),
            str(tp), str(pp), backend]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -119,9 +119,18 @@ def test_tensor_and_pipeline_parallel_match_tp1_and_tp1_matches_fsdp(tiny_dir, t
     for name, grad in fsdp["grads"].items():
         ours = base["grads"][name if name in base["grads"] else "model.embed_tokens.weight"]
         assert torch.allclose(ours, grad, atol=1e-5), name
-    for tp, pp in ((2, 1), (1, 2), (2, 2)):
-        run = _torchrun(tiny_dir, tmp_path / f"tp{tp}pp{pp}.pt", tp, pp, port=29641 + tp * 10 + pp)
-        where = f"TP={tp} PP={pp}"
+    (state_elements,) = base["optimizer_numel"]  # Adam's m and v: two per parameter element
+    assert base["state_restored"] == [True]
+    assert state_elements == 2 * sum(w.numel() for n, w in base["weights"].items() if n != "lm_head.weight")
+    for tp, pp, dp in ((2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)):
+        run = _torchrun(
+            tiny_dir, tmp_path / f"tp{tp}pp{pp}dp{dp}.pt", tp, pp, port=29641 + tp * 10 + pp + dp * 3, dp=dp
+        )
+        where = f"TP={tp} PP={pp} DP={dp}"
+        assert run["state_restored"] == [True] * (tp * pp * dp), where  # checkpoint -> resume, per rank
+        if dp > 1:  # the distributed optimizer: each data-parallel rank holds part of Adam's state
+            assert sum(run["optimizer_numel"]) == state_elements, where
+            assert max(run["optimizer_numel"]) < 0.75 * state_elements, (where, run["optimizer_numel"])
         assert torch.allclose(run["logp"][mask], base["logp"][mask], atol=1e-5), where
         for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm"):
             assert run["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-4, abs=1e-6), (

@@ -133,9 +133,26 @@ class MegatronTrainer:
                 if name in pname:
                     param.requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.algo.lr, weight_decay=t.weight_decay,
-                                           betas=(0.9, 0.999),
-                                           fused=True if self.device.type == "cuda" else None)  # fmt: skip
+        self.optimizer = self._make_optimizer()
+
+    def _make_optimizer(self) -> Any:
+        """AdamW; with ``trainer.distributed_optimizer`` and data parallel ranks, its state (m, v) is
+        sharded over them as in Megatron's distributed optimizer (ZeRO-1): each rank updates its part
+        of the parameters and broadcasts it. Expert-parallel runs keep a replicated optimizer (their
+        expert weights differ per rank, so the dense data-parallel group is the wrong one to shard over)."""
+        t, algo = self.cfg.trainer, self.cfg.algo
+        kwargs: dict[str, Any] = {"lr": algo.lr, "weight_decay": t.weight_decay, "betas": (0.9, 0.999),
+                                  "fused": True if self.device.type == "cuda" else None}  # fmt: skip
+        if getattr(t, "distributed_optimizer", False) and self.par.dp > 1 and self.par.ep == 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(self.params, optimizer_class=torch.optim.AdamW,
+                                           process_group=self.ps.get_data_parallel_group(), **kwargs)  # fmt: skip
+        return torch.optim.AdamW(self.params, **kwargs)
+
+    def local_optimizer(self) -> Any:
+        """The optimizer holding this rank's state: its shard under the distributed optimizer."""
+        return getattr(self.optimizer, "optim", self.optimizer)
 
     # -- weights -----------------------------------------------------------------------------------
     def _load(self, model: Any, full: dict[str, torch.Tensor]) -> None:
@@ -184,11 +201,13 @@ class MegatronTrainer:
     def state_dict(self) -> dict[str, Any]:
         """Whole model (HF names) and every rank's optimizer state, on rank 0: resume needs the same layout."""
         model = self.export_weights()
-        return {"model": model, "optimizer": self._gather_to_rank0(self.optimizer.state_dict())}
+        return {"model": model, "optimizer": self._gather_to_rank0(self.local_optimizer().state_dict())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load(self.model, to_megatron(state["model"], self.shape, self.tied))
-        self.optimizer.load_state_dict(state["optimizer"][dist.get_rank() if dist.is_initialized() else 0])
+        self.local_optimizer().load_state_dict(
+            state["optimizer"][dist.get_rank() if dist.is_initialized() else 0]
+        )
 
     def data_rank(self) -> tuple[int, int]:
         return self.ps.get_data_parallel_rank(), self.par.dp
