@@ -153,8 +153,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
     plan.require_buildable()
     if plan.cfg.cluster.scheduler is Scheduler.local:
         from hpcrl.local import run_local
+        from hpcrl.preempt import EXIT_PREEMPTED, Preempted
 
-        run_local(plan)
+        try:
+            run_local(plan)
+        except Preempted as stop:
+            print(f"hpcrl: {stop}; to resume, run again with run.dir={stop.run_dir}", file=sys.stderr)
+            return EXIT_PREEMPTED
         return 0
     from hpcrl.launch.submit import submit
 

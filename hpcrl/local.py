@@ -40,7 +40,20 @@ def start_local_ray(plan: Plan, scratch: Path) -> None:
 
 
 def run_local(plan: Plan) -> dict[str, float]:
+    """The loop on this machine. SIGUSR2 (what Slurm sends before a time limit, e.g. inside an
+    allocation) saves a checkpoint after the current step and stops with ``Preempted``."""
+    import signal
+
+    from hpcrl.preempt import REQUEST, Preempted
+
     run_dir = new_run_dir(plan.cfg).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     write_resolved_config(plan.cfg, run_dir)
-    return run_loop(plan, run_dir, lambda scratch: start_local_ray(plan, scratch), slurm=False)
+    previous = signal.signal(signal.SIGUSR2, lambda *_: REQUEST.ask())
+    try:
+        return run_loop(plan, run_dir, lambda scratch: start_local_ray(plan, scratch), slurm=False)
+    except Preempted as stop:
+        stop.run_dir = str(run_dir)
+        raise
+    finally:
+        signal.signal(signal.SIGUSR2, previous)

@@ -24,6 +24,7 @@ from hpcrl.algo.advantages import group_advantages
 from hpcrl.algo.shaping import informative_groups, overlong_penalty, scale_rewards, truncation_mask
 from hpcrl.config import RunConfig
 from hpcrl.data.loader import Example, PromptStream
+from hpcrl.preempt import REQUEST, Preempted
 from hpcrl.rewards.pool import RewardPool, Task
 from hpcrl.rewards.verifiers import Outcome
 from hpcrl.rollout.base import Completion, SamplingSettings
@@ -204,7 +205,8 @@ def train(
         metrics.update(timer.times)
         metrics["time/step"] = time.perf_counter() - t0
         metrics["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(timer.times["time/rollout"], 1e-9)
-        if cfg.checkpoint.enabled and (step % cfg.checkpoint.period == 0 or step == algo.max_steps):
+        due = cfg.checkpoint.enabled and (step % cfg.checkpoint.period == 0 or step == algo.max_steps)
+        if due or REQUEST.asked:  # asked: Slurm's warning signal came during this step
             state = {"trainer": rt.state_dict(), "stream": stream.state(), "step": step,
                      "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}}  # fmt: skip
             ckpt.save(step, state, metrics)
@@ -213,4 +215,9 @@ def train(
 
         say(console_line(step, algo.max_steps, metrics))
         last = {**last, **metrics}
+        if REQUEST.asked:
+            REQUEST.done(step)
+            if step < algo.max_steps:
+                say(f"stopping after step {step} on the scheduler's warning signal: checkpoint saved")
+                raise Preempted(step)
     return last

@@ -72,3 +72,17 @@ def test_parent_death_stops_the_group():
     assert shell.wait(timeout=10) == 0
     assert _gone(reaper_pid, within_s=10)
     assert _gone(grandchild, within_s=5)
+
+
+def test_slurms_warning_signal_leaves_the_reaper_and_its_group_running():
+    """USR2 reaches every process of a Slurm step; Ray (the reaper's command) must survive it while
+    the driver checkpoints. The grandchild is a Python process: it inherits the ignored signal."""
+    reaper, grandchild = _start(f"{sys.executable} -c 'import time; time.sleep(300)' & echo $!; wait")
+    time.sleep(0.5)
+    for pid in (reaper.pid, grandchild):
+        os.kill(pid, signal.SIGUSR2)
+    time.sleep(0.5)
+    assert reaper.poll() is None and not _gone(grandchild, within_s=0.2)
+    reaper.send_signal(signal.SIGTERM)  # the normal stop still works
+    assert reaper.wait(timeout=15) == 128 + signal.SIGTERM
+    assert _gone(grandchild, within_s=5)

@@ -148,17 +148,21 @@ def test_state_falls_back_to_scontrol_without_accounting(monkeypatch):
     assert lifecycle.job_state("7") == "CANCELLED"
 
 
-def test_usr2_requeues_and_the_next_attempt_resumes_from_the_checkpoint(slurm_cluster, tmp_path):
-    """The time-limit/preemption signal (USR2, what `--signal=USR2@...` sends) requeues the job through
-    submitit; the next attempt brings Ray up again and the driver resumes from the latest checkpoint."""
+def test_usr2_saves_the_current_step_requeues_and_the_next_attempt_resumes_there(slurm_cluster, tmp_path):
+    """The time-limit/preemption signal (USR2, what `--signal=USR2@...` sends) mid-run: the driver
+    checkpoints the step it is in (no checkpoint is due: period 100), submitit requeues the job, and
+    the next attempt brings Ray up again and resumes from exactly that step."""
     result = run_cli("submit", "+experiment=grpo-tiny-2n1g-fsdp-split", f"run.output_root={tmp_path}",
-                     "algo.max_steps=8", "checkpoint.period=2", "algo.val_period=4", "algo.num_prompts_per_step=16")  # fmt: skip
+                     "algo.max_steps=8", "checkpoint.period=100", "algo.val_period=4", "algo.num_prompts_per_step=16")  # fmt: skip
     assert result.returncode == 0, result.stderr
     job_id = re.search(r"^job\s+(\d+)", result.stdout, re.M).group(1)
     run_dir = lifecycle.run_dir_of(job_id, tmp_path)
+    metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while not (run_dir / "checkpoints" / "step_000002").exists():
-        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+    while not (
+        metrics.exists() and any(json.loads(r)["step"] >= 1 for r in metrics.read_text().splitlines())
+    ):
+        assert time.monotonic() < deadline, "no training step within 300 s"
         assert lifecycle.job_state(job_id, run_dir) in ("PENDING", "RUNNING"), lifecycle.job_state(
             job_id, run_dir
         )
@@ -168,6 +172,8 @@ def test_usr2_requeues_and_the_next_attempt_resumes_from_the_checkpoint(slurm_cl
     logs = run_cli("logs", job_id, "--root", str(tmp_path)).stdout
     assert state == "COMPLETED", (state, logs[-3000:])
     assert (run_dir / "ray" / f"ready-{job_id}.r1.json").exists()  # a second attempt bootstrapped Ray
-    assert re.search(r"resumed from \S+step_0000(0[2-8]) \(step [2-8]\)", logs), logs[-3000:]
+    saved = int(re.search(r"stopping after step (\d+) on the scheduler's warning signal", logs).group(1))
+    assert 2 <= saved < 8 and f"saved step {saved}; requeueing" in logs, logs[-3000:]
+    assert re.search(rf"resumed from \S+step_{saved:06d} \(step {saved}\)", logs), logs[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 8

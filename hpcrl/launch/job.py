@@ -102,12 +102,17 @@ class NodeTask:
     """Picklable callable: submitit runs it once on every node of the allocation."""
 
     def __init__(self, run_dir: str, roles: list[str], plan: Plan | None, hold_s: float = 0.0) -> None:
+        self._driver: Any = None
+        """The thread running the training loop on the head node (only while it runs)."""
         self.run_dir = run_dir
         self.roles = roles
         self.plan = plan
         """What the driver trains; None: a smoke run that only places one actor per node by role."""
         self.hold_s = hold_s
         """Keep the Ray cluster up this long after the driver (debugging; the seed of `hpcrl debug`)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_driver": None}  # a thread does not pickle (submitit pickles tasks)
 
     def __call__(self) -> dict[str, Any]:
         # scancel / the time limit end a job with SIGTERM (submitit would ignore it): unwind, so the
@@ -143,12 +148,26 @@ class NodeTask:
         return record
 
     def checkpoint(self) -> Any:
-        """submitit calls this on the time-limit/preemption signal (USR2): requeue the same task. The
-        driver of the next attempt resumes from the run's latest checkpoint (same run directory), so at
-        most ``checkpoint.period`` steps are redone. Debug sessions and smoke jobs are not requeued."""
+        """submitit calls this on the time-limit/preemption signal (USR2), on the head node's main
+        thread: ask the driver (its own thread) to checkpoint the step it is in and stop, wait for that
+        within the warning time, then requeue the same task. The next attempt resumes from that
+        checkpoint (same run directory); if the step could not finish in time, from the last periodic
+        one. Debug sessions and smoke jobs are not requeued."""
         if self.plan is None:
             return None
         from submitit.helpers import DelayedSubmission
+
+        from hpcrl.preempt import REQUEST
+
+        if self._driver is not None and self._driver.is_alive():
+            budget = max(10.0, self.plan.cfg.cluster.slurm.signal_delay_s - 30.0)  # leave time to requeue
+            print(
+                f"hpcrl: warning signal: saving after the current step (waiting up to {budget:.0f}s)",
+                flush=True,
+            )
+            saved = REQUEST.wait(budget)
+            print(f"hpcrl: {'saved step ' + str(REQUEST.step) if saved else 'no save in time'}; requeueing",
+                  flush=True)  # fmt: skip
 
         return DelayedSubmission(NodeTask(self.run_dir, self.roles, self.plan, self.hold_s))
 
@@ -164,6 +183,35 @@ class NodeTask:
             ray.init(address=address, log_to_driver=True, configure_logging=False)
 
         return run_loop(self.plan, run_dir, connect, slurm=True)
+
+    def _drive_in_thread(self, run_dir: Path, address: str, proc: Any) -> dict[str, float]:
+        """The driver in a thread, so that this (main) thread stays free for Slurm's signals: USR2
+        must be able to wait for the loop's save (``checkpoint``). Ends like the driver ends."""
+        import threading
+
+        from hpcrl.preempt import REQUEST
+
+        REQUEST.reset()
+        outcome: dict[str, Any] = {}
+
+        def drive() -> None:
+            try:
+                outcome["metrics"] = self._drive(run_dir, address)
+            except BaseException as exc:  # handed to the main thread
+                outcome["error"] = exc
+
+        self._driver = threading.Thread(target=drive, name="hpcrl-driver", daemon=True)
+        self._driver.start()
+        try:
+            while self._driver.is_alive():
+                self._driver.join(timeout=0.5)
+                if proc.poll() is not None:  # the head's Ray died under the driver
+                    raise BootstrapError(f"Ray on node 0 exited with code {proc.returncode}")
+        finally:
+            self._driver = None
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["metrics"]
 
     def _head(
         self, spec: Any, run_dir: Path, job_id: str, head_file: Path, done_file: Path
@@ -187,7 +235,10 @@ class NodeTask:
                 _write(run_dir / "placement.json", {"actors": placement})
                 result: dict[str, Any] = {"ready_s": ready_s, "placement": placement}
             else:
-                result = {"ready_s": ready_s, "metrics": self._drive(run_dir, f"{spec.ip}:{GCS_PORT}")}
+                result = {
+                    "ready_s": ready_s,
+                    "metrics": self._drive_in_thread(run_dir, f"{spec.ip}:{GCS_PORT}", proc),
+                }
             held = time.monotonic()
             while time.monotonic() - held < self.hold_s:
                 if proc.poll() is not None:

@@ -60,6 +60,10 @@ def main(argv: list[str]) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, request_stop)
+    # Slurm's time-limit/preemption warning (USR2) goes to every process of the job step, and its
+    # default action kills. Ray must ride it out while the driver saves a checkpoint: ignored here,
+    # and by the command's processes too (an ignored signal stays ignored across exec).
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     child = subprocess.Popen(cmd, start_new_session=True)
     while True:
         code = child.poll()

@@ -32,6 +32,11 @@ def _worker(verifier_name: str, plugins: str, conn: Connection) -> None:
     import logging
 
     logging.disable(logging.WARNING)  # math-verify warns on every call that its own timeouts are off
+    import signal
+
+    # Slurm's warning signal (USR2) reaches every process of the step; the driver handles it, and a
+    # worker killed by it would score its sample as an error.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     load_plugins(plugins)
     verify = get_verifier(verifier_name)
     # Warm up before saying ready: the first call imports and builds the parsers (seconds on a loaded
