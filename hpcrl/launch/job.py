@@ -160,6 +160,7 @@ class NodeTask:
         from hpcrl.preempt import REQUEST
 
         if self._driver is not None and self._driver.is_alive():
+            REQUEST.ask()
             budget = max(10.0, self.plan.cfg.cluster.slurm.signal_delay_s - 30.0)  # leave time to requeue
             print(
                 f"hpcrl: warning signal: saving after the current step (waiting up to {budget:.0f}s)",
