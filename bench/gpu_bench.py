@@ -2,7 +2,12 @@
 and the hf rollout's decode throughput against the memory-bandwidth roofline, each beside a plain
 baseline measured in the same run (HF + SDPA training loop; HF ``generate``).
 
-    python bench/gpu_bench.py [--batch 8 --seq 2048 --gen-batch 256 --gen-tokens 256] > results
+    python bench/gpu_bench.py [--part train|rollout|all] [--batch 8 --seq 2048 --gen-batch 256 --gen-tokens 256]
+
+Training rows: the HF + SDPA loop, then the fsdp backend with its GPU defaults (compiled layers, chunked
+log-prob head) and with each switched off; the default row also gets a CUDA-time profile by kernel family
+(top kernels to $OUT/profile_fsdp_default.txt). Rollout rows: the hf engine's static-cache compiled step
+with the grouped decode attention (default) and with stock sdpa, its dynamic loop, and HF generate.
 
 MFU = tokens/s x (6 N + 12 L h s) / peak, with N the parameter count, L layers, h hidden, s sequence
 length, and peak the bf16 dense peak measured here by a large matmul (and the 989 TFLOP/s datasheet).
