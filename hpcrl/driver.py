@@ -63,10 +63,12 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
     from hpcrl.data.loader import PromptStream, load_examples
     from hpcrl.loop import train
     from hpcrl.metrics import MetricsLogger
+    from hpcrl.preempt import REQUEST
     from hpcrl.rewards.pool import RewardPool
     from hpcrl.rundir import atomic_write_text, config_yaml
     from hpcrl.runtime import Runtime
 
+    REQUEST.reset()  # a request belongs to one run (tests and `debug` run several in one process)
     cfg = plan.cfg
     started = time.perf_counter()
     say(f"run directory {run_dir}")

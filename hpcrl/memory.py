@@ -155,7 +155,7 @@ def estimate_train(cfg: RunConfig, topo: Topology) -> TrainMemory:
         activations = 2 * h * tokens * model.num_layers / par.tp + per_layer_full
     else:
         activations = per_layer_full * model.num_layers
-    if trainer.fused_logprob and (isinstance(trainer, FSDPTrainerConfig) or par.tp == 1):
+    if trainer.chunked_logprob():
         chunk = min(tokens, FUSED_CHUNK_ELEMENTS // model.vocab_size)
         logits = chunk * model.vocab_size * 2 * 2
     else:

@@ -92,7 +92,7 @@ def test_warning_signal_saves_the_current_step_and_resume_continues_the_same_tra
     stopped = int(re.search(r"stopped after step (\d+)", err).group(1))
     # step 2 is running when the signal is sent, unless it lands in the instant between step 1's line
     # and the loop's check right after it: then step 1 is the one saved
-    assert 1 <= stopped < 4 and f"run.dir={resumed}" in err
+    assert stopped in (1, 2) and f"run.dir={resumed}" in err
     saved = sorted(p.name for p in (resumed / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert saved == [f"step_{stopped:06d}"]  # only the one the signal asked for (period is 100)
     second = submit(tmp_path, cache, *small, f"run.dir={resumed}")

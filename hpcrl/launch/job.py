@@ -190,9 +190,6 @@ class NodeTask:
         must be able to wait for the loop's save (``checkpoint``). Ends like the driver ends."""
         import threading
 
-        from hpcrl.preempt import REQUEST
-
-        REQUEST.reset()
         outcome: dict[str, Any] = {}
 
         def drive() -> None:

@@ -59,6 +59,11 @@ class TrainerConfig:
     moe_aux_loss_coeff: float | None = None
     """MoE load-balancing loss weight; None keeps the checkpoint's (the MoE quirk turns it off)."""
 
+    def chunked_logprob(self) -> bool:
+        """Whether log-probs come from the chunked head (``trainer/logprob_head.py``): read by the
+        backend that builds it and by the memory estimate."""
+        return self.fused_logprob
+
     def check(self) -> None:
         for key in ("tp", "pp", "cp", "ep", "micro_batch_size"):
             positive(f"trainer.{key}", getattr(self, key))
@@ -93,6 +98,9 @@ class MegatronTrainerConfig(TrainerConfig):
     expert_tp: int = 1
     """Tensor parallel size inside each expert (Megatron's expert_tensor_parallel_size)."""
     virtual_pp: int | None = None
+
+    def chunked_logprob(self) -> bool:
+        return self.fused_logprob and self.tp == 1  # under TP the vocab-parallel loss keeps logits split
 
     def check(self) -> None:
         super().check()

@@ -89,7 +89,7 @@ class FSDPTrainer:
         init_process_group(rank, world, master, backend)
         torch.manual_seed(cfg.run.seed + rank)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-        if cfg.trainer.fused_logprob:
+        if cfg.trainer.chunked_logprob():
             install_logprob_head(model)  # before the reference copy and sharding: both see the new head
         # The frozen reference policy for the KL term: a copy taken before any update.
         self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None

@@ -104,7 +104,7 @@ class MegatronTrainer:
 
         # At TP=1 the loss reads log-probs from the final hidden states in chunks, never the logits
         # (trainer/logprob_head.py); under TP the vocab-parallel cross-entropy keeps the logits split.
-        self.fused_head = self.par.tp == 1 and t.fused_logprob
+        self.fused_head = t.chunked_logprob()
         self.compute_dtype = torch.bfloat16 if config.enable_autocast else torch.float32
 
         def build() -> Any:
