@@ -206,7 +206,10 @@ def train(
         metrics["time/step"] = time.perf_counter() - t0
         metrics["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(timer.times["time/rollout"], 1e-9)
         due = cfg.checkpoint.enabled and (step % cfg.checkpoint.period == 0 or step == algo.max_steps)
-        if due or REQUEST.asked:  # asked: Slurm's warning signal came during this step
+        # Read once: the save and the stop below must agree (a signal landing between two reads
+        # would stop the run without its checkpoint). A later signal is taken at the next step.
+        stop = REQUEST.asked
+        if due or stop:  # stop: Slurm's warning signal came during this step
             state = {"trainer": rt.state_dict(), "stream": stream.state(), "step": step,
                      "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}}  # fmt: skip
             ckpt.save(step, state, metrics)
@@ -215,7 +218,7 @@ def train(
 
         say(console_line(step, algo.max_steps, metrics))
         last = {**last, **metrics}
-        if REQUEST.asked:
+        if stop:
             REQUEST.done(step)
             if step < algo.max_steps:
                 say(f"stopping after step {step} on the scheduler's warning signal: checkpoint saved")

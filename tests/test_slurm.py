@@ -174,7 +174,7 @@ def test_usr2_saves_the_current_step_requeues_and_the_next_attempt_resumes_there
     assert state == "COMPLETED", (state, logs[-3000:])
     assert (run_dir / "ray" / f"ready-{job_id}.r1.json").exists()  # a second attempt bootstrapped Ray
     saved = int(re.search(r"stopping after step (\d+) on the scheduler's warning signal", logs).group(1))
-    # the step finished at the signal (if it landed just before the loop's check) or the one running
+    # the step running at the signal (or, if one finished between the poll and this read, that one)
     assert saved in (logged, logged + 1) and f"saved step {saved}; requeueing" in logs, (logged, logs[-3000:])
     assert re.search(rf"resumed from \S+step_{saved:06d} \(step {saved}\)", logs), logs[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
