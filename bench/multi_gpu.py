@@ -1,11 +1,15 @@
 """Issue 7, part 1: the megatron backend with NCCL on 2 GPUs. TP=2 and PP=2 against TP=1 on the same
 batch (tiny model, fp32): max differences of log-probs, loss, gradients; wall time of each run.
 
-    python bench/multi_gpu.py        (on a machine with >= 2 GPUs)
+    python bench/multi_gpu.py [--override trainer.compile=true] [--timeout 240]   (>= 2 GPUs)
+
+Each run has a deadline; a run that fails or passes it is recorded with the tail of its stderr (with
+``HPCRL_PARITY_DUMP_S`` set a few seconds before the deadline, that tail holds every thread's stack).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -24,27 +28,55 @@ from hpcrl.tiny import ensure_tiny_model  # noqa: E402
 from tests.megatron_parity import parity_batch  # noqa: E402
 
 
-def run(model_dir: Path, out: Path, tp: int, pp: int, port: int) -> tuple[dict, float]:
-    env = {**os.environ, "HPCRL_PARITY_DEVICE": "cuda"}
+class Failed(RuntimeError):
+    pass
+
+
+def run(model_dir: Path, out: Path, tp: int, pp: int, port: int, overrides: list[str],
+        timeout: float) -> tuple[dict, float]:  # fmt: skip
+    env = {**os.environ, "HPCRL_PARITY_DEVICE": "cuda", "HPCRL_PARITY_OVERRIDES": " ".join(overrides),
+           "HPCRL_PARITY_DUMP_S": str(max(timeout - 15, 5))}  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp * pp}", f"--master_port={port}",
            str(ROOT / "tests" / "megatron_parity.py"), str(model_dir), str(out), str(tp), str(pp)]  # fmt: skip
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise Failed(f"timed out after {timeout:.0f} s\n{err[-6000:]}") from None
     if done.returncode != 0:
-        raise RuntimeError(done.stderr[-3000:])
+        raise Failed(done.stderr[-6000:])
     return torch.load(out), time.perf_counter() - start
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--override", action="append", default=[], help="config override for every run")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp())
     cfg = compose_config(["model=tiny"])
     model_dir = ensure_tiny_model(cfg.model, tmp / "cache", sft_steps=0, seed=0, log=lambda _: None)
     mask = parity_batch().loss_mask.bool()
-    base, t1 = run(model_dir, tmp / "tp1.pt", 1, 1, 29701)
-    rows = {"TP1 (1 GPU)": {"wall_s": t1}}
+    try:
+        base, t1 = run(model_dir, tmp / "tp1.pt", 1, 1, 29701, args.override, args.timeout)
+    except Failed as e:
+        print("TP1 FAILED:", str(e), file=sys.stderr, flush=True)
+        return 1
+    rows: dict[str, dict] = {"TP1 (1 GPU)": {"wall_s": t1}}
     for tp, pp in ((2, 1), (1, 2)):
-        got, t = run(model_dir, tmp / f"tp{tp}pp{pp}.pt", tp, pp, 29711 + tp * 10 + pp)
-        rows[f"TP{tp} PP{pp} (2 GPUs, NCCL)"] = {
+        name = f"TP{tp} PP{pp} (2 GPUs, NCCL)"
+        try:
+            got, t = run(
+                model_dir, tmp / f"tp{tp}pp{pp}.pt", tp, pp, 29711 + tp * 10 + pp, args.override, args.timeout
+            )
+        except Failed as e:
+            rows[name] = {"failed": str(e)}
+            print(name, "FAILED:", str(e)[-3000:], file=sys.stderr, flush=True)
+            continue
+        rows[name] = {
             "wall_s": t,
             "max_logp_diff": float((got["logp"][mask] - base["logp"][mask]).abs().max()),
             "loss_diff": abs(got["metrics"]["loss"] - base["metrics"]["loss"]),
@@ -55,7 +87,7 @@ def main() -> int:
             ),
         }
     result = {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-              "torch": torch.__version__, "base_loss": base["metrics"]["loss"], "rows": rows}  # fmt: skip
+              "torch": torch.__version__, "overrides": args.override, "base_loss": base["metrics"]["loss"], "rows": rows}  # fmt: skip
     print(json.dumps(result, indent=1))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "multi_gpu.json").write_text(json.dumps(result, indent=1))

@@ -4,6 +4,8 @@ logprobs, the step's metrics and the full (TP-gathered, stage-merged) gradients 
     python -m torch.distributed.run --nproc_per_node N tests/megatron_parity.py MODEL_DIR OUT TP PP [BACKEND]
 
 BACKEND is megatron (default) or fsdp (the reference: same batch, same loss, one process).
+HPCRL_PARITY_OVERRIDES adds config overrides (space separated, e.g. "trainer.cp=2");
+HPCRL_PARITY_DUMP_S prints every thread's stack and exits after that many seconds (to see a hang).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ def parity_batch() -> TrainBatch:
 
 def overrides(tp: int, pp: int, backend: str = "megatron") -> list[str]:
     # fp32 everywhere: on GPUs too (HPCRL_PARITY_DEVICE=cuda), so ranks can be compared closely
+    extra = os.environ.get("HPCRL_PARITY_OVERRIDES", "").split()
     return ["model=tiny", f"trainer={backend}", f"trainer.tp={tp}", f"trainer.pp={pp}", "trainer.precision=float32",
-            "trainer.micro_batch_size=2", "algo.kl_coef=0.05", "algo.num_minibatches=1"]  # fmt: skip
+            "trainer.micro_batch_size=2", "algo.kl_coef=0.05", "algo.num_minibatches=1", *extra]  # fmt: skip
 
 
 def _full(grad: Any) -> torch.Tensor:
@@ -66,6 +69,10 @@ def main() -> None:
     from hpcrl.trainer import make_trainer
 
     backend = sys.argv[5] if len(sys.argv) > 5 else "megatron"
+    if os.environ.get("HPCRL_PARITY_DUMP_S"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["HPCRL_PARITY_DUMP_S"]), exit=True)
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     master = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', 29500)}"
