@@ -1,7 +1,9 @@
 """Issue 7: the megatron backend's GRPO train step on the Qwen2-1.5B shape under torchrun (NCCL),
 TP/PP from the command line, beside the same shape on one GPU in the same run.
 
-    python bench/megatron_parallel_bench.py [--batch 8 --seq 2048]     (machine with >= 2 GPUs)
+    python bench/megatron_parallel_bench.py [--batch 8 --seq 2048] [--variant trainer.compile=true]
+
+Each layout runs with the defaults and once more per ``--variant`` (space-separated overrides).
 
 MFU = tokens/s x (6N + 12 L h s) / (989 TFLOP/s x GPUs). Recompute off, fp32 master + bf16 autocast.
 """
@@ -26,13 +28,13 @@ from megatron_bench import grpo_batch
 from hpcrl.config import compose_config
 
 
-def worker(model_dir: str, tp: int, pp: int, batch: int, seq: int) -> None:
+def worker(model_dir: str, tp: int, pp: int, batch: int, seq: int, extra: list[str]) -> None:
     from hpcrl.trainer.megatron import MegatronTrainer
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = compose_config(["model=qwen2_1p5b", "trainer=megatron", f"trainer.tp={tp}", f"trainer.pp={pp}",
                           f"trainer.micro_batch_size={batch // max(1, pp * 2) if pp > 1 else batch}",
-                          "trainer.activation_checkpointing=false", "algo.kl_coef=0"])  # fmt: skip
+                          "trainer.activation_checkpointing=false", "algo.kl_coef=0", *extra])  # fmt: skip
     master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     trainer = MegatronTrainer(Path(model_dir), cfg, rank=rank, world=world, master=master, device="cuda")
     b = grpo_batch(batch, seq)
@@ -45,9 +47,10 @@ def worker(model_dir: str, tp: int, pp: int, batch: int, seq: int) -> None:
         )
 
 
-def launch(model_dir: Path, tp: int, pp: int, batch: int, seq: int, port: int) -> dict:
+def launch(model_dir: Path, tp: int, pp: int, batch: int, seq: int, port: int, variant: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp * pp}", f"--master_port={port}",
-           __file__, "--worker", str(model_dir), str(tp), str(pp), "--batch", str(batch), "--seq", str(seq)]  # fmt: skip
+           __file__, "--worker", str(model_dir), str(tp), str(pp), "--batch", str(batch), "--seq", str(seq),
+           "--overrides", variant]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -60,21 +63,35 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--worker", nargs=3, metavar=("MODEL_DIR", "TP", "PP"))
+    p.add_argument("--overrides", default="", help=argparse.SUPPRESS)
+    p.add_argument("--variant", action="append", default=[], help="extra row per layout with these overrides")
     args = p.parse_args()
     if args.worker:
-        worker(args.worker[0], int(args.worker[1]), int(args.worker[2]), args.batch, args.seq)
+        worker(
+            args.worker[0],
+            int(args.worker[1]),
+            int(args.worker[2]),
+            args.batch,
+            args.seq,
+            args.overrides.split(),
+        )
         return 0
     cfg = compose_config(["model=qwen2_1p5b"])
     model_dir = make_model_dir(cfg)
     flops = train_flops_per_token(cfg, args.seq)
     rows = {}
-    for n, (tp, pp) in enumerate(((1, 1), (2, 1), (1, 2))):
+    port = 29801
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
         if tp * pp > torch.cuda.device_count():
             continue
-        row = launch(model_dir, tp, pp, args.batch, args.seq, 29801 + n)
-        if "tokens_per_s" in row:
-            row["mfu_datasheet"] = row["tokens_per_s"] * flops / (DATASHEET_TFLOPS * 1e12 * tp * pp)
-        rows[f"TP{tp} PP{pp} ({tp * pp} GPU)"] = row
+        for variant in ("", *args.variant):
+            port += 1
+            row = launch(model_dir, tp, pp, args.batch, args.seq, port, variant)
+            if "tokens_per_s" in row:
+                row["mfu_datasheet"] = row["tokens_per_s"] * flops / (DATASHEET_TFLOPS * 1e12 * tp * pp)
+            name = f"TP{tp} PP{pp} ({tp * pp} GPU)" + (f" {variant}" if variant else "")
+            rows[name] = row
+            print(name, json.dumps(row), file=sys.stderr, flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "shape": f"{args.batch}x{args.seq}", "rows": rows}
     print(json.dumps(result, indent=1))
     if os.environ.get("OUT"):

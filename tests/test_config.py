@@ -117,3 +117,18 @@ def test_composition_cache_skips_hydra_and_any_edit_invalidates_it(tmp_path):
     conf = Path(__file__).resolve().parents[1] / "conf" / "model" / "qwen2_1p5b.yaml"
     os.utime(conf)  # an edited conf file: the cached composition is not used
     assert _compose_in_subprocess(tmp_path, overrides) == ["qwen2_1p5b", "2", "True"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "compiled"),
+    [
+        (["trainer=fsdp"], True),
+        (["trainer=fsdp", "trainer.compile=false"], False),
+        (["trainer=megatron"], True),
+        (["trainer=megatron", "trainer.tp=2"], False),  # measured slower under TP: the default skips it
+        (["trainer=megatron", "trainer.tp=2", "trainer.compile=true"], True),  # an explicit choice wins
+        (["trainer=megatron", "trainer.compile=false"], False),
+    ],
+)
+def test_layer_compilation_default_depends_on_backend_and_tp(overrides, compiled):
+    assert compose(*overrides).trainer.compile_layers() is compiled

@@ -41,10 +41,11 @@ class TrainerConfig:
     """Longest training sequence; None derives it from data.max_prompt_tokens + rollout.max_new_tokens."""
     precision: Precision = Precision.bfloat16
     activation_checkpointing: bool = False
-    compile: bool = True
-    """torch.compile each decoder layer (GPU only; CPUs run eagerly). On one H200 this took the fsdp
-    backend's Qwen2-1.5B GRPO step from 37.9k to 47.3k tokens/s (bench/results/README.md); the first
-    step pays the compilation (~10 s). ``false`` if a model does not compile."""
+    compile: bool | None = None
+    """torch.compile each decoder layer (GPU only; CPUs run eagerly). ``None`` is the backend's measured
+    choice (``compile_layers``): on for fsdp, where it took the Qwen2-1.5B GRPO step on one H200 from
+    37.9k to 47.3k tokens/s (bench/results/README.md); the first step pays the compilation (~10 s).
+    ``false`` if a model does not compile."""
     fused_logprob: bool = True
     """Log-probs straight from the final hidden states in chunks (``trainer/logprob_head.py``) instead
     of materialising the [tokens, vocab] logits: the same numbers, 40 GB less memory and 1.1x faster
@@ -63,6 +64,10 @@ class TrainerConfig:
         """Whether log-probs come from the chunked head (``trainer/logprob_head.py``): read by the
         backend that builds it and by the memory estimate."""
         return self.fused_logprob
+
+    def compile_layers(self) -> bool:
+        """Whether the backend compiles its decoder layers on GPUs (``compile``, or the default)."""
+        return True if self.compile is None else self.compile
 
     def check(self) -> None:
         for key in ("tp", "pp", "cp", "ep", "micro_batch_size"):
@@ -89,10 +94,6 @@ class MegatronTrainerConfig(TrainerConfig):
     """Megatron-core: TP/PP/CP/EP model parallelism with the distributed optimizer."""
 
     backend: str = "megatron"
-    compile: bool = False
-    """``true`` took the one-GPU (tp=1) Qwen2-1.5B step from 38.5k to 44.8k tokens/s on an H200
-    (bench/results/README.md). Off by default: not yet verified under TP/PP on GPUs (a 2-GPU parity
-    run with compiled layers did not finish within its time limit, cause not known)."""
     sequence_parallel: bool = True
     distributed_optimizer: bool = True
     expert_tp: int = 1
@@ -101,6 +102,13 @@ class MegatronTrainerConfig(TrainerConfig):
 
     def chunked_logprob(self) -> bool:
         return self.fused_logprob and self.tp == 1  # under TP the vocab-parallel loss keeps logits split
+
+    def compile_layers(self) -> bool:
+        """Default: compile unless tensor parallel. Measured on H200s, Qwen2-1.5B, 8 x 2048
+        (bench/results/README.md): compiled layers took one GPU from 38.5k to 43.2k tokens/s and PP=2
+        from 36.1k to 49.0k, but TP=2 from 58.7k down to 51.1k (Megatron's TP collectives split each
+        compiled layer into pieces). TP=2 and PP=2 compiled match TP=1 to 2e-8 (bench/multi_gpu.py)."""
+        return self.tp == 1 if self.compile is None else self.compile
 
     def check(self) -> None:
         super().check()

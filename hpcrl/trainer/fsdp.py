@@ -105,7 +105,7 @@ class FSDPTrainer:
         # With one rank there is nothing to free by resharding: it would only re-gather (and re-cast to
         # bf16) every layer's weights again for the backward pass.
         reshard = getattr(cfg.trainer, "reshard_after_forward", True) and world > 1
-        compile_layers = device.startswith("cuda") and getattr(cfg.trainer, "compile", False)
+        compile_layers = device.startswith("cuda") and cfg.trainer.compile_layers()
         for layer in model.model.layers:
             if compile_layers:
                 layer.compile()  # per decoder layer, before sharding (the torchtitan recipe)

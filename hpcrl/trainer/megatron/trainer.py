@@ -118,7 +118,7 @@ class MegatronTrainer:
         self.layer_offset = hf.num_hidden_layers // self.par.pp * ps.get_pipeline_model_parallel_rank()
         full = to_megatron(load_hf_weights(model_dir), self.shape, self.tied)
         self.model = build()
-        if t.compile and self.device.type == "cuda":
+        if t.compile_layers() and self.device.type == "cuda":
             for layer in getattr(getattr(self.model, "decoder", None), "layers", []):
                 layer.compile()
         self._load(self.model, full)
