@@ -46,7 +46,7 @@ def bench_backend(backend: str, model_dir: Path, batch: int, seq: int, local_spe
         if local_spec:  # Megatron's own unfused attention instead of hpcrl's SDPA slot
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-            spec.layer_spec = lambda num_experts=None: get_gpt_layer_local_spec(normalization="RMSNorm")  # type: ignore[assignment]
+            spec.layer_spec = lambda config: get_gpt_layer_local_spec(normalization="RMSNorm")  # type: ignore[assignment]
             import hpcrl.trainer.megatron.trainer as mt
 
             mt.layer_spec = spec.layer_spec

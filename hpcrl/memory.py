@@ -145,14 +145,18 @@ def estimate_train(cfg: RunConfig, topo: Topology) -> TrainMemory:
         optimizer = 0.0 if trainer.cpu_offload else 8 * trainable
     tokens = trainer.micro_batch_size * cfg.max_seq_len / par.cp
     h = model.hidden_size
-    per_layer_full = 34 * h * tokens / par.tp
+    # Activations per layer (Korthikanti et al. 2022): 34·s·b·h/t bytes with sequence parallelism;
+    # without it the norms' and dropouts' 10·s·b·h stay whole on every TP rank.
+    sp = isinstance(trainer, MegatronTrainerConfig) and trainer.sequence_parallel
+    split = par.tp if sp else 1
+    per_layer_full = h * tokens * (24 / par.tp + 10 / split)
     if model.is_moe:
         width = model.moe_latent_size or h
         per_layer_full += (
             tokens * model.experts_per_token * (width + 2 * model.moe_ffn_hidden_size) * 2 / par.tp
         )
     if trainer.activation_checkpointing:
-        activations = 2 * h * tokens * model.num_layers / par.tp + per_layer_full
+        activations = 2 * h * tokens * model.num_layers / split + per_layer_full
     else:
         activations = per_layer_full * model.num_layers
     if trainer.chunked_logprob():

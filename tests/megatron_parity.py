@@ -3,6 +3,8 @@ logprobs, the step's metrics and the full (TP-gathered, stage-merged) gradients 
 
     python -m torch.distributed.run --nproc_per_node N tests/megatron_parity.py MODEL_DIR OUT TP PP [BACKEND]
 
+N = TP x PP x CP x DP (CP through HPCRL_PARITY_OVERRIDES="trainer.cp=2").
+
 BACKEND is megatron (default) or fsdp (the reference: same batch, same loss, one process).
 HPCRL_PARITY_OVERRIDES adds config overrides (space separated, e.g. "trainer.cp=2");
 HPCRL_PARITY_DUMP_S prints every thread's stack and exits after that many seconds (to see a hang).
@@ -96,10 +98,16 @@ def main() -> None:
         torch.distributed.all_gather_object(per_rank, (held, restored))
     else:
         per_rank = [(held, restored)]
+    # what the model really ran with (Megatron may not do what the config asks without saying so)
+    layout = {}
+    if backend == "megatron":
+        mc = trainer.model.config
+        layout = {"sequence_parallel": mc.sequence_parallel, "cp": mc.context_parallel_size,
+                  "qk_norms": sum("q_layernorm" in n for n, _ in trainer.model.named_parameters())}  # fmt: skip
     if rank == 0:
         cpu = {k: v.cpu() for k, v in grads.items()}
         torch.save({"logp": ref.cpu(), "metrics": metrics, "grads": cpu, "optimizer_numel": [h for h, _ in per_rank],
-                    "state_restored": [r for _, r in per_rank],
+                    "state_restored": [r for _, r in per_rank], "layout": layout,
                     "weights": {k: v.cpu() for k, v in weights.items()}}, out)  # fmt: skip
 
 

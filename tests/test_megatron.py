@@ -1,8 +1,10 @@
 """Megatron-core backend: HF<->Megatron weight mapping (exact round trips) and, under torchrun with
-gloo on CPU, TP=2 / PP=2 / TP=2xPP=2 giving the TP=1 losses and gradients, TP=1 giving fsdp's."""
+gloo on CPU, TP=2 (sequence parallel) / PP=2 / TP=2xPP=2 / DP=2 / CP=2 / TP=2xCP=2 / PP=2xCP=2 giving
+the TP=1 losses and gradients, TP=1 giving fsdp's; a Qwen3 (Q/K norms) likewise."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -97,15 +99,30 @@ def test_plan_names_a_model_the_backend_cannot_build_and_submit_refuses(tmp_path
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted
 
 
-def _torchrun(
-    model_dir: Path, out: Path, tp: int, pp: int, backend: str = "megatron", port: int = 29631, dp: int = 1
-) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={max(1, tp * pp * dp)}",
+def _torchrun(model_dir: Path, out: Path, tp: int, pp: int, backend: str = "megatron", port: int = 29631,
+              dp: int = 1, cp: int = 1, extra: tuple[str, ...] = ()) -> dict:  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={max(1, tp * pp * cp * dp)}",
            f"--master_port={port}", str(ROOT / "tests" / "megatron_parity.py"), str(model_dir), str(out),
            str(tp), str(pp), backend]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    env = {
+        **os.environ,
+        "HPCRL_PARITY_OVERRIDES": " ".join((f"trainer.cp={cp}", *extra) if backend == "megatron" else ()),
+    }
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(out)
+
+
+def _assert_same_step(run: dict, base: dict, mask: torch.Tensor, where: str) -> None:
+    """Log-probs, the step's metrics (grad_norm: before clipping), gradients and updated weights."""
+    assert torch.allclose(run["logp"][mask], base["logp"][mask], atol=1e-5), where
+    for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm"):
+        assert run["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-4, abs=1e-6), (where, key)
+    assert run["grads"].keys() == base["grads"].keys(), where
+    for name, grad in base["grads"].items():
+        assert torch.allclose(run["grads"][name], grad, atol=1e-5), (where, name)
+    for name, weight in base["weights"].items():
+        assert torch.allclose(run["weights"][name], weight, atol=1e-6), (where, name)
 
 
 @pytest.mark.slow
@@ -122,23 +139,54 @@ def test_tensor_and_pipeline_parallel_match_tp1_and_tp1_matches_fsdp(tiny_dir, t
     (state_elements,) = base["optimizer_numel"]  # Adam's m and v: two per parameter element
     assert base["state_restored"] == [True]
     assert state_elements == 2 * sum(w.numel() for n, w in base["weights"].items() if n != "lm_head.weight")
-    for tp, pp, dp in ((2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)):
-        run = _torchrun(
-            tiny_dir, tmp_path / f"tp{tp}pp{pp}dp{dp}.pt", tp, pp, port=29641 + tp * 10 + pp + dp * 3, dp=dp
-        )
-        where = f"TP={tp} PP={pp} DP={dp}"
-        assert run["state_restored"] == [True] * (tp * pp * dp), where  # checkpoint -> resume, per rank
+    for tp, pp, cp, dp in (
+        (2, 1, 1, 1),
+        (1, 2, 1, 1),
+        (2, 2, 1, 1),
+        (1, 1, 1, 2),
+        (1, 1, 2, 1),
+        (2, 1, 2, 1),
+        (1, 2, 2, 1),
+    ):
+        where = f"TP={tp} PP={pp} CP={cp} DP={dp}"
+        port = 29641 + tp * 10 + pp + dp * 3 + cp * 5
+        run = _torchrun(tiny_dir, tmp_path / f"tp{tp}pp{pp}cp{cp}dp{dp}.pt", tp, pp, port=port, dp=dp, cp=cp)
+        # the layout Megatron really ran: sequence parallel with TP (the default), context parallel
+        assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
+        assert run["state_restored"] == [True] * (tp * pp * cp * dp), where  # checkpoint -> resume, per rank
         if dp > 1:  # the distributed optimizer: each data-parallel rank holds part of Adam's state
             assert sum(run["optimizer_numel"]) == state_elements, where
             assert max(run["optimizer_numel"]) < 0.75 * state_elements, (where, run["optimizer_numel"])
-        assert torch.allclose(run["logp"][mask], base["logp"][mask], atol=1e-5), where
-        for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm"):
-            assert run["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-4, abs=1e-6), (
-                where,
-                key,
-            )
-        assert run["grads"].keys() == base["grads"].keys(), where
-        for name, grad in base["grads"].items():
-            assert torch.allclose(run["grads"][name], grad, atol=1e-5), (where, name)
-        for name, weight in base["weights"].items():
-            assert torch.allclose(run["weights"][name], weight, atol=1e-6), (where, name)
+        _assert_same_step(run, base, mask, where)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """A small random Qwen3 (Q/K norms, untied head) saved as a Hugging Face checkpoint."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)  # fmt: skip
+    out = tmp_path_factory.mktemp("qwen3")
+    Qwen3ForCausalLM(config).save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_qwen3_qk_norms_match_fsdp_and_under_tensor_parallel(qwen3_dir, tmp_path):
+    """Qwen3's Q/K norms are built (they were once silently left out of the layer spec) and their
+    gradients, partial per TP rank (each holds some heads), are summed over TP with and without
+    sequence parallelism."""
+    mask = parity_batch().loss_mask.bool()
+    base = _torchrun(qwen3_dir, tmp_path / "tp1.pt", 1, 1, port=29731)
+    assert base["layout"]["qk_norms"] == 2  # one per layer
+    fsdp = _torchrun(qwen3_dir, tmp_path / "fsdp.pt", 1, 1, backend="fsdp", port=29732)
+    assert torch.allclose(base["logp"][mask], fsdp["logp"][mask], atol=1e-5)
+    for name, grad in fsdp["grads"].items():
+        assert torch.allclose(base["grads"][name], grad, atol=1e-5), name
+    for sp in (True, False):
+        run = _torchrun(qwen3_dir, tmp_path / f"tp2sp{sp}.pt", 2, 1, port=29733 + sp,
+                        extra=(f"trainer.sequence_parallel={str(sp).lower()}",))  # fmt: skip
+        assert run["layout"]["sequence_parallel"] is sp
+        _assert_same_step(run, base, mask, f"TP=2 sequence_parallel={sp}")

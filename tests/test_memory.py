@@ -32,6 +32,16 @@ def test_qwen2_1p5b_megatron_tp2_hand_computed():
     assert m.logits == pytest.approx(tokens * 151936 / 2 * 8 / GB)
 
 
+def test_tp_without_sequence_parallel_keeps_norm_activations_whole():
+    base = ("model=qwen2_1p5b", "trainer=megatron", "trainer.tp=2", "cluster=h100", *SITE,
+            "data=openmathinstruct2", "trainer.activation_checkpointing=false")  # fmt: skip
+    tokens, h, layers = 2048, 1536, 28
+    with_sp = plan(*base).memory.train.activations
+    without = plan(*base, "trainer.sequence_parallel=false").memory.train.activations
+    assert with_sp == pytest.approx(34 * h * tokens / 2 * layers / GB)
+    assert without == pytest.approx((10 + 24 / 2) * h * tokens * layers / GB)
+
+
 def test_llama_8b_fsdp_hand_computed():
     p = plan("model=llama3p1_8b", "trainer=fsdp", "cluster=h100", *SITE)
     m = p.memory.train

@@ -1,10 +1,11 @@
 """Megatron-core on a CPU-only host: the one place that deals with its hard CUDA calls.
 
-Megatron-core allocates buffers with ``device=torch.cuda.current_device()`` or ``device="cuda"``,
-seeds and forks the CUDA RNG, and synchronises streams — all over its modules. On a host without
-CUDA (our CPU tests with gloo) every ``megatron.core`` module's ``torch`` is swapped for a proxy
-that is the real ``torch`` except that CUDA devices mean the CPU, CUDA RNG calls use the CPU
-generator and stream/cache calls do nothing. On GPUs nothing is patched.
+Megatron-core allocates buffers with ``device=torch.cuda.current_device()`` or ``device="cuda"``
+(pinned, for the context-parallel rotary slice), seeds and forks the CUDA RNG, and synchronises
+streams — all over its modules. On a host without CUDA (our CPU tests with gloo) every
+``megatron.core`` module's ``torch`` is swapped for a proxy that is the real ``torch`` except that
+CUDA devices mean the CPU (and nothing is pinned), CUDA RNG calls use the CPU generator and
+stream/cache calls do nothing. On GPUs nothing is patched.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class _CpuTorch(types.ModuleType):
         def call(*args: Any, **kwargs: Any) -> Any:
             if "device" in kwargs:
                 kwargs["device"] = _cpu(kwargs["device"])
+            kwargs.pop("pin_memory", None)  # no pinned-memory allocator without an accelerator
             return factory(*args, **kwargs)
 
         return call

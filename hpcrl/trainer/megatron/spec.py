@@ -1,9 +1,13 @@
 """What Megatron-core builds: the TransformerConfig from a Hugging Face config plus the topology,
 and the layer spec.
 
-Layer spec: Transformer Engine's when it is installed; otherwise Megatron's local spec with its
-unfused attention (which materialises [b, heads, s, s] scores: out of memory at 8 x 2048 on an H200)
-replaced by ``SDPAttention`` — torch's scaled_dot_product_attention, i.e. flash attention on GPUs.
+Layer spec: Transformer Engine's when it is installed; otherwise Megatron's local spec with two slots
+filled by hpcrl:
+- core attention: ``SDPAttention`` — torch's scaled_dot_product_attention (flash attention on GPUs)
+  instead of Megatron's unfused attention (which materialises [b, heads, s, s] scores: out of memory
+  at 8 x 2048 on an H200); it also runs context parallel (keys and values gathered over the CP group);
+- norms: ``SPNorm`` — torch's RMSNorm that can run sequence parallel, which Megatron's torch-norm
+  wrapper refuses (only Transformer Engine's or Apex's norms could).
 """
 
 from __future__ import annotations
@@ -27,16 +31,17 @@ def have_transformer_engine() -> bool:
 
 
 class SDPAttention(torch.nn.Module):
-    """Megatron's core-attention slot filled with torch SDPA: causal, GQA without repeating K/V."""
+    """Megatron's core-attention slot filled with torch SDPA: causal, GQA without repeating K/V.
+
+    Context parallel: Megatron gives each CP rank two of the 2·cp equal chunks of every sequence
+    (rank r holds chunks r and 2·cp-1-r, so causal work is balanced). Keys and values are gathered
+    from all CP ranks (the backward reduce-scatters their gradients back); each local query chunk
+    attends to the keys of every chunk up to its own, causal within its own chunk."""
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  **_: Any) -> None:  # fmt: skip
         super().__init__()
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                "context parallel needs Transformer Engine's attention (trainer.cp must be 1 without it)"
-            )
         self.config = config
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.scale = softmax_scale
@@ -47,23 +52,84 @@ class SDPAttention(torch.nn.Module):
             raise ValueError("SDPAttention: packed sequences and attention bias need Transformer Engine")
         # Megatron hands [s, b, heads, dim]; SDPA wants [b, heads, s, dim]. Sequences are right-padded,
         # so the causal mask alone is exact for every real token.
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, scale=self.scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )  # fmt: skip
         s, b = query.shape[0], query.shape[1]
+        if self.config.context_parallel_size > 1:
+            out = self._context_parallel(query, key, value)
+        else:
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            out = self._sdpa(q, k, v, causal=True)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: Any) -> torch.Tensor:
+        mask = None if causal is True else causal
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal is True, dropout_p=self.dropout if self.training else 0.0,
+            scale=self.scale, enable_gqa=q.shape[1] != k.shape[1],
+        )  # fmt: skip
 
-def layer_spec(num_experts: int | None = None) -> Any:
+    def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+        from torch.nn.attention.bias import causal_lower_right
+
+        group = ps.get_context_parallel_group()
+        cp, rank = group.size(), group.rank()
+        chunk = query.shape[0] // 2
+        order = torch.tensor(chunk_order(cp), device=key.device)
+
+        def gathered(t: torch.Tensor) -> torch.Tensor:  # [cp·s_local, b, h, d] in global chunk order
+            every = gather_from_sequence_parallel_region(t.contiguous(), True, group)
+            return every.view(2 * cp, chunk, *t.shape[1:]).index_select(0, order).flatten(0, 1)
+
+        k_all, v_all = gathered(key), gathered(value)
+        outs = []
+        for j, g in enumerate((rank, 2 * cp - 1 - rank)):  # this rank's two chunks, by global index
+            q = query[j * chunk : (j + 1) * chunk].permute(1, 2, 0, 3)
+            seen = (g + 1) * chunk
+            k, v = (t[:seen].permute(1, 2, 0, 3) for t in (k_all, v_all))
+            outs.append(self._sdpa(q, k, v, causal=True if g == 0 else causal_lower_right(chunk, seen)))
+        return torch.cat(outs, dim=2)
+
+
+def chunk_order(cp: int) -> list[int]:
+    """Where global chunk g sits in the CP all-gather (rank r contributes chunks r, 2·cp-1-r)."""
+    return [2 * g if g < cp else 2 * (2 * cp - 1 - g) + 1 for g in range(2 * cp)]
+
+
+class SPNorm(torch.nn.RMSNorm):
+    """Megatron's norm slot filled with torch's RMSNorm, sequence parallel allowed. Under sequence
+    parallelism each TP rank normalises its own slice of the sequence, so the weight's gradient is
+    partial: it is marked ``sequence_parallel`` and summed over TP by the trainer, as Megatron's own
+    fused norms do."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+
+
+def layer_spec(config: Any) -> Any:
+    """The decoder spec GPTModel takes, for this pipeline stage's layers."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
+    experts, qk_norm = config.num_moe_experts, bool(config.qk_layernorm)
     if have_transformer_engine():
-        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
-    spec = copy.deepcopy(specs.get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm"))
-    spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    return spec
+        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=qk_norm)
+    spec = copy.deepcopy(
+        specs.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=qk_norm, normalization="RMSNorm")
+    )
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    attention.core_attention = SDPAttention
+    layer.input_layernorm = layer.pre_mlp_layernorm = SPNorm
+    if qk_norm:
+        attention.q_layernorm = attention.k_layernorm = SPNorm
+    else:
+        assert attention.q_layernorm is IdentityOp
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=SPNorm)
 
 
 def uses_fused_norms() -> bool:
@@ -99,8 +165,7 @@ def transformer_config(hf: Any, trainer: MegatronTrainerConfig, par: TrainParall
         pipeline_model_parallel_size=par.pp,
         context_parallel_size=par.cp,
         expert_model_parallel_size=par.ep,
-        # Megatron's torch norms (local spec) cannot run sequence parallel: Transformer Engine only.
-        sequence_parallel=trainer.sequence_parallel and par.tp > 1 and have_transformer_engine(),
+        sequence_parallel=trainer.sequence_parallel and par.tp > 1,
         recompute_granularity="full" if trainer.activation_checkpointing else None,
         recompute_method="uniform" if trainer.activation_checkpointing else None,
         recompute_num_layers=1 if trainer.activation_checkpointing else None,

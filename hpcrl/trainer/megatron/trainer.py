@@ -4,9 +4,15 @@ loaded from Hugging Face safetensors, trained with the same GRPO/DAPO loss as th
 Data: ranks of one data-parallel group see the same shard. Per optimizer step the shard is cut
 into equal micro-batches (a short last one is padded with zero-weight rows, as the pipeline
 schedules need one tensor shape) and run through Megatron's forward/backward schedule; gradients
-are averaged over data parallel, tied-embedding copies summed over the embedding group, the
-norm clipped over the model-parallel group, then AdamW steps. Logprobs come from the last pipeline
-stage (vocab-parallel log-softmax across TP) and are broadcast to the whole pipeline.
+are summed over context parallel and averaged over data parallel, tied-embedding copies summed over
+the embedding group, the norm clipped over the model-parallel group, then AdamW steps. Logprobs come
+from the last pipeline stage (vocab-parallel log-softmax across TP) and are broadcast to the whole
+pipeline.
+
+Context parallel: each CP rank feeds its two chunks of every sequence (``_cp_split``) and gathers
+the per-token log-probs back into whole sequences (``_cp_join``; the gradient returns to the rank
+that computed each token), so the loss is the same on every CP rank and its parameter gradients
+cover that rank's tokens: their sum over CP is the whole sequence's.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.fsdp import init_process_group
 from hpcrl.trainer.logprob_head import chunked_logprob
 from hpcrl.trainer.megatron import compat
-from hpcrl.trainer.megatron.spec import layer_spec, transformer_config, uses_fused_norms
+from hpcrl.trainer.megatron.spec import chunk_order, layer_spec, transformer_config, uses_fused_norms
 from hpcrl.trainer.megatron.weights import Shape, is_sharded, relocate, shard, to_hf, to_megatron, unshard
 
 SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama")
@@ -109,7 +115,7 @@ class MegatronTrainer:
 
         def build() -> Any:
             return with_hidden_output(GPTModel(
-                config=config, transformer_layer_spec=layer_spec(), vocab_size=self.shape.padded_vocab,
+                config=config, transformer_layer_spec=layer_spec(config), vocab_size=self.shape.padded_vocab,
                 max_sequence_length=hf.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
                 post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=self.tied,
                 position_embedding_type="rope", rotary_base=rope_base(hf),
@@ -122,6 +128,7 @@ class MegatronTrainer:
             for layer in getattr(getattr(self.model, "decoder", None), "layers", []):
                 layer.compile()
         self._load(self.model, full)
+        self._check_every_weight_used(full, hf.model_type)
         # The frozen reference policy for the KL term (a second model: Megatron modules hold process
         # groups, which cannot be deep-copied).
         self.ref = None
@@ -133,6 +140,10 @@ class MegatronTrainer:
                 if name in pname:
                     param.requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # Replicated over TP but computed from this rank's part: norms under sequence parallelism (a
+        # slice of the sequence), Q/K norms always (this rank's heads). Megatron sums them over TP.
+        self.tp_partial = [p for name, p in self.model.named_parameters() if p.requires_grad and (
+            getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name)]  # fmt: skip
         self.optimizer = self._make_optimizer()
 
     def _make_optimizer(self) -> Any:
@@ -164,6 +175,20 @@ class MegatronTrainer:
                     raise KeyError(f"checkpoint has no weight for Megatron parameter {key}")
                 param.copy_(shard(key, full[key], tp, tp_rank).to(param.dtype))
 
+    def _check_every_weight_used(self, full: dict[str, torch.Tensor], model_type: str) -> None:
+        """Every checkpoint weight must land in some rank's model: one left over means the layer
+        spec lacks a part of the architecture (a Q/K norm, say) and the model would silently differ."""
+        used = {relocate(name, self.layer_offset) for name, _ in self.model.named_parameters()}
+        every: list[Any] = [used]
+        if dist.get_world_size() > 1:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, used)
+        left = set(full) - set().union(*every) - ({"output_layer.weight"} if self.tied else set())
+        if left:
+            raise ValueError(f"trainer=megatron built a {model_type} model with no place for {len(left)} "
+                             f"checkpoint weights, e.g. {sorted(left)[:3]}: its layer spec does not match "
+                             "the architecture; use trainer=fsdp for this model")  # fmt: skip
+
     def _local_full(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """This stage's parameters (or their gradients), gathered over tensor parallel, under global
         Megatron names."""
@@ -192,7 +217,9 @@ class MegatronTrainer:
         """Full weights (or the last step's gradients) in HF names on global rank 0 (empty elsewhere):
         TP gathered, stages merged."""
         local = self._local_full(grads)  # collective over TP: every rank takes part
-        first = self.ps.get_data_parallel_rank() == 0 and self.ps.get_tensor_model_parallel_rank() == 0
+        ps = self.ps
+        first = (ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+                 and ps.get_context_parallel_rank() == 0)  # fmt: skip
         merged: dict[str, torch.Tensor] = {}
         for part in self._gather_to_rank0(local if first else {}):
             merged.update(part or {})
@@ -220,10 +247,14 @@ class MegatronTrainer:
         (``fused_head``), else vocab-parallel from this rank's [b, s, vocab/tp] logits."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+        targets = self._cp_split(targets)
         if self.fused_head:
             weight = model.shared_embedding_or_output_weight() if self.tied else model.output_layer.weight
             # the loss runs outside the schedule's autocast: cast as autocast would have
-            return chunked_logprob(out.to(self.compute_dtype), weight.to(self.compute_dtype), targets)
+            logp, entropy = chunked_logprob(
+                out.to(self.compute_dtype), weight.to(self.compute_dtype), targets
+            )
+            return self._cp_join(logp), self._cp_join(entropy)
         logits = out
         logits = logits.float()
         group = self.ps.get_tensor_model_parallel_group()
@@ -236,10 +267,35 @@ class MegatronTrainer:
             dist.all_reduce(s, group=group)
             entropy = torch.log(z) + m - s / z
         logp = -vocab_parallel_cross_entropy(logits, targets)
-        return logp, entropy
+        return self._cp_join(logp), self._cp_join(entropy)
+
+    def _cp_split(self, t: torch.Tensor) -> torch.Tensor:
+        """This context-parallel rank's part of [b, s]: chunks r and 2·cp-1-r of 2·cp (Megatron's layout)."""
+        cp = self.par.cp
+        if cp == 1:
+            return t
+        rank = self.ps.get_context_parallel_rank()
+        chunks = t.chunk(2 * cp, dim=1)
+        return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1)
+
+    def _cp_join(self, t: torch.Tensor) -> torch.Tensor:
+        """[b, s/cp] per CP rank -> the whole [b, s] on every CP rank (inverse of ``_cp_split``); the
+        backward keeps only this rank's part of the gradient (each rank holds the same loss)."""
+        cp = self.par.cp
+        if cp == 1:
+            return t
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        b, local = t.shape
+        every = gather_from_sequence_parallel_region(
+            t.t().contiguous(), False, self.ps.get_context_parallel_group()
+        )
+        order = torch.tensor(chunk_order(cp), device=t.device)
+        return every.view(2 * cp, local // 2, b).index_select(0, order).flatten(0, 1).t()
 
     def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
-        """Equal micro-batches (pipeline schedules pass one tensor shape), width a multiple of TP."""
+        """Equal micro-batches (pipeline schedules pass one tensor shape), width a multiple of TP
+        (sequence parallel splits it over TP) and of 2·CP (context parallel's chunks)."""
         size = min(self.cfg.trainer.micro_batch_size, len(batch))
         extra = (-len(batch)) % size
         if extra:
@@ -247,7 +303,7 @@ class MegatronTrainer:
             pad.loss_mask.zero_()
             batch = _concat([batch, pad])
         width = batch.input_ids.shape[1]
-        grow = (-width) % self.par.tp
+        grow = (-width) % (self.par.tp * (2 * self.par.cp if self.par.cp > 1 else 1))
         if grow:
             batch = _widen(batch, width + grow)
         return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
@@ -259,7 +315,7 @@ class MegatronTrainer:
             i, mb = next(data_iterator)
             ids = mb.input_ids.to(self.device)
             pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-            out = model(input_ids=ids, position_ids=pos, attention_mask=None)
+            out = model(input_ids=self._cp_split(ids), position_ids=self._cp_split(pos), attention_mask=None)
             return out, partial(loss_fn, i, mb)
 
         return list(get_forward_backward_func()(
@@ -350,21 +406,21 @@ class MegatronTrainer:
 
     # -- gradients ---------------------------------------------------------------------------------
     def _finalize_grads(self) -> None:
-        """What Megatron's DDP would do: average over data parallel, sum the sequence-parallel norm
-        grads over TP, sum the two tied-embedding copies (first and last stage) over their group."""
+        """What Megatron's DDP would do: sum over context parallel and average over data parallel, sum
+        the TP-partial norm grads over TP, sum the two tied-embedding copies (first and last stage)
+        over their group."""
         ps = self.ps
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.par.dp > 1:
-            group = ps.get_data_parallel_group()
-            for p in self.params:
-                dist.all_reduce(p.grad, group=group)
-                p.grad.div_(self.par.dp)
-        if self.par.tp > 1:
-            for p in self.params:
-                if getattr(p, "sequence_parallel", False):
-                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+        replicas = self.par.dp * self.par.cp
+        if replicas > 1:
+            # Megatron's schedule multiplies each loss by cp (its DDP averages over DP x CP), so the
+            # average over both groups sums the CP ranks' token shares and averages over DP.
+            group = ps.get_data_parallel_group(with_context_parallel=True)
+            _all_reduce([p.grad for p in self.params], group, scale=1 / replicas)
+        if self.par.tp > 1 and self.tp_partial:
+            _all_reduce([p.grad for p in self.tp_partial], ps.get_tensor_model_parallel_group())
         if self.par.pp > 1 and self.tied and ps.is_rank_in_embedding_group():
             weight = self.model.shared_embedding_or_output_weight()
             dist.all_reduce(weight.grad, group=ps.get_embedding_group())
@@ -385,6 +441,22 @@ class MegatronTrainer:
             for p in self.params:
                 p.grad.mul_(coef)
         return norm
+
+
+def _all_reduce(tensors: list[torch.Tensor], group: Any, scale: float = 1.0) -> None:
+    """Sum ``tensors`` over ``group`` (then scale) in one collective per dtype, not one per tensor."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = _flatten_dense_tensors(same)
+        dist.all_reduce(flat, group=group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        for t, reduced in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
+            t.copy_(reduced)
 
 
 def _as_floats(outs: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
