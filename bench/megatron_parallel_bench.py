@@ -28,11 +28,11 @@ from megatron_bench import grpo_batch
 from hpcrl.config import compose_config
 
 
-def worker(model_dir: str, tp: int, pp: int, batch: int, seq: int, extra: list[str]) -> None:
+def worker(model_dir: str, tp: int, pp: int, batch: int, seq: int, extra: list[str], cp: int = 1) -> None:
     from hpcrl.trainer.megatron import MegatronTrainer
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cfg = compose_config(["model=qwen2_1p5b", "trainer=megatron", f"trainer.tp={tp}", f"trainer.pp={pp}",
+    cfg = compose_config(["model=qwen2_1p5b", "trainer=megatron", f"trainer.tp={tp}", f"trainer.pp={pp}", f"trainer.cp={cp}",
                           f"trainer.micro_batch_size={batch // max(1, pp * 2) if pp > 1 else batch}",
                           "trainer.activation_checkpointing=false", "algo.kl_coef=0", *extra])  # fmt: skip
     master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -47,10 +47,12 @@ def worker(model_dir: str, tp: int, pp: int, batch: int, seq: int, extra: list[s
         )
 
 
-def launch(model_dir: Path, tp: int, pp: int, batch: int, seq: int, port: int, variant: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp * pp}", f"--master_port={port}",
+def launch(
+    model_dir: Path, tp: int, pp: int, batch: int, seq: int, port: int, variant: str, cp: int = 1
+) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp * pp * cp}", f"--master_port={port}",
            __file__, "--worker", str(model_dir), str(tp), str(pp), "--batch", str(batch), "--seq", str(seq),
-           "--overrides", variant]  # fmt: skip
+           "--overrides", variant, "--cp", str(cp)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -64,6 +66,8 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--worker", nargs=3, metavar=("MODEL_DIR", "TP", "PP"))
     p.add_argument("--overrides", default="", help=argparse.SUPPRESS)
+    p.add_argument("--cp", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--layouts", default="1,1,1 2,1,1 1,2,1", help="space-separated TP,PP,CP triples")
     p.add_argument("--variant", action="append", default=[], help="extra row per layout with these overrides")
     args = p.parse_args()
     if args.worker:
@@ -74,6 +78,7 @@ def main() -> int:
             args.batch,
             args.seq,
             args.overrides.split(),
+            args.cp,
         )
         return 0
     cfg = compose_config(["model=qwen2_1p5b"])
@@ -81,15 +86,21 @@ def main() -> int:
     flops = train_flops_per_token(cfg, args.seq)
     rows = {}
     port = 29801
-    for tp, pp in ((1, 1), (2, 1), (1, 2)):
-        if tp * pp > torch.cuda.device_count():
+    for tp, pp, cp in (tuple(int(x) for x in layout.split(",")) for layout in args.layouts.split()):
+        gpus = tp * pp * cp
+        if gpus > torch.cuda.device_count():
             continue
         for variant in ("", *args.variant):
             port += 1
-            row = launch(model_dir, tp, pp, args.batch, args.seq, port, variant)
+            row = launch(model_dir, tp, pp, args.batch, args.seq, port, variant, cp)
             if "tokens_per_s" in row:
-                row["mfu_datasheet"] = row["tokens_per_s"] * flops / (DATASHEET_TFLOPS * 1e12 * tp * pp)
-            name = f"TP{tp} PP{pp} ({tp * pp} GPU)" + (f" {variant}" if variant else "")
+                row["mfu_datasheet"] = row["tokens_per_s"] * flops / (DATASHEET_TFLOPS * 1e12 * gpus)
+            name = (
+                f"TP{tp} PP{pp}"
+                + (f" CP{cp}" if cp > 1 else "")
+                + f" ({gpus} GPU)"
+                + (f" {variant}" if variant else "")
+            )
             rows[name] = row
             print(name, json.dumps(row), file=sys.stderr, flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "shape": f"{args.batch}x{args.seq}", "rows": rows}

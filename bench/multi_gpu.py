@@ -1,5 +1,5 @@
-"""Issue 7, part 1: the megatron backend with NCCL on 2 GPUs. TP=2 and PP=2 against TP=1 on the same
-batch (tiny model, fp32): max differences of log-probs, loss, gradients; wall time of each run.
+"""Issue 7, part 1: the megatron backend with NCCL on 2 GPUs. TP=2 (sequence parallel), PP=2 and CP=2
+against TP=1 on the same batch (tiny model, fp32): max differences of log-probs, loss, gradients; wall time of each run.
 
     python bench/multi_gpu.py [--override trainer.compile=true] [--timeout 240]   (>= 2 GPUs)
 
@@ -33,10 +33,10 @@ class Failed(RuntimeError):
 
 
 def run(model_dir: Path, out: Path, tp: int, pp: int, port: int, overrides: list[str],
-        timeout: float) -> tuple[dict, float]:  # fmt: skip
-    env = {**os.environ, "HPCRL_PARITY_DEVICE": "cuda", "HPCRL_PARITY_OVERRIDES": " ".join(overrides),
+        timeout: float, cp: int = 1) -> tuple[dict, float]:  # fmt: skip
+    env = {**os.environ, "HPCRL_PARITY_DEVICE": "cuda", "HPCRL_PARITY_OVERRIDES": " ".join([f"trainer.cp={cp}", *overrides]),
            "HPCRL_PARITY_DUMP_S": str(max(timeout - 15, 5))}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp * pp}", f"--master_port={port}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp * pp * cp}", f"--master_port={port}",
            str(ROOT / "tests" / "megatron_parity.py"), str(model_dir), str(out), str(tp), str(pp)]  # fmt: skip
     start = time.perf_counter()
     try:
@@ -66,11 +66,11 @@ def main() -> int:
         print("TP1 FAILED:", str(e), file=sys.stderr, flush=True)
         return 1
     rows: dict[str, dict] = {"TP1 (1 GPU)": {"wall_s": t1}}
-    for tp, pp in ((2, 1), (1, 2)):
-        name = f"TP{tp} PP{pp} (2 GPUs, NCCL)"
+    for n, (tp, pp, cp) in enumerate(((2, 1, 1), (1, 2, 1), (1, 1, 2))):
+        name = f"TP{tp} PP{pp} CP{cp} (2 GPUs, NCCL)"
         try:
             got, t = run(
-                model_dir, tmp / f"tp{tp}pp{pp}.pt", tp, pp, 29711 + tp * 10 + pp, args.override, args.timeout
+                model_dir, tmp / f"tp{tp}pp{pp}cp{cp}.pt", tp, pp, 29711 + n, args.override, args.timeout, cp
             )
         except Failed as e:
             rows[name] = {"failed": str(e)}
@@ -78,6 +78,7 @@ def main() -> int:
             continue
         rows[name] = {
             "wall_s": t,
+            "layout": got.get("layout"),
             "max_logp_diff": float((got["logp"][mask] - base["logp"][mask]).abs().max()),
             "loss_diff": abs(got["metrics"]["loss"] - base["metrics"]["loss"]),
             "grad_norm": [got["metrics"]["grad_norm"], base["metrics"]["grad_norm"]],
