@@ -57,7 +57,7 @@ def launch(
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return dict(json.loads(line[7:]))
-    return {"error": (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    return {"error": done.stderr[-2500:]}
 
 
 def main() -> int:

@@ -55,6 +55,7 @@ def main() -> int:
     )
     parser.add_argument("--override", action="append", default=[], help="config override for every run")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    parser.add_argument("--layouts", default="2,1,1 1,2,1 1,1,2", help="space-separated TP,PP,CP triples")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp())
     cfg = compose_config(["model=tiny"])
@@ -66,7 +67,9 @@ def main() -> int:
         print("TP1 FAILED:", str(e), file=sys.stderr, flush=True)
         return 1
     rows: dict[str, dict] = {"TP1 (1 GPU)": {"wall_s": t1}}
-    for n, (tp, pp, cp) in enumerate(((2, 1, 1), (1, 2, 1), (1, 1, 2))):
+    for n, (tp, pp, cp) in enumerate(
+        tuple(int(x) for x in layout.split(",")) for layout in args.layouts.split()
+    ):
         name = f"TP{tp} PP{pp} CP{cp} (2 GPUs, NCCL)"
         try:
             got, t = run(

@@ -128,6 +128,7 @@ def test_composition_cache_skips_hydra_and_any_edit_invalidates_it(tmp_path):
         (["trainer=megatron", "trainer.tp=2"], False),  # measured slower under TP: the default skips it
         (["trainer=megatron", "trainer.tp=2", "trainer.compile=true"], True),  # an explicit choice wins
         (["trainer=megatron", "trainer.compile=false"], False),
+        (["trainer=megatron", "trainer.cp=2"], False),  # CP: collectives inside the layer, as TP
     ],
 )
 def test_layer_compilation_default_depends_on_backend_and_tp(overrides, compiled):

@@ -95,6 +95,9 @@ class MegatronTrainerConfig(TrainerConfig):
 
     backend: str = "megatron"
     sequence_parallel: bool = True
+    """With TP: activations outside attention/MLP split over the TP ranks (34/t instead of 10 + 24/t
+    bytes per token x hidden per layer). Costs speed where memory is plentiful: Qwen2-1.5B at TP=2,
+    8 x 2048 on 2 H200s ran 0.77x as fast for 0.91x the memory (bench/results/README.md)."""
     distributed_optimizer: bool = True
     expert_tp: int = 1
     """Tensor parallel size inside each expert (Megatron's expert_tensor_parallel_size)."""
@@ -104,11 +107,11 @@ class MegatronTrainerConfig(TrainerConfig):
         return self.fused_logprob and self.tp == 1  # under TP the vocab-parallel loss keeps logits split
 
     def compile_layers(self) -> bool:
-        """Default: compile unless tensor parallel. Measured on H200s, Qwen2-1.5B, 8 x 2048
-        (bench/results/README.md): compiled layers took one GPU from 38.5k to 43.2k tokens/s and PP=2
-        from 36.1k to 49.0k, but TP=2 from 58.7k down to 51.1k (Megatron's TP collectives split each
-        compiled layer into pieces). TP=2 and PP=2 compiled match TP=1 to 2e-8 (bench/multi_gpu.py)."""
-        return self.tp == 1 if self.compile is None else self.compile
+        """Default: compile unless tensor or context parallel (their collectives sit inside each layer).
+        Measured on H200s, Qwen2-1.5B, 8 x 2048 (bench/results/README.md): compiled layers took one GPU
+        from 38.5k to 43.2k tokens/s and PP=2 from 36.1k to 49.0k, but TP=2 from 58.7k down to 51.1k.
+        Compiled TP=2, PP=2 and CP=2 match TP=1 to 2e-8 (bench/multi_gpu.py)."""
+        return self.tp == 1 and self.cp == 1 if self.compile is None else self.compile
 
     def check(self) -> None:
         super().check()

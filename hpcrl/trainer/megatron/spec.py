@@ -67,6 +67,9 @@ class SDPAttention(torch.nn.Module):
             scale=self.scale, enable_gqa=q.shape[1] != k.shape[1],
         )  # fmt: skip
 
+    # Eager even inside a compiled layer: compiled, the gradient of the K/V all-gather (a reduce-scatter
+    # in Megatron's autograd function) came out wrong on 2 H200s (grad norm 4.46 instead of 6.16).
+    @torch.compiler.disable
     def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -105,6 +108,15 @@ class SPNorm(torch.nn.RMSNorm):
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if torch.is_autocast_enabled(x.device.type):
+            # The next matmul casts to this anyway (same numbers). Under sequence parallelism it also
+            # must: Megatron's linear reduce-scatters its input gradient into a buffer of the input's
+            # dtype, and with fp32 parameters + autocast that gradient is bf16 (NCCL refuses the mix).
+            y = y.to(torch.get_autocast_dtype(x.device.type))
+        return y
 
 
 def layer_spec(config: Any) -> Any:
