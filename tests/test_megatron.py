@@ -190,3 +190,22 @@ def test_qwen3_qk_norms_match_fsdp_and_under_tensor_parallel(qwen3_dir, tmp_path
                         extra=(f"trainer.sequence_parallel={str(sp).lower()}",))  # fmt: skip
         assert run["layout"]["sequence_parallel"] is sp
         _assert_same_step(run, base, mask, f"TP=2 sequence_parallel={sp}")
+
+
+def test_sp_norm_marks_its_weight_and_hands_the_next_matmul_its_autocast_dtype():
+    from types import SimpleNamespace
+
+    from hpcrl.trainer.megatron.spec import SPNorm, chunk_order
+
+    norm = SPNorm(SimpleNamespace(sequence_parallel=True), 8, eps=1e-6)
+    assert norm.weight.sequence_parallel is True  # summed over TP by the trainer
+    x = torch.randn(3, 8)
+    plain = torch.nn.functional.rms_norm(x, (8,), norm.weight, 1e-6)
+    assert torch.equal(norm(x), plain) and norm(x).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = norm(x)
+    # Megatron's SP linear reduce-scatters its input gradient in the input's dtype: it must be bf16
+    assert cast.dtype == torch.bfloat16 and torch.equal(cast, plain.to(torch.bfloat16))
+    # CP all-gather order: rank r contributes global chunks r and 2cp-1-r
+    assert chunk_order(2) == [0, 2, 3, 1]
+    assert chunk_order(3) == [0, 2, 4, 5, 3, 1]
