@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,15 @@ def test_head_and_worker_register_and_a_dead_raylet_stops_its_node():
 
         head_group = _group_of(tmp, "head")
         assert any("gcs_server" in args for _, args in head_group), head_group
+        # no API server (dashboard.py) with the dashboard off; each node's log monitor is started
+        # once that node has registered
+        assert not any("dashboard/dashboard.py" in args for _, args in head_group), head_group
+        for name in ("head", "worker"):
+            deadline = time.monotonic() + 30
+            while "registered; log monitor started" not in (tmp / f"{name}.log").read_text():
+                assert time.monotonic() < deadline, (tmp / f"{name}.log").read_text()[-2000:]
+                time.sleep(0.2)
+            assert any("log_monitor.py" in args for _, args in _group_of(tmp, name)), name
         worker_group = _group_of(tmp, "worker")
         assert len(worker_group) >= 3, worker_group  # launcher, raylet, agents
         (raylet,) = [pid for pid, args in worker_group if "raylet/raylet" in args]

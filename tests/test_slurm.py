@@ -51,6 +51,13 @@ def test_submit_places_one_task_per_node_with_roles(slurm_cluster, tmp_path):
     assert [(a["role"], a["host"], a["gpus"]) for a in placement] == [
         ("rollout", "hpcrl-node1", ["0"]), ("train", "hpcrl-node2", ["0"]), ("train", "hpcrl-node3", ["0"])
     ]  # fmt: skip
+    # every port Ray listens on, on every node, is a pinned one below 9000 (site firewalls)
+    for actor in placement:
+        ports = {int(port): name for port, name in actor["listening"].items()
+                 if name not in ("slurmd", "slurmstepd", "srun")}  # Slurm's own ports are the site's  # fmt: skip
+        assert ports and max(ports) < 9000, f"{actor['host']}: {ports}"
+        assert sum(name.startswith("ray::DashboardA") for name in ports.values()) == 3  # pinned agent ports
+    assert "1200" in placement[0]["listening"]  # the GCS, on the head (the rollout node)
     ready = json.loads((run_dir / "ray" / f"ready-{job_id}.json").read_text())
     assert 0 < ready["seconds"] < 120
     token = run_dir / "ray" / "token"

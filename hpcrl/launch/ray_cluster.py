@@ -26,6 +26,10 @@ from hpcrl.workers import ROLLOUT_RESOURCE, TRAIN_RESOURCE
 GCS_PORT = 1200
 NODE_MANAGER_PORT = 1301
 OBJECT_MANAGER_PORT = 1302
+DASHBOARD_AGENT_PORT = 1303  # Ray's defaults for these four are random or above 9000
+DASHBOARD_AGENT_GRPC_PORT = 1304
+RUNTIME_ENV_AGENT_PORT = 1305
+METRICS_EXPORT_PORT = 1306
 WORKER_PORTS = (2000, 2999)
 DASHBOARD_PORT = 8265
 DROP_PREFIXES = ("PMI", "PMIX", "OMPI", "SLURM_CPU_BIND", "SLURM_MPI")
@@ -92,6 +96,8 @@ def start_node(spec: NodeSpec, run_dir: Path, head_ip: str, job_id: str) -> subp
         f"--resources={json.dumps(role_resources)}", "--object-store-memory=200000000",
         f"--node-manager-port={NODE_MANAGER_PORT}", f"--object-manager-port={OBJECT_MANAGER_PORT}",
         f"--min-worker-port={WORKER_PORTS[0]}", f"--max-worker-port={WORKER_PORTS[1]}",
+        f"--dashboard-agent-port={DASHBOARD_AGENT_PORT}", f"--dashboard-agent-grpc-port={DASHBOARD_AGENT_GRPC_PORT}",
+        f"--runtime-env-agent-port={RUNTIME_ENV_AGENT_PORT}", f"--metrics-export-port={METRICS_EXPORT_PORT}",
     ]  # fmt: skip
     if spec.node_id == 0:
         cmd += [

@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -40,14 +41,38 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--object-manager-port", type=int)
     p.add_argument("--min-worker-port", type=int)
     p.add_argument("--max-worker-port", type=int)
+    p.add_argument("--dashboard-agent-port", type=int, help="the dashboard agent's HTTP port")
+    p.add_argument(
+        "--dashboard-agent-grpc-port", type=int, help="the dashboard agent's gRPC (metrics agent) port"
+    )
+    p.add_argument("--runtime-env-agent-port", type=int)
+    p.add_argument("--metrics-export-port", type=int)
     p.add_argument("--dashboard-host", default="127.0.0.1")
     p.add_argument("--dashboard-port", type=int)
     return p.parse_args(argv)
 
 
+def node_class() -> type:
+    """Ray's ``Node``, minus the API server when the dashboard is off."""
+    import ray._private.node
+
+    class SlurmNode(ray._private.node.Node):
+        def start_api_server(self, *, include_dashboard: bool | None, raise_on_failure: bool) -> None:
+            # With the dashboard off, Ray's API server loads only its usage-stats module (usage stats
+            # are off here) — yet the head waits for it to come up before it starts its raylet:
+            # ~2 s of CPU on the head's critical path. Skipped; nothing else reads it.
+            if include_dashboard:
+                super().start_api_server(
+                    include_dashboard=include_dashboard, raise_on_failure=raise_on_failure
+                )
+            else:
+                self._webui_url = ""
+
+    return SlurmNode
+
+
 def start(args: argparse.Namespace) -> object:
     """The running ``ray._private.node.Node`` (its processes are this process's children)."""
-    import ray._private.node
     import ray._private.utils
     from ray._private.authentication.authentication_token_setup import (
         ensure_token_if_auth_enabled,
@@ -71,7 +96,12 @@ def start(args: argparse.Namespace) -> object:
         include_dashboard=False,
         dashboard_host=args.dashboard_host,
         dashboard_port=args.dashboard_port,
+        dashboard_agent_listen_port=args.dashboard_agent_port,
+        metrics_agent_port=args.dashboard_agent_grpc_port,
+        runtime_env_agent_port=args.runtime_env_agent_port,
+        metrics_export_port=args.metrics_export_port,
         no_monitor=True,  # the autoscaler's monitor: a Slurm allocation never changes size
+        include_log_monitor=False,  # started once this node has registered (see main)
         ray_client_server_port=None,
     )
     maybe_enable_token_auth_if_token_available()
@@ -79,31 +109,55 @@ def start(args: argparse.Namespace) -> object:
     if args.head:
         params.gcs_server_port = args.port
         params.update_if_absent(redis_shard_ports=None, num_redis_shards=None, redis_max_clients=None)
-        node = ray._private.node.Node(params, head=True, shutdown_at_exit=True, spawn_reaper=True)
+        node = node_class()(params, head=True, shutdown_at_exit=True, spawn_reaper=True)
         params.gcs_address = node.address
     else:
         params.gcs_address = args.address
-        node = ray._private.node.Node(
-            params, head=False, shutdown_at_exit=True, spawn_reaper=True, connect_only=False
-        )
+        node = node_class()(params, head=False, shutdown_at_exit=True, spawn_reaper=True, connect_only=False)
     ray._private.utils.write_ray_address(params.gcs_address, args.temp_dir)
     return node
 
 
 GRACEFUL = {0, signal.SIGTERM, -signal.SIGTERM, 128 + signal.SIGTERM}
+LOG_MONITOR_DEADLINE_S = 60.0
+"""Start the log monitor by then even if registration was not seen (the GCS slow to answer)."""
+
+
+def registered(node: Any) -> bool:
+    """Whether this node's raylet is alive in the GCS (it registers once its dashboard agent is up)."""
+    try:
+        infos = node.get_gcs_client().get_all_node_info(timeout=1).values()
+    except Exception:  # the GCS not reachable yet: not registered
+        return False
+    return any(
+        i.node_manager_port == node.node_manager_port
+        and i.node_manager_address == node.node_ip_address
+        and i.state == 0
+        for i in infos
+    )  # fmt: skip  (0: ALIVE)
 
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    node = start(args)
-    print(f"hpcrl.ray_node: Ray {'head' if args.head else 'node'} up on {args.node_ip_address}", flush=True)
+    node: Any = start(args)
+    print(
+        f"hpcrl.ray_node: Ray {'head' if args.head else 'node'} started on {args.node_ip_address}", flush=True
+    )
+    # The log monitor (forwards workers' output to drivers; a Python process, ~1 s of CPU to start) is
+    # off the registration path: it starts once this node has registered, so that on shared CPUs it
+    # does not slow the raylet and its agents, which every node's registration waits for.
+    log_monitor_at = time.monotonic() + LOG_MONITOR_DEADLINE_S
     while True:
-        time.sleep(0.5)
-        died = [(kind, p) for kind, p in node.dead_processes() if p.returncode not in GRACEFUL]  # type: ignore[attr-defined]
+        if log_monitor_at and (registered(node) or time.monotonic() > log_monitor_at):
+            node.start_log_monitor()
+            log_monitor_at = 0.0
+            print(f"hpcrl.ray_node: registered; log monitor started on {args.node_ip_address}", flush=True)
+        time.sleep(0.2 if log_monitor_at else 0.5)
+        died = [(kind, p) for kind, p in node.dead_processes() if p.returncode not in GRACEFUL]
         if died:
             names = ", ".join(f"{kind} (exit {p.returncode})" for kind, p in died)
             print(f"hpcrl.ray_node: Ray process died: {names}; stopping this node", flush=True)
-            node.kill_all_processes(check_alive=False, allow_graceful=False)  # type: ignore[attr-defined]
+            node.kill_all_processes(check_alive=False, allow_graceful=False)
             os._exit(1)
 
 
