@@ -37,15 +37,24 @@ class Plan:
 
     @property
     def backend_gaps(self) -> list[str]:
-        """Why the chosen training backend cannot build this model yet (empty: it can)."""
-        cfg = self.cfg
-        if isinstance(cfg.trainer, MegatronTrainerConfig) and cfg.model.family not in MEGATRON_FAMILIES:
-            return [
+        """Why the chosen training backend cannot run this plan yet (empty: it can)."""
+        cfg, trainer = self.cfg, self.cfg.trainer
+        gaps = []
+        if isinstance(trainer, MegatronTrainerConfig) and cfg.model.family not in MEGATRON_FAMILIES:
+            gaps.append(
                 f"trainer=megatron cannot build {cfg.model.name} yet (family {cfg.model.family}; the "
                 f"backend's HF<->Megatron weight mapping covers {', '.join(MEGATRON_FAMILIES)}); "
                 "the plan above is the layout it will use once it can"
-            ]
-        return []
+            )
+        if isinstance(trainer, FSDPTrainerConfig) and (trainer.tp > 1 or trainer.cp > 1):
+            # It would run as plain data parallel over every GPU: right numbers, but not the memory
+            # layout planned above (activations split over TP/CP ranks).
+            gaps.append(
+                f"trainer=fsdp has no tensor or context parallelism yet (trainer.tp={trainer.tp}, "
+                f"trainer.cp={trainer.cp}): set both to 1, or use trainer=megatron (TP/PP/CP for "
+                f"{', '.join(MEGATRON_FAMILIES)})"
+            )
+        return gaps
 
     def require_buildable(self) -> None:
         """Before anything is submitted: refuse a run whose backend cannot build the model."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from .conftest import SITE
+from .conftest import SITE, run_cli
 
 
 def test_plan_default_prints_tables_and_fits(cli):
@@ -71,3 +71,18 @@ def test_plan_and_render_do_not_import_heavy_frameworks(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "HEAVY=\n" in result.stdout, result.stdout[-500:] + result.stderr[-500:]
+
+
+def test_fsdp_recipe_with_context_parallel_plans_but_submit_refuses(tmp_path):
+    """The fsdp backend has no TP/CP: a recipe asking for CP plans (its layout shown) but is not run
+    as something else (plain data parallel, with more memory per GPU than the plan says)."""
+    site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh"]
+    recipe = "+experiment=dapo-gemma4-e2b-it-1n8g-fsdp2cp2"
+    plan = run_cli("plan", recipe, *site)
+    assert plan.returncode == 0, plan.stderr
+    assert "trainer=fsdp has no tensor or context parallelism yet (trainer.tp=1, trainer.cp=2)" in plan.stdout
+    submitted = run_cli("submit", recipe, f"run.output_root={tmp_path}", *site)
+    assert submitted.returncode == 2 and "set both to 1, or use trainer=megatron" in submitted.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted
+    same_without_cp = run_cli("plan", recipe, "trainer.cp=1", *site)
+    assert "no tensor or context parallelism" not in same_without_cp.stdout
