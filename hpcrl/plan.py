@@ -46,6 +46,13 @@ class Plan:
                 f"backend's HF<->Megatron weight mapping covers {', '.join(MEGATRON_FAMILIES)}); "
                 "the plan above is the layout it will use once it can"
             )
+        if (isinstance(trainer, MegatronTrainerConfig) and cfg.model.is_moe
+                and (trainer.tp > 1 or trainer.cp > 1 or trainer.expert_tp > 1)):  # fmt: skip
+            gaps.append(
+                f"trainer=megatron runs MoE models ({cfg.model.name}) with expert, pipeline and data "
+                f"parallelism only so far (trainer.tp={trainer.tp}, trainer.cp={trainer.cp}, "
+                f"trainer.expert_tp={trainer.expert_tp}): set them to 1"
+            )
         if isinstance(trainer, FSDPTrainerConfig) and (trainer.tp > 1 or trainer.cp > 1):
             # It would run as plain data parallel over every GPU: right numbers, but not the memory
             # layout planned above (activations split over TP/CP ranks).
@@ -62,7 +69,7 @@ class Plan:
             raise ConfigError("; ".join(self.backend_gaps))
 
 
-MEGATRON_FAMILIES = ("qwen2", "qwen3", "llama")
+MEGATRON_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 """Model families ``trainer=megatron`` maps from/to Hugging Face (hpcrl/trainer/megatron/weights.py)."""
 
 

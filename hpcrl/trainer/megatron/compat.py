@@ -2,14 +2,16 @@
 
 Megatron-core allocates buffers with ``device=torch.cuda.current_device()`` or ``device="cuda"``
 (pinned, for the context-parallel rotary slice), seeds and forks the CUDA RNG, and synchronises
-streams — all over its modules. On a host without CUDA (our CPU tests with gloo) every
+streams (the MoE dispatcher copies on a side stream) — all over its modules. On a host without CUDA (our CPU tests with gloo) every
 ``megatron.core`` module's ``torch`` is swapped for a proxy that is the real ``torch`` except that
 CUDA devices mean the CPU (and nothing is pinned), CUDA RNG calls use the CPU generator and
-stream/cache calls do nothing. On GPUs nothing is patched.
+stream/cache calls do nothing. On GPUs nothing is patched, except one name Megatron-core leaves
+undefined without Transformer Engine (``_define_missing_te_names``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 from importlib.metadata import version
@@ -39,8 +41,49 @@ def _cpu(device: Any) -> Any:
     return device
 
 
+class _NoEvent:
+    """A CUDA event where everything is synchronous already."""
+
+    def record(self, *args: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, *args: Any) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _NoStream(_NoEvent):
+    """A CUDA stream on the CPU: work is ordered already (the MoE dispatcher's device-to-host copies)."""
+
+    def wait_stream(self, *args: Any) -> None:
+        return None
+
+    def record_event(self, *args: Any) -> _NoEvent:
+        return _NoEvent()
+
+
+_DEFAULT_STREAM = _NoStream()
+
+
 class _CpuCuda:
     """``torch.cuda`` as Megatron-core uses it, on the CPU."""
+
+    def Stream(self, *args: Any, **kwargs: Any) -> _NoStream:  # torch.cuda's name
+        return _NoStream()
+
+    def Event(self, *args: Any, **kwargs: Any) -> _NoEvent:  # torch.cuda's name
+        return _NoEvent()
+
+    def current_stream(self, *args: Any) -> _NoStream:
+        return _DEFAULT_STREAM
+
+    def stream(self, *args: Any) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
@@ -124,6 +167,15 @@ def _cpu_tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Ten
     return self
 
 
+def _define_missing_te_names() -> None:
+    """On every device: megatron-core's MoE router tests ``te_general_gemm is not None`` but binds
+    the name only when Transformer Engine imports, so without TE every MoE forward raised NameError."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def prepare(device: str) -> None:
     """Import what the backend uses, then (CPU only) point every ``megatron.core`` module at the proxy.
 
@@ -134,6 +186,7 @@ def prepare(device: str) -> None:
     import megatron.core.pipeline_parallel
     import megatron.core.tensor_parallel  # noqa: F401
 
+    _define_missing_te_names()
     if device != "cpu" or torch.cuda.is_available():
         return
     if _PROXY is None:
@@ -142,3 +195,16 @@ def prepare(device: str) -> None:
         if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
             module.torch = _PROXY  # type: ignore[attr-defined]
     torch.Tensor.cuda = _cpu_tensor_cuda  # type: ignore[method-assign,assignment]
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _to_host  # bound by name there
+
+
+def _to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """Megatron's ``maybe_move_tensor_to_cpu`` converts only CUDA tensors (to NumPy when asked): with
+    CPU tensors the MoE all-to-all got tensors for its split sizes, which torch.distributed refuses."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return moe_utils.maybe_move_tensor_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)

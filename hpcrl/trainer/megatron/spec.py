@@ -170,7 +170,7 @@ def transformer_config(hf: Any, trainer: MegatronTrainerConfig, par: TrainParall
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=bool(getattr(hf, "attention_bias", False) or hf.model_type == "qwen2"),
-        qk_layernorm=hf.model_type == "qwen3",
+        qk_layernorm=hf.model_type in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=par.tp,
@@ -196,4 +196,31 @@ def transformer_config(hf: Any, trainer: MegatronTrainerConfig, par: TrainParall
         deallocate_pipeline_outputs=False,
         variable_seq_lengths=False,
         moe_router_dtype=trainer.router_dtype,
+        **moe_settings(hf, trainer),
     )
+
+
+def moe_settings(hf: Any, trainer: MegatronTrainerConfig) -> dict[str, Any]:
+    """Megatron's MoE fields for a Qwen3-MoE checkpoint (empty for dense models): every layer an MoE
+    of ``num_experts`` SwiGLU experts, top-k routing as Hugging Face does it (softmax over all experts
+    then top-k when the top-k weights are not renormalised; top-k then softmax when they are, which is
+    the same as renormalising), dropless, tokens exchanged by all-to-all over the EP group."""
+    if hf.model_type != "qwen3_moe":
+        return {}
+    if getattr(hf, "decoder_sparse_step", 1) != 1 or getattr(hf, "mlp_only_layers", None):
+        raise ValueError("trainer=megatron builds Qwen3-MoE with an MoE in every layer "
+                         "(decoder_sparse_step=1, no mlp_only_layers); use trainer=fsdp")  # fmt: skip
+    coeff = trainer.moe_aux_loss_coeff
+    if coeff is None:
+        coeff = float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0)
+    return {
+        "num_moe_experts": hf.num_experts,
+        "moe_ffn_hidden_size": hf.moe_intermediate_size,
+        "moe_router_topk": hf.num_experts_per_tok,
+        "moe_router_pre_softmax": not getattr(hf, "norm_topk_prob", False),
+        "moe_router_load_balancing_type": "aux_loss" if coeff > 0 else "none",
+        "moe_aux_loss_coeff": coeff,
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": False,
+        "expert_tensor_parallel_size": 1,
+    }

@@ -34,9 +34,18 @@ from hpcrl.trainer.fsdp import init_process_group
 from hpcrl.trainer.logprob_head import chunked_logprob
 from hpcrl.trainer.megatron import compat
 from hpcrl.trainer.megatron.spec import chunk_order, layer_spec, transformer_config, uses_fused_norms
-from hpcrl.trainer.megatron.weights import Shape, is_sharded, relocate, shard, to_hf, to_megatron, unshard
+from hpcrl.trainer.megatron.weights import (
+    Shape,
+    is_expert,
+    is_sharded,
+    relocate,
+    shard,
+    to_hf,
+    to_megatron,
+    unshard,
+)
 
-SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama")
+SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe")
 
 
 def load_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -92,6 +101,13 @@ class MegatronTrainer:
         if hf.model_type not in SUPPORTED_ARCHS:
             raise ValueError(f"trainer=megatron cannot build model_type {hf.model_type!r} yet "
                              f"(supported: {', '.join(SUPPORTED_ARCHS)}); use trainer=fsdp for {model_dir}")  # fmt: skip
+        experts = getattr(hf, "num_experts", 0) if hf.model_type == "qwen3_moe" else 0
+        if experts and (self.par.tp > 1 or self.par.cp > 1 or self.par.expert_tp > 1):
+            raise ValueError(f"trainer=megatron runs MoE models with expert, pipeline and data parallelism "
+                             f"only so far (trainer.tp={self.par.tp}, cp={self.par.cp}, expert_tp="
+                             f"{self.par.expert_tp}: set them to 1)")  # fmt: skip
+        if experts % self.par.ep:
+            raise ValueError(f"trainer.ep={self.par.ep} must divide the model's {experts} experts")
         if hf.num_hidden_layers % self.par.pp:
             raise ValueError(
                 f"trainer.pp={self.par.pp} must divide the model's {hf.num_hidden_layers} layers"
@@ -101,7 +117,8 @@ class MegatronTrainer:
             ps.initialize_model_parallel(tensor_model_parallel_size=self.par.tp,
                                          pipeline_model_parallel_size=self.par.pp,
                                          context_parallel_size=self.par.cp,
-                                         expert_model_parallel_size=self.par.ep)  # fmt: skip
+                                         expert_model_parallel_size=self.par.ep,
+                                         expert_tensor_parallel_size=1 if experts else None)  # fmt: skip
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.run.seed)
         self.ps = ps
         self.tied = bool(getattr(hf, "tie_word_embeddings", False))
@@ -122,6 +139,8 @@ class MegatronTrainer:
             ).to(self.device), self.fused_head)  # fmt: skip
 
         self.layer_offset = hf.num_hidden_layers // self.par.pp * ps.get_pipeline_model_parallel_rank()
+        self.moe = experts > 0
+        self.expert_offset = experts // self.par.ep * ps.get_expert_model_parallel_rank() if experts else 0
         full = to_megatron(load_hf_weights(model_dir), self.shape, self.tied)
         self.model = build()
         if t.compile_layers() and self.device.type == "cuda":
@@ -170,7 +189,7 @@ class MegatronTrainer:
         tp, tp_rank = self.par.tp, self.ps.get_tensor_model_parallel_rank()
         with torch.no_grad():
             for name, param in model.named_parameters():
-                key = relocate(name, self.layer_offset)
+                key = relocate(name, self.layer_offset, self.expert_offset)
                 if key not in full:
                     raise KeyError(f"checkpoint has no weight for Megatron parameter {key}")
                 param.copy_(shard(key, full[key], tp, tp_rank).to(param.dtype))
@@ -178,7 +197,9 @@ class MegatronTrainer:
     def _check_every_weight_used(self, full: dict[str, torch.Tensor], model_type: str) -> None:
         """Every checkpoint weight must land in some rank's model: one left over means the layer
         spec lacks a part of the architecture (a Q/K norm, say) and the model would silently differ."""
-        used = {relocate(name, self.layer_offset) for name, _ in self.model.named_parameters()}
+        used = {
+            relocate(name, self.layer_offset, self.expert_offset) for name, _ in self.model.named_parameters()
+        }
         every: list[Any] = [used]
         if dist.get_world_size() > 1:
             every = [None] * dist.get_world_size()
@@ -203,7 +224,7 @@ class MegatronTrainer:
                 dist.all_gather(parts, data.contiguous(), group=group)
             else:
                 parts = [data]
-            out[relocate(name, self.layer_offset)] = unshard(name, parts).cpu()
+            out[relocate(name, self.layer_offset, self.expert_offset)] = unshard(name, parts).cpu()
         return out
 
     def _gather_to_rank0(self, local: Any) -> list[Any]:
@@ -220,8 +241,11 @@ class MegatronTrainer:
         ps = self.ps
         first = (ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
                  and ps.get_context_parallel_rank() == 0)  # fmt: skip
+        # experts: one copy of each, from the first of the ranks that hold it (its expert-DP group)
+        first_expert = ps.get_expert_data_parallel_rank() == 0
+        mine = {k: v for k, v in local.items() if (first_expert if is_expert(k) else first)}
         merged: dict[str, torch.Tensor] = {}
-        for part in self._gather_to_rank0(local if first else {}):
+        for part in self._gather_to_rank0(mine):
             merged.update(part or {})
         return to_hf(merged, self.shape, self.tied) if merged else {}
 
@@ -414,11 +438,17 @@ class MegatronTrainer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         replicas = self.par.dp * self.par.cp
-        if replicas > 1:
+        dense = [p.grad for p in self.params if getattr(p, "allreduce", True)]
+        if replicas > 1 and dense:
             # Megatron's schedule multiplies each loss by cp (its DDP averages over DP x CP), so the
             # average over both groups sums the CP ranks' token shares and averages over DP.
             group = ps.get_data_parallel_group(with_context_parallel=True)
-            _all_reduce([p.grad for p in self.params], group, scale=1 / replicas)
+            _all_reduce(dense, group, scale=1 / replicas)
+        experts = [p.grad for p in self.params if not getattr(p, "allreduce", True)]  # Megatron's mark
+        if experts and self.par.dp > 1:
+            # An expert already got the gradients of every EP rank's tokens routed to it (the
+            # all-to-all's backward): sum over the ranks holding the same experts, average over DP.
+            _all_reduce(experts, ps.get_expert_data_parallel_group(), scale=1 / self.par.dp)
         if self.par.tp > 1 and self.tp_partial:
             _all_reduce([p.grad for p in self.tp_partial], ps.get_tensor_model_parallel_group())
         if self.par.pp > 1 and self.tied and ps.is_rank_in_embedding_group():
@@ -429,13 +459,18 @@ class MegatronTrainer:
         """Global L2 norm over the model-parallel group; TP-replicated and tied copies counted once."""
         tp_rank = self.ps.get_tensor_model_parallel_rank()
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        expert_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for name, p in self.model.named_parameters():
             if p.grad is None or getattr(p, "shared", False):
                 continue  # frozen, or the last stage's copy of a tied embedding
-            if is_sharded(name) or tp_rank == 0:
+            if is_expert(name):
+                expert_sq += p.grad.float().pow(2).sum()
+            elif is_sharded(name) or tp_rank == 0:
                 sq += p.grad.float().pow(2).sum()
         dist.all_reduce(sq, group=self.ps.get_model_parallel_group())
-        norm = float(sq.sqrt())
+        if self.moe:  # each EP rank (and pipeline stage) holds different experts
+            dist.all_reduce(expert_sq, group=self.ps.get_expert_tensor_model_pipeline_parallel_group())
+        norm = float((sq + expert_sq).sqrt())
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             for p in self.params:

@@ -1,8 +1,9 @@
-"""Hugging Face <-> Megatron-core weights for Qwen2/Qwen3/Llama-family decoders.
+"""Hugging Face <-> Megatron-core weights for Qwen2/Qwen3/Llama-family decoders and Qwen3-MoE.
 
 Two steps each way. ``to_megatron`` turns HF tensors into Megatron names and layouts as one
 unsharded (TP=1) model: Q/K/V fused per query group ([q heads of the group; k; v]), gate and up
-fused into ``linear_fc1``. ``shard`` then cuts one tensor for one tensor-parallel rank
+fused into ``linear_fc1`` (per expert too: ``mlp.experts.local_experts.<e>`` with the global expert
+index <e>; ``relocate`` maps an expert-parallel rank's local index to it), the MoE gate is the router. ``shard`` then cuts one tensor for one tensor-parallel rank
 (column-parallel on dim 0 — fc1 per half, so each rank keeps matching gate and up rows —,
 row-parallel on dim 1, norms replicated). ``unshard`` and ``to_hf`` invert both exactly.
 """
@@ -22,7 +23,10 @@ HF_LAYER_KEYS = {
     "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
     "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+    "mlp.gate.weight": "mlp.router.weight",
 }
+EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+MEGATRON_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 COLUMN = (
     "linear_qkv.weight",
     "linear_qkv.bias",
@@ -94,7 +98,24 @@ def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[s
             v = p[f"self_attn.v_proj.{kind}"].reshape(g, d, -1)
             fused = torch.cat([q, k, v], dim=1).reshape(g * (per + 2) * d, -1)
             out[f"{pre}.self_attention.linear_qkv.{kind}"] = fused.squeeze(-1) if kind == "bias" else fused
-        out[f"{pre}.mlp.linear_fc1.weight"] = torch.cat([p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]])
+        if "mlp.gate_proj.weight" in p:
+            out[f"{pre}.mlp.linear_fc1.weight"] = torch.cat(
+                [p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]]
+            )
+        experts = sorted({int(m.group(1)) for key in p if (m := EXPERT.match(key))})
+        for e in experts:
+            hf_pre, meg_pre = f"mlp.experts.{e}", f"{pre}.mlp.experts.local_experts.{e}"
+            out[f"{meg_pre}.linear_fc1.weight"] = torch.cat(
+                [p[f"{hf_pre}.gate_proj.weight"], p[f"{hf_pre}.up_proj.weight"]]
+            )
+            out[f"{meg_pre}.linear_fc2.weight"] = p[f"{hf_pre}.down_proj.weight"]
+        known = {f"self_attn.{proj}_proj.{kind}" for proj in "qkv" for kind in ("weight", "bias")}
+        left = [key for key in p if key not in known and not EXPERT.match(key)
+                and key not in ("mlp.gate_proj.weight", "mlp.up_proj.weight")]  # fmt: skip
+        if left:
+            raise KeyError(
+                f"no Megatron name for Hugging Face weight {pre.replace('decoder.', 'model.')}.{left[0]}"
+            )
     return out
 
 
@@ -128,6 +149,13 @@ def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, t
             elif key == "mlp.linear_fc1.weight":
                 gate, up = t.chunk(2)
                 out[f"{pre}.mlp.gate_proj.weight"], out[f"{pre}.mlp.up_proj.weight"] = gate, up
+            elif em := MEGATRON_EXPERT.match(key):
+                hf_pre = f"{pre}.mlp.experts.{em.group(1)}"
+                if em.group(2) == "linear_fc1":
+                    gate, up = t.chunk(2)
+                    out[f"{hf_pre}.gate_proj.weight"], out[f"{hf_pre}.up_proj.weight"] = gate, up
+                else:
+                    out[f"{hf_pre}.down_proj.weight"] = t
             else:
                 raise KeyError(f"no Hugging Face name for Megatron weight {name!r}")
     if tied and "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
@@ -135,14 +163,19 @@ def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, t
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def is_expert(name: str) -> bool:
+    return ".local_experts." in name
+
+
 def is_sharded(name: str) -> bool:
-    """Split over tensor parallel (else replicated on every TP rank)."""
-    return name.endswith(COLUMN) or name.endswith(ROW)
+    """Split over tensor parallel (else replicated on every TP rank). Experts are not: their tensor
+    parallel size is trainer.expert_tp, which this backend keeps at 1."""
+    return not is_expert(name) and (name.endswith(COLUMN) or name.endswith(ROW))
 
 
 def shard(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     """This tensor-parallel rank's slice of one unsharded Megatron tensor."""
-    if tp == 1:
+    if tp == 1 or is_expert(name):
         return full
     if name.endswith("linear_fc1.weight"):
         gate, up = full.chunk(2)
@@ -156,7 +189,7 @@ def shard(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
 
 def unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
     """Inverse of ``shard`` given every rank's slice in rank order."""
-    if len(parts) == 1:
+    if len(parts) == 1 or is_expert(name):
         return parts[0]
     if name.endswith("linear_fc1.weight"):
         halves = [p.chunk(2) for p in parts]
@@ -168,7 +201,12 @@ def unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0]
 
 
-def relocate(name: str, offset: int) -> str:
-    """A pipeline stage's local layer name -> the model's global one (``decoder.layers.<i + offset>``)."""
+def relocate(name: str, offset: int, expert_offset: int = 0) -> str:
+    """A pipeline stage's local layer name -> the model's global one (``decoder.layers.<i + offset>``);
+    an expert-parallel rank's local expert -> its global index (``local_experts.<j + expert_offset>``)."""
     m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
-    return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name
+    if m is None:
+        return name
+    rest = re.sub(r"^(mlp\.experts\.local_experts\.)(\d+)", lambda e: f"{e.group(1)}{int(e.group(2)) + expert_offset}",
+                  m.group(2))  # fmt: skip
+    return f"decoder.layers.{int(m.group(1)) + offset}.{rest}"
