@@ -81,3 +81,35 @@ def test_engine_decodes_with_the_grouped_attention(tiny_dir):
     for a, b in zip(ours, stock, strict=True):
         assert a[0].token_ids == b[0].token_ids
         assert a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-5)
+
+
+def test_moe_weights_travel_in_checkpoint_names_and_load_into_fused_experts(tmp_path):
+    """The fsdp trainer exports checkpoint names (what vLLM and the megatron backend use), though
+    transformers holds an MoE layer's experts fused; the hf engine fuses them back, and a name that
+    matches nothing is an error instead of a silently stale weight."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from hpcrl.trainer.fsdp import checkpoint_names
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                            num_experts=3, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)  # fmt: skip
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p))  # a training step's worth of change
+    sent = checkpoint_names(trained, trained.state_dict())
+    assert sent.keys() == load_file(tmp_path / "model.safetensors").keys()  # per expert, as on disk
+    assert "model.layers.0.mlp.experts.2.up_proj.weight" in sent
+
+    engine = SimpleNamespace(model=AutoModelForCausalLM.from_pretrained(tmp_path))
+    HFEngine.load_weights(engine, sent)  # type: ignore[arg-type]
+    for name, value in trained.state_dict().items():
+        assert torch.equal(engine.model.state_dict()[name], value), name
+    with pytest.raises(KeyError, match="match no parameter"):
+        HFEngine.load_weights(engine, {"model.layers.0.mlp.experts.0.gate_proj.bias": torch.zeros(16)})  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -173,4 +174,38 @@ class HFEngine:
         self.load_weights(dict(self._receiver.receive()))
 
     def load_weights(self, weights: dict[str, Any]) -> None:
-        self.model.load_state_dict(weights, strict=False)
+        """Weights arrive in checkpoint names (both trainers export those); this model may hold some
+        fused (an MoE layer's experts). Every tensor must land somewhere: a name that matches nothing
+        would otherwise leave the engine generating with stale weights."""
+        state = self.model.state_dict()
+        fused = fuse_experts(weights, state)
+        unknown = sorted(set(fused) - set(state))
+        if unknown:
+            raise KeyError(f"hf engine: {len(unknown)} received weights match no parameter of "
+                           f"{type(self.model).__name__}, e.g. {unknown[:3]}")  # fmt: skip
+        self.model.load_state_dict(fused, strict=False)
+
+
+EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def fuse_experts(weights: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    """Per-expert checkpoint tensors (``...experts.<e>.gate_proj.weight``) written into the model's
+    fused ones (``...experts.gate_up_proj`` [E, 2I, H] = gate|up, ``...experts.down_proj`` [E, H, I]),
+    starting from the model's current values so a partial update keeps the rest."""
+    out: dict[str, Any] = {}
+    for name, tensor in weights.items():
+        m = EXPERT.match(name)
+        if m is None or name in state:
+            out[name] = tensor
+            continue
+        prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+        target = f"{prefix}.down_proj" if kind == "down" else f"{prefix}.gate_up_proj"
+        if target not in state:
+            out[name] = tensor  # no fused tensor to put it in: reported as unknown
+            continue
+        fused = out.setdefault(target, state[target].detach().clone())
+        half = fused.shape[1] // 2
+        rows = {"gate": slice(0, half), "up": slice(half, None), "down": slice(None)}[kind]
+        fused[e, rows] = tensor.to(fused.dtype)
+    return out

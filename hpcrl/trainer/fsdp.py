@@ -69,6 +69,15 @@ def logprob_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[to
     return logp, entropy
 
 
+def checkpoint_names(model: Any, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Weights in the names and layout of the model's checkpoint files, which rollout engines load and
+    the megatron backend exports: transformers fuses some tensors in memory (an MoE layer's experts
+    into one ``experts.gate_up_proj``); this undoes it (dense models pass unchanged)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(model, weights))
+
+
 class FSDPTrainer:
     def __init__(
         self,
@@ -206,7 +215,7 @@ class FSDPTrainer:
         weights = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         if self._tied() and "model.embed_tokens.weight" in weights:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-        return weights
+        return checkpoint_names(self.model, weights)
 
     def _tied(self) -> bool:
         return bool(getattr(self.model.config, "tie_word_embeddings", False))
