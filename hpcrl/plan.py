@@ -10,7 +10,7 @@ from hpcrl.errors import ConfigError, DoesNotFitError
 from hpcrl.memory import MemoryEstimate, estimate_memory
 from hpcrl.quirks import AppliedQuirk, apply_quirks
 from hpcrl.topology import Topology, build_topology
-from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig
+from hpcrl.trainer.config import MEGATRON_FAMILIES, FSDPTrainerConfig, MegatronTrainerConfig
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,12 @@ class Plan:
                 f"backend's HF<->Megatron weight mapping covers {', '.join(MEGATRON_FAMILIES)}); "
                 "the plan above is the layout it will use once it can"
             )
-        if (isinstance(trainer, MegatronTrainerConfig) and cfg.model.is_moe
-                and (trainer.tp > 1 or trainer.cp > 1 or trainer.expert_tp > 1)):  # fmt: skip
-            gaps.append(
-                f"trainer=megatron runs MoE models ({cfg.model.name}) with expert, pipeline and data "
-                f"parallelism only so far (trainer.tp={trainer.tp}, trainer.cp={trainer.cp}, "
-                f"trainer.expert_tp={trainer.expert_tp}): set them to 1"
-            )
+        if (
+            isinstance(trainer, MegatronTrainerConfig)
+            and cfg.model.is_moe
+            and trainer.moe_gap(cfg.model.name)
+        ):
+            gaps.append(trainer.moe_gap(cfg.model.name))
         if isinstance(trainer, FSDPTrainerConfig) and (trainer.tp > 1 or trainer.cp > 1):
             # It would run as plain data parallel over every GPU: right numbers, but not the memory
             # layout planned above (activations split over TP/CP ranks).
@@ -67,10 +66,6 @@ class Plan:
         """Before anything is submitted: refuse a run whose backend cannot build the model."""
         if self.backend_gaps:
             raise ConfigError("; ".join(self.backend_gaps))
-
-
-MEGATRON_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
-"""Model families ``trainer=megatron`` maps from/to Hugging Face (hpcrl/trainer/megatron/weights.py)."""
 
 
 def matching_recipes(model: str, cluster: str) -> list[str]:

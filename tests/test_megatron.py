@@ -250,24 +250,6 @@ def qwen3_moe_dir(tmp_path_factory):
     return out
 
 
-def _per_expert(fsdp_grads: dict, moe_intermediate: int) -> dict:
-    """transformers' fused expert tensors ([E, 2I, H] gate|up, [E, H, I] down) in checkpoint names."""
-    out = {}
-    for name, grad in fsdp_grads.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            pre = name.removesuffix("gate_up_proj")
-            for e in range(grad.shape[0]):
-                out[f"{pre}{e}.gate_proj.weight"] = grad[e, :moe_intermediate]
-                out[f"{pre}{e}.up_proj.weight"] = grad[e, moe_intermediate:]
-        elif name.endswith("mlp.experts.down_proj"):
-            pre = name.removesuffix("down_proj")
-            for e in range(grad.shape[0]):
-                out[f"{pre}{e}.down_proj.weight"] = grad[e]
-        else:
-            out[name] = grad
-    return out
-
-
 @pytest.mark.slow
 def test_qwen3_moe_matches_fsdp_and_expert_parallel_matches_one_rank(qwen3_moe_dir, tmp_path):
     """Router and experts mapped from the checkpoint; EP=2 (tokens exchanged by all-to-all over gloo)
@@ -279,7 +261,12 @@ def test_qwen3_moe_matches_fsdp_and_expert_parallel_matches_one_rank(qwen3_moe_d
     fsdp = _torchrun(qwen3_moe_dir, tmp_path / "fsdp.pt", 1, 1, backend="fsdp", port=29742)
     assert torch.allclose(base["logp"][mask], fsdp["logp"][mask], atol=1e-5)
     assert base["metrics"]["grad_norm"] == pytest.approx(fsdp["metrics"]["grad_norm"], rel=1e-5)
-    hf_grads = _per_expert(fsdp["grads"], 32)
+    # fsdp's gradients are named as transformers holds them (experts fused): in checkpoint names
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.trainer.fsdp import checkpoint_names
+
+    hf_grads = checkpoint_names(AutoModelForCausalLM.from_pretrained(qwen3_moe_dir), fsdp["grads"])
     assert hf_grads.keys() == base["grads"].keys()
     for name, grad in hf_grads.items():
         assert torch.allclose(base["grads"][name], grad, atol=1e-5), name

@@ -89,6 +89,11 @@ class FSDPTrainerConfig(TrainerConfig):
     cpu_offload: bool = False
 
 
+MEGATRON_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+"""Model families (= Hugging Face ``model_type``) ``trainer=megatron`` maps from/to Hugging Face
+(hpcrl/trainer/megatron/weights.py); read by the planner and by the backend."""
+
+
 @dataclass
 class MegatronTrainerConfig(TrainerConfig):
     """Megatron-core: TP/PP/CP/EP model parallelism with the distributed optimizer."""
@@ -105,6 +110,14 @@ class MegatronTrainerConfig(TrainerConfig):
 
     def chunked_logprob(self) -> bool:
         return self.fused_logprob and self.tp == 1  # under TP the vocab-parallel loss keeps logits split
+
+    def moe_gap(self, model: str) -> str:
+        """Why this layout cannot train the MoE model ``model`` yet (empty: it can)."""
+        if self.tp > 1 or self.cp > 1 or self.expert_tp > 1:
+            return (f"trainer=megatron runs MoE models ({model}) with expert, pipeline and data parallelism only "
+                    f"so far (trainer.tp={self.tp}, trainer.cp={self.cp}, trainer.expert_tp={self.expert_tp}): "
+                    "set them to 1")  # fmt: skip
+        return ""
 
     def compile_layers(self) -> bool:
         """Default: compile unless tensor or context parallel (their collectives sit inside each layer).

@@ -2,10 +2,10 @@
 
 Megatron-core allocates buffers with ``device=torch.cuda.current_device()`` or ``device="cuda"``
 (pinned, for the context-parallel rotary slice), seeds and forks the CUDA RNG, and synchronises
-streams (the MoE dispatcher copies on a side stream) — all over its modules. On a host without CUDA (our CPU tests with gloo) every
-``megatron.core`` module's ``torch`` is swapped for a proxy that is the real ``torch`` except that
-CUDA devices mean the CPU (and nothing is pinned), CUDA RNG calls use the CPU generator and
-stream/cache calls do nothing. On GPUs nothing is patched, except one name Megatron-core leaves
+streams (the MoE dispatcher copies on a side stream) — all over its modules. On a host without CUDA
+(our CPU tests with gloo) every ``megatron.core`` module's ``torch`` is swapped for a proxy that is
+the real ``torch`` except that CUDA devices mean the CPU (and nothing is pinned), CUDA RNG calls use
+the CPU generator and stream/cache calls do nothing. On GPUs nothing is patched, except one name Megatron-core leaves
 undefined without Transformer Engine (``_define_missing_te_names``).
 """
 
@@ -44,17 +44,8 @@ def _cpu(device: Any) -> Any:
 class _NoEvent:
     """A CUDA event where everything is synchronous already."""
 
-    def record(self, *args: Any) -> None:
-        return None
-
     def synchronize(self) -> None:
         return None
-
-    def wait(self, *args: Any) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
 
 
 class _NoStream(_NoEvent):
@@ -75,9 +66,6 @@ class _CpuCuda:
 
     def Stream(self, *args: Any, **kwargs: Any) -> _NoStream:  # torch.cuda's name
         return _NoStream()
-
-    def Event(self, *args: Any, **kwargs: Any) -> _NoEvent:  # torch.cuda's name
-        return _NoEvent()
 
     def current_stream(self, *args: Any) -> _NoStream:
         return _DEFAULT_STREAM

@@ -72,19 +72,13 @@ class SDPAttention(torch.nn.Module):
     @torch.compiler.disable
     def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
         from torch.nn.attention.bias import causal_lower_right
 
         group = ps.get_context_parallel_group()
         cp, rank = group.size(), group.rank()
         chunk = query.shape[0] // 2
-        order = torch.tensor(chunk_order(cp), device=key.device)
-
-        def gathered(t: torch.Tensor) -> torch.Tensor:  # [cp·s_local, b, h, d] in global chunk order
-            every = gather_from_sequence_parallel_region(t.contiguous(), True, group)
-            return every.view(2 * cp, chunk, *t.shape[1:]).index_select(0, order).flatten(0, 1)
-
-        k_all, v_all = gathered(key), gathered(value)
+        # every rank's queries read these keys/values: their gradients are summed back to the owner
+        k_all, v_all = (cp_gather(t, group, sum_grads=True) for t in (key, value))
         outs = []
         for j, g in enumerate((rank, 2 * cp - 1 - rank)):  # this rank's two chunks, by global index
             q = query[j * chunk : (j + 1) * chunk].permute(1, 2, 0, 3)
@@ -97,6 +91,18 @@ class SDPAttention(torch.nn.Module):
 def chunk_order(cp: int) -> list[int]:
     """Where global chunk g sits in the CP all-gather (rank r contributes chunks r, 2·cp-1-r)."""
     return [2 * g if g < cp else 2 * (2 * cp - 1 - g) + 1 for g in range(2 * cp)]
+
+
+def cp_gather(t: torch.Tensor, group: Any, *, sum_grads: bool) -> torch.Tensor:
+    """Every CP rank's part of dim 0 (its two chunks) -> the whole dim 0 in sequence order, on every
+    rank. Backward: ``sum_grads`` sums the gradient over ranks (each rank used all of it), else each
+    rank keeps its own part (each rank computed the same result from it)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    cp = group.size()
+    every = gather_from_sequence_parallel_region(t.contiguous(), sum_grads, group)
+    order = torch.tensor(chunk_order(cp), device=t.device)
+    return every.view(2 * cp, t.shape[0] // 2, *t.shape[1:]).index_select(0, order).flatten(0, 1)
 
 
 class SPNorm(torch.nn.RMSNorm):

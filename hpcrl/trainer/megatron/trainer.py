@@ -30,10 +30,11 @@ from hpcrl.algo.losses import gen_kl_error, grpo_loss
 from hpcrl.config import RunConfig
 from hpcrl.topology import TrainParallel
 from hpcrl.trainer.batch import TrainBatch
+from hpcrl.trainer.config import MEGATRON_FAMILIES, MegatronTrainerConfig
 from hpcrl.trainer.fsdp import init_process_group
 from hpcrl.trainer.logprob_head import chunked_logprob
 from hpcrl.trainer.megatron import compat
-from hpcrl.trainer.megatron.spec import chunk_order, layer_spec, transformer_config, uses_fused_norms
+from hpcrl.trainer.megatron.spec import cp_gather, layer_spec, transformer_config, uses_fused_norms
 from hpcrl.trainer.megatron.weights import (
     Shape,
     is_expert,
@@ -44,8 +45,6 @@ from hpcrl.trainer.megatron.weights import (
     to_megatron,
     unshard,
 )
-
-SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe")
 
 
 def load_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -91,21 +90,20 @@ class MegatronTrainer:
 
         compat.prepare(device)
         t = cfg.trainer
+        assert isinstance(t, MegatronTrainerConfig), "make_trainer picks this backend for trainer=megatron"
         if device == "cuda":  # torchrun: one GPU per local rank; a Ray actor sees only its own GPU
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
             torch.cuda.set_device(device)
         self.cfg, self.device = cfg, torch.device(device)
         self.par = TrainParallel(world=world, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep,
-                                 expert_tp=getattr(t, "expert_tp", 1))  # fmt: skip
+                                 expert_tp=t.expert_tp)  # fmt: skip
         hf = AutoConfig.from_pretrained(model_dir)
-        if hf.model_type not in SUPPORTED_ARCHS:
+        if hf.model_type not in MEGATRON_FAMILIES:
             raise ValueError(f"trainer=megatron cannot build model_type {hf.model_type!r} yet "
-                             f"(supported: {', '.join(SUPPORTED_ARCHS)}); use trainer=fsdp for {model_dir}")  # fmt: skip
+                             f"(supported: {', '.join(MEGATRON_FAMILIES)}); use trainer=fsdp for {model_dir}")  # fmt: skip
         experts = getattr(hf, "num_experts", 0) if hf.model_type == "qwen3_moe" else 0
-        if experts and (self.par.tp > 1 or self.par.cp > 1 or self.par.expert_tp > 1):
-            raise ValueError(f"trainer=megatron runs MoE models with expert, pipeline and data parallelism "
-                             f"only so far (trainer.tp={self.par.tp}, cp={self.par.cp}, expert_tp="
-                             f"{self.par.expert_tp}: set them to 1)")  # fmt: skip
+        if experts and t.moe_gap(hf.model_type):  # the planner refuses it before submitting
+            raise ValueError(t.moe_gap(hf.model_type))
         if experts % self.par.ep:
             raise ValueError(f"trainer.ep={self.par.ep} must divide the model's {experts} experts")
         if hf.num_hidden_layers % self.par.pp:
@@ -123,7 +121,7 @@ class MegatronTrainer:
         self.ps = ps
         self.tied = bool(getattr(hf, "tie_word_embeddings", False))
         self.shape = model_shape(hf, self.par.tp)
-        config = transformer_config(hf, t, self.par, device=device)  # type: ignore[arg-type]
+        config = transformer_config(hf, t, self.par, device=device)
 
         # At TP=1 the loss reads log-probs from the final hidden states in chunks, never the logits
         # (trainer/logprob_head.py); under TP the vocab-parallel cross-entropy keeps the logits split.
@@ -159,6 +157,11 @@ class MegatronTrainer:
                 if name in pname:
                     param.requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # Experts differ per EP rank: their grads are reduced over the expert-DP group, not the DP one.
+        self.expert_params = [p for n, p in self.model.named_parameters() if p.requires_grad and is_expert(n)]
+        self.dense_params = [
+            p for n, p in self.model.named_parameters() if p.requires_grad and not is_expert(n)
+        ]
         # Replicated over TP but computed from this rank's part: norms under sequence parallelism (a
         # slice of the sequence), Q/K norms always (this rank's heads). Megatron sums them over TP.
         self.tp_partial = [p for name, p in self.model.named_parameters() if p.requires_grad and (
@@ -305,17 +308,9 @@ class MegatronTrainer:
     def _cp_join(self, t: torch.Tensor) -> torch.Tensor:
         """[b, s/cp] per CP rank -> the whole [b, s] on every CP rank (inverse of ``_cp_split``); the
         backward keeps only this rank's part of the gradient (each rank holds the same loss)."""
-        cp = self.par.cp
-        if cp == 1:
+        if self.par.cp == 1:
             return t
-        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-        b, local = t.shape
-        every = gather_from_sequence_parallel_region(
-            t.t().contiguous(), False, self.ps.get_context_parallel_group()
-        )
-        order = torch.tensor(chunk_order(cp), device=t.device)
-        return every.view(2 * cp, local // 2, b).index_select(0, order).flatten(0, 1).t()
+        return cp_gather(t.t(), self.ps.get_context_parallel_group(), sum_grads=False).t()
 
     def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
         """Equal micro-batches (pipeline schedules pass one tensor shape), width a multiple of TP
@@ -438,17 +433,16 @@ class MegatronTrainer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         replicas = self.par.dp * self.par.cp
-        dense = [p.grad for p in self.params if getattr(p, "allreduce", True)]
-        if replicas > 1 and dense:
+        if replicas > 1 and self.dense_params:
             # Megatron's schedule multiplies each loss by cp (its DDP averages over DP x CP), so the
             # average over both groups sums the CP ranks' token shares and averages over DP.
             group = ps.get_data_parallel_group(with_context_parallel=True)
-            _all_reduce(dense, group, scale=1 / replicas)
-        experts = [p.grad for p in self.params if not getattr(p, "allreduce", True)]  # Megatron's mark
-        if experts and self.par.dp > 1:
+            _all_reduce([p.grad for p in self.dense_params], group, scale=1 / replicas)
+        if self.expert_params and self.par.dp > 1:
             # An expert already got the gradients of every EP rank's tokens routed to it (the
             # all-to-all's backward): sum over the ranks holding the same experts, average over DP.
-            _all_reduce(experts, ps.get_expert_data_parallel_group(), scale=1 / self.par.dp)
+            grads = [p.grad for p in self.expert_params]
+            _all_reduce(grads, ps.get_expert_data_parallel_group(), scale=1 / self.par.dp)
         if self.par.tp > 1 and self.tp_partial:
             _all_reduce([p.grad for p in self.tp_partial], ps.get_tensor_model_parallel_group())
         if self.par.pp > 1 and self.tied and ps.is_rank_in_embedding_group():
