@@ -85,7 +85,7 @@ def main() -> None:
     ref = trainer.logprobs(batch, reference=True)
     metrics = trainer.train_step(batch, ref)
     grads = (trainer.export_weights(grads=True) if backend == "megatron"
-             else {n: _full(p.grad) for n, p in trainer.model.named_parameters()})  # fmt: skip
+             else {n: _full(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None})  # fmt: skip
     weights = trainer.export_weights()
     # optimizer state elements held by each rank (sharded under the distributed optimizer)
     local = trainer.local_optimizer() if backend == "megatron" else trainer.optimizer

@@ -43,6 +43,8 @@ def _hf_model(kind: str) -> tuple[dict[str, torch.Tensor], Shape, bool]:
         moe = Qwen3MoeConfig(**common, head_dim=32, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
                              moe_intermediate_size=32)  # fmt: skip
         model, tied = Qwen3MoeForCausalLM(moe), False
+    elif kind == "gemma3":
+        model, tied = gemma3_model(vocab_size=96, num_hidden_layers=2), True
     else:
         model, tied = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False)), False
     if kind == "qwen3_moe":  # the checkpoint layout (per expert), as save_pretrained writes it
@@ -56,10 +58,46 @@ def _hf_model(kind: str) -> tuple[dict[str, torch.Tensor], Shape, bool]:
     if tied:
         state.pop("lm_head.weight", None)  # what save_pretrained writes for a tied model
     head_dim = 32 if kind.startswith("qwen3") else 16
-    return state, Shape(heads=4, groups=2, head_dim=head_dim, vocab=96, padded_vocab=96), tied
+    shape = Shape(
+        heads=4, groups=2, head_dim=head_dim, vocab=96, padded_vocab=96, sandwich_norms=kind == "gemma3"
+    )
+    return state, shape, tied
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama", "qwen3_moe"])
+GEMMA3_TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+                   tie_word_embeddings=True, max_position_embeddings=256,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})  # fmt: skip
+"""A small Gemma 3 where every quirk shows on the parity batch (sequences of up to 8 tokens): a
+4-token sliding window on layers 0-2 and a global layer 3 (so PP=2 splits sliding from mixed), two
+RoPE bases and linear scaling, a softmax scale that is not head_dim ** -0.5."""
+
+
+def gemma3_model(vlm: bool = False, **overrides: object) -> torch.nn.Module:
+    """Random weights; the norms drawn around 0 (Gemma's norms multiply by 1 + w: zeros would hide a
+    norm that forgot the 1)."""
+    from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    text = Gemma3TextConfig(**{**GEMMA3_TEXT, **overrides})
+    text.layer_types = ["sliding_attention"] * (text.num_hidden_layers - 1) + ["full_attention"]
+    if vlm:
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=28, patch_size=14)  # fmt: skip
+        config = Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                              image_token_index=127, boi_token_index=125, eoi_token_index=126)  # fmt: skip
+        model: torch.nn.Module = Gemma3ForConditionalGeneration(config)
+    else:
+        model = Gemma3ForCausalLM(text)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama", "qwen3_moe", "gemma3"])
 def test_hf_to_megatron_to_hf_is_bit_identical(kind):
     hf, shape, tied = _hf_model(kind)
     meg = to_megatron(hf, shape, tied)
@@ -78,6 +116,15 @@ def test_hf_to_megatron_to_hf_is_bit_identical(kind):
     assert ("decoder.layers.0.self_attention.linear_qkv.bias" in meg) == (
         kind == "qwen2"
     )  # Qwen2 has QKV bias
+    if kind == "gemma3":  # the sandwich norms: pre-MLP is Gemma's pre-feedforward norm, the post norms
+        # sit on the output projections (Megatron-Bridge's names)
+        assert torch.equal(meg["decoder.layers.1.pre_mlp_layernorm.weight"],
+                           hf["model.layers.1.pre_feedforward_layernorm.weight"])  # fmt: skip
+        assert torch.equal(meg["decoder.layers.1.self_attention.linear_proj.post_layernorm.weight"],
+                           hf["model.layers.1.post_attention_layernorm.weight"])  # fmt: skip
+        assert torch.equal(meg["decoder.layers.0.mlp.linear_fc2.post_layernorm.weight"],
+                           hf["model.layers.0.post_feedforward_layernorm.weight"])  # fmt: skip
+        assert not is_sharded("decoder.layers.0.mlp.linear_fc2.post_layernorm.weight")  # replicated over TP
     back = to_hf(meg, shape, tied)
     if tied:
         assert torch.equal(back.pop("lm_head.weight"), hf["model.embed_tokens.weight"])
@@ -284,3 +331,113 @@ def test_moe_plans_with_megatron_and_refuses_tensor_parallel_until_supported():
     assert "EP" in ok.stdout and "cannot submit yet" not in ok.stdout, ok.stdout[-2000:]
     tp2 = run_cli("plan", "model=qwen3_30b_a3b", "trainer=megatron", "trainer.ep=4", "trainer.tp=2", *site)
     assert "runs MoE models (qwen3_30b_a3b) with expert, pipeline and data parallelism only" in tp2.stdout
+
+
+def test_vlm_checkpoint_trains_its_text_decoder_and_exports_under_its_own_names():
+    """Gemma3ForConditionalGeneration as saved (the published layout): the text decoder maps to
+    Megatron and back bit-identically under the checkpoint's names; the vision tower is left out."""
+    from safetensors.torch import load_file
+
+    from hpcrl.trainer.megatron.weights import LanguageModel
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gemma3_model(vlm=True).save_pretrained(tmp)
+        state = load_file(Path(tmp) / "model.safetensors")
+    lm = LanguageModel.of(state)
+    vision = [k for k in state if not k.startswith("language_model.")]
+    assert vision and lm.left_out == len(vision) and lm.prefix == "language_model.model."
+    assert all(k.startswith("model.") for k in lm.text)
+    shape = Shape(heads=4, groups=2, head_dim=16, vocab=128, padded_vocab=128, sandwich_norms=True)
+    back = lm.named(to_hf(to_megatron(lm.text, shape, tied=True), shape, tied=True))
+    # the tied head is sent as the rollout engines' lm_head
+    assert torch.equal(
+        back.pop("language_model.lm_head.weight"), state["language_model.model.embed_tokens.weight"]
+    )
+    assert back.keys() == {k for k in state if k.startswith("language_model.")}
+    for name, tensor in back.items():
+        assert torch.equal(tensor, state[name]), name
+    plain = {"model.norm.weight": torch.ones(2)}  # a causal LM passes through unchanged
+    assert LanguageModel.of(plain).named(plain) is plain
+
+
+def test_window_mask_and_zero_centered_norm_by_hand():
+    from types import SimpleNamespace
+
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from hpcrl.trainer.megatron.spec import SPNorm, window_mask
+
+    # query i reads keys i-1 and i (window 2), never a later one
+    assert window_mask(4, 2, torch.device("cpu")).int().tolist() == [
+        [1, 0, 0, 0],
+        [1, 1, 0, 0],
+        [0, 1, 1, 0],
+        [0, 0, 1, 1],
+    ]
+    ours = SPNorm(SimpleNamespace(sequence_parallel=False, layernorm_zero_centered_gamma=True), 8, eps=1e-6)
+    hf = Gemma3RMSNorm(8, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.copy_(torch.linspace(-0.5, 0.5, 8))
+        hf.weight.copy_(ours.weight)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    assert (
+        torch.equal(ours(x), hf(x)) and ours(x).dtype == torch.bfloat16
+    )  # x (1 + w) in fp32, then x's dtype
+    plain = SPNorm(SimpleNamespace(sequence_parallel=False), 8, eps=1e-6)
+    with torch.no_grad():
+        plain.weight.copy_(ours.weight)
+    assert not torch.allclose(plain(x.float()), ours(x.float()), atol=1e-3)  # the offset matters
+
+
+@pytest.fixture(scope="module")
+def gemma3_dirs(tmp_path_factory):
+    """A small Gemma3ForCausalLM and a small Gemma3ForConditionalGeneration (same text config)."""
+    out = {}
+    for kind in ("text", "vlm"):
+        out[kind] = tmp_path_factory.mktemp(f"gemma3_{kind}")
+        gemma3_model(vlm=kind == "vlm").save_pretrained(out[kind])
+    return out
+
+
+@pytest.mark.slow
+def test_gemma3_matches_fsdp_and_under_tensor_and_pipeline_parallel(gemma3_dirs, tmp_path):
+    """Gemma 3 (sandwich norms, 1 + w norms, sliding window, two RoPE bases, scaled embeddings, GeGLU)
+    built by Megatron gives the Hugging Face model's step (fsdp backend); TP=2 with sequence parallel
+    (the post norms' partial grads summed over TP) and PP=2 (sliding layers on stage 0, the global one on
+    stage 1) give the one-rank step; the VLM's text decoder trains the same under its own names."""
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.trainer.fsdp import checkpoint_names
+
+    mask = parity_batch().loss_mask.bool()
+    for kind, port in (("text", 29751), ("vlm", 29753)):
+        base = _torchrun(gemma3_dirs[kind], tmp_path / f"{kind}1.pt", 1, 1, port=port)
+        fsdp = _torchrun(gemma3_dirs[kind], tmp_path / f"{kind}fsdp.pt", 1, 1, backend="fsdp", port=port + 1)
+        assert torch.allclose(base["logp"][mask], fsdp["logp"][mask], atol=1e-5), kind
+        for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm"):
+            assert base["metrics"][key] == pytest.approx(fsdp["metrics"][key], rel=1e-4, abs=1e-6), (
+                kind,
+                key,
+            )
+        hf_grads = checkpoint_names(AutoModelForCausalLM.from_pretrained(gemma3_dirs[kind]), fsdp["grads"])
+        head = "language_model.lm_head.weight" if kind == "vlm" else "lm_head.weight"
+        assert set(base["grads"]) - {head} == set(hf_grads), kind  # every text weight, no vision weight
+        for name, grad in hf_grads.items():
+            assert torch.allclose(base["grads"][name], grad, atol=1e-5), (kind, name)
+        if kind == "text":
+            assert base["layout"]["qk_norms"] == 4
+            text = base
+    for tp, pp in ((2, 1), (1, 2)):
+        run = _torchrun(gemma3_dirs["text"], tmp_path / f"tp{tp}pp{pp}.pt", tp, pp, port=29755 + tp + 2 * pp)
+        assert run["layout"]["sequence_parallel"] == (tp > 1)
+        _assert_same_step(run, text, mask, f"gemma3 TP={tp} PP={pp}")
+        assert all(run["state_restored"]), f"gemma3 TP={tp} PP={pp}"
+
+
+def test_gemma3_plans_and_submits_with_megatron():
+    site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh", "cluster=b200"]
+    plan = run_cli("plan", "model=gemma3_1b", "trainer=megatron", *site)
+    assert plan.returncode == 0, plan.stderr
+    assert "cannot submit yet" not in plan.stdout and "rollout.block_size=32" in plan.stdout
+    cp2 = run_cli("plan", "model=gemma3_4b", "trainer=megatron", "trainer.cp=2", *site)
+    assert cp2.returncode != 0 and "trainer.cp" in cp2.stderr  # Gemma 3: no context parallel (quirk)

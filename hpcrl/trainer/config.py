@@ -89,9 +89,15 @@ class FSDPTrainerConfig(TrainerConfig):
     cpu_offload: bool = False
 
 
-MEGATRON_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
-"""Model families (= Hugging Face ``model_type``) ``trainer=megatron`` maps from/to Hugging Face
+MEGATRON_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe", "gemma3")
+"""Model families (the catalog's ``family``) ``trainer=megatron`` maps from/to Hugging Face
 (hpcrl/trainer/megatron/weights.py); read by the planner and by the backend."""
+
+
+def megatron_family(model_type: str) -> str:
+    """A Hugging Face text config's ``model_type`` -> the catalog family (Gemma 3's text decoder is
+    ``gemma3_text``, in Gemma3ForCausalLM and inside Gemma3ForConditionalGeneration alike)."""
+    return {"gemma3_text": "gemma3"}.get(model_type, model_type)
 
 
 @dataclass

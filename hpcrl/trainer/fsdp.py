@@ -115,7 +115,8 @@ class FSDPTrainer:
         # bf16) every layer's weights again for the backward pass.
         reshard = getattr(cfg.trainer, "reshard_after_forward", True) and world > 1
         compile_layers = device.startswith("cuda") and cfg.trainer.compile_layers()
-        for layer in model.model.layers:
+        # the text decoder's layers (inside the language model of a vision-language model too)
+        for layer in model.get_decoder().layers:
             if compile_layers:
                 layer.compile()  # per decoder layer, before sharding (the torchtitan recipe)
             fully_shard(layer, reshard_after_forward=reshard, **shard)

@@ -45,6 +45,10 @@ class SDPAttention(torch.nn.Module):
         self.config = config
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.scale = softmax_scale
+        self.window = sliding_window(config, layer_number)
+        if self.window is not None and config.context_parallel_size > 1:
+            raise ValueError("SDPAttention: sliding-window layers under context parallel are not built; "
+                             "set trainer.cp=1")  # fmt: skip
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:  # fmt: skip
@@ -57,7 +61,10 @@ class SDPAttention(torch.nn.Module):
             out = self._context_parallel(query, key, value)
         else:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            out = self._sdpa(q, k, v, causal=True)
+            causal = (
+                True if self.window is None or s <= self.window else window_mask(s, self.window, q.device)
+            )
+            out = self._sdpa(q, k, v, causal=causal)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: Any) -> torch.Tensor:
@@ -88,6 +95,23 @@ class SDPAttention(torch.nn.Module):
         return torch.cat(outs, dim=2)
 
 
+def sliding_window(config: Any, layer_number: int) -> int | None:
+    """Keys a query of this (1-based, global) layer sees, itself included, under Megatron's
+    ``window_size`` / ``window_attn_skip_freq``; None: every key before it."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        return int(config.window_size[0]) + 1
+    return None
+
+
+def window_mask(s: int, window: int, device: torch.device) -> torch.Tensor:
+    """[s, s], True where query i may read key j: j <= i and i - j < window (sliding-window causal)."""
+    i = torch.arange(s, device=device)
+    distance = i[:, None] - i[None, :]
+    return (distance >= 0) & (distance < window)
+
+
 def chunk_order(cp: int) -> list[int]:
     """Where global chunk g sits in the CP all-gather (rank r contributes chunks r, 2·cp-1-r)."""
     return [2 * g if g < cp else 2 * (2 * cp - 1 - g) + 1 for g in range(2 * cp)]
@@ -106,7 +130,8 @@ def cp_gather(t: torch.Tensor, group: Any, *, sum_grads: bool) -> torch.Tensor:
 
 
 class SPNorm(torch.nn.RMSNorm):
-    """Megatron's norm slot filled with torch's RMSNorm, sequence parallel allowed. Under sequence
+    """Megatron's norm slot filled with torch's RMSNorm, sequence parallel allowed; with Megatron's
+    ``layernorm_zero_centered_gamma`` (Gemma) the weight is an offset from 1. Under sequence
     parallelism each TP rank normalises its own slice of the sequence, so the weight's gradient is
     partial: it is marked ``sequence_parallel`` and summed over TP by the trainer, as Megatron's own
     fused norms do."""
@@ -114,9 +139,14 @@ class SPNorm(torch.nn.RMSNorm):
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+        self.zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+        if self.zero_centered:  # Gemma: x * (1 + w), all in fp32, as Hugging Face computes it
+            normed = F.rms_norm(x.float(), self.normalized_shape, None, self.eps)
+            y = (normed * (1.0 + self.weight.float())).type_as(x)
+        else:
+            y = super().forward(x)
         if torch.is_autocast_enabled(x.device.type):
             # The next matmul casts to this anyway (same numbers). Under sequence parallelism it also
             # must: Megatron's linear reduce-scatters its input gradient into a buffer of the input's
@@ -125,8 +155,9 @@ class SPNorm(torch.nn.RMSNorm):
         return y
 
 
-def layer_spec(config: Any) -> Any:
-    """The decoder spec GPTModel takes, for this pipeline stage's layers."""
+def layer_spec(config: Any, family: str = "") -> Any:
+    """The decoder spec GPTModel takes, for this pipeline stage's layers. Gemma 3 always gets the
+    local spec with hpcrl's modules (its sandwich norms have no place in Transformer Engine's spec)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_block import (
@@ -135,7 +166,7 @@ def layer_spec(config: Any) -> Any:
     )
 
     experts, qk_norm = config.num_moe_experts, bool(config.qk_layernorm)
-    if have_transformer_engine():
+    if have_transformer_engine() and not uses_local_spec(family):
         return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=qk_norm)
     spec = copy.deepcopy(
         specs.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=qk_norm, normalization="RMSNorm")
@@ -147,12 +178,20 @@ def layer_spec(config: Any) -> Any:
         attention.q_layernorm = attention.k_layernorm = SPNorm
     else:
         assert attention.q_layernorm is IdentityOp
+    if family == "gemma3":
+        from hpcrl.trainer.megatron import gemma
+
+        gemma.adapt_spec(spec)
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=SPNorm)
 
 
-def uses_fused_norms() -> bool:
+def uses_local_spec(family: str) -> bool:
+    return family == "gemma3" or not have_transformer_engine()
+
+
+def uses_fused_norms(family: str = "") -> bool:
     """TE's spec folds the pre-attention/pre-MLP norms into linear_qkv / linear_fc1 (weight names differ)."""
-    return have_transformer_engine()
+    return not uses_local_spec(family)
 
 
 def transformer_config(hf: Any, trainer: MegatronTrainerConfig, par: TrainParallel, *, device: str) -> Any:
@@ -163,7 +202,7 @@ def transformer_config(hf: Any, trainer: MegatronTrainerConfig, par: TrainParall
     on_gpu = device != "cpu"
     autocast = on_gpu and trainer.precision is Precision.bfloat16
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    return TransformerConfig(
+    fields = dict(
         num_layers=hf.num_hidden_layers,
         hidden_size=hf.hidden_size,
         ffn_hidden_size=hf.intermediate_size,
@@ -202,8 +241,25 @@ def transformer_config(hf: Any, trainer: MegatronTrainerConfig, par: TrainParall
         deallocate_pipeline_outputs=False,
         variable_seq_lengths=False,
         moe_router_dtype=trainer.router_dtype,
-        **moe_settings(hf, trainer),
     )
+    return TransformerConfig(**{**fields, **moe_settings(hf, trainer), **family_settings(hf)})
+
+
+def family(hf: Any) -> str:
+    """The catalog family (hpcrl/models.py) of a Hugging Face text config."""
+    from hpcrl.trainer.config import megatron_family
+
+    return megatron_family(hf.model_type)
+
+
+def family_settings(hf: Any) -> dict[str, Any]:
+    """TransformerConfig fields a family sets beyond the Qwen/Llama GPT above (Gemma 3: gemma.py)."""
+    if family(hf) != "gemma3":
+        return {}
+    from hpcrl.trainer.megatron import gemma
+
+    gemma.check_supported(hf)
+    return gemma.config_fields(hf)
 
 
 def moe_settings(hf: Any, trainer: MegatronTrainerConfig) -> dict[str, Any]:

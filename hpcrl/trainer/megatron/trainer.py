@@ -34,8 +34,9 @@ from hpcrl.trainer.config import MEGATRON_FAMILIES, MegatronTrainerConfig
 from hpcrl.trainer.fsdp import init_process_group
 from hpcrl.trainer.logprob_head import chunked_logprob
 from hpcrl.trainer.megatron import compat
-from hpcrl.trainer.megatron.spec import cp_gather, layer_spec, transformer_config, uses_fused_norms
+from hpcrl.trainer.megatron.spec import cp_gather, family, layer_spec, transformer_config, uses_fused_norms
 from hpcrl.trainer.megatron.weights import (
+    LanguageModel,
     Shape,
     is_expert,
     is_sharded,
@@ -62,14 +63,22 @@ def load_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 def model_shape(hf: Any, tp: int) -> Shape:
     heads = hf.num_attention_heads
     padded = math.ceil(hf.vocab_size / tp) * tp
+    fam = family(hf)
     return Shape(heads=heads, groups=hf.num_key_value_heads,
                  head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-                 vocab=hf.vocab_size, padded_vocab=padded, fused_norms=uses_fused_norms())  # fmt: skip
+                 vocab=hf.vocab_size, padded_vocab=padded, fused_norms=uses_fused_norms(fam),
+                 sandwich_norms=fam == "gemma3")  # fmt: skip
 
 
-def rope_base(hf: Any) -> float:
+def rope_settings(hf: Any) -> dict[str, Any]:
+    """GPTModel's RoPE arguments: the base (and Gemma 3's linear scaling) of the global layers."""
+    if family(hf) == "gemma3":
+        from hpcrl.trainer.megatron import gemma
+
+        base, factor, _ = gemma.rope(hf)
+        return {"rotary_base": base, "seq_len_interpolation_factor": factor}
     params = getattr(hf, "rope_parameters", None) or {}
-    return float(getattr(hf, "rope_theta", None) or params.get("rope_theta", 10000.0))
+    return {"rotary_base": float(getattr(hf, "rope_theta", None) or params.get("rope_theta", 10000.0))}
 
 
 class MegatronTrainer:
@@ -97,8 +106,11 @@ class MegatronTrainer:
         self.cfg, self.device = cfg, torch.device(device)
         self.par = TrainParallel(world=world, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep,
                                  expert_tp=t.expert_tp)  # fmt: skip
-        hf = AutoConfig.from_pretrained(model_dir)
-        if hf.model_type not in MEGATRON_FAMILIES:
+        # a vision-language checkpoint (Gemma 3 4B+): the text decoder is trained, the vision tower
+        # stays frozen in the rollout engines (weights.LanguageModel)
+        hf = AutoConfig.from_pretrained(model_dir).get_text_config()
+        self.family = family(hf)
+        if self.family not in MEGATRON_FAMILIES:
             raise ValueError(f"trainer=megatron cannot build model_type {hf.model_type!r} yet "
                              f"(supported: {', '.join(MEGATRON_FAMILIES)}); use trainer=fsdp for {model_dir}")  # fmt: skip
         experts = getattr(hf, "num_experts", 0) if hf.model_type == "qwen3_moe" else 0
@@ -129,17 +141,24 @@ class MegatronTrainer:
         self.compute_dtype = torch.bfloat16 if config.enable_autocast else torch.float32
 
         def build() -> Any:
-            return with_hidden_output(GPTModel(
-                config=config, transformer_layer_spec=layer_spec(config), vocab_size=self.shape.padded_vocab,
-                max_sequence_length=hf.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
-                post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=self.tied,
-                position_embedding_type="rope", rotary_base=rope_base(hf),
-            ).to(self.device), self.fused_head)  # fmt: skip
+            model = GPTModel(
+                config=config, transformer_layer_spec=layer_spec(config, self.family),
+                vocab_size=self.shape.padded_vocab, max_sequence_length=hf.max_position_embeddings,
+                pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                share_embeddings_and_output_weights=self.tied, position_embedding_type="rope",
+                **rope_settings(hf),
+            )  # fmt: skip
+            if self.family == "gemma3":
+                from hpcrl.trainer.megatron import gemma
+
+                gemma.adapt_model(model, hf, self.compute_dtype)
+            return with_hidden_output(model.to(self.device), self.fused_head)
 
         self.layer_offset = hf.num_hidden_layers // self.par.pp * ps.get_pipeline_model_parallel_rank()
         self.moe = experts > 0
         self.expert_offset = experts // self.par.ep * ps.get_expert_model_parallel_rank() if experts else 0
-        full = to_megatron(load_hf_weights(model_dir), self.shape, self.tied)
+        self.lm = LanguageModel.of(load_hf_weights(model_dir))
+        full = to_megatron(self.lm.text, self.shape, self.tied)
         self.model = build()
         if t.compile_layers() and self.device.type == "cuda":
             for layer in getattr(getattr(self.model, "decoder", None), "layers", []):
@@ -250,7 +269,7 @@ class MegatronTrainer:
         merged: dict[str, torch.Tensor] = {}
         for part in self._gather_to_rank0(mine):
             merged.update(part or {})
-        return to_hf(merged, self.shape, self.tied) if merged else {}
+        return self.lm.named(to_hf(merged, self.shape, self.tied)) if merged else {}
 
     def state_dict(self) -> dict[str, Any]:
         """Whole model (HF names) and every rank's optimizer state, on rank 0: resume needs the same layout."""
@@ -258,7 +277,7 @@ class MegatronTrainer:
         return {"model": model, "optimizer": self._gather_to_rank0(self.local_optimizer().state_dict())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._load(self.model, to_megatron(state["model"], self.shape, self.tied))
+        self._load(self.model, to_megatron(LanguageModel.of(state["model"]).text, self.shape, self.tied))
         self.local_optimizer().load_state_dict(
             state["optimizer"][dist.get_rank() if dist.is_initialized() else 0]
         )

@@ -1,4 +1,6 @@
-"""Hugging Face <-> Megatron-core weights for Qwen2/Qwen3/Llama-family decoders and Qwen3-MoE.
+"""Hugging Face <-> Megatron-core weights for Qwen2/Qwen3/Llama-family decoders, Qwen3-MoE and Gemma 3
+(its sandwich norms map to ``linear_proj.post_layernorm`` / ``linear_fc2.post_layernorm``; a
+vision-language checkpoint's text decoder is picked out by ``LanguageModel``).
 
 Two steps each way. ``to_megatron`` turns HF tensors into Megatron names and layouts as one
 unsharded (TP=1) model: Q/K/V fused per query group ([q heads of the group; k; v]), gate and up
@@ -25,6 +27,12 @@ HF_LAYER_KEYS = {
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",
     "mlp.gate.weight": "mlp.router.weight",
 }
+SANDWICH_LAYER_KEYS = {  # Gemma: a norm before and after both attention and the MLP
+    **HF_LAYER_KEYS,
+    "post_attention_layernorm.weight": "self_attention.linear_proj.post_layernorm.weight",
+    "pre_feedforward_layernorm.weight": "pre_mlp_layernorm.weight",
+    "post_feedforward_layernorm.weight": "mlp.linear_fc2.post_layernorm.weight",
+}
 EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 MEGATRON_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 COLUMN = (
@@ -46,10 +54,58 @@ class Shape:
     padded_vocab: int
     fused_norms: bool = False
     """Transformer Engine's spec keeps the norms inside linear_qkv / linear_fc1."""
+    sandwich_norms: bool = False
+    """Gemma: post-attention / post-MLP norms (``linear_proj.post_layernorm``, ``linear_fc2.post_layernorm``)."""
+
+    @property
+    def layer_keys(self) -> dict[str, str]:
+        """Hugging Face layer weight -> Megatron name, for weights that map one to one."""
+        return SANDWICH_LAYER_KEYS if self.sandwich_norms else HF_LAYER_KEYS
 
     @property
     def per_group(self) -> int:
         return self.heads // self.groups
+
+
+VLM_LAYOUTS = {
+    "language_model.model.": "language_model.lm_head.weight",
+    "model.language_model.": "lm_head.weight",
+}
+"""Where a vision-language checkpoint (Gemma3ForConditionalGeneration) keeps its text decoder and
+head: the published checkpoints' layout (which transformers still writes), and transformers' in-memory
+names."""
+
+
+@dataclass(frozen=True)
+class LanguageModel:
+    """A checkpoint's text decoder under causal-LM names (``model.*``, ``lm_head.weight``).
+
+    For a vision-language checkpoint, ``prefix`` and ``head`` give the weights the checkpoint's own
+    names back on export (what the rollout engines load and the fsdp backend exports), and
+    ``left_out`` counts the vision tower and projector weights this backend does not train: they stay
+    as loaded in the rollout engines."""
+
+    text: dict[str, torch.Tensor]
+    prefix: str = "model."
+    head: str = "lm_head.weight"
+    left_out: int = 0
+
+    @classmethod
+    def of(cls, state: dict[str, torch.Tensor]) -> LanguageModel:
+        for prefix, head in VLM_LAYOUTS.items():
+            if any(k.startswith(prefix) for k in state):
+                text = {f"model.{k[len(prefix) :]}": v for k, v in state.items() if k.startswith(prefix)}
+                if head in state:
+                    text["lm_head.weight"] = state[head]
+                return cls(text, prefix, head, len(state) - len(text))
+        return cls(dict(state))
+
+    def named(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Causal-LM names (``to_hf``'s) -> this checkpoint's."""
+        if self.prefix == "model.":
+            return hf
+        return {self.head if k == "lm_head.weight" else self.prefix + k.removeprefix("model."): v
+                for k, v in hf.items()}  # fmt: skip
 
 
 def _norm_names(fused: bool) -> dict[str, str]:
@@ -80,8 +136,8 @@ def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[s
             out["decoder.final_layernorm.weight"] = t
         elif m := LAYER.match(name.removeprefix("model.")):
             i, key = int(m.group(1)), m.group(2)
-            if key in HF_LAYER_KEYS:
-                mkey = HF_LAYER_KEYS[key]
+            if key in shape.layer_keys:
+                mkey = shape.layer_keys[key]
                 out[f"decoder.layers.{i}.{norms.get(mkey, mkey)}"] = t
             else:
                 parts.setdefault(i, {})[key] = t
@@ -121,7 +177,7 @@ def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[s
 
 def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    back = {v: k for k, v in HF_LAYER_KEYS.items()}
+    back = {v: k for k, v in shape.layer_keys.items()}
     unfused = {v: k for k, v in _norm_names(shape.fused_norms).items()}
     g, d, per = shape.groups, shape.head_dim, shape.per_group
     for name, t in meg.items():

@@ -1,0 +1,136 @@
+"""Gemma 3's decoder in Megatron-core (local spec, no Transformer Engine).
+
+What Gemma 3 has that the Qwen/Llama GPT does not, and where each lives here:
+- norms ``x * (1 + w)`` computed in fp32: Megatron's ``layernorm_zero_centered_gamma``, honoured by
+  hpcrl's ``SPNorm`` (every norm: input, pre-MLP, Q/K, final, and the two below);
+- "sandwich" norms on the attention and MLP outputs before each residual add: ``RowParallelLinearPostNorm``
+  in the ``linear_proj`` / ``linear_fc2`` slots (weights ``linear_proj.post_layernorm``,
+  ``linear_fc2.post_layernorm``, as Megatron-Bridge names them);
+- sliding-window attention on most layers (``layer_types``): Megatron's ``window_size`` /
+  ``window_attn_skip_freq`` fields, applied by hpcrl's ``SDPAttention``;
+- two RoPE bases (global layers: ``rope_theta`` with linear scaling on 4B+, sliding layers: the local
+  base): ``DualRotaryEmbedding`` hands every layer both, stacked into one tensor (so Megatron's
+  plumbing, recompute included, passes it unchanged), ``GemmaSelfAttention`` picks its own;
+- embeddings scaled by sqrt(hidden) — in the compute dtype, as Hugging Face and vLLM do (34.0, not
+  33.94, in bf16 for the 1B);
+- GeGLU with tanh-approximated GELU, softmax scale ``query_pre_attn_scalar ** -0.5``.
+
+Imports Megatron-core: import this module only where a Megatron model is built (spec.layer_spec,
+the trainer), never from the torch-free planner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel import RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention
+
+from hpcrl.trainer.megatron.spec import SPNorm, sliding_window
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's ``gelu_pytorch_tanh``."""
+    return F.gelu(x, approximate="tanh")
+
+
+def check_supported(hf: Any) -> None:
+    """Gemma 3 variants this decoder does not express fail here, naming the field."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(hf, key, None) is not None:
+            raise ValueError(f"trainer=megatron does not apply {key} (this checkpoint sets "
+                             f"{getattr(hf, key)}; Gemma 3 has none): use trainer=fsdp")  # fmt: skip
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise ValueError("trainer=megatron trains causal Gemma 3 only (use_bidirectional_attention is set)")
+    full = hf.rope_parameters.get("full_attention") or {}
+    if full.get("rope_type", "default") not in ("default", "linear"):
+        raise ValueError(f"trainer=megatron applies default or linear RoPE scaling on Gemma 3's global "
+                         f"layers, not {full.get('rope_type')!r}: use trainer=fsdp")  # fmt: skip
+
+
+def rope(hf: Any) -> tuple[float, float | None, float]:
+    """(global base, global linear scaling factor or None, local base)."""
+    params = hf.rope_parameters
+    full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    factor = full.get("factor") if full.get("rope_type") == "linear" else None
+    return float(full.get("rope_theta", 1e6)), factor, float(local.get("rope_theta", 1e4))
+
+
+def config_fields(hf: Any) -> dict[str, Any]:
+    """Gemma 3's TransformerConfig fields (overriding the GPT defaults in spec.transformer_config)."""
+    sliding = [int(kind == "sliding_attention") for kind in hf.layer_types]
+    return {
+        "layernorm_zero_centered_gamma": True,
+        "activation_func": gelu_tanh,
+        "bias_activation_fusion": False,  # Megatron fuses SwiGLU or erf-GELU only
+        "qk_layernorm": True,
+        "softmax_scale": hf.query_pre_attn_scalar**-0.5,
+        # Hugging Face: query i sees keys i - window + 1 .. i; Megatron's (left, right) counts them so
+        "window_size": (hf.sliding_window - 1, 0) if any(sliding) else None,
+        "window_attn_skip_freq": sliding if any(sliding) else None,
+    }
+
+
+def adapt_spec(spec: Any) -> None:
+    """The local GPT layer spec (already holding hpcrl's SDPA and norms) -> Gemma 3's, in place."""
+    layer = spec.submodules
+    layer.self_attention.module = GemmaSelfAttention
+    layer.self_attention.submodules.linear_proj = RowParallelLinearPostNorm
+    layer.mlp.submodules.linear_fc2 = RowParallelLinearPostNorm
+
+
+def adapt_model(model: Any, hf: Any, compute_dtype: torch.dtype) -> None:
+    """After GPTModel is built: embeddings scaled, both RoPE bases handed to every layer."""
+    if getattr(model, "embedding", None) is not None:  # the first pipeline stage
+        factor = float(torch.tensor(hf.hidden_size**0.5, dtype=compute_dtype))
+        model.embedding.register_forward_hook(lambda _module, _args, out: out * factor)
+    _, _, local_base = rope(hf)
+    local = RotaryEmbedding(kv_channels=model.config.kv_channels, rotary_percent=1.0, rotary_base=local_base,
+                            use_cpu_initialization=True, cp_group=model.rotary_pos_emb.cp_group)  # fmt: skip
+    model.rotary_pos_emb = DualRotaryEmbedding(model.rotary_pos_emb, local)
+
+
+class DualRotaryEmbedding(torch.nn.Module):
+    """GPTModel's rotary slot: [global, local] angles stacked, [2, s, 1, 1, head_dim]."""
+
+    def __init__(self, global_rope: Any, local_rope: Any) -> None:
+        super().__init__()
+        self.global_rope, self.local_rope = global_rope, local_rope
+
+    def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
+        return int(self.global_rope.get_rotary_seq_len(*args, **kwargs))
+
+    def forward(self, max_seq_len: int, **kwargs: Any) -> torch.Tensor:
+        return torch.stack([self.global_rope(max_seq_len, **kwargs), self.local_rope(max_seq_len, **kwargs)])
+
+
+class GemmaSelfAttention(SelfAttention):
+    """Megatron's SelfAttention taking its own RoPE angles (local on sliding layers) from the stack."""
+
+    def __init__(self, config: Any, submodules: Any, layer_number: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
+        self.rope_index = int(sliding_window(config, self.layer_number) is not None)
+
+    def forward(self, hidden_states: Any, attention_mask: Any, *args: Any, rotary_pos_emb: Any = None,
+                **kwargs: Any) -> Any:  # fmt: skip
+        if rotary_pos_emb is not None:
+            rotary_pos_emb = rotary_pos_emb[self.rope_index]
+        return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+
+
+class RowParallelLinearPostNorm(RowParallelLinear):
+    """Megatron's RowParallelLinear followed by a norm of its output (Gemma's post-attention and
+    post-MLP norms). Under sequence parallelism the output is this rank's slice of the sequence and
+    the norm's weight gradient partial: ``SPNorm`` marks it to be summed over TP."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, **kwargs: Any) -> None:
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.post_layernorm = SPNorm(config, output_size, eps=config.layernorm_epsilon)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        out, bias = super().forward(x)
+        assert bias is None, "Gemma 3 has no linear biases"
+        return self.post_layernorm(out), None
