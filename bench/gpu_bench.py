@@ -74,15 +74,25 @@ def measure_peaks() -> tuple[float, float]:
 
 
 def make_model_dir(cfg) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """Random weights in the catalog model's shape: Qwen2 (default) or Gemma 3 (text)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
 
     m = cfg.model
-    conf = Qwen2Config(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
-                       num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-                       num_key_value_heads=m.num_kv_heads, max_position_embeddings=32768,
-                       tie_word_embeddings=m.tie_embeddings)  # fmt: skip
-    out = Path(tempfile.mkdtemp()) / "qwen2-1.5b-random"
-    Qwen2ForCausalLM(conf).to(torch.bfloat16).save_pretrained(out)
+    common = dict(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+                  num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                  num_key_value_heads=m.num_kv_heads, max_position_embeddings=32768,
+                  tie_word_embeddings=m.tie_embeddings)  # fmt: skip
+    if m.family == "gemma3":
+        kinds = [
+            "full_attention" if (i + 1) % m.global_every == 0 else "sliding_attention"
+            for i in range(m.num_layers)
+        ]
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, head_dim=m.head_dim, query_pre_attn_scalar=m.head_dim,
+                                                   sliding_window=m.sliding_window, layer_types=kinds))  # fmt: skip
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    out = Path(tempfile.mkdtemp()) / f"{m.name}-random"
+    model.to(torch.bfloat16).save_pretrained(out)
     from hpcrl.tiny import build_tokenizer  # any tokenizer: the benchmark feeds token ids
 
     build_tokenizer(out, m.vocab_size)

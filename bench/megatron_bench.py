@@ -1,7 +1,8 @@
 """Issue 5: the megatron backend on one GPU beside the fsdp backend, in the same run, on the
-Qwen2-1.5B shape (random weights): tokens/s, MFU and peak memory of one GRPO train step.
+Qwen2-1.5B shape (or ``--model gemma3_1b``; random weights): tokens/s, MFU and peak memory of one
+GRPO train step.
 
-    python bench/megatron_bench.py [--seq 2048 --batches 2,8] > results
+    python bench/megatron_bench.py [--model qwen2_1p5b --seq 2048 --batches 2,8] > results
 
 Rows: megatron with hpcrl's SDPA core attention (the default without Transformer Engine), megatron
 with Megatron's own local spec (unfused attention: the reference that ran out of memory at 8x2048),
@@ -37,8 +38,8 @@ def grpo_batch(batch: int, seq: int):
 
 
 def bench_backend(backend: str, model_dir: Path, batch: int, seq: int, local_spec: bool = False,
-                  overrides: tuple[str, ...] = ()) -> dict:  # fmt: skip
-    cfg = compose_config(["model=qwen2_1p5b", f"trainer={backend}", f"trainer.micro_batch_size={batch}",
+                  overrides: tuple[str, ...] = (), model: str = "qwen2_1p5b") -> dict:  # fmt: skip
+    cfg = compose_config([f"model={model}", f"trainer={backend}", f"trainer.micro_batch_size={batch}",
                           "trainer.activation_checkpointing=false", "algo.kl_coef=0", *overrides])  # fmt: skip
     if backend == "megatron":
         from hpcrl.trainer.megatron import spec
@@ -46,7 +47,7 @@ def bench_backend(backend: str, model_dir: Path, batch: int, seq: int, local_spe
         if local_spec:  # Megatron's own unfused attention instead of hpcrl's SDPA slot
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-            spec.layer_spec = lambda config: get_gpt_layer_local_spec(normalization="RMSNorm")  # type: ignore[assignment]
+            spec.layer_spec = lambda config, family="": get_gpt_layer_local_spec(normalization="RMSNorm")  # type: ignore[assignment]
             import hpcrl.trainer.megatron.trainer as mt
 
             mt.layer_spec = spec.layer_spec
@@ -82,6 +83,7 @@ def run_isolated(name: str, args: list[str]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen2_1p5b", help="catalog model whose shape is benchmarked")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batches", default="2,8")
     p.add_argument("--one", nargs=4, metavar=("BACKEND", "MODEL_DIR", "BATCH", "LOCAL_SPEC"))
@@ -91,9 +93,9 @@ def main() -> int:
     if args.one:
         backend, model_dir, batch, local = args.one
         print(json.dumps(bench_backend(backend, Path(model_dir), int(batch), args.seq, local == "1",
-                                       tuple(args.override))))  # fmt: skip
+                                       tuple(args.override), args.model)))  # fmt: skip
         return 0
-    cfg = compose_config(["model=qwen2_1p5b"])
+    cfg = compose_config([f"model={args.model}"])
     model_dir = make_model_dir(cfg)
     flops = train_flops_per_token(cfg, args.seq)
     rows: dict[str, dict] = {}
@@ -109,13 +111,13 @@ def main() -> int:
                           (f"megatron_local_spec {shape}", ["megatron", str(model_dir), str(batch), "1"]),
                           (f"fsdp {shape}", ["fsdp", str(model_dir), str(batch), "0"])):  # fmt: skip
             if not args.rows or name.split()[0] in args.rows.split(","):
-                rows[name] = run_isolated(name, [*cmd, "--seq", str(args.seq)])
+                rows[name] = run_isolated(name, [*cmd, "--seq", str(args.seq), "--model", args.model])
     for row in rows.values():
         if "tokens_per_s" in row:
             row["mfu_datasheet"] = row["tokens_per_s"] * flops / DATASHEET_TFLOPS / 1e12
     from importlib.metadata import version
 
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    results = {"model": args.model, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "megatron_core": version("megatron-core"), "flops_per_token": flops, "rows": rows}  # fmt: skip
     print(json.dumps(results, indent=1))
     print(f"\n{'row':36s} {'tok/s':>9s} {'MFU':>6s} {'peak GB':>8s} {'x HF':>6s}")
@@ -130,7 +132,7 @@ def main() -> int:
         )
     out = os.environ.get("OUT")
     if out:
-        Path(out, "megatron_bench.json").write_text(json.dumps(results, indent=1))
+        Path(out, f"megatron_bench_{args.model}.json").write_text(json.dumps(results, indent=1))
     return 0
 
 
