@@ -91,6 +91,15 @@ def main() -> int:
     if "flex_attention_window" in outs:
         diff = (outs["flex_attention_window"] - outs["sdpa_bool_window_mask"]).abs().max()
         rows["flex_attention_window"]["max_diff_vs_masked_sdpa"] = float(diff)
+        grads = {}
+        for name, fn in (("flex", flex_window), ("sdpa", sdpa_masked)):
+            grads[name] = [g.float() for g in torch.autograd.grad((fn().float() * grad).sum(), (q, k, v))]
+        rows["flex_attention_window"]["max_grad_diff_vs_masked_sdpa"] = {
+            n: float((a - b).abs().max()) for n, a, b in zip("qkv", grads["flex"], grads["sdpa"], strict=True)
+        }
+        rows["flex_attention_window"]["max_grad_abs"] = {
+            n: float(b.abs().max()) for n, b in zip("qkv", grads["sdpa"], strict=True)
+        }
     base = rows["sdpa_bool_window_mask"].get("ms_fwd_bwd")
     print(f"\n{'row':28s} {'ms fwd+bwd':>11s} {'x masked SDPA':>14s}")
     for name, row in rows.items():

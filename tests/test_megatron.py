@@ -441,3 +441,24 @@ def test_gemma3_plans_and_submits_with_megatron():
     assert "cannot submit yet" not in plan.stdout and "rollout.block_size=32" in plan.stdout
     cp2 = run_cli("plan", "model=gemma3_4b", "trainer=megatron", "trainer.cp=2", *site)
     assert cp2.returncode != 0 and "trainer.cp" in cp2.stderr  # Gemma 3: no context parallel (quirk)
+
+
+def test_flex_window_attention_equals_masked_sdpa():
+    """The GPU path for sliding-window layers (flex_attention over a block mask) computes what the
+    masked SDPA does (here the eager flex_attention, forward only: its backward and the compiled kernel
+    are GPU-only; bench/window_attention_bench.py compares their gradients on the GPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from hpcrl.trainer.megatron.spec import flex_window_attention, window_mask
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 160, 16, generator=gen) for h in (4, 2, 2))
+    flex = flex_window_attention(q, k, v, 40, 0.3, kernel=flex_attention)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=window_mask(160, 40, q.device), scale=0.3, enable_gqa=True
+    )
+    assert torch.allclose(flex, sdpa, atol=1e-5)
+    far = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=0.3, enable_gqa=True
+    )
+    assert not torch.allclose(flex, far, atol=1e-3)  # the window cut keys off

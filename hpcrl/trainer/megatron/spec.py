@@ -13,6 +13,7 @@ filled by hpcrl:
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -61,10 +62,12 @@ class SDPAttention(torch.nn.Module):
             out = self._context_parallel(query, key, value)
         else:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            causal = (
-                True if self.window is None or s <= self.window else window_mask(s, self.window, q.device)
-            )
-            out = self._sdpa(q, k, v, causal=causal)
+            if self.window is None or s <= self.window:  # a window longer than the sequence is causal
+                out = self._sdpa(q, k, v, causal=True)
+            elif q.is_cuda and WINDOW_KERNEL == "flex":
+                out = flex_window_attention(q, k, v, self.window, self.scale)
+            else:
+                out = self._sdpa(q, k, v, causal=window_mask(s, self.window, q.device))
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: Any) -> torch.Tensor:
@@ -103,6 +106,42 @@ def sliding_window(config: Any, layer_number: int) -> int | None:
     if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
         return int(config.window_size[0]) + 1
     return None
+
+
+WINDOW_KERNEL = "flex"
+"""Sliding-window layers on GPUs: ``flex`` (flex_attention, key blocks outside the window skipped) or
+``sdpa`` (SDPA with a boolean mask: every key block computed). One H200, Gemma 3 1B's shape (8 x 2048,
+4/1 heads of 256, window 512), forward + backward: flex 1.06 ms, masked SDPA 2.30 ms, causal flash
+attention without a window 0.76 ms (bench/window_attention_bench.py). CPUs always take ``sdpa``."""
+
+
+@functools.cache
+def _window_block_mask(s: int, window: int, device: torch.device) -> Any:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def inside(b: Any, h: Any, q: Any, k: Any) -> Any:
+        return (q >= k) & (q - k < window)
+
+    return create_block_mask(inside, None, None, s, s, device=device)
+
+
+@functools.cache
+def _flex() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)  # eager flex_attention is a slow reference implementation
+
+
+# Eager, like the CP path: the block mask is cached per (length, window) outside any compiled graph,
+# and flex_attention runs as its own compiled kernel.
+@torch.compiler.disable
+def flex_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                          scale: float | None, kernel: Any = None) -> torch.Tensor:  # fmt: skip
+    """Sliding-window causal attention on [b, heads, s, dim] (query i reads keys i - window + 1 .. i);
+    ``kernel`` replaces the compiled flex_attention (tests pass the eager one)."""
+    block = _window_block_mask(q.shape[2], window, q.device)
+    run = kernel or _flex()
+    return run(q, k, v, block_mask=block, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def window_mask(s: int, window: int, device: torch.device) -> torch.Tensor:
