@@ -78,8 +78,13 @@ def run_isolated(name: str, args: list[str]) -> dict:
     for line in done.stdout.splitlines()[::-1]:
         if line.startswith("{"):
             return json.loads(line)
+    lines = done.stderr.strip().splitlines()
+    errors = [
+        line for line in lines if "Error" in line and not line.startswith(" ")
+    ]  # the exception, not NCCL's farewell
     return {
-        "error": f"{name} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
+        "error": f"{name} failed: {(errors or lines or [str(done.returncode)])[-1]}",
+        "stderr_tail": lines[-40:],
     }
 
 
@@ -120,10 +125,14 @@ def main() -> int:
     for row in rows.values():
         if "tokens_per_s" in row:
             row["mfu_datasheet"] = row["tokens_per_s"] * flops / DATASHEET_TFLOPS / 1e12
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        megatron_version = version("megatron-core")
+    except PackageNotFoundError:  # the rows then hold the import error
+        megatron_version = "not installed"
     results = {"model": args.model, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "megatron_core": version("megatron-core"), "flops_per_token": flops, "rows": rows}  # fmt: skip
+               "megatron_core": megatron_version, "flops_per_token": flops, "rows": rows}  # fmt: skip
     print(json.dumps(results, indent=1))
     print(f"\n{'row':36s} {'tok/s':>9s} {'MFU':>6s} {'peak GB':>8s} {'x HF':>6s}")
     for name, row in rows.items():

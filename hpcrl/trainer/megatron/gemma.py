@@ -79,7 +79,9 @@ def adapt_spec(spec: Any) -> None:
     layer = spec.submodules
     layer.self_attention.module = GemmaSelfAttention
     layer.self_attention.submodules.linear_proj = RowParallelLinearPostNorm
-    layer.mlp.submodules.linear_fc2 = RowParallelLinearPostNorm
+    # megatron-core 0.16 holds the MLP as a ModuleSpec, 0.19 as functools.partial(MLP..., submodules=...)
+    mlp = layer.mlp.submodules if hasattr(layer.mlp, "submodules") else layer.mlp.keywords["submodules"]
+    mlp.linear_fc2 = RowParallelLinearPostNorm
 
 
 def adapt_model(model: Any, hf: Any, compute_dtype: torch.dtype) -> None:
