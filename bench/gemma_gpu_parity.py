@@ -38,11 +38,17 @@ def batch(n: int, seq: int):
     return build_batch(prompts, comps, logps, ([1.0, -1.0] * n)[:n], [1.0] * n, 0)
 
 
-def one(backend: str, model_dir: Path, model: str, n: int, seq: int, out: Path) -> None:
+def one(backend: str, model_dir: Path, model: str, n: int, seq: int, out: Path, variant: str) -> None:
+    """``variant``: space-separated config overrides, plus ``window=sdpa`` for the masked-SDPA kernel."""
+    words = variant.split()
     cfg = compose_config([f"model={model}", f"trainer={backend}", "trainer.precision=float32",
-                          f"trainer.micro_batch_size={n}", "algo.kl_coef=0"])  # fmt: skip
+                          f"trainer.micro_batch_size={n}", "algo.kl_coef=0",
+                          *(w for w in words if not w.startswith("window="))])  # fmt: skip
     if backend == "megatron":
         from hpcrl.trainer.megatron import MegatronTrainer as Trainer
+        from hpcrl.trainer.megatron import spec
+
+        spec.WINDOW_KERNEL = "sdpa" if "window=sdpa" in words else "flex"
     else:
         from hpcrl.trainer.fsdp import FSDPTrainer as Trainer  # type: ignore[assignment]
     trainer = Trainer(model_dir, cfg, master=f"127.0.0.1:{free_port()}", device="cuda")
@@ -58,33 +64,38 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1536)
     p.add_argument("--one", nargs=3, metavar=("BACKEND", "MODEL_DIR", "OUT"))
+    p.add_argument("--variant", default="", help="for --one")
+    p.add_argument("--variants", default="", help="';'-separated megatron variants (overrides, window=sdpa)")
     a = p.parse_args()
     if a.one:
-        one(a.one[0], Path(a.one[1]), a.model, a.batch, a.seq, Path(a.one[2]))
+        one(a.one[0], Path(a.one[1]), a.model, a.batch, a.seq, Path(a.one[2]), a.variant)
         return 0
     model_dir = make_model_dir(compose_config([f"model={a.model}"]))
     runs, errors = {}, {}
-    for backend in ("megatron", "fsdp"):
-        out = model_dir.parent / f"{backend}.pt"
+    for backend, variant in (("fsdp", ""), *(("megatron", v.strip()) for v in a.variants.split(";"))):
+        name = f"{backend} {variant}".strip()
+        out = model_dir.parent / f"run{len(runs) + len(errors)}.pt"
         done = subprocess.run([sys.executable, __file__, "--model", a.model, "--batch", str(a.batch), "--seq",
-                               str(a.seq), "--one", backend, str(model_dir), str(out)], capture_output=True, text=True)  # fmt: skip
+                               str(a.seq), "--variant", variant, "--one", backend, str(model_dir), str(out)],
+                              capture_output=True, text=True)  # fmt: skip
         if done.returncode:
-            errors[backend] = done.stderr.strip().splitlines()[-30:]
+            errors[name] = done.stderr.strip().splitlines()[-30:]
         else:
-            runs[backend] = torch.load(out)
+            runs[name] = torch.load(out)
     result: dict = {"model": a.model, "batch": a.batch, "seq": a.seq, "gpu": torch.cuda.get_device_name(),
-                    "errors": errors}  # fmt: skip
-    if len(runs) == 2:
-        meg, ref = runs["megatron"], runs["fsdp"]
-        mask = ref["mask"][:, : meg["logp"].shape[1]]
-        result["max_logp_diff"] = float((meg["logp"] - ref["logp"])[mask].abs().max())
-        result["mean_abs_logp"] = float(ref["logp"][mask].abs().mean())
-        result["metrics"] = {k: {"megatron": meg["metrics"][k], "fsdp": ref["metrics"][k]}
-                             for k in ("loss", "entropy", "grad_norm")}  # fmt: skip
+                    "errors": errors, "runs": {}}  # fmt: skip
+    ref = runs.get("fsdp")
+    for name, run in runs.items():
+        row = {k: run["metrics"][k] for k in ("loss", "entropy", "grad_norm")}
+        if ref is not None:
+            mask = ref["mask"][:, : run["logp"].shape[1]]
+            row["max_logp_diff_vs_fsdp"] = float((run["logp"] - ref["logp"])[mask].abs().max())
+        result["runs"][name] = row
+        print(name, row, flush=True)
     print(json.dumps(result, indent=1))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], f"gemma_gpu_parity_{a.model}.json").write_text(json.dumps(result, indent=1))
-    return 0 if len(runs) == 2 else 1
+    return 0 if not errors else 1
 
 
 if __name__ == "__main__":
