@@ -55,7 +55,16 @@ def one(backend: str, model_dir: Path, model: str, n: int, seq: int, out: Path, 
     b = batch(n, seq)
     logp = trainer.logprobs(b)
     metrics = trainer.train_step(b, None)
-    torch.save({"logp": logp.cpu(), "mask": b.loss_mask.bool(), "metrics": metrics}, out)
+    if backend == "megatron":
+        grads = trainer.export_weights(grads=True)
+    else:
+        from hpcrl.trainer.fsdp import checkpoint_names
+
+        full = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for n, p in trainer.model.named_parameters()
+                if p.grad is not None}  # fmt: skip
+        grads = checkpoint_names(trainer.model, full)
+    norms = {n: float(g.float().norm()) for n, g in grads.items()}
+    torch.save({"logp": logp.cpu(), "mask": b.loss_mask.bool(), "metrics": metrics, "grad_norms": norms}, out)
 
 
 def main() -> int:
@@ -90,6 +99,10 @@ def main() -> int:
         if ref is not None:
             mask = ref["mask"][:, : run["logp"].shape[1]]
             row["max_logp_diff_vs_fsdp"] = float((run["logp"] - ref["logp"])[mask].abs().max())
+            if run is not ref:  # the weights whose gradient norms differ most from fsdp's
+                gaps = {n: (g, ref["grad_norms"].get(n, float("nan"))) for n, g in run["grad_norms"].items()}
+                worst = sorted(gaps.items(), key=lambda kv: -abs(kv[1][0] - kv[1][1]))[:6]
+                row["worst_grad_norms (megatron, fsdp)"] = dict(worst)
         result["runs"][name] = row
         print(name, row, flush=True)
     print(json.dumps(result, indent=1))
