@@ -10,7 +10,12 @@ from hpcrl.errors import ConfigError, DoesNotFitError
 from hpcrl.memory import MemoryEstimate, estimate_memory
 from hpcrl.quirks import AppliedQuirk, apply_quirks
 from hpcrl.topology import Topology, build_topology
-from hpcrl.trainer.config import MEGATRON_FAMILIES, FSDPTrainerConfig, MegatronTrainerConfig
+from hpcrl.trainer.config import (
+    MEGATRON_FAMILIES,
+    MEGATRON_GPU_GAPS,
+    FSDPTrainerConfig,
+    MegatronTrainerConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,12 @@ class Plan:
                 f"backend's HF<->Megatron weight mapping covers {', '.join(MEGATRON_FAMILIES)}); "
                 "the plan above is the layout it will use once it can"
             )
+        if (
+            isinstance(trainer, MegatronTrainerConfig)
+            and cfg.cluster.gpu != "cpu"
+            and cfg.model.family in MEGATRON_GPU_GAPS
+        ):
+            gaps.append(MEGATRON_GPU_GAPS[cfg.model.family])
         if (
             isinstance(trainer, MegatronTrainerConfig)
             and cfg.model.is_moe

@@ -30,7 +30,7 @@ from hpcrl.algo.losses import gen_kl_error, grpo_loss
 from hpcrl.config import RunConfig
 from hpcrl.topology import TrainParallel
 from hpcrl.trainer.batch import TrainBatch
-from hpcrl.trainer.config import MEGATRON_FAMILIES, MegatronTrainerConfig
+from hpcrl.trainer.config import MEGATRON_FAMILIES, MEGATRON_GPU_GAPS, MegatronTrainerConfig
 from hpcrl.trainer.fsdp import init_process_group
 from hpcrl.trainer.logprob_head import chunked_logprob
 from hpcrl.trainer.megatron import compat
@@ -113,6 +113,12 @@ class MegatronTrainer:
         if self.family not in MEGATRON_FAMILIES:
             raise ValueError(f"trainer=megatron cannot build model_type {hf.model_type!r} yet "
                              f"(supported: {', '.join(MEGATRON_FAMILIES)}); use trainer=fsdp for {model_dir}")  # fmt: skip
+        if (
+            device.startswith("cuda")
+            and self.family in MEGATRON_GPU_GAPS
+            and not os.environ.get("HPCRL_IGNORE_GPU_GAPS")
+        ):
+            raise ValueError(MEGATRON_GPU_GAPS[self.family])  # the planner refuses it before submitting
         experts = getattr(hf, "num_experts", 0) if hf.model_type == "qwen3_moe" else 0
         if experts and t.moe_gap(hf.model_type):  # the planner refuses it before submitting
             raise ValueError(t.moe_gap(hf.model_type))
