@@ -54,6 +54,7 @@ def one(backend: str, model_dir: Path, model: str, n: int, seq: int, out: Path, 
     else:
         from hpcrl.trainer.fsdp import FSDPTrainer as Trainer  # type: ignore[assignment]
     trainer = Trainer(model_dir, cfg, master=f"127.0.0.1:{free_port()}", device="cuda")
+    probes = probe_decoder_input(trainer, backend)
     b = batch(n, seq)
     logp = trainer.logprobs(b)
     metrics = trainer.train_step(b, None)
@@ -66,7 +67,32 @@ def one(backend: str, model_dir: Path, model: str, n: int, seq: int, out: Path, 
                 if p.grad is not None}  # fmt: skip
         grads = checkpoint_names(trainer.model, full)
     norms = {n: float(g.float().norm()) for n, g in grads.items()}
-    torch.save({"logp": logp.cpu(), "mask": b.loss_mask.bool(), "metrics": metrics, "grad_norms": norms}, out)
+    torch.save({"logp": logp.cpu(), "mask": b.loss_mask.bool(), "metrics": metrics, "grad_norms": norms,
+                "probes": probes}, out)  # fmt: skip
+
+
+def probe_decoder_input(trainer, backend: str) -> dict:
+    """Gradient norms at the decoder's input (the scaled embeddings) during the training backward: all
+    tokens, and the last row's last 7 (padding in ``batch``). Localises a wrong embedding gradient to
+    the lookup (these agree) or to what flows into it (these differ)."""
+    found: dict = {}
+
+    def record(grad: torch.Tensor, tokens_first: bool) -> None:
+        g = grad.detach().float()
+        last_row = g[-1, -7:] if tokens_first else g[-7:, -1]
+        found.setdefault("decoder_input", []).append(float(g.norm()))
+        found.setdefault("decoder_input_padding", []).append(float(last_row.norm()))
+
+    def hook(_module, _args, out):
+        if torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(lambda g: record(g, backend != "megatron"))  # megatron is [s, b, h]
+        return None
+
+    if backend == "megatron":
+        trainer.model.embedding.register_forward_hook(hook)  # after the sqrt(hidden) scaling hook
+    else:
+        trainer.model.get_decoder().embed_tokens.register_forward_hook(hook)
+    return found
 
 
 def main() -> int:
@@ -98,6 +124,7 @@ def main() -> int:
     ref = runs.get("fsdp")
     for name, run in runs.items():
         row = {k: run["metrics"][k] for k in ("loss", "entropy", "grad_norm")}
+        row["probes"] = run["probes"]
         if ref is not None:
             mask = ref["mask"][:, : run["logp"].shape[1]]
             row["max_logp_diff_vs_fsdp"] = float((run["logp"] - ref["logp"])[mask].abs().max())
