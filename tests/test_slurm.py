@@ -136,11 +136,13 @@ def test_split_tiny_run_learns_on_two_nodes(slurm_cluster, tmp_path):
     ]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 30
-    first, last = rows[1:6], rows[-5:]
-    mean = lambda rs: sum(r["train/reward"] for r in rs) / len(rs)  # noqa: E731
-    assert mean(last) > mean(first) + 0.05, (mean(first), mean(last))
+    # Single steps are noisy (one run here: 0.23-0.40 over the last ten): the last ten steps against
+    # the first five, and the fixed validation set before and after.
+    rewards = [r["train/reward"] for r in rows if "train/reward" in r]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    assert len(rewards) == 30 and last > first + 0.05, (first, last, rewards)
     vals = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
-    assert vals[-1] > vals[0], vals
+    assert vals[-1] > vals[0] + 0.05, vals
     assert (
         "validation accuracy" in logs and "placed: train x1 on hpcrl-node2; rollout x1 on hpcrl-node1" in logs
     )
