@@ -1,6 +1,7 @@
-"""Megatron-core backend: HF<->Megatron weight mapping (exact round trips, Qwen3-MoE too) and, under torchrun with
-gloo on CPU, TP=2 (sequence parallel) / PP=2 / TP=2xPP=2 / DP=2 / CP=2 / TP=2xCP=2 / PP=2xCP=2 giving
-the TP=1 losses and gradients, TP=1 giving fsdp's; a Qwen3 (Q/K norms) likewise."""
+"""Megatron-core backend: HF<->Megatron weight mapping (exact round trips, Qwen3-MoE and Gemma 3 too) and,
+under torchrun with gloo on CPU, TP=2 (sequence parallel) / PP=2 / TP=2xPP=2 / DP=2 / CP=2 / TP=2xCP=2 /
+PP=2xCP=2 giving the TP=1 losses and gradients, TP=1 giving fsdp's; a Qwen3 (Q/K norms), a Qwen3-MoE
+(EP, EP x PP, TP, TP x EP) and a Gemma 3 (TP, PP; its VLM's text decoder) likewise."""
 
 from __future__ import annotations
 
@@ -317,20 +318,32 @@ def test_qwen3_moe_matches_fsdp_and_expert_parallel_matches_one_rank(qwen3_moe_d
     assert hf_grads.keys() == base["grads"].keys()
     for name, grad in hf_grads.items():
         assert torch.allclose(base["grads"][name], grad, atol=1e-5), name
-    for ep, pp in ((2, 1), (2, 2)):
-        run = _torchrun(qwen3_moe_dir, tmp_path / f"ep{ep}pp{pp}.pt", 1, pp, port=29743 + pp, dp=ep,
+    # EP is carved out of the data-parallel ranks, or (tensor parallel) out of the TP ranks: TP=2 x EP=1
+    # keeps every expert on both TP ranks, each routing its own slice of the tokens (sequence parallel),
+    # so expert and router gradients are partial per rank and summed
+    # (TP=2 x DP=2 with EP=2: each expert on one TP rank of each data-parallel pair)
+    layouts = ((1, 2, 1, 2), (1, 2, 2, 2), (2, 1, 1, 1), (2, 2, 1, 1), (2, 2, 1, 2))
+    for i, (tp, ep, pp, dp) in enumerate(layouts):
+        where = f"TP={tp} EP={ep} PP={pp} DP={dp}"
+        run = _torchrun(qwen3_moe_dir, tmp_path / f"tp{tp}ep{ep}pp{pp}dp{dp}.pt", tp, pp, dp=dp, port=29771 + i,
                         extra=(*aux_off, f"trainer.ep={ep}"))  # fmt: skip
-        _assert_same_step(run, base, mask, f"EP={ep} PP={pp}")
-        assert all(run["state_restored"]), f"EP={ep} PP={pp}"
+        assert run["layout"]["sequence_parallel"] == (tp > 1), where
+        _assert_same_step(run, base, mask, where)
+        assert all(run["state_restored"]), where
 
 
-def test_moe_plans_with_megatron_and_refuses_tensor_parallel_until_supported():
+def test_moe_plans_with_megatron_under_tensor_parallel_and_refuses_context_parallel_until_supported():
     site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh", "cluster=h100"]
     # (one H100 node does not fit this model: plan exits 1 but still shows what it found)
     ok = run_cli("plan", "model=qwen3_30b_a3b", "trainer=megatron", "trainer.ep=8", *site)
     assert "EP" in ok.stdout and "cannot submit yet" not in ok.stdout, ok.stdout[-2000:]
     tp2 = run_cli("plan", "model=qwen3_30b_a3b", "trainer=megatron", "trainer.ep=4", "trainer.tp=2", *site)
-    assert "runs MoE models (qwen3_30b_a3b) with expert, pipeline and data parallelism only" in tp2.stdout
+    assert "EP" in tp2.stdout and "cannot submit yet" not in tp2.stdout, tp2.stdout[-2000:]
+    no_sp = run_cli("plan", "model=qwen3_30b_a3b", "trainer=megatron", "trainer.ep=4", "trainer.tp=2",
+                    "trainer.sequence_parallel=false", *site)  # fmt: skip
+    assert "under tensor parallel with sequence parallel only" in no_sp.stdout
+    cp2 = run_cli("plan", "model=qwen3_30b_a3b", "trainer=megatron", "trainer.ep=4", "trainer.cp=2", *site)
+    assert "with tensor, expert, pipeline and data parallelism so far (trainer.cp=2" in cp2.stdout
 
 
 def test_vlm_checkpoint_trains_its_text_decoder_and_exports_under_its_own_names():

@@ -130,10 +130,13 @@ class MegatronTrainerConfig(TrainerConfig):
 
     def moe_gap(self, model: str) -> str:
         """Why this layout cannot train the MoE model ``model`` yet (empty: it can)."""
-        if self.tp > 1 or self.cp > 1 or self.expert_tp > 1:
-            return (f"trainer=megatron runs MoE models ({model}) with expert, pipeline and data parallelism only "
-                    f"so far (trainer.tp={self.tp}, trainer.cp={self.cp}, trainer.expert_tp={self.expert_tp}): "
-                    "set them to 1")  # fmt: skip
+        if self.cp > 1 or self.expert_tp > 1:
+            return (f"trainer=megatron runs MoE models ({model}) with tensor, expert, pipeline and data parallelism "
+                    f"so far (trainer.cp={self.cp}, trainer.expert_tp={self.expert_tp}): set both to 1")  # fmt: skip
+        if self.tp > 1 and not self.sequence_parallel:
+            # Megatron's MoE layer takes each TP rank's own slice of the tokens
+            return (f"trainer=megatron runs MoE models ({model}) under tensor parallel with sequence parallel only "
+                    f"(trainer.tp={self.tp}): set trainer.sequence_parallel=true")  # fmt: skip
         return ""
 
     def compile_layers(self) -> bool:

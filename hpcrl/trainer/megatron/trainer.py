@@ -463,9 +463,12 @@ class MegatronTrainer:
             # average over both groups sums the CP ranks' token shares and averages over DP.
             group = ps.get_data_parallel_group(with_context_parallel=True)
             _all_reduce([p.grad for p in self.dense_params], group, scale=1 / replicas)
-        if self.expert_params and self.par.dp > 1:
+        if self.expert_params and (self.par.dp > 1 or ps.get_expert_data_parallel_world_size() > 1):
             # An expert already got the gradients of every EP rank's tokens routed to it (the
-            # all-to-all's backward): sum over the ranks holding the same experts, average over DP.
+            # all-to-all's backward: every data-parallel rank's tokens when EP spans DP); the ranks
+            # holding the same experts (expert data parallel: DP, and TP ranks beyond EP, each with its
+            # own slice of the tokens under sequence parallel) saw different tokens: sum over them,
+            # then average over DP as the dense gradients are.
             grads = [p.grad for p in self.expert_params]
             _all_reduce(grads, ps.get_expert_data_parallel_group(), scale=1 / self.par.dp)
         if self.par.tp > 1 and self.tp_partial:
