@@ -121,6 +121,8 @@ class MegatronTrainerConfig(TrainerConfig):
     bytes per token x hidden per layer). Costs speed where memory is plentiful: Qwen2-1.5B at TP=2,
     8 x 2048 on 2 H200s ran 0.77x as fast for 0.91x the memory (bench/results/README.md)."""
     distributed_optimizer: bool = True
+    """Adam's state sharded as Megatron's distributed optimizer (ZeRO-1): dense weights over data x
+    context parallel, experts over their expert-data-parallel group; checkpoints keep each rank's shard."""
     expert_tp: int = 1
     """Tensor parallel size inside each expert (Megatron's expert_tensor_parallel_size)."""
     virtual_pp: int | None = None

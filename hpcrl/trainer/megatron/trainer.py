@@ -34,6 +34,7 @@ from hpcrl.trainer.config import MEGATRON_FAMILIES, MEGATRON_GPU_GAPS, MegatronT
 from hpcrl.trainer.fsdp import init_process_group
 from hpcrl.trainer.logprob_head import chunked_logprob
 from hpcrl.trainer.megatron import compat
+from hpcrl.trainer.megatron.optimizer import ShardedAdamW
 from hpcrl.trainer.megatron.spec import cp_gather, family, layer_spec, transformer_config, uses_fused_norms
 from hpcrl.trainer.megatron.weights import (
     LanguageModel,
@@ -193,24 +194,21 @@ class MegatronTrainer:
             getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name)]  # fmt: skip
         self.optimizer = self._make_optimizer()
 
-    def _make_optimizer(self) -> Any:
-        """AdamW; with ``trainer.distributed_optimizer`` and data parallel ranks, its state (m, v) is
-        sharded over them as in Megatron's distributed optimizer (ZeRO-1): each rank updates its part
-        of the parameters and broadcasts it. Expert-parallel runs keep a replicated optimizer (their
-        expert weights differ per rank, so the dense data-parallel group is the wrong one to shard over)."""
+    def _make_optimizer(self) -> ShardedAdamW:
+        """AdamW; with ``trainer.distributed_optimizer`` its state (m, v) is sharded as Megatron's
+        distributed optimizer does (ZeRO-1): dense weights over data x context parallel, experts over
+        their expert-data-parallel group (optimizer.py)."""
         t, algo = self.cfg.trainer, self.cfg.algo
         kwargs: dict[str, Any] = {"lr": algo.lr, "weight_decay": t.weight_decay, "betas": (0.9, 0.999),
                                   "fused": True if self.device.type == "cuda" else None}  # fmt: skip
-        if getattr(t, "distributed_optimizer", False) and self.par.dp > 1 and self.par.ep == 1:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
+        shard = bool(getattr(t, "distributed_optimizer", False))
+        dense = self.ps.get_data_parallel_group(with_context_parallel=True) if shard else None
+        expert = self.ps.get_expert_data_parallel_group() if shard and self.expert_params else None
+        return ShardedAdamW([(self.dense_params, dense), (self.expert_params, expert)], **kwargs)
 
-            return ZeroRedundancyOptimizer(self.params, optimizer_class=torch.optim.AdamW,
-                                           process_group=self.ps.get_data_parallel_group(), **kwargs)  # fmt: skip
-        return torch.optim.AdamW(self.params, **kwargs)
-
-    def local_optimizer(self) -> Any:
-        """The optimizer holding this rank's state: its shard under the distributed optimizer."""
-        return getattr(self.optimizer, "optim", self.optimizer)
+    def local_optimizer(self) -> ShardedAdamW:
+        """The optimizer holding this rank's state (``.state``: its shards)."""
+        return self.optimizer
 
     # -- weights -----------------------------------------------------------------------------------
     def _load(self, model: Any, full: dict[str, torch.Tensor]) -> None:
