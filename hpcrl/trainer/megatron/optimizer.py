@@ -53,7 +53,9 @@ class ShardedAdamW:
     def state_dict(self) -> list[dict[str, Any]]:
         return [opt.state_dict() for opt in self.local()]
 
-    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+    def load_state_dict(self, state: list[dict[str, Any]] | dict[str, Any]) -> None:
+        if isinstance(state, dict):  # written before the state was split into parts: one plain AdamW
+            state = [state]
         if len(state) != len(self.parts):
             raise ValueError(f"checkpoint holds {len(state)} optimizer parts, this layout has {len(self.parts)}: "
                              "resume with the trainer.* parallel sizes the checkpoint was written with")  # fmt: skip
