@@ -5,7 +5,9 @@ Data: ranks of one data-parallel group see the same shard. Per optimizer step th
 into equal micro-batches (a short last one is padded with zero-weight rows, as the pipeline
 schedules need one tensor shape) and run through Megatron's forward/backward schedule; gradients
 are summed over context parallel and averaged over data parallel, tied-embedding copies summed over
-the embedding group, the norm clipped over the model-parallel group, then AdamW steps. Logprobs come
+the embedding group, the norm clipped over the model-parallel group, then AdamW steps (its state
+sharded as Megatron's distributed optimizer: optimizer.py). A vision-language checkpoint trains its
+text decoder (weights.LanguageModel); Gemma 3's own modules are in gemma.py. Logprobs come
 from the last pipeline stage (vocab-parallel log-softmax across TP) and are broadcast to the whole
 pipeline.
 
