@@ -111,8 +111,8 @@ def sliding_window(config: Any, layer_number: int) -> int | None:
 WINDOW_KERNEL = "flex"
 """Sliding-window layers on GPUs: ``flex`` (flex_attention, key blocks outside the window skipped) or
 ``sdpa`` (SDPA with a boolean mask: every key block computed). One H200, Gemma 3 1B's shape (8 x 2048,
-4/1 heads of 256, window 512), forward + backward: flex 1.06 ms, masked SDPA 2.30 ms, causal flash
-attention without a window 0.76 ms (bench/window_attention_bench.py). CPUs always take ``sdpa``."""
+4/1 heads of 256, window 512), forward + backward: flex 1.09 ms, masked SDPA 2.30 ms, causal flash
+attention without a window 0.74 ms (bench/window_attention_bench.py). CPUs always take ``sdpa``."""
 
 
 @functools.cache
@@ -205,7 +205,7 @@ def layer_spec(config: Any, family: str = "") -> Any:
     )
 
     experts, qk_norm = config.num_moe_experts, bool(config.qk_layernorm)
-    if have_transformer_engine() and not uses_local_spec(family):
+    if not uses_local_spec(family):
         return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=qk_norm)
     spec = copy.deepcopy(
         specs.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=qk_norm, normalization="RMSNorm")

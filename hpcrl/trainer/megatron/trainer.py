@@ -201,9 +201,10 @@ class MegatronTrainer:
         distributed optimizer does (ZeRO-1): dense weights over data x context parallel, experts over
         their expert-data-parallel group (optimizer.py)."""
         t, algo = self.cfg.trainer, self.cfg.algo
+        assert isinstance(t, MegatronTrainerConfig)
         kwargs: dict[str, Any] = {"lr": algo.lr, "weight_decay": t.weight_decay, "betas": (0.9, 0.999),
                                   "fused": True if self.device.type == "cuda" else None}  # fmt: skip
-        shard = bool(getattr(t, "distributed_optimizer", False))
+        shard = t.distributed_optimizer
         dense = self.ps.get_data_parallel_group(with_context_parallel=True) if shard else None
         expert = self.ps.get_expert_data_parallel_group() if shard and self.expert_params else None
         return ShardedAdamW([(self.dense_params, dense), (self.expert_params, expert)], **kwargs)
