@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ os.environ.setdefault("HPCRL_IGNORE_GPU_GAPS", "1")
 from gpu_bench import make_model_dir
 
 from hpcrl.config import compose_config
+from hpcrl.trainer import make_trainer
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.fsdp import free_port
 
@@ -47,13 +49,10 @@ def one(backend: str, model_dir: Path, model: str, n: int, seq: int, out: Path, 
                           f"trainer.micro_batch_size={n}", "algo.kl_coef=0",
                           *(w for w in words if not w.startswith("window="))])  # fmt: skip
     if backend == "megatron":
-        from hpcrl.trainer.megatron import MegatronTrainer as Trainer
         from hpcrl.trainer.megatron import spec
 
         spec.WINDOW_KERNEL = "sdpa" if "window=sdpa" in words else "flex"
-    else:
-        from hpcrl.trainer.fsdp import FSDPTrainer as Trainer  # type: ignore[assignment]
-    trainer = Trainer(model_dir, cfg, master=f"127.0.0.1:{free_port()}", device="cuda")
+    trainer: Any = make_trainer(model_dir, cfg, 0, 1, f"127.0.0.1:{free_port()}", "cuda")
     probes = probe_decoder_input(trainer, backend)
     b = batch(n, seq)
     logp = trainer.logprobs(b)

@@ -27,6 +27,7 @@ os.environ.setdefault("HPCRL_IGNORE_GPU_GAPS", "1")
 from gpu_bench import DATASHEET_TFLOPS, bench_train_baseline, make_model_dir, timed, train_flops_per_token
 
 from hpcrl.config import compose_config
+from hpcrl.trainer import make_trainer
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.fsdp import free_port
 
@@ -51,17 +52,11 @@ def bench_backend(backend: str, model_dir: Path, batch: int, seq: int, local_spe
         if local_spec:  # Megatron's own unfused attention instead of hpcrl's SDPA slot
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-            spec.layer_spec = lambda config, family="": get_gpt_layer_local_spec(normalization="RMSNorm")  # type: ignore[assignment]
+            spec.layer_spec = lambda config, fam: get_gpt_layer_local_spec(normalization="RMSNorm")  # type: ignore[assignment]
             import hpcrl.trainer.megatron.trainer as mt
 
             mt.layer_spec = spec.layer_spec
-        from hpcrl.trainer.megatron import MegatronTrainer
-
-        trainer = MegatronTrainer(model_dir, cfg, master=f"127.0.0.1:{free_port()}", device="cuda")
-    else:
-        from hpcrl.trainer.fsdp import FSDPTrainer
-
-        trainer = FSDPTrainer(model_dir, cfg, master=f"127.0.0.1:{free_port()}", device="cuda")
+    trainer = make_trainer(model_dir, cfg, 0, 1, f"127.0.0.1:{free_port()}", "cuda")
     b = grpo_batch(batch, seq)
     torch.cuda.reset_peak_memory_stats()
     try:

@@ -14,23 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def timed_ms(fn, warmup: int = 3, iters: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+from gpu_bench import timed
 
 
 def main() -> int:
@@ -83,7 +75,7 @@ def main() -> int:
     for name, fn in (("sdpa_causal (no window)", sdpa_causal), ("sdpa_bool_window_mask", sdpa_masked),
                      ("flex_attention_window", flex_window)):  # fmt: skip
         try:
-            rows[name] = {"ms_fwd_bwd": timed_ms(step(fn))}
+            rows[name] = {"ms_fwd_bwd": 1000 * timed(step(fn), 3, 10)}
             with torch.no_grad():
                 outs[name] = fn().float()
         except Exception as exc:  # a kernel that does not run here is a result too

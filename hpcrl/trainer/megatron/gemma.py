@@ -29,12 +29,57 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention
 
-from hpcrl.trainer.megatron.spec import SPNorm, sliding_window
+from hpcrl.trainer.megatron.spec import GPTFamily, SPNorm, sliding_window
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """Hugging Face's ``gelu_pytorch_tanh``."""
     return F.gelu(x, approximate="tanh")
+
+
+class Gemma3(GPTFamily):
+    """Gemma 3's departures from the plain GPT (module docstring); always the local spec: its sandwich
+    norms have no place in Transformer Engine's."""
+
+    local_spec_only = True
+    sandwich_norms = True
+
+    def config_fields(self, hf: Any) -> dict[str, Any]:
+        check_supported(hf)
+        sliding = [int(kind == "sliding_attention") for kind in hf.layer_types]
+        return {
+            "layernorm_zero_centered_gamma": True,
+            "activation_func": gelu_tanh,
+            "bias_activation_fusion": False,  # Megatron fuses SwiGLU or erf-GELU only
+            "qk_layernorm": True,
+            "softmax_scale": hf.query_pre_attn_scalar**-0.5,
+            # Hugging Face: query i sees keys i - window + 1 .. i; Megatron's (left, right) counts them so
+            "window_size": (hf.sliding_window - 1, 0) if any(sliding) else None,
+            "window_attn_skip_freq": sliding if any(sliding) else None,
+        }
+
+    def rope(self, hf: Any) -> dict[str, Any]:
+        """The global layers' base and linear scaling; the local base goes in with ``adapt_model``."""
+        base, factor, _ = rope_bases(hf)
+        return {"rotary_base": base, "seq_len_interpolation_factor": factor}
+
+    def adapt_spec(self, spec: Any) -> None:
+        layer = spec.submodules
+        layer.self_attention.module = GemmaSelfAttention
+        layer.self_attention.submodules.linear_proj = RowParallelLinearPostNorm
+        # megatron-core 0.16 holds the MLP as a ModuleSpec, 0.19 as functools.partial(MLP..., submodules=...)
+        mlp = layer.mlp.submodules if hasattr(layer.mlp, "submodules") else layer.mlp.keywords["submodules"]
+        mlp.linear_fc2 = RowParallelLinearPostNorm
+
+    def adapt_model(self, model: Any, hf: Any, compute_dtype: torch.dtype) -> None:
+        """Embeddings scaled, both RoPE bases handed to every layer."""
+        if getattr(model, "embedding", None) is not None:  # the first pipeline stage
+            factor = float(torch.tensor(hf.hidden_size**0.5, dtype=compute_dtype))
+            model.embedding.register_forward_hook(lambda _module, _args, out: out * factor)
+        _, _, local_base = rope_bases(hf)
+        local = RotaryEmbedding(kv_channels=model.config.kv_channels, rotary_percent=1.0, rotary_base=local_base,
+                                use_cpu_initialization=True, cp_group=model.rotary_pos_emb.cp_group)  # fmt: skip
+        model.rotary_pos_emb = DualRotaryEmbedding(model.rotary_pos_emb, local)
 
 
 def check_supported(hf: Any) -> None:
@@ -51,48 +96,12 @@ def check_supported(hf: Any) -> None:
                          f"layers, not {full.get('rope_type')!r}: use trainer=fsdp")  # fmt: skip
 
 
-def rope(hf: Any) -> tuple[float, float | None, float]:
+def rope_bases(hf: Any) -> tuple[float, float | None, float]:
     """(global base, global linear scaling factor or None, local base)."""
     params = hf.rope_parameters
     full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
     factor = full.get("factor") if full.get("rope_type") == "linear" else None
     return float(full.get("rope_theta", 1e6)), factor, float(local.get("rope_theta", 1e4))
-
-
-def config_fields(hf: Any) -> dict[str, Any]:
-    """Gemma 3's TransformerConfig fields (overriding the GPT defaults in spec.transformer_config)."""
-    sliding = [int(kind == "sliding_attention") for kind in hf.layer_types]
-    return {
-        "layernorm_zero_centered_gamma": True,
-        "activation_func": gelu_tanh,
-        "bias_activation_fusion": False,  # Megatron fuses SwiGLU or erf-GELU only
-        "qk_layernorm": True,
-        "softmax_scale": hf.query_pre_attn_scalar**-0.5,
-        # Hugging Face: query i sees keys i - window + 1 .. i; Megatron's (left, right) counts them so
-        "window_size": (hf.sliding_window - 1, 0) if any(sliding) else None,
-        "window_attn_skip_freq": sliding if any(sliding) else None,
-    }
-
-
-def adapt_spec(spec: Any) -> None:
-    """The local GPT layer spec (already holding hpcrl's SDPA and norms) -> Gemma 3's, in place."""
-    layer = spec.submodules
-    layer.self_attention.module = GemmaSelfAttention
-    layer.self_attention.submodules.linear_proj = RowParallelLinearPostNorm
-    # megatron-core 0.16 holds the MLP as a ModuleSpec, 0.19 as functools.partial(MLP..., submodules=...)
-    mlp = layer.mlp.submodules if hasattr(layer.mlp, "submodules") else layer.mlp.keywords["submodules"]
-    mlp.linear_fc2 = RowParallelLinearPostNorm
-
-
-def adapt_model(model: Any, hf: Any, compute_dtype: torch.dtype) -> None:
-    """After GPTModel is built: embeddings scaled, both RoPE bases handed to every layer."""
-    if getattr(model, "embedding", None) is not None:  # the first pipeline stage
-        factor = float(torch.tensor(hf.hidden_size**0.5, dtype=compute_dtype))
-        model.embedding.register_forward_hook(lambda _module, _args, out: out * factor)
-    _, _, local_base = rope(hf)
-    local = RotaryEmbedding(kv_channels=model.config.kv_channels, rotary_percent=1.0, rotary_base=local_base,
-                            use_cpu_initialization=True, cp_group=model.rotary_pos_emb.cp_group)  # fmt: skip
-    model.rotary_pos_emb = DualRotaryEmbedding(model.rotary_pos_emb, local)
 
 
 class DualRotaryEmbedding(torch.nn.Module):

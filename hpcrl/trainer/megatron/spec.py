@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from hpcrl.topology import TrainParallel
-from hpcrl.trainer.config import MegatronTrainerConfig, Precision
+from hpcrl.trainer.config import MegatronTrainerConfig, Precision, megatron_family
 
 
 def have_transformer_engine() -> bool:
@@ -194,9 +194,46 @@ class SPNorm(torch.nn.RMSNorm):
         return y
 
 
-def layer_spec(config: Any, family: str = "") -> Any:
-    """The decoder spec GPTModel takes, for this pipeline stage's layers. Gemma 3 always gets the
-    local spec with hpcrl's modules (its sandwich norms have no place in Transformer Engine's spec)."""
+class GPTFamily:
+    """How a model family's decoder departs from Megatron's plain GPT: not at all for Qwen2/Qwen3/
+    Llama and Qwen3-MoE; gemma.py's ``Gemma3`` overrides each hook. ``family_of`` picks one."""
+
+    local_spec_only = False
+    """Built from Megatron's local spec even when Transformer Engine is installed."""
+    sandwich_norms = False
+    """Post-attention / post-MLP norms (weights.Shape)."""
+
+    def config_fields(self, hf: Any) -> dict[str, Any]:
+        """TransformerConfig fields beyond the GPT ones in ``transformer_config``."""
+        return {}
+
+    def rope(self, hf: Any) -> dict[str, Any]:
+        """GPTModel's RoPE arguments."""
+        params = getattr(hf, "rope_parameters", None) or {}
+        return {"rotary_base": float(getattr(hf, "rope_theta", None) or params.get("rope_theta", 10000.0))}
+
+    def adapt_spec(self, spec: Any) -> None:
+        """The local layer spec (hpcrl's SDPA and norms already in) -> this family's, in place."""
+
+    def adapt_model(self, model: Any, hf: Any, compute_dtype: torch.dtype) -> None:
+        """After GPTModel is built, before the weights load."""
+
+
+def family(hf: Any) -> str:
+    """The catalog family (hpcrl/models.py) of a Hugging Face text config."""
+    return megatron_family(hf.model_type)
+
+
+def family_of(hf: Any) -> GPTFamily:
+    if family(hf) == "gemma3":
+        from hpcrl.trainer.megatron.gemma import Gemma3
+
+        return Gemma3()
+    return GPTFamily()
+
+
+def layer_spec(config: Any, fam: GPTFamily) -> Any:
+    """The decoder spec GPTModel takes, for this pipeline stage's layers."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_block import (
@@ -205,7 +242,7 @@ def layer_spec(config: Any, family: str = "") -> Any:
     )
 
     experts, qk_norm = config.num_moe_experts, bool(config.qk_layernorm)
-    if not uses_local_spec(family):
+    if not uses_local_spec(fam):
         return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=qk_norm)
     spec = copy.deepcopy(
         specs.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=qk_norm, normalization="RMSNorm")
@@ -217,20 +254,17 @@ def layer_spec(config: Any, family: str = "") -> Any:
         attention.q_layernorm = attention.k_layernorm = SPNorm
     else:
         assert attention.q_layernorm is IdentityOp
-    if family == "gemma3":
-        from hpcrl.trainer.megatron import gemma
-
-        gemma.adapt_spec(spec)
+    fam.adapt_spec(spec)
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=SPNorm)
 
 
-def uses_local_spec(family: str) -> bool:
-    return family == "gemma3" or not have_transformer_engine()
+def uses_local_spec(fam: GPTFamily) -> bool:
+    return fam.local_spec_only or not have_transformer_engine()
 
 
-def uses_fused_norms(family: str = "") -> bool:
+def uses_fused_norms(fam: GPTFamily) -> bool:
     """TE's spec folds the pre-attention/pre-MLP norms into linear_qkv / linear_fc1 (weight names differ)."""
-    return not uses_local_spec(family)
+    return not uses_local_spec(fam)
 
 
 def transformer_config(hf: Any, trainer: MegatronTrainerConfig, par: TrainParallel, *, device: str) -> Any:
@@ -281,24 +315,7 @@ def transformer_config(hf: Any, trainer: MegatronTrainerConfig, par: TrainParall
         variable_seq_lengths=False,
         moe_router_dtype=trainer.router_dtype,
     )
-    return TransformerConfig(**{**fields, **moe_settings(hf, trainer), **family_settings(hf)})
-
-
-def family(hf: Any) -> str:
-    """The catalog family (hpcrl/models.py) of a Hugging Face text config."""
-    from hpcrl.trainer.config import megatron_family
-
-    return megatron_family(hf.model_type)
-
-
-def family_settings(hf: Any) -> dict[str, Any]:
-    """TransformerConfig fields a family sets beyond the Qwen/Llama GPT above (Gemma 3: gemma.py)."""
-    if family(hf) != "gemma3":
-        return {}
-    from hpcrl.trainer.megatron import gemma
-
-    gemma.check_supported(hf)
-    return gemma.config_fields(hf)
+    return TransformerConfig(**{**fields, **moe_settings(hf, trainer), **family_of(hf).config_fields(hf)})
 
 
 def moe_settings(hf: Any, trainer: MegatronTrainerConfig) -> dict[str, Any]:

@@ -37,7 +37,14 @@ from hpcrl.trainer.fsdp import init_process_group
 from hpcrl.trainer.logprob_head import chunked_logprob
 from hpcrl.trainer.megatron import compat
 from hpcrl.trainer.megatron.optimizer import ShardedAdamW
-from hpcrl.trainer.megatron.spec import cp_gather, family, layer_spec, transformer_config, uses_fused_norms
+from hpcrl.trainer.megatron.spec import (
+    cp_gather,
+    family,
+    family_of,
+    layer_spec,
+    transformer_config,
+    uses_fused_norms,
+)
 from hpcrl.trainer.megatron.weights import (
     LanguageModel,
     Shape,
@@ -66,22 +73,11 @@ def load_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 def model_shape(hf: Any, tp: int) -> Shape:
     heads = hf.num_attention_heads
     padded = math.ceil(hf.vocab_size / tp) * tp
-    fam = family(hf)
+    fam = family_of(hf)
     return Shape(heads=heads, groups=hf.num_key_value_heads,
                  head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
                  vocab=hf.vocab_size, padded_vocab=padded, fused_norms=uses_fused_norms(fam),
-                 sandwich_norms=fam == "gemma3")  # fmt: skip
-
-
-def rope_settings(hf: Any) -> dict[str, Any]:
-    """GPTModel's RoPE arguments: the base (and Gemma 3's linear scaling) of the global layers."""
-    if family(hf) == "gemma3":
-        from hpcrl.trainer.megatron import gemma
-
-        base, factor, _ = gemma.rope(hf)
-        return {"rotary_base": base, "seq_len_interpolation_factor": factor}
-    params = getattr(hf, "rope_parameters", None) or {}
-    return {"rotary_base": float(getattr(hf, "rope_theta", None) or params.get("rope_theta", 10000.0))}
+                 sandwich_norms=fam.sandwich_norms)  # fmt: skip
 
 
 class MegatronTrainer:
@@ -112,16 +108,16 @@ class MegatronTrainer:
         # a vision-language checkpoint (Gemma 3 4B+): the text decoder is trained, the vision tower
         # stays frozen in the rollout engines (weights.LanguageModel)
         hf = AutoConfig.from_pretrained(model_dir).get_text_config()
-        self.family = family(hf)
-        if self.family not in MEGATRON_FAMILIES:
+        name = family(hf)
+        if name not in MEGATRON_FAMILIES:
             raise ValueError(f"trainer=megatron cannot build model_type {hf.model_type!r} yet "
                              f"(supported: {', '.join(MEGATRON_FAMILIES)}); use trainer=fsdp for {model_dir}")  # fmt: skip
         if (
             device.startswith("cuda")
-            and self.family in MEGATRON_GPU_GAPS
+            and name in MEGATRON_GPU_GAPS
             and not os.environ.get("HPCRL_IGNORE_GPU_GAPS")
         ):
-            raise ValueError(MEGATRON_GPU_GAPS[self.family])  # the planner refuses it before submitting
+            raise ValueError(MEGATRON_GPU_GAPS[name])  # the planner refuses it before submitting
         experts = getattr(hf, "num_experts", 0) if hf.model_type == "qwen3_moe" else 0
         if experts and t.moe_gap(hf.model_type):  # the planner refuses it before submitting
             raise ValueError(t.moe_gap(hf.model_type))
@@ -149,18 +145,17 @@ class MegatronTrainer:
         self.fused_head = t.chunked_logprob()
         self.compute_dtype = torch.bfloat16 if config.enable_autocast else torch.float32
 
+        arch = family_of(hf)
+
         def build() -> Any:
             model = GPTModel(
-                config=config, transformer_layer_spec=layer_spec(config, self.family),
+                config=config, transformer_layer_spec=layer_spec(config, arch),
                 vocab_size=self.shape.padded_vocab, max_sequence_length=hf.max_position_embeddings,
                 pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                 share_embeddings_and_output_weights=self.tied, position_embedding_type="rope",
-                **rope_settings(hf),
+                **arch.rope(hf),
             )  # fmt: skip
-            if self.family == "gemma3":
-                from hpcrl.trainer.megatron import gemma
-
-                gemma.adapt_model(model, hf, self.compute_dtype)
+            arch.adapt_model(model, hf, self.compute_dtype)
             return with_hidden_output(model.to(self.device), self.fused_head)
 
         self.layer_offset = hf.num_hidden_layers // self.par.pp * ps.get_pipeline_model_parallel_rank()
