@@ -15,7 +15,7 @@ What Gemma 3 has that the Qwen/Llama GPT does not, and where each lives here:
   33.94, in bf16 for the 1B);
 - GeGLU with tanh-approximated GELU, softmax scale ``query_pre_attn_scalar ** -0.5``.
 
-Imports Megatron-core: import this module only where a Megatron model is built (spec.layer_spec,
+Imports Megatron-core: imported only where a Megatron model is built (``spec.family_of``, called by
 the trainer), never from the torch-free planner.
 """
 
