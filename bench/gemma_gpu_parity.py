@@ -32,6 +32,10 @@ from hpcrl.trainer import make_trainer
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.fsdp import free_port
 
+# e.g. "model.num_layers=2" for a quick try on CPU
+MODEL_OVERRIDES = os.environ.get("HPCRL_BENCH_MODEL_OVERRIDES", "").split()
+DEVICE = os.environ.get("HPCRL_BENCH_DEVICE", "cuda")  # "cpu" to try the script here
+
 
 def batch(n: int, seq: int):
     gen = torch.Generator().manual_seed(0)
@@ -45,14 +49,14 @@ def batch(n: int, seq: int):
 def one(backend: str, model_dir: Path, model: str, n: int, seq: int, out: Path, variant: str) -> None:
     """``variant``: space-separated config overrides, plus ``window=sdpa`` for the masked-SDPA kernel."""
     words = variant.split()
-    cfg = compose_config([f"model={model}", f"trainer={backend}", "trainer.precision=float32",
-                          f"trainer.micro_batch_size={n}", "algo.kl_coef=0",
+    cfg = compose_config([f"model={model}", *MODEL_OVERRIDES, f"trainer={backend}", "trainer.precision=float32",
+                          f"trainer.micro_batch_size={n}", "algo.kl_coef=0", "trainer.grad_clip=1e12",
                           *(w for w in words if not w.startswith("window="))])  # fmt: skip
     if backend == "megatron":
         from hpcrl.trainer.megatron import spec
 
         spec.WINDOW_KERNEL = "sdpa" if "window=sdpa" in words else "flex"
-    trainer: Any = make_trainer(model_dir, cfg, 0, 1, f"127.0.0.1:{free_port()}", "cuda")
+    trainer: Any = make_trainer(model_dir, cfg, 0, 1, f"127.0.0.1:{free_port()}", DEVICE)
     probes = probe_decoder_input(trainer, backend)
     b = batch(n, seq)
     logp = trainer.logprobs(b)
@@ -66,6 +70,16 @@ def one(backend: str, model_dir: Path, model: str, n: int, seq: int, out: Path, 
                 if p.grad is not None}  # fmt: skip
         grads = checkpoint_names(trainer.model, full)
     norms = {n: float(g.float().norm()) for n, g in grads.items()}
+    emb_name = next(n for n in grads if n.endswith("embed_tokens.weight"))
+    emb = grads[emb_name].float().to(probes["lookup"].device)
+    lookup = probes.pop("lookup")
+    probes.update({
+        "embedding_grad_rows_top5": _top_rows(emb),
+        "embedding_grad_row0": float(emb[0].norm()),
+        "lookup_part_norm": float(lookup.norm()),
+        "lookup_part_rows_top5": _top_rows(lookup),
+        "head_part_norm (total - lookup)": float((emb - lookup).norm()),
+    })  # fmt: skip
     torch.save({"logp": logp.cpu(), "mask": b.loss_mask.bool(), "metrics": metrics, "grad_norms": norms,
                 "probes": probes}, out)  # fmt: skip
 
@@ -76,22 +90,55 @@ def probe_decoder_input(trainer, backend: str) -> dict:
     the lookup (these agree) or to what flows into it (these differ)."""
     found: dict = {}
 
-    def record(grad: torch.Tensor, tokens_first: bool) -> None:
+    def record(grad: torch.Tensor, ids: torch.Tensor, tokens_first: bool) -> None:
         g = grad.detach().float()
         last_row = g[-1, -7:] if tokens_first else g[-7:, -1]
         found.setdefault("decoder_input", []).append(float(g.norm()))
         found.setdefault("decoder_input_padding", []).append(float(last_row.norm()))
+        # what the lookup alone gives the embedding weight: the scale times the scattered input grads
+        # (both probes sit after the sqrt(hidden) scaling); the pad row (id 0, HF's padding_idx) gets
+        # nothing in either backend (spec.keep_pad_row_untrained)
+        g = g if tokens_first else g.transpose(0, 1)
+        part = torch.zeros(vocab, g.shape[-1], device=g.device).index_add_(
+            0, ids.reshape(-1), g.reshape(-1, g.shape[-1])
+        )
+        part[0] = 0
+        found["lookup"] = found.get("lookup", 0) + part * scale
 
-    def hook(_module, _args, out):
+    def hook(_module, args, kwargs, out):
         if torch.is_grad_enabled() and out.requires_grad:
-            out.register_hook(lambda g: record(g, backend != "megatron"))  # megatron is [s, b, h]
+            ids = args[0] if args else kwargs["input_ids"]
+            out.register_hook(lambda g: record(g, ids, backend != "megatron"))  # megatron is [s, b, h]
         return None
 
+    scale = float(torch.tensor(hidden**0.5)) if (hidden := _hidden(trainer)) else 1.0
+    vocab = _vocab(trainer)
+
     if backend == "megatron":
-        trainer.model.embedding.register_forward_hook(hook)  # after the sqrt(hidden) scaling hook
+        # after the sqrt(hidden) scaling hook
+        trainer.model.embedding.register_forward_hook(hook, with_kwargs=True)
     else:
-        trainer.model.get_decoder().embed_tokens.register_forward_hook(hook)
+        trainer.model.get_decoder().embed_tokens.register_forward_hook(hook, with_kwargs=True)
     return found
+
+
+def _top_rows(grad: torch.Tensor) -> dict[int, float]:
+    top = grad.norm(dim=1).topk(5)
+    return {int(i): float(v) for i, v in zip(top.indices, top.values, strict=True)}
+
+
+def _embedding(trainer):
+    if hasattr(trainer.model, "embedding"):
+        return trainer.model.embedding.word_embeddings.weight
+    return trainer.model.get_decoder().embed_tokens.weight
+
+
+def _hidden(trainer) -> int:
+    return _embedding(trainer).shape[1]
+
+
+def _vocab(trainer) -> int:
+    return _embedding(trainer).shape[0]
 
 
 def main() -> int:
@@ -106,7 +153,7 @@ def main() -> int:
     if a.one:
         one(a.one[0], Path(a.one[1]), a.model, a.batch, a.seq, Path(a.one[2]), a.variant)
         return 0
-    model_dir = make_model_dir(compose_config([f"model={a.model}"]))
+    model_dir = make_model_dir(compose_config([f"model={a.model}", *MODEL_OVERRIDES]))
     runs, errors = {}, {}
     for backend, variant in (("fsdp", ""), *(("megatron", v.strip()) for v in a.variants.split(";"))):
         name = f"{backend} {variant}".strip()
@@ -118,7 +165,7 @@ def main() -> int:
             errors[name] = done.stderr.strip().splitlines()[-30:]
         else:
             runs[name] = torch.load(out)
-    result: dict = {"model": a.model, "batch": a.batch, "seq": a.seq, "gpu": torch.cuda.get_device_name(),
+    result: dict = {"model": a.model, "batch": a.batch, "seq": a.seq, "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
                     "errors": errors, "runs": {}}  # fmt: skip
     ref = runs.get("fsdp")
     for name, run in runs.items():

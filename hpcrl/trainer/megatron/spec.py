@@ -219,6 +219,33 @@ class GPTFamily:
         """After GPTModel is built, before the weights load."""
 
 
+def keep_pad_row_untrained(model: Any, hf: Any) -> None:
+    """Hugging Face builds these decoders' embeddings with ``padding_idx=pad_token_id``: the lookup
+    never sends gradient to the pad row (a tied head still does). Megatron's embedding has no such
+    row, so without this the two backends train different weights whenever the pad id occurs in a
+    sequence. It matters beyond a rounding error: checkpoints initialised by transformers hold a
+    zero pad row, and the first RMSNorm of a zero vector has a 1/sqrt(eps) input gradient (Gemma 3 1B
+    with random weights: embedding grad norm 28,880 against 2.24, so clipping starved every other
+    weight). Done by cutting the gradient at the pad positions of the embedding output, which only
+    the lookup sits behind: the forward is unchanged, and it holds under TP, SP and CP alike."""
+    pad = getattr(hf, "pad_token_id", None)
+    if getattr(model, "embedding", None) is None or not isinstance(pad, int) or not 0 <= pad < hf.vocab_size:
+        return
+    from megatron.core import parallel_state as ps
+
+    sp = model.config.sequence_parallel
+
+    def cut(_module: Any, _args: Any, kwargs: dict[str, Any], out: torch.Tensor) -> torch.Tensor:
+        if not out.requires_grad:
+            return out
+        keep = (kwargs["input_ids"] != pad).transpose(0, 1)  # the output is [s, b, h]
+        if sp:  # this TP rank's contiguous share of the sequence
+            keep = keep.chunk(ps.get_tensor_model_parallel_world_size())[ps.get_tensor_model_parallel_rank()]
+        return torch.where(keep[..., None], out, out.detach())
+
+    model.embedding.register_forward_hook(cut, with_kwargs=True)
+
+
 def family(hf: Any) -> str:
     """The catalog family (hpcrl/models.py) of a Hugging Face text config."""
     return megatron_family(hf.model_type)

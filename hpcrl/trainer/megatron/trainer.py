@@ -41,6 +41,7 @@ from hpcrl.trainer.megatron.spec import (
     cp_gather,
     family,
     family_of,
+    keep_pad_row_untrained,
     layer_spec,
     transformer_config,
     uses_fused_norms,
@@ -156,6 +157,7 @@ class MegatronTrainer:
                 **arch.rope(hf),
             )  # fmt: skip
             arch.adapt_model(model, hf, self.compute_dtype)
+            keep_pad_row_untrained(model, hf)
             return with_hidden_output(model.to(self.device), self.fused_head)
 
         self.layer_offset = hf.num_hidden_layers // self.par.pp * ps.get_pipeline_model_parallel_rank()
@@ -481,6 +483,8 @@ class MegatronTrainer:
         for name, p in self.model.named_parameters():
             if p.grad is None or getattr(p, "shared", False):
                 continue  # frozen, or the last stage's copy of a tied embedding
+            # pow(2).sum(), not norm(): torch's fp32 norm on CPU drifts on big tensors (Gemma 3's
+            # 16M-element fc1: 1.05155 against 1.05329 in float64; pow(2).sum() gives 1.05329)
             if is_expert(name):
                 expert_sq += p.grad.float().pow(2).sum()
             elif is_sharded(name) or tp_rank == 0:
