@@ -21,8 +21,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# measure what the product refuses on GPUs too (trainer/config.py: MEGATRON_GPU_GAPS)
-os.environ.setdefault("HPCRL_IGNORE_GPU_GAPS", "1")
 
 from gpu_bench import DATASHEET_TFLOPS, bench_train_baseline, make_model_dir, timed, train_flops_per_token
 

@@ -12,7 +12,6 @@ from hpcrl.quirks import AppliedQuirk, apply_quirks
 from hpcrl.topology import Topology, build_topology
 from hpcrl.trainer.config import (
     MEGATRON_FAMILIES,
-    MEGATRON_GPU_GAPS,
     FSDPTrainerConfig,
     MegatronTrainerConfig,
 )
@@ -51,12 +50,6 @@ class Plan:
                 f"backend's HF<->Megatron weight mapping covers {', '.join(MEGATRON_FAMILIES)}); "
                 "the plan above is the layout it will use once it can"
             )
-        if (
-            isinstance(trainer, MegatronTrainerConfig)
-            and cfg.cluster.gpu != "cpu"
-            and cfg.model.family in MEGATRON_GPU_GAPS
-        ):
-            gaps.append(MEGATRON_GPU_GAPS[cfg.model.family])
         if (
             isinstance(trainer, MegatronTrainerConfig)
             and cfg.model.is_moe

@@ -24,10 +24,14 @@ from hpcrl.trainer.batch import TrainBatch, build_batch
 
 
 def parity_batch() -> TrainBatch:
-    """Seven sequences of uneven length (micro-batches of 2 leave a short last one to pad)."""
+    """Seven sequences of uneven length (micro-batches of 2 leave a short last one to pad). The pad id
+    (0 in every test model) also occurs inside two sequences, where it is a real token: Hugging Face
+    never sends the lookup's gradient to that row (``padding_idx``), and neither may Megatron."""
     gen = torch.Generator().manual_seed(0)
     prompts = [[1, *torch.randint(3, 120, (n,), generator=gen).tolist()] for n in (3, 5, 2, 4, 6, 3, 2)]
     comps = [torch.randint(3, 120, (n,), generator=gen).tolist() for n in (4, 2, 5, 3, 1, 4, 2)]
+    prompts[1][2] = 0
+    comps[5][1] = 0
     logps = [(-torch.rand(len(c), generator=gen) * 5).tolist() for c in comps]
     adv = [1.0, -1.0, 0.5, -0.5, 0.25, 2.0, -2.0]
     return build_batch(prompts, comps, logps, adv, [1.0] * 7, pad_id=0)
@@ -109,6 +113,12 @@ def main() -> None:
         torch.save({"logp": ref.cpu(), "metrics": metrics, "grads": cpu, "optimizer_numel": [h for h, _ in per_rank],
                     "state_restored": [r for _, r in per_rank], "layout": layout,
                     "weights": {k: v.cpu() for k, v in weights.items()}}, out)  # fmt: skip
+    # Leave together and close the groups: a rank exiting while gloo's threads still run can abort
+    # ("terminate called without an active exception"; seen once at TP=2 x CP=2 on a 2-core machine).
+    if torch.distributed.is_initialized():
+        if world > 1:
+            torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -94,17 +94,6 @@ MEGATRON_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe", "gemma3")
 (hpcrl/trainer/megatron/weights.py); read by the planner and by the backend."""
 
 
-MEGATRON_GPU_GAPS = {
-    "gemma3": "trainer=megatron gives Gemma 3 a wrong input-embedding gradient on GPUs (one H200, Gemma 3 "
-    "1B shape, fp32: the same forward and the same layer gradients as the fsdp backend, but a grad norm of "
-    "31,370 against fsdp's 7.08, so clipping starves every other weight; CPUs match fsdp; "
-    "bench/results/README.md): use trainer=fsdp for Gemma 3 on GPUs"
-}
-"""Families ``trainer=megatron`` builds and trains correctly on CPUs but not yet on GPUs: the planner
-refuses them on GPU clusters and the backend on a CUDA device (``HPCRL_IGNORE_GPU_GAPS=1`` lets a
-developer run it anyway, to reproduce the gap: bench/gemma_gpu_parity.py)."""
-
-
 def megatron_family(model_type: str) -> str:
     """A Hugging Face text config's ``model_type`` -> the catalog family (Gemma 3's text decoder is
     ``gemma3_text``, in Gemma3ForCausalLM and inside Gemma3ForConditionalGeneration alike)."""
@@ -132,9 +121,9 @@ class MegatronTrainerConfig(TrainerConfig):
 
     def moe_gap(self, model: str) -> str:
         """Why this layout cannot train the MoE model ``model`` yet (empty: it can)."""
-        if self.cp > 1 or self.expert_tp > 1:
-            return (f"trainer=megatron runs MoE models ({model}) with tensor, expert, pipeline and data parallelism "
-                    f"so far (trainer.cp={self.cp}, trainer.expert_tp={self.expert_tp}): set both to 1")  # fmt: skip
+        if self.expert_tp > 1:
+            return (f"trainer=megatron does not split MoE experts by tensor parallel yet ({model}, "
+                    f"trainer.expert_tp={self.expert_tp}): set trainer.expert_tp=1 (experts whole, spread by trainer.ep)")  # fmt: skip
         if self.tp > 1 and not self.sequence_parallel:
             # Megatron's MoE layer takes each TP rank's own slice of the tokens
             return (f"trainer=megatron runs MoE models ({model}) under tensor parallel with sequence parallel only "

@@ -238,7 +238,9 @@ def keep_pad_row_untrained(model: Any, hf: Any) -> None:
     def cut(_module: Any, _args: Any, kwargs: dict[str, Any], out: torch.Tensor) -> torch.Tensor:
         if not out.requires_grad:
             return out
-        keep = (kwargs["input_ids"] != pad).transpose(0, 1)  # the output is [s, b, h]
+        # the output is [s, b, h]; a transposed mask would hand its strides to the result (and on to
+        # the pipeline's send, which needs a contiguous tensor)
+        keep = (kwargs["input_ids"] != pad).transpose(0, 1).contiguous()
         if sp:  # this TP rank's contiguous share of the sequence
             keep = keep.chunk(ps.get_tensor_model_parallel_world_size())[ps.get_tensor_model_parallel_rank()]
         return torch.where(keep[..., None], out, out.detach())

@@ -32,7 +32,7 @@ from hpcrl.algo.losses import gen_kl_error, grpo_loss
 from hpcrl.config import RunConfig
 from hpcrl.topology import TrainParallel
 from hpcrl.trainer.batch import TrainBatch
-from hpcrl.trainer.config import MEGATRON_FAMILIES, MEGATRON_GPU_GAPS, MegatronTrainerConfig
+from hpcrl.trainer.config import MEGATRON_FAMILIES, MegatronTrainerConfig
 from hpcrl.trainer.fsdp import init_process_group
 from hpcrl.trainer.logprob_head import chunked_logprob
 from hpcrl.trainer.megatron import compat
@@ -113,12 +113,6 @@ class MegatronTrainer:
         if name not in MEGATRON_FAMILIES:
             raise ValueError(f"trainer=megatron cannot build model_type {hf.model_type!r} yet "
                              f"(supported: {', '.join(MEGATRON_FAMILIES)}); use trainer=fsdp for {model_dir}")  # fmt: skip
-        if (
-            device.startswith("cuda")
-            and name in MEGATRON_GPU_GAPS
-            and not os.environ.get("HPCRL_IGNORE_GPU_GAPS")
-        ):
-            raise ValueError(MEGATRON_GPU_GAPS[name])  # the planner refuses it before submitting
         experts = getattr(hf, "num_experts", 0) if hf.model_type == "qwen3_moe" else 0
         if experts and t.moe_gap(hf.model_type):  # the planner refuses it before submitting
             raise ValueError(t.moe_gap(hf.model_type))
@@ -461,14 +455,15 @@ class MegatronTrainer:
             # average over both groups sums the CP ranks' token shares and averages over DP.
             group = ps.get_data_parallel_group(with_context_parallel=True)
             _all_reduce([p.grad for p in self.dense_params], group, scale=1 / replicas)
-        if self.expert_params and (self.par.dp > 1 or ps.get_expert_data_parallel_world_size() > 1):
+        if self.expert_params and (replicas > 1 or ps.get_expert_data_parallel_world_size() > 1):
             # An expert already got the gradients of every EP rank's tokens routed to it (the
-            # all-to-all's backward: every data-parallel rank's tokens when EP spans DP); the ranks
-            # holding the same experts (expert data parallel: DP, and TP ranks beyond EP, each with its
-            # own slice of the tokens under sequence parallel) saw different tokens: sum over them,
-            # then average over DP as the dense gradients are.
+            # all-to-all's backward: every data- and context-parallel rank's tokens when EP spans
+            # them); the ranks holding the same experts (expert data parallel: DP, CP, and TP ranks
+            # beyond EP, each with its own slice of the tokens under sequence parallel) saw different
+            # tokens: sum over them, then scale as the dense gradients are (each CP rank's loss came
+            # multiplied by cp, the average is over DP).
             grads = [p.grad for p in self.expert_params]
-            _all_reduce(grads, ps.get_expert_data_parallel_group(), scale=1 / self.par.dp)
+            _all_reduce(grads, ps.get_expert_data_parallel_group(), scale=1 / replicas)
         if self.par.tp > 1 and self.tp_partial:
             _all_reduce([p.grad for p in self.tp_partial], ps.get_tensor_model_parallel_group())
         if self.par.pp > 1 and self.tied and ps.is_rank_in_embedding_group():
