@@ -23,15 +23,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_bench import make_model_dir
+from gpu_bench import MODEL_OVERRIDES, make_model_dir
 
 from hpcrl.config import compose_config
 from hpcrl.trainer import make_trainer
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.fsdp import free_port
 
-# e.g. "model.num_layers=2" for a quick try on CPU
-MODEL_OVERRIDES = os.environ.get("HPCRL_BENCH_MODEL_OVERRIDES", "").split()
 DEVICE = os.environ.get("HPCRL_BENCH_DEVICE", "cuda")  # "cpu" to try the script here
 
 

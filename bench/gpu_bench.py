@@ -73,9 +73,21 @@ def measure_peaks() -> tuple[float, float]:
     return tflops, bandwidth
 
 
+MODEL_OVERRIDES = os.environ.get("HPCRL_BENCH_MODEL_OVERRIDES", "").split()
+"""Catalog-model overrides every benchmark applies, e.g. ``model.num_layers=4`` to fit a slice of a
+large model on one GPU (the parameter count and FLOPs follow)."""
+
+
 def make_model_dir(cfg) -> Path:
-    """Random weights in the catalog model's shape: Qwen2 (default) or Gemma 3 (text)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
+    """Random weights in the catalog model's shape: Qwen2 (default), Gemma 3 (text) or Qwen3-MoE."""
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     m = cfg.model
     common = dict(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
@@ -89,6 +101,10 @@ def make_model_dir(cfg) -> Path:
         ]
         model = Gemma3ForCausalLM(Gemma3TextConfig(**common, head_dim=m.head_dim, query_pre_attn_scalar=m.head_dim,
                                                    sliding_window=m.sliding_window, layer_types=kinds))  # fmt: skip
+    elif m.family == "qwen3_moe":  # Qwen3-30B-A3B's routing: top-k weights renormalised
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, head_dim=m.head_dim, num_experts=m.num_experts,
+                                                   num_experts_per_tok=m.experts_per_token,
+                                                   moe_intermediate_size=m.moe_ffn_hidden_size, norm_topk_prob=True))  # fmt: skip
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     out = Path(tempfile.mkdtemp()) / f"{m.name}-random"
@@ -100,8 +116,9 @@ def make_model_dir(cfg) -> Path:
 
 
 def train_flops_per_token(cfg, seq: int) -> float:
+    """6N + 12 L h s, N the parameters a token passes through (an MoE's active ones)."""
     m = cfg.model
-    return 6 * m.param_counts().total + 12 * m.num_layers * m.hidden_size * seq
+    return 6 * m.param_counts().active + 12 * m.num_layers * m.hidden_size * seq
 
 
 def bench_train_baseline(model_dir: Path, batch: int, seq: int) -> dict:

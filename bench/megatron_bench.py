@@ -22,7 +22,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_bench import DATASHEET_TFLOPS, bench_train_baseline, make_model_dir, timed, train_flops_per_token
+from gpu_bench import (
+    DATASHEET_TFLOPS,
+    MODEL_OVERRIDES,
+    bench_train_baseline,
+    make_model_dir,
+    timed,
+    train_flops_per_token,
+)
 
 from hpcrl.config import compose_config
 from hpcrl.trainer import make_trainer
@@ -40,7 +47,7 @@ def grpo_batch(batch: int, seq: int):
 
 def bench_backend(backend: str, model_dir: Path, batch: int, seq: int, local_spec: bool = False,
                   overrides: tuple[str, ...] = (), model: str = "qwen2_1p5b", window_kernel: str = "flex") -> dict:  # fmt: skip
-    cfg = compose_config([f"model={model}", f"trainer={backend}", f"trainer.micro_batch_size={batch}",
+    cfg = compose_config([f"model={model}", *MODEL_OVERRIDES, f"trainer={backend}", f"trainer.micro_batch_size={batch}",
                           "trainer.activation_checkpointing=false", "algo.kl_coef=0", *overrides])  # fmt: skip
     if backend == "megatron":
         from hpcrl.trainer.megatron import spec
@@ -98,7 +105,7 @@ def main() -> int:
         print(json.dumps(bench_backend(backend, Path(model_dir), int(batch), args.seq, local == "1",
                                        tuple(args.override), args.model, args.window_kernel)))  # fmt: skip
         return 0
-    cfg = compose_config([f"model={args.model}"])
+    cfg = compose_config([f"model={args.model}", *MODEL_OVERRIDES])
     model_dir = make_model_dir(cfg)
     flops = train_flops_per_token(cfg, args.seq)
     rows: dict[str, dict] = {}
@@ -126,7 +133,7 @@ def main() -> int:
         megatron_version = version("megatron-core")
     except PackageNotFoundError:  # the rows then hold the import error
         megatron_version = "not installed"
-    results = {"model": args.model, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    results = {"model": args.model, "model_overrides": MODEL_OVERRIDES, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "megatron_core": megatron_version, "flops_per_token": flops, "rows": rows}  # fmt: skip
     print(json.dumps(results, indent=1))
     print(f"\n{'row':36s} {'tok/s':>9s} {'MFU':>6s} {'peak GB':>8s} {'x HF':>6s}")

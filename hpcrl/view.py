@@ -47,6 +47,8 @@ def show_plan(plan: Plan, console: Console) -> None:
         notes.append("SP" if cfg.trainer.sequence_parallel else "no SP")
         notes.append("dist-opt" if cfg.trainer.distributed_optimizer else "replicated optimizer")
     if cfg.model.is_moe:
+        if tr.expert_tp > 1:
+            notes.append(f"expert TP {tr.expert_tp}")
         notes.append(f"expert DP {tr.expert_dp}")
     notes.append("recompute" if cfg.trainer.activation_checkpointing else "no recompute")
     par.add_row(

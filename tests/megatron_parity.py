@@ -107,7 +107,10 @@ def main() -> None:
     if backend == "megatron":
         mc = trainer.model.config
         layout = {"sequence_parallel": mc.sequence_parallel, "cp": mc.context_parallel_size,
-                  "qk_norms": sum("q_layernorm" in n for n, _ in trainer.model.named_parameters())}  # fmt: skip
+                  "qk_norms": sum("q_layernorm" in n for n, _ in trainer.model.named_parameters()),
+                  "expert_tp": mc.expert_tensor_parallel_size,
+                  "expert_fc1_rows": [tuple(p.shape) for n, p in trainer.model.named_parameters()
+                                      if "local_experts.0.linear_fc1" in n][:1]}  # fmt: skip
     if rank == 0:
         cpu = {k: v.cpu() for k, v in grads.items()}
         torch.save({"logp": ref.cpu(), "metrics": metrics, "grads": cpu, "optimizer_numel": [h for h, _ in per_rank],

@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.trainer.megatron.weights import Shape, is_sharded, relocate, shard, to_hf, to_megatron, unshard
+from hpcrl.trainer.megatron.weights import (
+    Shape,
+    is_sharded,
+    is_split,
+    relocate,
+    shard,
+    to_hf,
+    to_megatron,
+    unshard,
+)
 
 from .conftest import ROOT, run_cli
 from .megatron_parity import parity_batch
@@ -112,7 +121,11 @@ def test_hf_to_megatron_to_hf_is_bit_identical(kind):
         assert relocate("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight", 0, 2).endswith(
             "layers.0.mlp.experts.local_experts.3.linear_fc2.weight"
         )  # expert-parallel rank 1 of 2 holds experts 2 and 3
-        assert not is_sharded(name) and torch.equal(shard(name, fc1, 2, 1), fc1)  # expert_tp = 1
+        # split over expert TP (trainer.expert_tp), not the dense TP group; gate kept with up per rank
+        assert not is_sharded(name) and is_split(name)
+        gate, up = (hf[f"model.layers.1.mlp.experts.3.{p}_proj.weight"] for p in ("gate", "up"))
+        etp1 = shard("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight", fc1, 2, 1)
+        assert torch.equal(etp1, torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
     assert "decoder.layers.1.self_attention.linear_qkv.weight" in meg
     assert ("decoder.layers.0.self_attention.linear_qkv.bias" in meg) == (
         kind == "qwen2"
@@ -326,23 +339,30 @@ def test_qwen3_moe_matches_fsdp_and_expert_parallel_matches_one_rank(qwen3_moe_d
     # (TP=2 x DP=2 with EP=2: each expert on one TP rank of each data-parallel pair). Under context
     # parallel each rank's loss comes multiplied by cp: CP=2 (experts replicated over the CP pair, whose
     # gradients are summed) and EP=2 x CP=2 (the all-to-all already summed both halves) must scale by it.
-    layouts = ((1, 2, 1, 2, 1), (1, 2, 2, 2, 1), (2, 1, 1, 1, 1), (2, 2, 1, 1, 1), (2, 2, 1, 2, 1),
-               (1, 1, 1, 1, 2), (1, 2, 1, 1, 2), (2, 2, 1, 1, 2))  # fmt: skip
-    for i, (tp, ep, pp, dp, cp) in enumerate(layouts):
-        where = f"TP={tp} EP={ep} PP={pp} DP={dp} CP={cp}"
-        run = _torchrun(qwen3_moe_dir, tmp_path / f"tp{tp}ep{ep}pp{pp}dp{dp}cp{cp}.pt", tp, pp, dp=dp, cp=cp,
-                        port=29771 + i, extra=(*aux_off, f"trainer.ep={ep}"))  # fmt: skip
+    # Expert tensor parallel (ETP) splits each expert's fc1/fc2 over its own group, which Megatron
+    # carves out of the TP x DP ranks like EP: TP=2 x ETP=2, DP=2 x ETP=2 (one expert split across two
+    # data-parallel ranks, each gathering the other's routed tokens), TP=2 x EP=2 x ETP=2 x DP=2.
+    layouts = ((1, 2, 1, 2, 1, 1), (1, 2, 2, 2, 1, 1), (2, 1, 1, 1, 1, 1), (2, 2, 1, 1, 1, 1), (2, 2, 1, 2, 1, 1),
+               (1, 1, 1, 1, 2, 1), (1, 2, 1, 1, 2, 1), (2, 2, 1, 1, 2, 1),
+               (2, 1, 1, 1, 1, 2), (1, 1, 1, 2, 1, 2), (2, 2, 1, 2, 1, 2))  # fmt: skip
+    for i, (tp, ep, pp, dp, cp, etp) in enumerate(layouts):
+        where = f"TP={tp} EP={ep} PP={pp} DP={dp} CP={cp} ETP={etp}"
+        run = _torchrun(qwen3_moe_dir, tmp_path / f"tp{tp}ep{ep}pp{pp}dp{dp}cp{cp}etp{etp}.pt", tp, pp, dp=dp,
+                        cp=cp, port=29771 + i, extra=(*aux_off, f"trainer.ep={ep}", f"trainer.expert_tp={etp}"))  # fmt: skip
         assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
+        assert run["layout"]["expert_tp"] == etp and run["layout"]["expert_fc1_rows"] == [(64 // etp, 64)], (
+            where
+        )
         _assert_same_step(run, base, mask, where)
         assert all(run["state_restored"]), where
-        if tp == 1:  # Adam's state split, never repeated: dense over DP x CP, experts by EP and expert DP
+        if tp == 1:  # Adam's state split, never repeated: dense over DP x CP, experts by EP, ETP, expert DP
             assert sum(run["optimizer_numel"]) == sum(base["optimizer_numel"]), (
                 where,
                 run["optimizer_numel"],
             )
 
 
-def test_moe_plans_with_megatron_under_tensor_and_context_parallel_and_refuses_expert_tp():
+def test_moe_plans_with_megatron_under_tensor_context_and_expert_tensor_parallel():
     site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh", "cluster=h100"]
     # (one H100 node does not fit this model: plan exits 1 but still shows what it found)
     ok = run_cli("plan", "model=qwen3_30b_a3b", "trainer=megatron", "trainer.ep=8", *site)
@@ -356,10 +376,8 @@ def test_moe_plans_with_megatron_under_tensor_and_context_parallel_and_refuses_e
     assert "EP" in cp2.stdout and "cannot submit yet" not in cp2.stdout, cp2.stdout[-2000:]
     etp = run_cli("plan", "model=qwen3_30b_a3b", "trainer=megatron", "trainer.ep=4", "trainer.tp=2",
                   "trainer.expert_tp=2", *site)  # fmt: skip
-    assert (
-        "does not split MoE experts by tensor parallel yet" in etp.stdout
-        and "trainer.expert_tp=1" in etp.stdout
-    )
+    assert "expert TP 2" in etp.stdout, etp.stdout[-2000:]
+    assert "cannot submit yet" not in etp.stdout, etp.stdout[-2000:]
 
 
 def test_vlm_checkpoint_trains_its_text_decoder_and_exports_under_its_own_names():

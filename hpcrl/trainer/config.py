@@ -121,9 +121,6 @@ class MegatronTrainerConfig(TrainerConfig):
 
     def moe_gap(self, model: str) -> str:
         """Why this layout cannot train the MoE model ``model`` yet (empty: it can)."""
-        if self.expert_tp > 1:
-            return (f"trainer=megatron does not split MoE experts by tensor parallel yet ({model}, "
-                    f"trainer.expert_tp={self.expert_tp}): set trainer.expert_tp=1 (experts whole, spread by trainer.ep)")  # fmt: skip
         if self.tp > 1 and not self.sequence_parallel:
             # Megatron's MoE layer takes each TP rank's own slice of the tokens
             return (f"trainer=megatron runs MoE models ({model}) under tensor parallel with sequence parallel only "

@@ -5,7 +5,8 @@ Megatron-core allocates buffers with ``device=torch.cuda.current_device()`` or `
 streams (the MoE dispatcher copies on a side stream) — all over its modules. On a host without CUDA
 (our CPU tests with gloo) every ``megatron.core`` module's ``torch`` is swapped for a proxy that is
 the real ``torch`` except that CUDA devices mean the CPU (and nothing is pinned), CUDA RNG calls use
-the CPU generator and stream/cache calls do nothing. On GPUs nothing is patched, except one name Megatron-core leaves
+the CPU generator, stream/cache calls do nothing, and the list collectives gloo lacks for uneven
+sizes (MoE with expert tensor parallel) are padded. On GPUs nothing is patched, except one name Megatron-core leaves
 undefined without Transformer Engine (``_define_missing_te_names``).
 """
 
@@ -123,12 +124,53 @@ _FACTORIES = (
 )
 
 
+class _GlooDistributed(types.ModuleType):
+    """``torch.distributed``, except the two list collectives with uneven sizes that gloo refuses and
+    NCCL does: the MoE dispatcher's gather of each expert-TP rank's routed tokens (``all_gather`` into
+    uneven splits) and its backward (``reduce_scatter`` of uneven splits). Padded to the largest
+    split, run as collectives gloo has, trimmed."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.distributed")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if t.shape[0] < rows else t
+
+    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
+                   async_op: bool = False) -> Any:  # fmt: skip
+        sizes = [t.shape[0] for t in tensor_list]
+        if async_op or len(set([*sizes, tensor.shape[0]])) == 1:
+            return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max([*sizes, tensor.shape[0]])
+        parts = [tensor.new_empty(rows, *tensor.shape[1:]) for _ in tensor_list]
+        torch.distributed.all_gather(parts, self._padded(tensor.contiguous(), rows), group=group)
+        for out, part, n in zip(tensor_list, parts, sizes, strict=True):
+            out.copy_(part[:n])
+        return None
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: Any = None,
+                       group: Any = None, async_op: bool = False) -> Any:  # fmt: skip
+        if async_op:
+            return torch.distributed.reduce_scatter(output, input_list, group=group, async_op=True)
+        rows = max(t.shape[0] for t in input_list)
+        stacked = torch.stack([self._padded(t.contiguous(), rows) for t in input_list])
+        torch.distributed.all_reduce(stacked, op=op or torch.distributed.ReduceOp.SUM, group=group)
+        output.copy_(stacked[torch.distributed.get_rank(group)][: output.shape[0]])
+        return None
+
+
 class _CpuTorch(types.ModuleType):
-    """The real ``torch`` module, except that "cuda" means the CPU."""
+    """The real ``torch`` module, except that "cuda" means the CPU (and gloo's gaps in
+    ``torch.distributed`` are filled: ``_GlooDistributed``)."""
 
     def __init__(self) -> None:
         super().__init__("torch")
         self.cuda = _CpuCuda()
+        self.distributed = _GlooDistributed()
         for name in _FACTORIES:
             setattr(self, name, self._on_cpu(getattr(torch, name)))
 

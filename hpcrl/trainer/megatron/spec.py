@@ -369,5 +369,5 @@ def moe_settings(hf: Any, trainer: MegatronTrainerConfig) -> dict[str, Any]:
         "moe_aux_loss_coeff": coeff,
         "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": False,
-        "expert_tensor_parallel_size": 1,
+        "expert_tensor_parallel_size": trainer.expert_tp,
     }

@@ -51,6 +51,7 @@ from hpcrl.trainer.megatron.weights import (
     Shape,
     is_expert,
     is_sharded,
+    is_split,
     relocate,
     shard,
     to_hf,
@@ -128,7 +129,7 @@ class MegatronTrainer:
                                          pipeline_model_parallel_size=self.par.pp,
                                          context_parallel_size=self.par.cp,
                                          expert_model_parallel_size=self.par.ep,
-                                         expert_tensor_parallel_size=1 if experts else None)  # fmt: skip
+                                         expert_tensor_parallel_size=self.par.expert_tp if experts else None)  # fmt: skip
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.run.seed)
         self.ps = ps
         self.tied = bool(getattr(hf, "tie_word_embeddings", False))
@@ -205,14 +206,23 @@ class MegatronTrainer:
         return self.optimizer
 
     # -- weights -----------------------------------------------------------------------------------
+    def _tp_of(self, name: str) -> tuple[int, int, Any]:
+        """(size, this rank's index, group) of the tensor-parallel group ``name`` is split over: expert
+        TP for an expert's weights, the dense TP group for the rest."""
+        ps = self.ps
+        if is_expert(name):
+            return (self.par.expert_tp, ps.get_expert_tensor_parallel_rank(),
+                    ps.get_expert_tensor_parallel_group(check_initialized=False))  # fmt: skip
+        return self.par.tp, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+
     def _load(self, model: Any, full: dict[str, torch.Tensor]) -> None:
-        tp, tp_rank = self.par.tp, self.ps.get_tensor_model_parallel_rank()
         with torch.no_grad():
             for name, param in model.named_parameters():
                 key = relocate(name, self.layer_offset, self.expert_offset)
                 if key not in full:
                     raise KeyError(f"checkpoint has no weight for Megatron parameter {key}")
-                param.copy_(shard(key, full[key], tp, tp_rank).to(param.dtype))
+                tp, rank, _ = self._tp_of(name)
+                param.copy_(shard(key, full[key], tp, rank).to(param.dtype))
 
     def _check_every_weight_used(self, full: dict[str, torch.Tensor], model_type: str) -> None:
         """Every checkpoint weight must land in some rank's model: one left over means the layer
@@ -231,15 +241,15 @@ class MegatronTrainer:
                              "the architecture; use trainer=fsdp for this model")  # fmt: skip
 
     def _local_full(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """This stage's parameters (or their gradients), gathered over tensor parallel, under global
-        Megatron names."""
-        group, tp = self.ps.get_tensor_model_parallel_group(), self.par.tp
+        """This stage's parameters (or their gradients), gathered over tensor parallel (expert TP for
+        experts), under global Megatron names."""
         out = {}
         for name, param in self.model.named_parameters():
             if grads and param.grad is None:
                 continue
             data = param.grad.detach() if grads else param.detach()
-            if tp > 1 and is_sharded(name):
+            tp, _, group = self._tp_of(name)
+            if tp > 1 and is_split(name):
                 parts = [torch.empty_like(data) for _ in range(tp)]
                 dist.all_gather(parts, data.contiguous(), group=group)
             else:
@@ -261,8 +271,9 @@ class MegatronTrainer:
         ps = self.ps
         first = (ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
                  and ps.get_context_parallel_rank() == 0)  # fmt: skip
-        # experts: one copy of each, from the first of the ranks that hold it (its expert-DP group)
-        first_expert = ps.get_expert_data_parallel_rank() == 0
+        # experts: one copy of each, from the first of the ranks that hold it (its expert-DP group;
+        # expert-TP rank 0 of those, which gathered the whole expert)
+        first_expert = ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
         mine = {k: v for k, v in local.items() if (first_expert if is_expert(k) else first)}
         merged: dict[str, torch.Tensor] = {}
         for part in self._gather_to_rank0(mine):

@@ -223,15 +223,21 @@ def is_expert(name: str) -> bool:
     return ".local_experts." in name
 
 
+def is_split(name: str) -> bool:
+    """Split over its tensor-parallel group (else replicated on every rank of it): the dense TP group,
+    or for an expert's fc1/fc2 the expert-TP group (trainer.expert_tp)."""
+    return name.endswith(COLUMN) or name.endswith(ROW)
+
+
 def is_sharded(name: str) -> bool:
-    """Split over tensor parallel (else replicated on every TP rank). Experts are not: their tensor
-    parallel size is trainer.expert_tp, which this backend keeps at 1."""
-    return not is_expert(name) and (name.endswith(COLUMN) or name.endswith(ROW))
+    """Split over the dense tensor-parallel group (experts are split over expert TP: ``is_split``)."""
+    return not is_expert(name) and is_split(name)
 
 
 def shard(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    """This tensor-parallel rank's slice of one unsharded Megatron tensor."""
-    if tp == 1 or is_expert(name):
+    """This rank's slice of one unsharded Megatron tensor over a tensor-parallel group of ``tp``
+    (the expert-TP group for an expert's weights: the caller picks)."""
+    if tp == 1:
         return full
     if name.endswith("linear_fc1.weight"):
         gate, up = full.chunk(2)
@@ -245,7 +251,7 @@ def shard(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
 
 def unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
     """Inverse of ``shard`` given every rank's slice in rank order."""
-    if len(parts) == 1 or is_expert(name):
+    if len(parts) == 1:
         return parts[0]
     if name.endswith("linear_fc1.weight"):
         halves = [p.chunk(2) for p in parts]
