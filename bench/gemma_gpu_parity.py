@@ -53,7 +53,7 @@ def one(backend: str, model_dir: Path, model: str, n: int, seq: int, out: Path, 
 
         spec.WINDOW_KERNEL = "sdpa" if "window=sdpa" in words else "flex"
     trainer: Any = make_trainer(model_dir, cfg, 0, 1, f"127.0.0.1:{free_port()}", DEVICE)
-    probes = probe_decoder_input(trainer, backend)
+    probes = probe_decoder_input(trainer, backend, scaled=cfg.model.family == "gemma3")
     b = batch(n, seq)
     logp = trainer.logprobs(b)
     metrics = trainer.train_step(b, None)
@@ -81,7 +81,7 @@ def one(backend: str, model_dir: Path, model: str, n: int, seq: int, out: Path, 
                 "probes": probes}, out)  # fmt: skip
 
 
-def probe_decoder_input(trainer, backend: str) -> dict:
+def probe_decoder_input(trainer, backend: str, scaled: bool) -> dict:
     """Gradient norms at the decoder's input (the scaled embeddings) during the training backward: all
     tokens, and the last row's last 7 (padding in ``batch``). Localises a wrong embedding gradient to
     the lookup (these agree) or to what flows into it (these differ)."""
@@ -108,7 +108,7 @@ def probe_decoder_input(trainer, backend: str) -> dict:
             out.register_hook(lambda g: record(g, ids, backend != "megatron"))  # megatron is [s, b, h]
         return None
 
-    scale = float(torch.tensor(hidden**0.5)) if (hidden := _hidden(trainer)) else 1.0
+    scale = float(torch.tensor(_hidden(trainer) ** 0.5)) if scaled else 1.0  # Gemma's sqrt(hidden)
     vocab = _vocab(trainer)
 
     if backend == "megatron":
