@@ -163,7 +163,9 @@ class MegatronTrainer:
         self.model = build()
         if t.compile_layers() and self.device.type == "cuda":
             for layer in getattr(getattr(self.model, "decoder", None), "layers", []):
-                layer.compile()
+                # An MoE layer compiles its attention only: the token dispatcher calls record_stream,
+                # which torch.compile cannot functionalize (every Qwen3-MoE step raised on an H200).
+                (layer.self_attention if self.moe else layer).compile()
         self._load(self.model, full)
         self._check_every_weight_used(full, hf.model_type)
         # The frozen reference policy for the KL term (a second model: Megatron modules hold process

@@ -1,0 +1,67 @@
+"""Which side of the Qwen3-MoE GPU parity gap is off: Hugging Face's expert kernels on one GPU (fp32,
+``experts_implementation`` eager loop vs the default grouped_mm) beside the megatron backend's
+log-probs on the same random checkpoint and batch (``gemma_gpu_parity.py``'s).
+
+    HPCRL_BENCH_MODEL_OVERRIDES="model.num_layers=4" python bench/moe_experts_reference.py
+
+Prints max |log-prob| differences between the three; the JSON goes to $OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gemma_gpu_parity import batch
+from gpu_bench import MODEL_OVERRIDES, make_model_dir
+
+from hpcrl.config import compose_config
+
+
+def hf_logprobs(model_dir: Path, experts: str, b) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, experts_implementation=experts
+    )
+    model = model.cuda().eval()
+    with torch.no_grad():
+        logits = model(input_ids=b.input_ids.cuda(), use_cache=False).logits[:, :-1].float()
+    out = logits.log_softmax(-1).gather(-1, b.input_ids[:, 1:, None].cuda()).squeeze(-1).cpu()
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    model = "qwen3_30b_a3b"
+    model_dir = make_model_dir(compose_config([f"model={model}", *MODEL_OVERRIDES]))
+    n, seq = 2, 1024
+    b = batch(n, seq)
+    mask = b.loss_mask.bool()  # [n, T-1]: the completion tokens, as the trainer's log-probs are laid out
+    logp = {e: hf_logprobs(model_dir, e, b) for e in ("eager", "grouped_mm")}
+    out = model_dir.parent / "megatron.pt"
+    here = Path(__file__).with_name("gemma_gpu_parity.py")
+    subprocess.run([sys.executable, str(here), "--model", model, "--batch", str(n), "--seq", str(seq),
+                    "--one", "megatron", str(model_dir), str(out)], check=True)  # fmt: skip
+    logp["megatron"] = torch.load(out)["logp"]
+    w = logp["megatron"].shape[1]  # the trainer trims the batch's padding columns
+    logp, mask = {k: v[:, :w] for k, v in logp.items()}, mask[:, :w]
+    pairs = (("eager", "grouped_mm"), ("megatron", "eager"), ("megatron", "grouped_mm"))
+    result = {"model": model, "overrides": MODEL_OVERRIDES, "gpu": torch.cuda.get_device_name(),
+              "max_logp_diff": {f"{a} vs {c}": float((logp[a] - logp[c])[mask].abs().max()) for a, c in pairs}}  # fmt: skip
+    print(json.dumps(result, indent=1))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "moe_experts_reference.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
