@@ -1,6 +1,7 @@
 """Which side of the Qwen3-MoE GPU parity gap is off: Hugging Face's expert kernels on one GPU (fp32,
-``experts_implementation`` eager loop vs the default grouped_mm) beside the megatron backend's
-log-probs on the same random checkpoint and batch (``gemma_gpu_parity.py``'s).
+``experts_implementation`` eager loop vs the default grouped_mm) beside the megatron backend's and
+the fsdp backend's (compiled and eager) log-probs on the same random checkpoint and batch
+(``gemma_gpu_parity.py``'s).
 
     HPCRL_BENCH_MODEL_OVERRIDES="model.num_layers=4" python bench/moe_experts_reference.py
 
@@ -47,14 +48,18 @@ def main() -> int:
     b = batch(n, seq)
     mask = b.loss_mask.bool()  # [n, T-1]: the completion tokens, as the trainer's log-probs are laid out
     logp = {e: hf_logprobs(model_dir, e, b) for e in ("eager", "grouped_mm")}
-    out = model_dir.parent / "megatron.pt"
     here = Path(__file__).with_name("gemma_gpu_parity.py")
-    subprocess.run([sys.executable, str(here), "--model", model, "--batch", str(n), "--seq", str(seq),
-                    "--one", "megatron", str(model_dir), str(out)], check=True)  # fmt: skip
-    logp["megatron"] = torch.load(out)["logp"]
+    for name, backend, variant in (("megatron", "megatron", ""), ("fsdp", "fsdp", ""),
+                                   ("fsdp eager", "fsdp", "trainer.compile=false")):  # fmt: skip
+        out = model_dir.parent / f"{name.replace(' ', '_')}.pt"
+        subprocess.run([sys.executable, str(here), "--model", model, "--batch", str(n), "--seq", str(seq),
+                        "--variant", variant, "--one", backend, str(model_dir), str(out)], check=True)  # fmt: skip
+        logp[name] = torch.load(out)["logp"]
     w = logp["megatron"].shape[1]  # the trainer trims the batch's padding columns
     logp, mask = {k: v[:, :w] for k, v in logp.items()}, mask[:, :w]
-    pairs = (("eager", "grouped_mm"), ("megatron", "eager"), ("megatron", "grouped_mm"))
+    # (the fsdp backend's rows: compiled decoder layers, its default on GPUs, and eager)
+    pairs = (("eager", "grouped_mm"), ("megatron", "eager"), ("megatron", "grouped_mm"), ("fsdp", "eager"),
+             ("fsdp eager", "eager"), ("fsdp", "fsdp eager"))  # fmt: skip
     result = {"model": model, "overrides": MODEL_OVERRIDES, "gpu": torch.cuda.get_device_name(),
               "max_logp_diff": {f"{a} vs {c}": float((logp[a] - logp[c])[mask].abs().max()) for a, c in pairs}}  # fmt: skip
     print(json.dumps(result, indent=1))
