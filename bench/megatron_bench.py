@@ -46,13 +46,17 @@ def grpo_batch(batch: int, seq: int):
 
 
 def bench_backend(backend: str, model_dir: Path, batch: int, seq: int, local_spec: bool = False,
-                  overrides: tuple[str, ...] = (), model: str = "qwen2_1p5b", window_kernel: str = "flex") -> dict:  # fmt: skip
+                  overrides: tuple[str, ...] = (), model: str = "qwen2_1p5b", window_kernel: str = "flex",
+                  experts_kernel: str = "grouped") -> dict:  # fmt: skip
     cfg = compose_config([f"model={model}", *MODEL_OVERRIDES, f"trainer={backend}", f"trainer.micro_batch_size={batch}",
                           "trainer.activation_checkpointing=false", "algo.kl_coef=0", *overrides])  # fmt: skip
     if backend == "megatron":
         from hpcrl.trainer.megatron import spec
 
         spec.WINDOW_KERNEL = window_kernel
+        from hpcrl.trainer.megatron import experts
+
+        experts.KERNEL = experts_kernel
 
         if local_spec:  # Megatron's own unfused attention instead of hpcrl's SDPA slot
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -98,12 +102,13 @@ def main() -> int:
     p.add_argument("--one", nargs=4, metavar=("BACKEND", "MODEL_DIR", "BATCH", "LOCAL_SPEC"))
     p.add_argument("--override", action="append", default=[], help="config override for --one")
     p.add_argument("--window-kernel", default="flex", help="sliding-window layers: flex or sdpa (--one)")
+    p.add_argument("--experts-kernel", default="grouped", help="MoE experts: grouped or sequential (--one)")
     p.add_argument("--rows", default="", help="comma-separated row names to run (default: all)")
     args = p.parse_args()
     if args.one:
         backend, model_dir, batch, local = args.one
         print(json.dumps(bench_backend(backend, Path(model_dir), int(batch), args.seq, local == "1",
-                                       tuple(args.override), args.model, args.window_kernel)))  # fmt: skip
+                                       tuple(args.override), args.model, args.window_kernel, args.experts_kernel)))  # fmt: skip
         return 0
     cfg = compose_config([f"model={args.model}", *MODEL_OVERRIDES])
     model_dir = make_model_dir(cfg)
@@ -120,6 +125,8 @@ def main() -> int:
                                                                "--override", "trainer.compile=true"]),
                           (f"megatron_window_sdpa {shape}", ["megatron", str(model_dir), str(batch), "0",
                                                              "--window-kernel", "sdpa"]),
+                          (f"megatron_sequential_experts {shape}", ["megatron", str(model_dir), str(batch), "0",
+                                                                    "--experts-kernel", "sequential"]),
                           (f"megatron_local_spec {shape}", ["megatron", str(model_dir), str(batch), "1"]),
                           (f"fsdp {shape}", ["fsdp", str(model_dir), str(batch), "0"])):  # fmt: skip
             if not args.rows or name.split()[0] in args.rows.split(","):

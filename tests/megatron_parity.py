@@ -109,6 +109,7 @@ def main() -> None:
         layout = {"sequence_parallel": mc.sequence_parallel, "cp": mc.context_parallel_size,
                   "qk_norms": sum("q_layernorm" in n for n, _ in trainer.model.named_parameters()),
                   "expert_tp": mc.expert_tensor_parallel_size,
+                  "experts": sorted({type(m).__name__ for n, m in trainer.model.named_modules() if n.endswith(".experts")}),
                   "expert_fc1_rows": [tuple(p.shape) for n, p in trainer.model.named_parameters()
                                       if "local_experts.0.linear_fc1" in n][:1]}  # fmt: skip
     if rank == 0:

@@ -321,6 +321,7 @@ def test_qwen3_moe_matches_fsdp_and_expert_parallel_matches_one_rank(qwen3_moe_d
     mask = parity_batch().loss_mask.bool()
     aux_off = ("trainer.moe_aux_loss_coeff=0",)
     base = _torchrun(qwen3_moe_dir, tmp_path / "ep1.pt", 1, 1, port=29741, extra=aux_off)
+    assert base["layout"]["experts"] == ["GroupedExperts"]  # grouped GEMMs (experts.py), not Megatron's loop
     fsdp = _torchrun(qwen3_moe_dir, tmp_path / "fsdp.pt", 1, 1, backend="fsdp", port=29742)
     assert torch.allclose(base["logp"][mask], fsdp["logp"][mask], atol=1e-5)
     assert base["metrics"]["grad_norm"] == pytest.approx(fsdp["metrics"]["grad_norm"], rel=1e-5)

@@ -283,6 +283,10 @@ def layer_spec(config: Any, fam: GPTFamily) -> Any:
         attention.q_layernorm = attention.k_layernorm = SPNorm
     else:
         assert attention.q_layernorm is IdentityOp
+    if experts:
+        from hpcrl.trainer.megatron.experts import use_grouped_experts
+
+        use_grouped_experts(layer.mlp)
     fam.adapt_spec(spec)
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=SPNorm)
 
