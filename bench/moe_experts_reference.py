@@ -5,7 +5,9 @@ the fsdp backend's (compiled and eager) log-probs on the same random checkpoint 
 
     HPCRL_BENCH_MODEL_OVERRIDES="model.num_layers=4" python bench/moe_experts_reference.py
 
-Prints max |log-prob| differences between the three; the JSON goes to $OUT.
+Prints max |log-prob| differences between them and, per layer, the smallest router margin (k-th minus
+(k+1)-th logit over the tokens: where it is near float error, two exact implementations may route a
+token differently); the JSON goes to $OUT. ``HPCRL_BENCH_DEVICE=cpu`` runs it here.
 """
 
 from __future__ import annotations
@@ -25,20 +27,35 @@ from gpu_bench import MODEL_OVERRIDES, make_model_dir
 
 from hpcrl.config import compose_config
 
+DEVICE = os.environ.get("HPCRL_BENCH_DEVICE", "cuda")  # "cpu" to try the script here
 
-def hf_logprobs(model_dir: Path, experts: str, b) -> torch.Tensor:
+
+def hf_logprobs(model_dir: Path, experts: str, b) -> tuple[torch.Tensor, list[float]]:
+    """Log-probs of the batch's tokens, and per layer the smallest gap between a token's k-th and
+    (k+1)-th router logit: a gap near float error means another implementation may route it elsewhere."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, experts_implementation=experts
     )
-    model = model.cuda().eval()
+    model = model.to(DEVICE).eval()
+    margins: list[float] = []
+
+    def margin(module, _args, out) -> None:
+        if module.top_k >= module.num_experts:  # every expert is picked: nothing to flip
+            return
+        top = out[0].float().topk(module.top_k + 1, dim=-1).values
+        margins.append(float((top[:, -2] - top[:, -1]).min()))
+
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(margin)
     with torch.no_grad():
-        logits = model(input_ids=b.input_ids.cuda(), use_cache=False).logits[:, :-1].float()
-    out = logits.log_softmax(-1).gather(-1, b.input_ids[:, 1:, None].cuda()).squeeze(-1).cpu()
+        logits = model(input_ids=b.input_ids.to(DEVICE), use_cache=False).logits[:, :-1].float()
+    out = logits.log_softmax(-1).gather(-1, b.input_ids[:, 1:, None].to(DEVICE)).squeeze(-1).cpu()
     del model
-    torch.cuda.empty_cache()
-    return out
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return out, margins
 
 
 def main() -> int:
@@ -47,7 +64,9 @@ def main() -> int:
     n, seq = 2, 1024
     b = batch(n, seq)
     mask = b.loss_mask.bool()  # [n, T-1]: the completion tokens, as the trainer's log-probs are laid out
-    logp = {e: hf_logprobs(model_dir, e, b) for e in ("eager", "grouped_mm")}
+    logp, margins = {}, {}
+    for e in ("eager", "grouped_mm"):
+        logp[e], margins[e] = hf_logprobs(model_dir, e, b)
     here = Path(__file__).with_name("gemma_gpu_parity.py")
     for name, backend, variant in (("megatron", "megatron", ""), ("fsdp", "fsdp", ""),
                                    ("fsdp eager", "fsdp", "trainer.compile=false")):  # fmt: skip
@@ -60,8 +79,9 @@ def main() -> int:
     # (the fsdp backend's rows: compiled decoder layers, its default on GPUs, and eager)
     pairs = (("eager", "grouped_mm"), ("megatron", "eager"), ("megatron", "grouped_mm"), ("fsdp", "eager"),
              ("fsdp eager", "eager"), ("fsdp", "fsdp eager"))  # fmt: skip
-    result = {"model": model, "overrides": MODEL_OVERRIDES, "gpu": torch.cuda.get_device_name(),
-              "max_logp_diff": {f"{a} vs {c}": float((logp[a] - logp[c])[mask].abs().max()) for a, c in pairs}}  # fmt: skip
+    result = {"model": model, "overrides": MODEL_OVERRIDES, "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
+              "max_logp_diff": {f"{a} vs {c}": float((logp[a] - logp[c])[mask].abs().max()) for a, c in pairs},
+              "min_router_margin_per_layer (HF eager)": margins["eager"]}  # fmt: skip
     print(json.dumps(result, indent=1))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "moe_experts_reference.json").write_text(json.dumps(result, indent=1))
