@@ -1,7 +1,8 @@
 """Megatron-core backend: HF<->Megatron weight mapping (exact round trips, Qwen3-MoE and Gemma 3 too) and,
 under torchrun with gloo on CPU, TP=2 (sequence parallel) / PP=2 / TP=2xPP=2 / DP=2 / CP=2 / TP=2xCP=2 /
 PP=2xCP=2 giving the TP=1 losses and gradients, TP=1 giving fsdp's; a Qwen3 (Q/K norms), a Qwen3-MoE
-(EP, EP x PP, TP, TP x EP) and a Gemma 3 (TP, PP; its VLM's text decoder) likewise."""
+(EP, EP x PP, TP, TP x EP, CP, EP x CP, expert TP) and a Gemma 3 (TP, PP; its VLM's text decoder)
+likewise. The parity batch holds the pad id inside sequences (Hugging Face's padding_idx row)."""
 
 from __future__ import annotations
 
