@@ -113,7 +113,9 @@ class MegatronTrainerConfig(TrainerConfig):
     """Adam's state sharded as Megatron's distributed optimizer (ZeRO-1): dense weights over data x
     context parallel, experts over their expert-data-parallel group; checkpoints keep each rank's shard."""
     expert_tp: int = 1
-    """Tensor parallel size inside each expert (Megatron's expert_tensor_parallel_size)."""
+    """Tensor parallel size inside each expert (Megatron's expert_tensor_parallel_size): each expert's
+    fc1/fc2 split over its own group, which Megatron carves out of the ranks like EP (ep x expert_tp
+    divides the training world); 1 keeps experts whole, spread by ``ep``."""
     virtual_pp: int | None = None
 
     def chunked_logprob(self) -> bool:
