@@ -115,7 +115,7 @@ class MegatronTrainerConfig(TrainerConfig):
     expert_tp: int = 1
     """Tensor parallel size inside each expert (Megatron's expert_tensor_parallel_size): each expert's
     fc1/fc2 split over its own group, which Megatron carves out of the ranks like EP (ep x expert_tp
-    divides the training world); 1 keeps experts whole, spread by ``ep``."""
+    divides one pipeline stage's GPUs); 1 keeps experts whole, spread by ``ep``."""
     virtual_pp: int | None = None
 
     def chunked_logprob(self) -> bool:
