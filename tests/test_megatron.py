@@ -364,6 +364,37 @@ def test_qwen3_moe_matches_fsdp_and_expert_parallel_matches_one_rank(qwen3_moe_d
             )
 
 
+@pytest.mark.slow
+def test_grouped_experts_equal_megatrons_loop_and_autocast_per_expert(qwen3_moe_dir, tmp_path):
+    """experts.GroupedExperts (two grouped GEMMs over all local experts) on routed tokens with uneven
+    counts and an expert that gets none: Megatron's per-expert loop in fp32, and a per-expert F.linear
+    loop under bf16 autocast (the cast GPUs take), give its outputs and gradients."""
+    out = tmp_path / "experts.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=29791",
+           str(ROOT / "tests" / "megatron_experts_check.py"), str(qwen3_moe_dir), str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = torch.load(out)
+    assert r["module"] == "GroupedExperts"
+
+    def same(a: dict, b: dict, atol: float) -> None:
+        assert a["dtype"] == b["dtype"]
+        assert torch.allclose(a["out"], b["out"], atol=atol) and torch.allclose(
+            a["x_grad"], b["x_grad"], atol=atol
+        )
+        for name, grad in b["grads"].items():
+            assert torch.allclose(a["grads"][name], grad, atol=atol), name
+
+    same(r["grouped fp32"], r["sequential fp32"], 1e-7)
+    same(r["grouped fp32"], r["plain fp32"], 1e-7)
+    same(r["grouped bf16"], r["plain bf16"], 1e-6)
+    assert r["grouped bf16"]["dtype"] == "torch.bfloat16"
+    assert not torch.equal(r["grouped bf16"]["out"], r["grouped fp32"]["out"])  # the cast really happened
+    empty = r["grouped fp32"]["grads"]["local_experts.1.linear_fc1.weight"]
+    assert torch.count_nonzero(empty) == 0  # expert 1 got no token
+    assert torch.count_nonzero(r["grouped fp32"]["grads"]["local_experts.2.linear_fc1.weight"]) > 0
+
+
 def test_moe_plans_with_megatron_under_tensor_context_and_expert_tensor_parallel():
     site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh", "cluster=h100"]
     # (one H100 node does not fit this model: plan exits 1 but still shows what it found)
