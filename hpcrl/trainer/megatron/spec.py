@@ -37,7 +37,8 @@ class SDPAttention(torch.nn.Module):
     Context parallel: Megatron gives each CP rank two of the 2·cp equal chunks of every sequence
     (rank r holds chunks r and 2·cp-1-r, so causal work is balanced). Keys and values are gathered
     from all CP ranks (the backward reduce-scatters their gradients back); each local query chunk
-    attends to the keys of every chunk up to its own, causal within its own chunk."""
+    attends to the keys of every chunk up to its own, causal within its own chunk — on a sliding-window
+    layer only to the keys its window reaches, masked by global position (Gemma 3 under CP)."""
 
     def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -47,9 +48,6 @@ class SDPAttention(torch.nn.Module):
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.scale = softmax_scale
         self.window = sliding_window(config, layer_number)
-        if self.window is not None and config.context_parallel_size > 1:
-            raise ValueError("SDPAttention: sliding-window layers under context parallel are not built; "
-                             "set trainer.cp=1")  # fmt: skip
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:  # fmt: skip
@@ -93,8 +91,16 @@ class SDPAttention(torch.nn.Module):
         for j, g in enumerate((rank, 2 * cp - 1 - rank)):  # this rank's two chunks, by global index
             q = query[j * chunk : (j + 1) * chunk].permute(1, 2, 0, 3)
             seen = (g + 1) * chunk
-            k, v = (t[:seen].permute(1, 2, 0, 3) for t in (k_all, v_all))
-            outs.append(self._sdpa(q, k, v, causal=True if g == 0 else causal_lower_right(chunk, seen)))
+            # a sliding-window layer reads only the keys its window reaches (masked by global position)
+            first = 0 if self.window is None else max(0, g * chunk - self.window + 1)
+            k, v = (t[first:seen].permute(1, 2, 0, 3) for t in (k_all, v_all))
+            if self.window is not None:
+                distance = (torch.arange(g * chunk, seen, device=q.device)[:, None]
+                            - torch.arange(first, seen, device=q.device)[None, :])  # fmt: skip
+                causal: Any = (distance >= 0) & (distance < self.window)
+            else:
+                causal = True if g == 0 else causal_lower_right(chunk, seen)
+            outs.append(self._sdpa(q, k, v, causal=causal))
         return torch.cat(outs, dim=2)
 
 
