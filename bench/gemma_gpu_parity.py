@@ -23,14 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_bench import MODEL_OVERRIDES, make_model_dir
+from gpu_bench import DEVICE, MODEL_OVERRIDES, make_model_dir
 
 from hpcrl.config import compose_config
 from hpcrl.trainer import make_trainer
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.fsdp import free_port
-
-DEVICE = os.environ.get("HPCRL_BENCH_DEVICE", "cuda")  # "cpu" to try the script here
 
 
 def batch(n: int, seq: int):
@@ -108,8 +106,8 @@ def probe_decoder_input(trainer, backend: str, scaled: bool) -> dict:
             out.register_hook(lambda g: record(g, ids, backend != "megatron"))  # megatron is [s, b, h]
         return None
 
-    scale = float(torch.tensor(_hidden(trainer) ** 0.5)) if scaled else 1.0  # Gemma's sqrt(hidden)
-    vocab = _vocab(trainer)
+    vocab, hidden = _embedding(trainer).shape
+    scale = float(torch.tensor(hidden**0.5)) if scaled else 1.0  # Gemma's sqrt(hidden)
 
     if backend == "megatron":
         # after the sqrt(hidden) scaling hook
@@ -124,18 +122,11 @@ def _top_rows(grad: torch.Tensor) -> dict[int, float]:
     return {int(i): float(v) for i, v in zip(top.indices, top.values, strict=True)}
 
 
-def _embedding(trainer):
+def _embedding(trainer) -> torch.Tensor:
+    """The input embedding's weight, [vocab, hidden], in either backend."""
     if hasattr(trainer.model, "embedding"):
         return trainer.model.embedding.word_embeddings.weight
     return trainer.model.get_decoder().embed_tokens.weight
-
-
-def _hidden(trainer) -> int:
-    return _embedding(trainer).shape[1]
-
-
-def _vocab(trainer) -> int:
-    return _embedding(trainer).shape[0]
 
 
 def main() -> int:

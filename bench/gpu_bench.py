@@ -76,6 +76,8 @@ def measure_peaks() -> tuple[float, float]:
 MODEL_OVERRIDES = os.environ.get("HPCRL_BENCH_MODEL_OVERRIDES", "").split()
 """Catalog-model overrides every benchmark applies, e.g. ``model.num_layers=4`` to fit a slice of a
 large model on one GPU (the parameter count and FLOPs follow)."""
+DEVICE = os.environ.get("HPCRL_BENCH_DEVICE", "cuda")
+"""Where the correctness benches run (gemma_gpu_parity.py, moe_experts_reference.py): "cpu" tries them here."""
 
 
 def make_model_dir(cfg) -> Path:

@@ -23,11 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gemma_gpu_parity import batch
-from gpu_bench import MODEL_OVERRIDES, make_model_dir
+from gpu_bench import DEVICE, MODEL_OVERRIDES, make_model_dir
 
 from hpcrl.config import compose_config
-
-DEVICE = os.environ.get("HPCRL_BENCH_DEVICE", "cuda")  # "cpu" to try the script here
 
 
 def hf_logprobs(model_dir: Path, experts: str, b) -> tuple[torch.Tensor, list[float]]:

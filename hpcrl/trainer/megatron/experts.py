@@ -12,11 +12,12 @@ loop. Imports Megatron-core: imported only where a Megatron model is built (``sp
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
+
+from hpcrl.trainer.megatron.spec import submodules_of, with_module
 
 KERNEL = "grouped"
 """``"grouped"`` (the default) or ``"sequential"`` (Megatron's loop; benches compare the two)."""
@@ -64,15 +65,9 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.T
     return out
 
 
-def use_grouped_experts(mlp: Any) -> Any:
-    """The MoE layer's spec (megatron-core 0.16: a ModuleSpec; 0.19: functools.partial) with
-    GroupedExperts in its experts slot; a dense MLP's spec comes back unchanged."""
-    subs = mlp.submodules if hasattr(mlp, "submodules") else mlp.keywords.get("submodules")
-    experts = getattr(subs, "experts", None)
-    if experts is None:
-        return mlp
-    if isinstance(experts, functools.partial):
-        subs.experts = functools.partial(GroupedExperts, *experts.args, **experts.keywords)
-    else:
-        experts.module = GroupedExperts
-    return mlp
+def use_grouped_experts(mlp: Any) -> None:
+    """GroupedExperts in the experts slot of an MoE layer's spec, in place (a dense MLP's spec has no
+    such slot and stays as it is)."""
+    subs = submodules_of(mlp)
+    if getattr(subs, "experts", None) is not None:
+        subs.experts = with_module(subs.experts, GroupedExperts)

@@ -29,7 +29,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention
 
-from hpcrl.trainer.megatron.spec import GPTFamily, SPNorm, sliding_window
+from hpcrl.trainer.megatron.spec import GPTFamily, SPNorm, sliding_window, submodules_of
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -67,9 +67,7 @@ class Gemma3(GPTFamily):
         layer = spec.submodules
         layer.self_attention.module = GemmaSelfAttention
         layer.self_attention.submodules.linear_proj = RowParallelLinearPostNorm
-        # megatron-core 0.16 holds the MLP as a ModuleSpec, 0.19 as functools.partial(MLP..., submodules=...)
-        mlp = layer.mlp.submodules if hasattr(layer.mlp, "submodules") else layer.mlp.keywords["submodules"]
-        mlp.linear_fc2 = RowParallelLinearPostNorm
+        submodules_of(layer.mlp).linear_fc2 = RowParallelLinearPostNorm
 
     def adapt_model(self, model: Any, hf: Any, compute_dtype: torch.dtype) -> None:
         """Embeddings scaled, both RoPE bases handed to every layer."""

@@ -94,10 +94,10 @@ class SDPAttention(torch.nn.Module):
             # a sliding-window layer reads only the keys its window reaches (masked by global position)
             first = 0 if self.window is None else max(0, g * chunk - self.window + 1)
             k, v = (t[first:seen].permute(1, 2, 0, 3) for t in (k_all, v_all))
+            causal: Any
             if self.window is not None:
-                distance = (torch.arange(g * chunk, seen, device=q.device)[:, None]
-                            - torch.arange(first, seen, device=q.device)[None, :])  # fmt: skip
-                causal: Any = (distance >= 0) & (distance < self.window)
+                causal = window_mask(chunk, self.window, q.device, first_query=g * chunk, first_key=first,
+                                     keys=seen - first)  # fmt: skip
             else:
                 causal = True if g == 0 else causal_lower_right(chunk, seen)
             outs.append(self._sdpa(q, k, v, causal=causal))
@@ -150,10 +150,13 @@ def flex_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win
     return run(q, k, v, block_mask=block, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def window_mask(s: int, window: int, device: torch.device) -> torch.Tensor:
-    """[s, s], True where query i may read key j: j <= i and i - j < window (sliding-window causal)."""
-    i = torch.arange(s, device=device)
-    distance = i[:, None] - i[None, :]
+def window_mask(s: int, window: int, device: torch.device, first_query: int = 0, first_key: int = 0,
+                keys: int | None = None) -> torch.Tensor:  # fmt: skip
+    """[s, keys (default s)], True where the query at position ``first_query + i`` may read the key at
+    ``first_key + j``: key <= query and query - key < window (sliding-window causal)."""
+    q = torch.arange(first_query, first_query + s, device=device)
+    k = torch.arange(first_key, first_key + (s if keys is None else keys), device=device)
+    distance = q[:, None] - k[None, :]
     return (distance >= 0) & (distance < window)
 
 
@@ -252,6 +255,21 @@ def keep_pad_row_untrained(model: Any, hf: Any) -> None:
         return torch.where(keep[..., None], out, out.detach())
 
     model.embedding.register_forward_hook(cut, with_kwargs=True)
+
+
+def submodules_of(spec: Any) -> Any:
+    """A module spec's submodules: megatron-core 0.16 holds specs as ``ModuleSpec``, 0.19 as
+    ``functools.partial(Module, submodules=...)`` (None when it has none)."""
+    return spec.submodules if hasattr(spec, "submodules") else spec.keywords.get("submodules")
+
+
+def with_module(spec: Any, module: type) -> Any:
+    """The same spec (either shape) building ``module`` instead: a ModuleSpec changed in place, a
+    partial rebuilt with the same arguments."""
+    if isinstance(spec, functools.partial):
+        return functools.partial(module, *spec.args, **spec.keywords)
+    spec.module = module
+    return spec
 
 
 def family(hf: Any) -> str:
