@@ -51,7 +51,7 @@ def one(backend: str, model_dir: Path, model: str, n: int, seq: int, out: Path, 
 
         spec.WINDOW_KERNEL = "sdpa" if "window=sdpa" in words else "flex"
     trainer: Any = make_trainer(model_dir, cfg, 0, 1, f"127.0.0.1:{free_port()}", DEVICE)
-    probes = probe_decoder_input(trainer, backend, scaled=cfg.model.family == "gemma3")
+    probes = probe_decoder_input(trainer, backend, scaled=cfg.model.family in ("gemma3", "gemma4"))
     b = batch(n, seq)
     logp = trainer.logprobs(b)
     metrics = trainer.train_step(b, None)

@@ -81,7 +81,8 @@ DEVICE = os.environ.get("HPCRL_BENCH_DEVICE", "cuda")
 
 
 def make_model_dir(cfg) -> Path:
-    """Random weights in the catalog model's shape: Qwen2 (default), Gemma 3 (text) or Qwen3-MoE."""
+    """Random weights in the catalog model's shape: Qwen2 (default), Gemma 3 (text), Gemma 4's dense
+    decoder or Qwen3-MoE."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
@@ -103,6 +104,19 @@ def make_model_dir(cfg) -> Path:
         ]
         model = Gemma3ForCausalLM(Gemma3TextConfig(**common, head_dim=m.head_dim, query_pre_attn_scalar=m.head_dim,
                                                    sliding_window=m.sliding_window, layer_types=kinds))  # fmt: skip
+    elif m.family == "gemma4":  # the dense decoder (31B's kind): global layers 512 x global_kv_heads, K=V
+        from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+        kinds = [
+            "full_attention"
+            if (i + 1) % m.global_every == 0 or i == m.num_layers - 1
+            else "sliding_attention"
+            for i in range(m.num_layers)
+        ]
+        model = Gemma4ForCausalLM(Gemma4TextConfig(**common, head_dim=m.head_dim, global_head_dim=m.global_head_dim,
+                                                   num_global_key_value_heads=m.global_kv_heads, attention_k_eq_v=True,
+                                                   sliding_window=m.sliding_window, layer_types=kinds,
+                                                   hidden_size_per_layer_input=0))  # fmt: skip
     elif m.family == "qwen3_moe":  # Qwen3-30B-A3B's routing: top-k weights renormalised
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, head_dim=m.head_dim, num_experts=m.num_experts,
                                                    num_experts_per_tok=m.experts_per_token,
@@ -118,9 +132,11 @@ def make_model_dir(cfg) -> Path:
 
 
 def train_flops_per_token(cfg, seq: int) -> float:
-    """6N + 12 L h s, N the parameters a token passes through (an MoE's active ones)."""
+    """6N + 12 L h s, N the parameters a token passes through (an MoE's active ones; a VLM's frozen
+    towers, absent from the text-only benchmark model, left out)."""
     m = cfg.model
-    return 6 * m.param_counts().active + 12 * m.num_layers * m.hidden_size * seq
+    counts = m.param_counts()
+    return 6 * (counts.active - counts.frozen) + 12 * m.num_layers * m.hidden_size * seq
 
 
 def bench_train_baseline(model_dir: Path, batch: int, seq: int) -> dict:

@@ -14,6 +14,7 @@ from hpcrl.trainer.config import (
     MEGATRON_FAMILIES,
     FSDPTrainerConfig,
     MegatronTrainerConfig,
+    megatron_build_gap,
 )
 
 
@@ -44,12 +45,8 @@ class Plan:
         """Why the chosen training backend cannot run this plan yet (empty: it can)."""
         cfg, trainer = self.cfg, self.cfg.trainer
         gaps = []
-        if isinstance(trainer, MegatronTrainerConfig) and cfg.model.family not in MEGATRON_FAMILIES:
-            gaps.append(
-                f"trainer=megatron cannot build {cfg.model.name} yet (family {cfg.model.family}; the "
-                f"backend's HF<->Megatron weight mapping covers {', '.join(MEGATRON_FAMILIES)}); "
-                "the plan above is the layout it will use once it can"
-            )
+        if isinstance(trainer, MegatronTrainerConfig) and (gap := megatron_build_gap(cfg.model, trainer.tp)):
+            gaps.append(f"{gap}; the plan above is the layout it will use once it can")
         if (
             isinstance(trainer, MegatronTrainerConfig)
             and cfg.model.is_moe

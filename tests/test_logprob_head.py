@@ -60,6 +60,12 @@ def test_soft_capped_or_biased_heads_are_left_alone():
     biased.lm_head = nn.Linear(4, 8, bias=True)
     assert install_logprob_head(capped) is None and type(capped.lm_head) is nn.Linear
     assert install_logprob_head(biased) is None
+    # a vision-language checkpoint (Gemma 4) sets the cap on its text config only
+    vlm = nn.Module()
+    vlm.lm_head = nn.Linear(4, 8, bias=False)
+    text = type("T", (), {"final_logit_softcapping": 30.0})()
+    vlm.config = type("C", (), {"get_text_config": lambda self: text})()
+    assert install_logprob_head(vlm) is None and type(vlm.lm_head) is nn.Linear
 
 
 def test_right_padding_detection():

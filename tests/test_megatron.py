@@ -1,8 +1,8 @@
 """Megatron-core backend: HF<->Megatron weight mapping (exact round trips, Qwen3-MoE and Gemma 3 too) and,
 under torchrun with gloo on CPU, TP=2 (sequence parallel) / PP=2 / TP=2xPP=2 / DP=2 / CP=2 / TP=2xCP=2 /
 PP=2xCP=2 giving the TP=1 losses and gradients, TP=1 giving fsdp's; a Qwen3 (Q/K norms), a Qwen3-MoE
-(EP, EP x PP, TP, TP x EP, CP, EP x CP, expert TP) and a Gemma 3 (TP, PP; its VLM's text decoder)
-likewise. The parity batch holds the pad id inside sequences (Hugging Face's padding_idx row)."""
+(EP, EP x PP, TP, TP x EP, CP, EP x CP, expert TP), a Gemma 3 (TP, PP, CP; its VLM's text decoder) and
+a Gemma 4 (layers of two shapes, keys as values; TP, PP, CP, soft-capped logits, its VLM) likewise. The parity batch holds the pad id inside sequences (Hugging Face's padding_idx row)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hpcrl.trainer.megatron.weights import (
+    LayerAttention,
     Shape,
     is_sharded,
     is_split,
@@ -56,6 +57,8 @@ def _hf_model(kind: str) -> tuple[dict[str, torch.Tensor], Shape, bool]:
         model, tied = Qwen3MoeForCausalLM(moe), False
     elif kind == "gemma3":
         model, tied = gemma3_model(vocab_size=96, num_hidden_layers=2), True
+    elif kind == "gemma4":
+        model, tied = gemma4_model(vocab_size=96), True
     else:
         model, tied = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False)), False
     if kind == "qwen3_moe":  # the checkpoint layout (per expert), as save_pretrained writes it
@@ -69,9 +72,10 @@ def _hf_model(kind: str) -> tuple[dict[str, torch.Tensor], Shape, bool]:
     if tied:
         state.pop("lm_head.weight", None)  # what save_pretrained writes for a tied model
     head_dim = 32 if kind.startswith("qwen3") else 16
-    shape = Shape(
-        heads=4, groups=2, head_dim=head_dim, vocab=96, padded_vocab=96, sandwich_norms=kind == "gemma3"
-    )
+    # Gemma 4's global layer 3: its own head size and KV heads, keys doubling as values
+    layers = {3: LayerAttention(groups=1, head_dim=32, values=False)} if kind == "gemma4" else None
+    shape = Shape(heads=4, groups=2, head_dim=head_dim, vocab=96, padded_vocab=96,
+                  sandwich_norms=kind.startswith("gemma"), layers=layers)  # fmt: skip
     return state, shape, tied
 
 
@@ -108,10 +112,53 @@ def gemma3_model(vlm: bool = False, **overrides: object) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama", "qwen3_moe", "gemma3"])
+GEMMA4_TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                   attention_k_eq_v=True, sliding_window=4, tie_word_embeddings=True, max_position_embeddings=256,
+                   hidden_size_per_layer_input=0, layer_types=["sliding_attention"] * 3 + ["full_attention"])  # fmt: skip
+"""A small Gemma 4 dense decoder (31B's kind): 4-token windows on layers 0-2, a global layer 3 with
+twice the head size, its own KV heads and keys doubling as values, proportional RoPE there."""
+
+
+def gemma4_model(vlm: bool = False, **overrides: object) -> torch.nn.Module:
+    """Random weights; norms drawn around 1 (Gemma 4's norms multiply by w), a different
+    ``layer_scalar`` per layer (ones would hide a layer that forgot it)."""
+    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
+
+    torch.manual_seed(0)
+    text = {**GEMMA4_TEXT, **overrides}
+    if vlm:
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16, patch_size=4)  # fmt: skip
+        tokens = dict(image_token_id=127, boi_token_id=125, eoi_token_id=126, video_token_id=124,
+                      boa_token_id=123, eoa_token_index=122, audio_token_id=121)  # fmt: skip
+        model: torch.nn.Module = Gemma4ForConditionalGeneration(
+            Gemma4Config(text_config=text, vision_config=vision, audio_config=None, **tokens)
+        )
+    else:
+        model = Gemma4ForCausalLM(Gemma4TextConfig(**text))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1, 0.3)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.fill_(0.5 + 0.25 * int(name.split(".layers.")[1].split(".")[0]))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama", "qwen3_moe", "gemma3", "gemma4"])
 def test_hf_to_megatron_to_hf_is_bit_identical(kind):
     hf, shape, tied = _hf_model(kind)
     meg = to_megatron(hf, shape, tied)
+    if kind == "gemma4":  # a global layer without V: [q heads; k] for its one query group
+        assert "model.layers.3.self_attn.v_proj.weight" not in hf
+        qkv = meg["decoder.layers.3.self_attention.linear_qkv.weight"]
+        assert torch.equal(qkv, torch.cat([hf["model.layers.3.self_attn.q_proj.weight"],
+                                           hf["model.layers.3.self_attn.k_proj.weight"]]))  # fmt: skip
+        assert qkv.shape == (4 * 32 + 32, 64)
+        assert meg["decoder.layers.2.self_attention.linear_qkv.weight"].shape == (2 * (2 + 2) * 16, 64)
+        assert torch.equal(meg["decoder.layers.1.layer_scalar"], torch.tensor([0.75]))  # kept as it is
     if kind == "qwen3_moe":  # gate+up fused per expert under its global index; the gate is the router
         fc1 = meg["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
         assert torch.equal(fc1, torch.cat([hf["model.layers.1.mlp.experts.3.gate_proj.weight"],
@@ -518,6 +565,53 @@ def test_gemma3_matches_fsdp_and_under_tensor_and_pipeline_parallel(gemma3_dirs,
         assert all(run["state_restored"]), where
 
 
+@pytest.fixture(scope="module")
+def gemma4_dirs(tmp_path_factory):
+    """A small Gemma4ForCausalLM (2 KV heads in the global layer too, so TP=2 splits them) and a
+    Gemma4ForConditionalGeneration whose logits are soft-capped at 2 (the tiny model's logits reach it)."""
+    out = {}
+    for kind, extra in (("text", {}), ("vlm", {"final_logit_softcapping": 2.0})):
+        out[kind] = tmp_path_factory.mktemp(f"gemma4_{kind}")
+        gemma4_model(vlm=kind == "vlm", num_global_key_value_heads=2, **extra).save_pretrained(out[kind])
+    return out
+
+
+@pytest.mark.slow
+def test_gemma4_matches_fsdp_and_under_tensor_pipeline_and_context_parallel(gemma4_dirs, tmp_path):
+    """Gemma 4's dense decoder (sliding layers 16 x 2 KV heads, a global layer 32 x 2 whose keys are its
+    values, V norm, x * w norms, proportional RoPE, layer_scalar) built by Megatron gives the Hugging Face
+    model's step; TP=2, PP=2 (the global layer alone on stage 1) and CP=2 give the one-rank step; the
+    VLM's text decoder, its logits soft-capped, trains the same under its own names, with TP=2 too."""
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.trainer.fsdp import checkpoint_names
+
+    mask = parity_batch().loss_mask.bool()
+    base = {}
+    for kind, port in (("text", 29771), ("vlm", 29773)):
+        base[kind] = _torchrun(gemma4_dirs[kind], tmp_path / f"{kind}1.pt", 1, 1, port=port)
+        fsdp = _torchrun(gemma4_dirs[kind], tmp_path / f"{kind}fsdp.pt", 1, 1, backend="fsdp", port=port + 1)
+        assert torch.allclose(base[kind]["logp"][mask], fsdp["logp"][mask], atol=1e-5), kind
+        for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm"):
+            assert base[kind]["metrics"][key] == pytest.approx(fsdp["metrics"][key], rel=1e-4, abs=1e-6), (
+                kind,
+                key,
+            )
+        hf_grads = checkpoint_names(AutoModelForCausalLM.from_pretrained(gemma4_dirs[kind]), fsdp["grads"])
+        head = "lm_head.weight"
+        assert set(base[kind]["grads"]) - {head} == set(hf_grads), kind  # every text weight, no vision weight
+        assert not any(k.endswith("layers.3.self_attn.v_proj.weight") for k in hf_grads)  # keys as values
+        for name, grad in hf_grads.items():
+            assert torch.allclose(base[kind]["grads"][name], grad, atol=1e-5), (kind, name)
+    for kind, tp, pp, cp in (("text", 2, 1, 1), ("text", 1, 2, 1), ("text", 1, 1, 2), ("vlm", 2, 1, 1)):
+        where = f"gemma4 {kind} TP={tp} PP={pp} CP={cp}"
+        run = _torchrun(gemma4_dirs[kind], tmp_path / f"{kind}tp{tp}pp{pp}cp{cp}.pt", tp, pp, cp=cp,
+                        port=29775 + tp + 2 * pp + 4 * cp + 10 * (kind == "vlm"))  # fmt: skip
+        assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
+        _assert_same_step(run, base[kind], mask, where)
+        assert all(run["state_restored"]), where
+
+
 def test_gemma3_plans_and_renders_with_megatron_on_cpus_and_gpu_clusters(tmp_path):
     # this machine's CPUs (1B does not fit the local 16 GB budget: plan exits 1, but shows no gap)
     local = run_cli("plan", "model=gemma3_1b", "trainer=megatron")
@@ -535,6 +629,25 @@ def test_gemma3_plans_and_renders_with_megatron_on_cpus_and_gpu_clusters(tmp_pat
     assert cp2.returncode == 0 and "cannot submit yet" not in cp2.stdout, cp2.stderr[-2000:]
     fsdp_cp2 = run_cli("plan", "model=gemma3_4b", "trainer=fsdp", "trainer.cp=2", *site)
     assert fsdp_cp2.returncode != 0 and "sliding-window attention bias" in fsdp_cp2.stderr
+
+
+def test_gemma4_plans_with_megatron_and_its_variants_beyond_the_dense_decoder_are_refused(tmp_path):
+    site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh", "cluster=h200"]
+    recipe = ["+experiment=dapo-gemma4-31b-it-4n8g-fsdp2", "trainer=megatron"]
+    plan = run_cli("plan", *recipe, "trainer.tp=4", *site)
+    assert plan.returncode == 0, plan.stdout[-2000:] + plan.stderr
+    assert "cannot submit yet" not in plan.stdout and "train: peak" in plan.stdout
+    # keys double as values on the 4 global KV heads: TP=8 cannot split them
+    tp8 = run_cli("plan", *recipe, "trainer.tp=8", *site)
+    assert "trainer.tp=8 must divide the 4 KV heads of gemma4_31b" in " ".join(tp8.stdout.split())
+    for model, what in (("gemma4_e2b", "per-layer embeddings"), ("gemma4_26b_a4b", "MoE block")):
+        refused = run_cli("plan", f"model={model}", "trainer=megatron", *site)
+        assert f"cannot build {model} yet" in refused.stdout and what in " ".join(refused.stdout.split())
+    submitted = run_cli(
+        "submit", "model=gemma4_e2b", "trainer=megatron", f"run.output_root={tmp_path}", *site
+    )
+    assert submitted.returncode == 2 and "cannot build gemma4_e2b yet" in submitted.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted
 
 
 def test_flex_window_attention_equals_masked_sdpa():

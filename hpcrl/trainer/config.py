@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from hpcrl.checks import non_negative, positive
+
+if TYPE_CHECKING:
+    from hpcrl.models import ModelConfig
 
 CHUNK_ELEMENTS = 1 << 28
 """Logit elements per chunk of ``trainer/logprob_head.py`` where its chunk math runs eagerly (CPU:
@@ -89,15 +93,37 @@ class FSDPTrainerConfig(TrainerConfig):
     cpu_offload: bool = False
 
 
-MEGATRON_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe", "gemma3")
+MEGATRON_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe", "gemma3", "gemma4")
 """Model families (the catalog's ``family``) ``trainer=megatron`` maps from/to Hugging Face
 (hpcrl/trainer/megatron/weights.py); read by the planner and by the backend."""
+
+
+def megatron_build_gap(model: ModelConfig, tp: int = 1) -> str:
+    """Why ``trainer=megatron`` cannot build this catalog model (at tensor parallel ``tp``) yet (empty:
+    it can). The backend refuses the same checkpoints by their Hugging Face fields (megatron/gemma4.py)."""
+    if model.family not in MEGATRON_FAMILIES:
+        return (f"trainer=megatron cannot build {model.name} yet (family {model.family}; the backend's "
+                f"HF<->Megatron weight mapping covers {', '.join(MEGATRON_FAMILIES)})")  # fmt: skip
+    if model.family == "gemma4":
+        missing = [what for what, has in (
+            ("per-layer embeddings and KV-shared layers (E2B/E4B)", model.per_layer_embed_dim > 0),
+            ("MoE block beside the dense MLP", model.num_experts > 0),
+            ("gemma4_unified checkpoint", model.unified),
+        ) if has]  # fmt: skip
+        if missing:
+            return (f"trainer=megatron cannot build {model.name} yet (it builds Gemma 4's dense decoder, "
+                    f"not the {' or the '.join(missing)}): use trainer=fsdp, as the Gemma 4 recipes do")  # fmt: skip
+        if model.global_kv_heads and model.global_kv_heads % tp:
+            # keys double as values there: each TP rank must hold whole KV heads
+            return (f"trainer.tp={tp} must divide the {model.global_kv_heads} KV heads of {model.name}'s "
+                    f"global layers (model.global_kv_heads) under trainer=megatron")  # fmt: skip
+    return ""
 
 
 def megatron_family(model_type: str) -> str:
     """A Hugging Face text config's ``model_type`` -> the catalog family (Gemma 3's text decoder is
     ``gemma3_text``, in Gemma3ForCausalLM and inside Gemma3ForConditionalGeneration alike)."""
-    return {"gemma3_text": "gemma3"}.get(model_type, model_type)
+    return {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}.get(model_type, model_type)
 
 
 @dataclass

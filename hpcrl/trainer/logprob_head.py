@@ -149,8 +149,12 @@ def install_logprob_head(model: nn.Module) -> LogprobHead | None:
     config = getattr(model, "config", None)
     if type(head) is not nn.Linear or head.bias is not None:
         return None
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
-        return None
+    # A vision-language model keeps these on its text config (Gemma 4): missed there, the model's
+    # forward would soft-cap this head's (log p, entropy) output instead of the logits.
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for c in (config, text):
+        if getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None):
+            return None
     new = LogprobHead(head)
     model.lm_head = new
     return new

@@ -46,16 +46,13 @@ class Gemma3(GPTFamily):
 
     def config_fields(self, hf: Any) -> dict[str, Any]:
         check_supported(hf)
-        sliding = [int(kind == "sliding_attention") for kind in hf.layer_types]
         return {
             "layernorm_zero_centered_gamma": True,
             "activation_func": gelu_tanh,
             "bias_activation_fusion": False,  # Megatron fuses SwiGLU or erf-GELU only
             "qk_layernorm": True,
             "softmax_scale": hf.query_pre_attn_scalar**-0.5,
-            # Hugging Face: query i sees keys i - window + 1 .. i; Megatron's (left, right) counts them so
-            "window_size": (hf.sliding_window - 1, 0) if any(sliding) else None,
-            "window_attn_skip_freq": sliding if any(sliding) else None,
+            **window_fields(hf),
         }
 
     def rope(self, hf: Any) -> dict[str, Any]:
@@ -63,21 +60,37 @@ class Gemma3(GPTFamily):
         base, factor, _ = rope_bases(hf)
         return {"rotary_base": base, "seq_len_interpolation_factor": factor}
 
-    def adapt_spec(self, spec: Any) -> None:
+    def adapt_spec(self, spec: Any) -> Any:
         layer = spec.submodules
         layer.self_attention.module = GemmaSelfAttention
         layer.self_attention.submodules.linear_proj = RowParallelLinearPostNorm
         submodules_of(layer.mlp).linear_fc2 = RowParallelLinearPostNorm
+        return spec
 
     def adapt_model(self, model: Any, hf: Any, compute_dtype: torch.dtype) -> None:
         """Embeddings scaled, both RoPE bases handed to every layer."""
-        if getattr(model, "embedding", None) is not None:  # the first pipeline stage
-            factor = float(torch.tensor(hf.hidden_size**0.5, dtype=compute_dtype))
-            model.embedding.register_forward_hook(lambda _module, _args, out: out * factor)
+        scale_embeddings(model, hf, compute_dtype)
         _, _, local_base = rope_bases(hf)
         local = RotaryEmbedding(kv_channels=model.config.kv_channels, rotary_percent=1.0, rotary_base=local_base,
                                 use_cpu_initialization=True, cp_group=model.rotary_pos_emb.cp_group)  # fmt: skip
         model.rotary_pos_emb = DualRotaryEmbedding(model.rotary_pos_emb, local)
+
+
+def window_fields(hf: Any) -> dict[str, Any]:
+    """Megatron's sliding-window fields from ``layer_types`` (None where every layer is global)."""
+    sliding = [int(kind == "sliding_attention") for kind in hf.layer_types]
+    return {
+        # Hugging Face: query i sees keys i - window + 1 .. i; Megatron's (left, right) counts them so
+        "window_size": (hf.sliding_window - 1, 0) if any(sliding) else None,
+        "window_attn_skip_freq": sliding if any(sliding) else None,
+    }
+
+
+def scale_embeddings(model: Any, hf: Any, compute_dtype: torch.dtype) -> None:
+    """Embeddings times sqrt(hidden), the factor rounded to the compute dtype as HF and vLLM do."""
+    if getattr(model, "embedding", None) is not None:  # the first pipeline stage
+        factor = float(torch.tensor(hf.hidden_size**0.5, dtype=compute_dtype))
+        model.embedding.register_forward_hook(lambda _module, _args, out: out * factor)
 
 
 def check_supported(hf: Any) -> None:
@@ -103,7 +116,8 @@ def rope_bases(hf: Any) -> tuple[float, float | None, float]:
 
 
 class DualRotaryEmbedding(torch.nn.Module):
-    """GPTModel's rotary slot: [global, local] angles stacked, [2, s, 1, 1, head_dim]."""
+    """GPTModel's rotary slot: [global, local] angles stacked, [2, s, 1, 1, head_dim] (Gemma 4: the
+    global layers' head_dim; the local angles padded to it, each layer reads its own head_dim)."""
 
     def __init__(self, global_rope: Any, local_rope: Any) -> None:
         super().__init__()
@@ -113,7 +127,9 @@ class DualRotaryEmbedding(torch.nn.Module):
         return int(self.global_rope.get_rotary_seq_len(*args, **kwargs))
 
     def forward(self, max_seq_len: int, **kwargs: Any) -> torch.Tensor:
-        return torch.stack([self.global_rope(max_seq_len, **kwargs), self.local_rope(max_seq_len, **kwargs)])
+        angles = self.global_rope(max_seq_len, **kwargs)
+        local = self.local_rope(max_seq_len, **kwargs)
+        return torch.stack([angles, F.pad(local, (0, angles.shape[-1] - local.shape[-1]))])
 
 
 class GemmaSelfAttention(SelfAttention):
@@ -126,7 +142,7 @@ class GemmaSelfAttention(SelfAttention):
     def forward(self, hidden_states: Any, attention_mask: Any, *args: Any, rotary_pos_emb: Any = None,
                 **kwargs: Any) -> Any:  # fmt: skip
         if rotary_pos_emb is not None:
-            rotary_pos_emb = rotary_pos_emb[self.rope_index]
+            rotary_pos_emb = rotary_pos_emb[self.rope_index][..., : self.hidden_size_per_attention_head]
         return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
 
 
@@ -135,9 +151,11 @@ class RowParallelLinearPostNorm(RowParallelLinear):
     post-MLP norms). Under sequence parallelism the output is this rank's slice of the sequence and
     the norm's weight gradient partial: ``SPNorm`` marks it to be summed over TP."""
 
+    norm: type = SPNorm
+
     def __init__(self, input_size: int, output_size: int, *, config: Any, **kwargs: Any) -> None:
         super().__init__(input_size, output_size, config=config, **kwargs)
-        self.post_layernorm = SPNorm(config, output_size, eps=config.layernorm_epsilon)
+        self.post_layernorm = self.norm(config, output_size, eps=config.layernorm_epsilon)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
         out, bias = super().forward(x)

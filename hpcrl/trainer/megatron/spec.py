@@ -184,15 +184,18 @@ class SPNorm(torch.nn.RMSNorm):
     partial: it is marked ``sequence_parallel`` and summed over TP by the trainer, as Megatron's own
     fused norms do."""
 
+    in_fp32 = False
+    """Gemma 4: ``x * w`` computed in fp32, as Hugging Face does (the zero-centred norms always are)."""
+
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
         self.zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.zero_centered:  # Gemma: x * (1 + w), all in fp32, as Hugging Face computes it
+        if self.zero_centered or self.in_fp32:  # Gemma 3: x * (1 + w); Gemma 4: x * w; in fp32 as HF does
             normed = F.rms_norm(x.float(), self.normalized_shape, None, self.eps)
-            y = (normed * (1.0 + self.weight.float())).type_as(x)
+            y = (normed * (self.weight.float() + float(self.zero_centered))).type_as(x)
         else:
             y = super().forward(x)
         if torch.is_autocast_enabled(x.device.type):
@@ -211,6 +214,12 @@ class GPTFamily:
     """Built from Megatron's local spec even when Transformer Engine is installed."""
     sandwich_norms = False
     """Post-attention / post-MLP norms (weights.Shape)."""
+    norm: type = SPNorm
+    """Every norm slot's module (the layers' and the final one)."""
+    buffers: tuple[str, ...] = ()
+    """Buffers loaded from the checkpoint beside the parameters (never trained, never exported)."""
+    final_logit_softcap: float | None = None
+    """Logits -> cap * tanh(logits / cap) before the log-softmax (the logits path; no chunked head)."""
 
     def config_fields(self, hf: Any) -> dict[str, Any]:
         """TransformerConfig fields beyond the GPT ones in ``transformer_config``."""
@@ -221,8 +230,14 @@ class GPTFamily:
         params = getattr(hf, "rope_parameters", None) or {}
         return {"rotary_base": float(getattr(hf, "rope_theta", None) or params.get("rope_theta", 10000.0))}
 
-    def adapt_spec(self, spec: Any) -> None:
-        """The local layer spec (hpcrl's SDPA and norms already in) -> this family's, in place."""
+    def adapt_spec(self, spec: Any) -> Any:
+        """The local layer spec (hpcrl's SDPA and norms already in) -> this family's (changed in place
+        or a new one: megatron-core 0.19's partials are rebuilt, ``with_module``)."""
+        return spec
+
+    def attention_layouts(self, hf: Any) -> dict[int, Any] | None:
+        """Layers whose attention shape departs from the model's (weights.Shape.layers)."""
+        return None
 
     def adapt_model(self, model: Any, hf: Any, compute_dtype: torch.dtype) -> None:
         """After GPTModel is built, before the weights load."""
@@ -272,6 +287,18 @@ def with_module(spec: Any, module: type) -> Any:
     return spec
 
 
+def text_config(model_dir: Any) -> Any:
+    """The checkpoint's text-decoder config. A heterogeneous one (Gemma 4: ``per_layer_config``)
+    answers model-wide fields with the default layers' values (Gemma 4: the sliding layers');
+    gemma4.py reads the layers that depart from them."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model_dir).get_text_config()
+    if getattr(hf, "per_layer_config", None) is not None:
+        hf.allow_global_per_layer_attribute_access = True
+    return hf
+
+
 def family(hf: Any) -> str:
     """The catalog family (hpcrl/models.py) of a Hugging Face text config."""
     return megatron_family(hf.model_type)
@@ -282,6 +309,10 @@ def family_of(hf: Any) -> GPTFamily:
         from hpcrl.trainer.megatron.gemma import Gemma3
 
         return Gemma3()
+    if family(hf) == "gemma4":
+        from hpcrl.trainer.megatron.gemma4 import Gemma4
+
+        return Gemma4(hf)
     return GPTFamily()
 
 
@@ -302,17 +333,19 @@ def layer_spec(config: Any, fam: GPTFamily) -> Any:
     )
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
     attention.core_attention = SDPAttention
-    layer.input_layernorm = layer.pre_mlp_layernorm = SPNorm
+    layer.input_layernorm = layer.pre_mlp_layernorm = fam.norm
     if qk_norm:
-        attention.q_layernorm = attention.k_layernorm = SPNorm
+        attention.q_layernorm = attention.k_layernorm = fam.norm
     else:
         assert attention.q_layernorm is IdentityOp
     if experts:
         from hpcrl.trainer.megatron.experts import use_grouped_experts
 
         use_grouped_experts(layer.mlp)
-    fam.adapt_spec(spec)
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=SPNorm)
+    spec = fam.adapt_spec(spec)
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=fam.norm
+    )
 
 
 def uses_local_spec(fam: GPTFamily) -> bool:

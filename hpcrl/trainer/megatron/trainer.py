@@ -43,6 +43,7 @@ from hpcrl.trainer.megatron.spec import (
     family_of,
     keep_pad_row_untrained,
     layer_spec,
+    text_config,
     transformer_config,
     uses_fused_norms,
 )
@@ -79,7 +80,7 @@ def model_shape(hf: Any, tp: int) -> Shape:
     return Shape(heads=heads, groups=hf.num_key_value_heads,
                  head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
                  vocab=hf.vocab_size, padded_vocab=padded, fused_norms=uses_fused_norms(fam),
-                 sandwich_norms=fam.sandwich_norms)  # fmt: skip
+                 sandwich_norms=fam.sandwich_norms, layers=fam.attention_layouts(hf))  # fmt: skip
 
 
 class MegatronTrainer:
@@ -96,7 +97,6 @@ class MegatronTrainer:
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
         from megatron.core.models.gpt import GPTModel
-        from transformers import AutoConfig
 
         compat.prepare(device)
         t = cfg.trainer
@@ -109,7 +109,7 @@ class MegatronTrainer:
                                  expert_tp=t.expert_tp)  # fmt: skip
         # a vision-language checkpoint (Gemma 3 4B+): the text decoder is trained, the vision tower
         # stays frozen in the rollout engines (weights.LanguageModel)
-        hf = AutoConfig.from_pretrained(model_dir).get_text_config()
+        hf = text_config(model_dir)
         name = family(hf)
         if name not in MEGATRON_FAMILIES:
             raise ValueError(f"trainer=megatron cannot build model_type {hf.model_type!r} yet "
@@ -136,12 +136,12 @@ class MegatronTrainer:
         self.shape = model_shape(hf, self.par.tp)
         config = transformer_config(hf, t, self.par, device=device)
 
+        arch = self.arch = family_of(hf)
         # At TP=1 the loss reads log-probs from the final hidden states in chunks, never the logits
         # (trainer/logprob_head.py); under TP the vocab-parallel cross-entropy keeps the logits split.
-        self.fused_head = t.chunked_logprob()
+        # Soft-capped logits (a Gemma 4 checkpoint may set it) take the logits path.
+        self.fused_head = t.chunked_logprob() and arch.final_logit_softcap is None
         self.compute_dtype = torch.bfloat16 if config.enable_autocast else torch.float32
-
-        arch = family_of(hf)
 
         def build() -> Any:
             model = GPTModel(
@@ -217,10 +217,21 @@ class MegatronTrainer:
                     ps.get_expert_tensor_parallel_group(check_initialized=False))  # fmt: skip
         return self.par.tp, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
 
+    def _loaded(self, model: Any) -> list[tuple[str, torch.Tensor]]:
+        """What the checkpoint fills: the parameters and the family's checkpoint buffers (Gemma 4's
+        ``layer_scalar``)."""
+        buffers = [(n, b) for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in self.arch.buffers]
+        return [*model.named_parameters(), *buffers]
+
     def _load(self, model: Any, full: dict[str, torch.Tensor]) -> None:
+        """Every parameter from ``full``; the checkpoint buffers too where ``full`` has them (a training
+        checkpoint holds the trained weights only: the buffers stay as the model directory had them)."""
+        params = {n for n, _ in model.named_parameters()}
         with torch.no_grad():
-            for name, param in model.named_parameters():
+            for name, param in self._loaded(model):
                 key = relocate(name, self.layer_offset, self.expert_offset)
+                if key not in full and name not in params:
+                    continue
                 if key not in full:
                     raise KeyError(f"checkpoint has no weight for Megatron parameter {key}")
                 tp, rank, _ = self._tp_of(name)
@@ -229,9 +240,7 @@ class MegatronTrainer:
     def _check_every_weight_used(self, full: dict[str, torch.Tensor], model_type: str) -> None:
         """Every checkpoint weight must land in some rank's model: one left over means the layer
         spec lacks a part of the architecture (a Q/K norm, say) and the model would silently differ."""
-        used = {
-            relocate(name, self.layer_offset, self.expert_offset) for name, _ in self.model.named_parameters()
-        }
+        used = {relocate(name, self.layer_offset, self.expert_offset) for name, _ in self._loaded(self.model)}
         every: list[Any] = [used]
         if dist.get_world_size() > 1:
             every = [None] * dist.get_world_size()
@@ -312,8 +321,9 @@ class MegatronTrainer:
                 out.to(self.compute_dtype), weight.to(self.compute_dtype), targets
             )
             return self._cp_join(logp), self._cp_join(entropy)
-        logits = out
-        logits = logits.float()
+        logits = out.float()
+        if cap := self.arch.final_logit_softcap:  # as Hugging Face caps them, before the log-softmax
+            logits = cap * torch.tanh(logits / cap)
         group = self.ps.get_tensor_model_parallel_group()
         with torch.no_grad():  # entropy is a metric: all-reduced pieces of logsumexp and E[logit]
             m = logits.max(-1).values

@@ -1,5 +1,7 @@
-"""Hugging Face <-> Megatron-core weights for Qwen2/Qwen3/Llama-family decoders, Qwen3-MoE and Gemma 3
-(its sandwich norms map to ``linear_proj.post_layernorm`` / ``linear_fc2.post_layernorm``; a
+"""Hugging Face <-> Megatron-core weights for Qwen2/Qwen3/Llama-family decoders, Qwen3-MoE, Gemma 3 and
+Gemma 4's dense decoder (sandwich norms map to ``linear_proj.post_layernorm`` /
+``linear_fc2.post_layernorm``; Gemma 4's global layers have their own head size and KV heads, and with
+``attention_k_eq_v`` no V projection: ``Shape.layers``; its ``layer_scalar`` buffer keeps its name; a
 vision-language checkpoint's text decoder is picked out by ``LanguageModel``).
 
 Two steps each way. ``to_megatron`` turns HF tensors into Megatron names and layouts as one
@@ -32,6 +34,7 @@ SANDWICH_LAYER_KEYS = {  # Gemma: a norm before and after both attention and the
     "post_attention_layernorm.weight": "self_attention.linear_proj.post_layernorm.weight",
     "pre_feedforward_layernorm.weight": "pre_mlp_layernorm.weight",
     "post_feedforward_layernorm.weight": "mlp.linear_fc2.post_layernorm.weight",
+    "layer_scalar": "layer_scalar",  # Gemma 4: a per-layer output scale (a buffer, never trained)
 }
 EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 MEGATRON_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
@@ -46,6 +49,16 @@ ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 
 @dataclass(frozen=True)
+class LayerAttention:
+    """One layer's attention shape where it departs from the model's (Gemma 4's global layers)."""
+
+    groups: int
+    head_dim: int
+    values: bool = True
+    """False: keys double as values (``attention_k_eq_v``): no V projection, linear_qkv holds [q; k]."""
+
+
+@dataclass(frozen=True)
 class Shape:
     heads: int
     groups: int
@@ -56,15 +69,16 @@ class Shape:
     """Transformer Engine's spec keeps the norms inside linear_qkv / linear_fc1."""
     sandwich_norms: bool = False
     """Gemma: post-attention / post-MLP norms (``linear_proj.post_layernorm``, ``linear_fc2.post_layernorm``)."""
+    layers: dict[int, LayerAttention] | None = None
+    """Layers (global index) whose attention has its own shape; the rest have ``groups`` x ``head_dim``."""
+
+    def attention(self, layer: int) -> LayerAttention:
+        return (self.layers or {}).get(layer) or LayerAttention(self.groups, self.head_dim)
 
     @property
     def layer_keys(self) -> dict[str, str]:
         """Hugging Face layer weight -> Megatron name, for weights that map one to one."""
         return SANDWICH_LAYER_KEYS if self.sandwich_norms else HF_LAYER_KEYS
-
-    @property
-    def per_group(self) -> int:
-        return self.heads // self.groups
 
 
 VLM_LAYOUTS = {
@@ -143,16 +157,17 @@ def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[s
                 parts.setdefault(i, {})[key] = t
         else:
             raise KeyError(f"no Megatron name for Hugging Face weight {name!r}")
-    g, d, per = shape.groups, shape.head_dim, shape.per_group
     for i, p in parts.items():
         pre = f"decoder.layers.{i}"
+        att = shape.attention(i)
+        g, d, per = att.groups, att.head_dim, shape.heads // att.groups
         for kind in ("weight", "bias"):
             if f"self_attn.q_proj.{kind}" not in p:
                 continue
             q = p[f"self_attn.q_proj.{kind}"].reshape(g, per * d, -1)
             k = p[f"self_attn.k_proj.{kind}"].reshape(g, d, -1)
-            v = p[f"self_attn.v_proj.{kind}"].reshape(g, d, -1)
-            fused = torch.cat([q, k, v], dim=1).reshape(g * (per + 2) * d, -1)
+            kv = [k, p[f"self_attn.v_proj.{kind}"].reshape(g, d, -1)] if att.values else [k]
+            fused = torch.cat([q, *kv], dim=1).reshape(-1, q.shape[-1])
             out[f"{pre}.self_attention.linear_qkv.{kind}"] = fused.squeeze(-1) if kind == "bias" else fused
         if "mlp.gate_proj.weight" in p:
             out[f"{pre}.mlp.linear_fc1.weight"] = torch.cat(
@@ -179,7 +194,6 @@ def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, t
     out: dict[str, torch.Tensor] = {}
     back = {v: k for k, v in shape.layer_keys.items()}
     unfused = {v: k for k, v in _norm_names(shape.fused_norms).items()}
-    g, d, per = shape.groups, shape.head_dim, shape.per_group
     for name, t in meg.items():
         if name == "embedding.word_embeddings.weight":
             out["model.embed_tokens.weight"] = t[: shape.vocab]
@@ -197,9 +211,11 @@ def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, t
                 out[f"{pre}.{back[key]}"] = t
             elif key.startswith("self_attention.linear_qkv."):
                 kind = key.rsplit(".", 1)[1]
-                fused = t.reshape(g, (per + 2) * d, -1)
-                q, k, v = fused.split([per * d, d, d], dim=1)
-                for proj, part in (("q", q), ("k", k), ("v", v)):
+                att = shape.attention(int(i))
+                g, d, per = att.groups, att.head_dim, shape.heads // att.groups
+                sizes = [per * d, d, d] if att.values else [per * d, d]
+                split = t.reshape(g, sum(sizes), -1).split(sizes, dim=1)
+                for proj, part in zip("qkv", split, strict=False):
                     flat = part.reshape(-1, part.shape[-1])
                     out[f"{pre}.self_attn.{proj}_proj.{kind}"] = flat.squeeze(-1) if kind == "bias" else flat
             elif key == "mlp.linear_fc1.weight":
