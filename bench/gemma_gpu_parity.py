@@ -158,6 +158,13 @@ def main() -> int:
     ref = runs.get("fsdp")
     for name, run in runs.items():
         row = {k: run["metrics"][k] for k in ("loss", "entropy", "grad_norm")}
+        # the same norm from the per-weight float64 norms: the trainers' own fp32 metric drifts on CPUs
+        # (over fsdp's weights: megatron also exports a tied head's copy of the embedding gradient)
+        names = (ref or run)["grad_norms"].keys()
+        row["grad_norm_float64"] = sum(run["grad_norms"].get(n, 0.0) ** 2 for n in names) ** 0.5
+        logp = run["logp"][run["mask"][:, : run["logp"].shape[1]]]
+        # how peaked the random model is: the scale of the log-prob differences
+        row["completion_logp_mean"] = float(logp.mean())
         row["probes"] = run["probes"]
         if ref is not None:
             mask = ref["mask"][:, : run["logp"].shape[1]]
