@@ -632,19 +632,21 @@ def test_gemma3_plans_and_renders_with_megatron_on_cpus_and_gpu_clusters(tmp_pat
 
 
 def test_gemma4_plans_with_megatron_and_its_variants_beyond_the_dense_decoder_are_refused(tmp_path):
-    site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh", "cluster=h200"]
-    recipe = ["+experiment=dapo-gemma4-31b-it-4n8g-fsdp2", "trainer=megatron"]
-    plan = run_cli("plan", *recipe, "trainer.tp=4", *site)
+    site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh"]
+    # the shipped recipe: 4 x 8 H100, TP4 x PP2 x DP4 colocated with vLLM, fits in 80 GB
+    recipe = ["+experiment=dapo-gemma4-31b-it-4n8g-megatron"]
+    plan = run_cli("plan", *recipe, *site)
     assert plan.returncode == 0, plan.stdout[-2000:] + plan.stderr
-    assert "cannot submit yet" not in plan.stdout and "train: peak" in plan.stdout
+    assert "cannot submit yet" not in plan.stdout and "fits: peak" in plan.stdout
+    assert "│ train   │ 32   │ 4  │ 2  │ 1  │ 1  │ 4  │" in plan.stdout
     # keys double as values on the 4 global KV heads: TP=8 cannot split them
-    tp8 = run_cli("plan", *recipe, "trainer.tp=8", *site)
+    tp8 = run_cli("plan", *recipe, "trainer.tp=8", "trainer.pp=1", *site)
     assert "trainer.tp=8 must divide the 4 KV heads of gemma4_31b" in " ".join(tp8.stdout.split())
     for model, what in (("gemma4_e2b", "per-layer embeddings"), ("gemma4_26b_a4b", "MoE block")):
-        refused = run_cli("plan", f"model={model}", "trainer=megatron", *site)
+        refused = run_cli("plan", f"model={model}", "trainer=megatron", "cluster=h200", *site)
         assert f"cannot build {model} yet" in refused.stdout and what in " ".join(refused.stdout.split())
     submitted = run_cli(
-        "submit", "model=gemma4_e2b", "trainer=megatron", f"run.output_root={tmp_path}", *site
+        "submit", "model=gemma4_e2b", "trainer=megatron", "cluster=h200", f"run.output_root={tmp_path}", *site
     )
     assert submitted.returncode == 2 and "cannot build gemma4_e2b yet" in submitted.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted
