@@ -57,12 +57,7 @@ class Gemma4(GPTFamily):
     def __init__(self, hf: Any) -> None:
         check_supported(hf)
         self.final_logit_softcap = getattr(hf, "final_logit_softcapping", None) or None
-        self.layouts = {i: LayerAttention(groups=view.num_key_value_heads, head_dim=view.head_dim,
-                                          values=not (hf.attention_k_eq_v and kind == "full_attention"))
-                        for i, kind in enumerate(hf.layer_types)
-                        if (view := hf.per_layer_config[i]).head_dim != hf.head_dim
-                        or view.num_key_value_heads != hf.num_key_value_heads
-                        or (hf.attention_k_eq_v and kind == "full_attention")}  # fmt: skip
+        self.layouts = {i: own for i in range(hf.num_hidden_layers) if (own := layer_attention(hf, i))}
 
     def config_fields(self, hf: Any) -> dict[str, Any]:
         return {
@@ -95,6 +90,14 @@ class Gemma4(GPTFamily):
             ropes[kind] = rope
         full = ropes.get("full_attention") or ropes["sliding_attention"]
         model.rotary_pos_emb = DualRotaryEmbedding(full, ropes.get("sliding_attention", full))
+
+
+def layer_attention(hf: Any, i: int) -> LayerAttention | None:
+    """Layer ``i``'s attention shape where it departs from the sliding layers' (None: it does not)."""
+    view = hf.per_layer_config[i]
+    keys_are_values = hf.attention_k_eq_v and hf.layer_types[i] == "full_attention"  # as transformers decides
+    own = LayerAttention(view.num_key_value_heads, view.head_dim, values=not keys_are_values)
+    return None if own == LayerAttention(hf.num_key_value_heads, hf.head_dim) else own
 
 
 def check_supported(hf: Any) -> None:
