@@ -2,7 +2,9 @@
 under torchrun with gloo on CPU, TP=2 (sequence parallel) / PP=2 / TP=2xPP=2 / DP=2 / CP=2 / TP=2xCP=2 /
 PP=2xCP=2 giving the TP=1 losses and gradients, TP=1 giving fsdp's; a Qwen3 (Q/K norms), a Qwen3-MoE
 (EP, EP x PP, TP, TP x EP, CP, EP x CP, expert TP), a Gemma 3 (TP, PP, CP; its VLM's text decoder) and
-a Gemma 4 (layers of two shapes, keys as values; TP, PP, CP, soft-capped logits, its VLM) likewise. The parity batch holds the pad id inside sequences (Hugging Face's padding_idx row)."""
+a Gemma 4 (layers of two shapes, keys as values; TP, PP, CP, soft-capped logits, its VLM; 26B-A4B's MoE
+block under EP, TP x EP, PP, CP) likewise. The parity batch holds the pad id inside sequences (Hugging
+Face's padding_idx row)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from hpcrl.trainer.megatron.weights import (
     LayerAttention,
     Shape,
+    is_expert,
     is_sharded,
     is_split,
     relocate,
@@ -59,6 +62,8 @@ def _hf_model(kind: str) -> tuple[dict[str, torch.Tensor], Shape, bool]:
         model, tied = gemma3_model(vocab_size=96, num_hidden_layers=2), True
     elif kind == "gemma4":
         model, tied = gemma4_model(vocab_size=96), True
+    elif kind == "gemma4_moe":
+        model, tied = gemma4_moe_model(vocab_size=96), True
     else:
         model, tied = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False)), False
     if kind == "qwen3_moe":  # the checkpoint layout (per expert), as save_pretrained writes it
@@ -74,8 +79,10 @@ def _hf_model(kind: str) -> tuple[dict[str, torch.Tensor], Shape, bool]:
     head_dim = 32 if kind.startswith("qwen3") else 16
     # Gemma 4's global layer 3: its own head size and KV heads, keys doubling as values
     layers = {3: LayerAttention(groups=1, head_dim=32, values=False)} if kind == "gemma4" else None
+    if kind == "gemma4_moe":
+        layers = {1: LayerAttention(groups=2, head_dim=32, values=False)}
     shape = Shape(heads=4, groups=2, head_dim=head_dim, vocab=96, padded_vocab=96,
-                  sandwich_norms=kind.startswith("gemma"), layers=layers)  # fmt: skip
+                  sandwich_norms=kind.startswith("gemma"), layers=layers, moe_block=kind == "gemma4_moe")  # fmt: skip
     return state, shape, tied
 
 
@@ -147,10 +154,39 @@ def gemma4_model(vlm: bool = False, **overrides: object) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama", "qwen3_moe", "gemma3", "gemma4"])
+def gemma4_moe_model(**overrides: object) -> torch.nn.Module:
+    """A small Gemma 4 with 26B-A4B's MoE block in both layers (a sliding and a global one): 4 experts,
+    top-2; router scales and experts drawn away from their ones/zeros."""
+    text = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], num_global_key_value_heads=2,
+                enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)  # fmt: skip
+    model = gemma4_model(**{**text, **overrides})
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "router.scale" in name or "per_expert_scale" in name:
+                param.uniform_(0.5, 1.5)
+            elif ".experts." in name:
+                param.normal_(0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama", "qwen3_moe", "gemma3", "gemma4", "gemma4_moe"])
 def test_hf_to_megatron_to_hf_is_bit_identical(kind):
     hf, shape, tied = _hf_model(kind)
     meg = to_megatron(hf, shape, tied)
+    if kind == "gemma4_moe":  # the experts' [expert, out, in] tensors split per expert; the router's parts
+        stacked = hf["model.layers.1.experts.gate_up_proj"]
+        assert torch.equal(
+            meg["decoder.layers.1.mlp.moe.experts.local_experts.3.linear_fc1.weight"], stacked[3]
+        )
+        assert torch.equal(meg["decoder.layers.0.mlp.moe.router.per_expert_scale"],
+                           hf["model.layers.0.router.per_expert_scale"])  # fmt: skip
+        assert torch.equal(meg["decoder.layers.0.mlp.linear_fc2.post_layernorm.weight"],
+                           hf["model.layers.0.post_feedforward_layernorm_1.weight"])  # fmt: skip
+        assert "decoder.layers.0.pre_mlp_layernorm.weight" not in meg  # the block norms its own inputs
+        assert is_expert("decoder.layers.1.mlp.moe.experts.local_experts.3.linear_fc1.weight")
+        assert relocate("decoder.layers.0.mlp.moe.experts.local_experts.1.linear_fc2.weight", 1, 2) == (
+            "decoder.layers.1.mlp.moe.experts.local_experts.3.linear_fc2.weight"
+        )
     if kind == "gemma4":  # a global layer without V: [q heads; k] for its one query group
         assert "model.layers.3.self_attn.v_proj.weight" not in hf
         qkv = meg["decoder.layers.3.self_attention.linear_qkv.weight"]
@@ -631,6 +667,44 @@ def test_gemma3_plans_and_renders_with_megatron_on_cpus_and_gpu_clusters(tmp_pat
     assert fsdp_cp2.returncode != 0 and "sliding-window attention bias" in fsdp_cp2.stderr
 
 
+@pytest.fixture(scope="module")
+def gemma4_moe_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gemma4_moe")
+    gemma4_moe_model().save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_gemma4_moe_block_matches_fsdp_and_under_expert_tensor_pipeline_and_context_parallel(
+    gemma4_moe_dir, tmp_path
+):
+    """26B-A4B's layer: a dense MLP beside an MoE whose router reads the raw residual (own norm, scale,
+    per-expert scale). Megatron = Hugging Face's step (fsdp backend), every expert and router weight's
+    gradient included; EP2, TP2 x EP2 (sequence parallel), PP2 and CP2 give the one-rank step."""
+    mask = parity_batch().loss_mask.bool()
+    moe = ("trainer.moe_aux_loss_coeff=0",)
+    base = _torchrun(gemma4_moe_dir, tmp_path / "tp1.pt", 1, 1, port=29791, extra=moe)
+    assert base["layout"]["experts"] == ["GroupedExperts"]
+    fsdp = _torchrun(gemma4_moe_dir, tmp_path / "fsdp.pt", 1, 1, backend="fsdp", port=29792)
+    assert torch.allclose(base["logp"][mask], fsdp["logp"][mask], atol=1e-5)
+    for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm"):
+        assert base["metrics"][key] == pytest.approx(fsdp["metrics"][key], rel=1e-4, abs=1e-6), key
+    assert set(base["grads"]) - {"lm_head.weight"} == set(fsdp["grads"])
+    assert {"model.layers.1.experts.gate_up_proj", "model.layers.0.router.per_expert_scale"} <= set(
+        fsdp["grads"]
+    )
+    for name, grad in fsdp["grads"].items():
+        assert torch.allclose(base["grads"][name], grad, atol=1e-5), name
+    for tp, pp, cp, ep in ((1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 1), (1, 1, 2, 1)):
+        where = f"gemma4 MoE TP={tp} PP={pp} CP={cp} EP={ep}"
+        # EP is carved out of the TP x DP ranks: DP = EP where TP x EP ranks run
+        run = _torchrun(gemma4_moe_dir, tmp_path / f"tp{tp}pp{pp}cp{cp}ep{ep}.pt", tp, pp, cp=cp, dp=ep,
+                        port=29793 + tp + 2 * pp + 4 * cp + 8 * ep, extra=(*moe, f"trainer.ep={ep}"))  # fmt: skip
+        assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
+        _assert_same_step(run, base, mask, where)
+        assert all(run["state_restored"]), where
+
+
 def test_gemma4_plans_with_megatron_and_its_variants_beyond_the_dense_decoder_are_refused(tmp_path):
     site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh"]
     # the shipped recipe: 4 x 8 H100, TP4 x PP2 x DP4 colocated with vLLM, fits in 80 GB
@@ -642,7 +716,9 @@ def test_gemma4_plans_with_megatron_and_its_variants_beyond_the_dense_decoder_ar
     # keys double as values on the 4 global KV heads: TP=8 cannot split them
     tp8 = run_cli("plan", *recipe, "trainer.tp=8", "trainer.pp=1", *site)
     assert "trainer.tp=8 must divide the 4 KV heads of gemma4_31b" in " ".join(tp8.stdout.split())
-    for model, what in (("gemma4_e2b", "per-layer embeddings"), ("gemma4_26b_a4b", "MoE block")):
+    moe = run_cli("plan", "model=gemma4_26b_a4b", "trainer=megatron", "trainer.ep=4", "cluster=h200", *site)
+    assert "cannot submit yet" not in moe.stdout, moe.stdout[-2000:]
+    for model, what in (("gemma4_e2b", "per-layer embeddings"), ("gemma4_e4b", "KV-shared layers")):
         refused = run_cli("plan", f"model={model}", "trainer=megatron", "cluster=h200", *site)
         assert f"cannot build {model} yet" in refused.stdout and what in " ".join(refused.stdout.split())
     submitted = run_cli(

@@ -1,4 +1,4 @@
-"""Gemma 4's dense text decoder (31B's shape) in Megatron-core (local spec, no Transformer Engine).
+"""Gemma 4's text decoder (31B, and 26B-A4B with its MoE block) in Megatron-core (local spec, no TE).
 
 Gemma 4 keeps Gemma 3's sandwich norms, GeGLU, sliding windows and scaled embeddings (gemma.py) and
 changes these, each handled here:
@@ -14,8 +14,13 @@ changes these, each handled here:
   Megatron hands every layer, and each layer reads its own head size from it;
 - ``layer_scalar``: a checkpoint buffer scaling each layer's output;
 - ``final_logit_softcapping`` when a checkpoint sets it (the trainer caps the logits).
-The E2B/E4B extras (per-layer embeddings, KV-shared layers, double-wide MLPs) and 26B-A4B's MoE block
-are refused by ``check_supported`` and by the planner (``trainer.config.megatron_model_gap``).
+- 26B-A4B's MoE block: each layer runs a dense MLP and an MoE side by side on the same residual, each
+  between its own norms, summed before the outer post-MLP norm; the router reads the un-normalised
+  residual through its own weightless norm and ``scale``, renormalises the top-k weights and scales
+  them per expert (``Gemma4MoEBlock``, ``Gemma4MoELayer``: Megatron's MoELayer, its dispatcher, EP and
+  hpcrl's grouped experts).
+The E2B/E4B extras (per-layer embeddings, KV-shared layers, double-wide MLPs) are refused by
+``check_supported`` and by the planner (``trainer.config.megatron_build_gap``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from hpcrl.trainer.megatron.gemma import (
@@ -57,6 +67,7 @@ class Gemma4(GPTFamily):
     def __init__(self, hf: Any) -> None:
         check_supported(hf)
         self.final_logit_softcap = getattr(hf, "final_logit_softcapping", None) or None
+        self.moe_block = bool(getattr(hf, "enable_moe_block", False))
         self.layouts = {i: own for i in range(hf.num_hidden_layers) if (own := layer_attention(hf, i))}
 
     def config_fields(self, hf: Any) -> dict[str, Any]:
@@ -76,7 +87,13 @@ class Gemma4(GPTFamily):
         attention = type("Gemma4LayerAttention", (Gemma4SelfAttention,), {"layouts": self.layouts})
         layer.self_attention.module = attention
         layer.self_attention.submodules.linear_proj = Gemma4PostNorm
-        submodules_of(layer.mlp).linear_fc2 = Gemma4PostNorm
+        if self.moe_block:  # the block applies its own norms to the residual it gets
+            layer.mlp = type(
+                "Gemma4LayerMoEBlock", (Gemma4MoEBlock,), {"moe_spec": with_module(layer.mlp, Gemma4MoELayer)}
+            )
+            layer.pre_mlp_layernorm = IdentityOp
+        else:
+            submodules_of(layer.mlp).linear_fc2 = Gemma4PostNorm
         return with_module(spec, Gemma4Layer)
 
     def adapt_model(self, model: Any, hf: Any, compute_dtype: torch.dtype) -> None:
@@ -105,7 +122,6 @@ def check_supported(hf: Any) -> None:
     gaps = {
         "hidden_size_per_layer_input": "per-layer embeddings (E2B/E4B)",
         "num_kv_shared_layers": "KV-shared layers (E2B/E4B)",
-        "enable_moe_block": "the MoE block beside the dense MLP (26B-A4B)",
         "attention_bias": "attention biases",
         "attn_logit_softcapping": "attention logit soft-capping",
     }
@@ -193,3 +209,57 @@ class Gemma4Layer(TransformerLayer):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         output, context = super().forward(*args, **kwargs)
         return output * self.layer_scalar.to(output.dtype), context
+
+
+class Gemma4MoELayer(MoELayer):
+    """Megatron's MoE layer routing on another input than the one it dispatches (``router_input``:
+    the block's residual), with Gemma 4's router: a weightless RMSNorm, ``scale`` and 1/sqrt(hidden)
+    before the gating matmul; top-k then softmax over the k (= Hugging Face's softmax, top-k,
+    renormalise); the weights then scaled per expert (``per_expert_scale``)."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        for name, size in (("scale", config.hidden_size), ("per_expert_scale", config.num_moe_experts)):
+            param = torch.nn.Parameter(torch.ones(size))
+            param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]  # as the router's weight
+            self.router.register_parameter(name, param)
+        self.router_input: torch.Tensor | None = None
+
+    def route(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        x = self.router_input
+        assert x is not None, "Gemma4MoEBlock sets router_input"
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.config.layernorm_epsilon).type_as(x)
+        scaled = normed * self.router.scale.to(x.dtype) * x.shape[-1] ** -0.5
+        probs, routing_map = super().route(scaled, *args, **kwargs)
+        return probs * self.router.per_expert_scale.to(probs.dtype), routing_map
+
+
+class Gemma4MoEBlock(MLP):
+    """A Gemma 4 26B-A4B layer's MLP slot (the layer's pre-MLP norm is an identity: both branches need
+    the residual): ``post_layernorm(post_fc2_norm(MLP(dense_layernorm(x))) +
+    experts_post_layernorm(MoE(experts_layernorm(x); routed on x)))``. The dense MLP is this module's own
+    ``linear_fc1`` / ``linear_fc2`` (its post norm is Hugging Face's post_feedforward_layernorm_1)."""
+
+    moe_spec: ClassVar[Any] = None  # the local spec's MoE layer, set per model by Gemma4.adapt_spec
+
+    def __init__(self, config: Any, submodules: Any = None, pg_collection: Any = None, **_: Any) -> None:
+        dense = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=Gemma4PostNorm)
+        tp = {"tp_group": pg_collection.tp} if pg_collection is not None else {}
+        super().__init__(config, dense, **tp)
+        h, eps = config.hidden_size, config.layernorm_epsilon
+        for name in ("dense_layernorm", "experts_layernorm", "experts_post_layernorm", "post_layernorm"):
+            setattr(self, name, Gemma4Norm(config, h, eps=eps))
+        moe = {"pg_collection": pg_collection} if pg_collection is not None else {}
+        self.moe = build_module(self.moe_spec, config=config, **moe)
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.moe.set_layer_number(layer_number)
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        dense, _ = super().forward(self.dense_layernorm(hidden_states))
+        self.moe.router_input = hidden_states
+        try:
+            routed, _ = self.moe(self.experts_layernorm(hidden_states))
+        finally:
+            self.moe.router_input = None
+        return self.post_layernorm(dense + self.experts_post_layernorm(routed)), None

@@ -299,6 +299,13 @@ def text_config(model_dir: Any) -> Any:
     return hf
 
 
+def num_experts(hf: Any) -> int:
+    """Routed experts per MoE layer (0: a dense model): Qwen3-MoE, Gemma 4's MoE block (26B-A4B)."""
+    if hf.model_type == "qwen3_moe" or getattr(hf, "enable_moe_block", False):
+        return int(hf.num_experts)
+    return 0
+
+
 def family(hf: Any) -> str:
     """The catalog family (hpcrl/models.py) of a Hugging Face text config."""
     return megatron_family(hf.model_type)
@@ -409,11 +416,11 @@ def transformer_config(hf: Any, trainer: MegatronTrainerConfig, par: TrainParall
 
 
 def moe_settings(hf: Any, trainer: MegatronTrainerConfig) -> dict[str, Any]:
-    """Megatron's MoE fields for a Qwen3-MoE checkpoint (empty for dense models): every layer an MoE
-    of ``num_experts`` SwiGLU experts, top-k routing as Hugging Face does it (softmax over all experts
+    """Megatron's MoE fields for a Qwen3-MoE or Gemma 4 MoE checkpoint (empty for dense models): every
+    layer an MoE of ``num_experts`` GLU experts, top-k routing as Hugging Face does it (softmax over all experts
     then top-k when the top-k weights are not renormalised; top-k then softmax when they are, which is
     the same as renormalising), dropless, tokens exchanged by all-to-all over the EP group."""
-    if hf.model_type != "qwen3_moe":
+    if not num_experts(hf):
         return {}
     if getattr(hf, "decoder_sparse_step", 1) != 1 or getattr(hf, "mlp_only_layers", None):
         raise ValueError("trainer=megatron builds Qwen3-MoE with an MoE in every layer "
@@ -421,11 +428,12 @@ def moe_settings(hf: Any, trainer: MegatronTrainerConfig) -> dict[str, Any]:
     coeff = trainer.moe_aux_loss_coeff
     if coeff is None:
         coeff = float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0)
+    gemma4 = family(hf) == "gemma4"  # top-k weights always renormalised (then scaled per expert: gemma4.py)
     return {
         "num_moe_experts": hf.num_experts,
         "moe_ffn_hidden_size": hf.moe_intermediate_size,
-        "moe_router_topk": hf.num_experts_per_tok,
-        "moe_router_pre_softmax": not getattr(hf, "norm_topk_prob", False),
+        "moe_router_topk": hf.top_k_experts if gemma4 else hf.num_experts_per_tok,
+        "moe_router_pre_softmax": not (gemma4 or getattr(hf, "norm_topk_prob", False)),
         "moe_router_load_balancing_type": "aux_loss" if coeff > 0 else "none",
         "moe_aux_loss_coeff": coeff,
         "moe_token_dispatcher_type": "alltoall",

@@ -43,6 +43,7 @@ from hpcrl.trainer.megatron.spec import (
     family_of,
     keep_pad_row_untrained,
     layer_spec,
+    num_experts,
     text_config,
     transformer_config,
     uses_fused_norms,
@@ -80,7 +81,8 @@ def model_shape(hf: Any, tp: int) -> Shape:
     return Shape(heads=heads, groups=hf.num_key_value_heads,
                  head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
                  vocab=hf.vocab_size, padded_vocab=padded, fused_norms=uses_fused_norms(fam),
-                 sandwich_norms=fam.sandwich_norms, layers=fam.attention_layouts(hf))  # fmt: skip
+                 sandwich_norms=fam.sandwich_norms, layers=fam.attention_layouts(hf),
+                 moe_block=bool(getattr(hf, "enable_moe_block", False)))  # fmt: skip
 
 
 class MegatronTrainer:
@@ -114,7 +116,7 @@ class MegatronTrainer:
         if name not in MEGATRON_FAMILIES:
             raise ValueError(f"trainer=megatron cannot build model_type {hf.model_type!r} yet "
                              f"(supported: {', '.join(MEGATRON_FAMILIES)}); use trainer=fsdp for {model_dir}")  # fmt: skip
-        experts = getattr(hf, "num_experts", 0) if hf.model_type == "qwen3_moe" else 0
+        experts = num_experts(hf)
         if experts and t.moe_gap(hf.model_type):  # the planner refuses it before submitting
             raise ValueError(t.moe_gap(hf.model_type))
         if experts % self.par.ep:

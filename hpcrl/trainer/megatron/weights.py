@@ -36,8 +36,22 @@ SANDWICH_LAYER_KEYS = {  # Gemma: a norm before and after both attention and the
     "post_feedforward_layernorm.weight": "mlp.linear_fc2.post_layernorm.weight",
     "layer_scalar": "layer_scalar",  # Gemma 4: a per-layer output scale (a buffer, never trained)
 }
+MOE_BLOCK_LAYER_KEYS = {  # Gemma 4 26B-A4B: a dense MLP and an MoE side by side, each with its norms
+    **SANDWICH_LAYER_KEYS,
+    "pre_feedforward_layernorm.weight": "mlp.dense_layernorm.weight",
+    "post_feedforward_layernorm_1.weight": "mlp.linear_fc2.post_layernorm.weight",
+    "pre_feedforward_layernorm_2.weight": "mlp.experts_layernorm.weight",
+    "post_feedforward_layernorm_2.weight": "mlp.experts_post_layernorm.weight",
+    "post_feedforward_layernorm.weight": "mlp.post_layernorm.weight",
+    "router.proj.weight": "mlp.moe.router.weight",
+    "router.scale": "mlp.moe.router.scale",
+    "router.per_expert_scale": "mlp.moe.router.per_expert_scale",
+}
 EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-MEGATRON_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+STACKED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # Gemma 4: [experts, out, in] tensors
+MEGATRON_EXPERT = re.compile(
+    r"^(mlp\.(?:moe\.)?experts\.local_experts\.)(\d+)\.(linear_fc1|linear_fc2)\.weight$"
+)
 COLUMN = (
     "linear_qkv.weight",
     "linear_qkv.bias",
@@ -71,6 +85,8 @@ class Shape:
     """Gemma: post-attention / post-MLP norms (``linear_proj.post_layernorm``, ``linear_fc2.post_layernorm``)."""
     layers: dict[int, LayerAttention] | None = None
     """Layers (global index) whose attention has its own shape; the rest have ``groups`` x ``head_dim``."""
+    moe_block: bool = False
+    """Gemma 4 26B-A4B: every layer a dense MLP beside an MoE (``MOE_BLOCK_LAYER_KEYS``, ``mlp.moe.*``)."""
 
     def attention(self, layer: int) -> LayerAttention:
         return (self.layers or {}).get(layer) or LayerAttention(self.groups, self.head_dim)
@@ -78,6 +94,8 @@ class Shape:
     @property
     def layer_keys(self) -> dict[str, str]:
         """Hugging Face layer weight -> Megatron name, for weights that map one to one."""
+        if self.moe_block:
+            return MOE_BLOCK_LAYER_KEYS
         return SANDWICH_LAYER_KEYS if self.sandwich_norms else HF_LAYER_KEYS
 
 
@@ -173,6 +191,12 @@ def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[s
             out[f"{pre}.mlp.linear_fc1.weight"] = torch.cat(
                 [p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]]
             )
+        if STACKED_EXPERTS[0] in p:  # one [experts, 2 x ffn, hidden] and one [experts, hidden, ffn] tensor
+            for e, (fc1, fc2) in enumerate(zip(p[STACKED_EXPERTS[0]], p[STACKED_EXPERTS[1]], strict=True)):
+                out[f"{pre}.mlp.moe.experts.local_experts.{e}.linear_fc1.weight"] = (
+                    fc1  # [gate; up], as Megatron
+                )
+                out[f"{pre}.mlp.moe.experts.local_experts.{e}.linear_fc2.weight"] = fc2
         experts = sorted({int(m.group(1)) for key in p if (m := EXPERT.match(key))})
         for e in experts:
             hf_pre, meg_pre = f"mlp.experts.{e}", f"{pre}.mlp.experts.local_experts.{e}"
@@ -181,7 +205,7 @@ def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[s
             )
             out[f"{meg_pre}.linear_fc2.weight"] = p[f"{hf_pre}.down_proj.weight"]
         known = {f"self_attn.{proj}_proj.{kind}" for proj in "qkv" for kind in ("weight", "bias")}
-        left = [key for key in p if key not in known and not EXPERT.match(key)
+        left = [key for key in p if key not in known and not EXPERT.match(key) and key not in STACKED_EXPERTS
                 and key not in ("mlp.gate_proj.weight", "mlp.up_proj.weight")]  # fmt: skip
         if left:
             raise KeyError(
@@ -194,6 +218,7 @@ def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, t
     out: dict[str, torch.Tensor] = {}
     back = {v: k for k, v in shape.layer_keys.items()}
     unfused = {v: k for k, v in _norm_names(shape.fused_norms).items()}
+    stacked: dict[str, dict[str, dict[int, torch.Tensor]]] = {}  # layer -> fc -> expert -> tensor
     for name, t in meg.items():
         if name == "embedding.word_embeddings.weight":
             out["model.embed_tokens.weight"] = t[: shape.vocab]
@@ -221,15 +246,20 @@ def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, t
             elif key == "mlp.linear_fc1.weight":
                 gate, up = t.chunk(2)
                 out[f"{pre}.mlp.gate_proj.weight"], out[f"{pre}.mlp.up_proj.weight"] = gate, up
-            elif em := MEGATRON_EXPERT.match(key):
-                hf_pre = f"{pre}.mlp.experts.{em.group(1)}"
-                if em.group(2) == "linear_fc1":
+            elif (em := MEGATRON_EXPERT.match(key)) and em.group(1) == "mlp.moe.experts.local_experts.":
+                stacked.setdefault(pre, {}).setdefault(em.group(3), {})[int(em.group(2))] = t
+            elif em:
+                hf_pre = f"{pre}.mlp.experts.{em.group(2)}"
+                if em.group(3) == "linear_fc1":
                     gate, up = t.chunk(2)
                     out[f"{hf_pre}.gate_proj.weight"], out[f"{hf_pre}.up_proj.weight"] = gate, up
                 else:
                     out[f"{hf_pre}.down_proj.weight"] = t
             else:
                 raise KeyError(f"no Hugging Face name for Megatron weight {name!r}")
+    for pre, fcs in stacked.items():
+        for fc, hf_name in zip(("linear_fc1", "linear_fc2"), STACKED_EXPERTS, strict=True):
+            out[f"{pre}.{hf_name}"] = torch.stack([t for _, t in sorted(fcs[fc].items())])
     if tied and "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return {k: v.contiguous() for k, v in out.items()}
@@ -285,6 +315,6 @@ def relocate(name: str, offset: int, expert_offset: int = 0) -> str:
     m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
     if m is None:
         return name
-    rest = re.sub(r"^(mlp\.experts\.local_experts\.)(\d+)", lambda e: f"{e.group(1)}{int(e.group(2)) + expert_offset}",
-                  m.group(2))  # fmt: skip
+    rest = re.sub(r"^(mlp\.(?:moe\.)?experts\.local_experts\.)(\d+)",
+                  lambda e: f"{e.group(1)}{int(e.group(2)) + expert_offset}", m.group(2))  # fmt: skip
     return f"decoder.layers.{int(m.group(1)) + offset}.{rest}"
