@@ -104,8 +104,11 @@ def make_model_dir(cfg) -> Path:
         ]
         model = Gemma3ForCausalLM(Gemma3TextConfig(**common, head_dim=m.head_dim, query_pre_attn_scalar=m.head_dim,
                                                    sliding_window=m.sliding_window, layer_types=kinds))  # fmt: skip
-    elif m.family == "gemma4":  # the dense decoder (31B's kind): global layers 512 x global_kv_heads, K=V
+    elif m.family == "gemma4":  # 31B / 26B-A4B: global layers 512 x global_kv_heads, K=V; 26B's MoE block
         from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+        moe = dict(enable_moe_block=True, num_experts=m.num_experts, top_k_experts=m.experts_per_token,
+                   moe_intermediate_size=m.moe_ffn_hidden_size) if m.num_experts else {}  # fmt: skip
 
         kinds = [
             "full_attention"
@@ -116,7 +119,7 @@ def make_model_dir(cfg) -> Path:
         model = Gemma4ForCausalLM(Gemma4TextConfig(**common, head_dim=m.head_dim, global_head_dim=m.global_head_dim,
                                                    num_global_key_value_heads=m.global_kv_heads, attention_k_eq_v=True,
                                                    sliding_window=m.sliding_window, layer_types=kinds,
-                                                   hidden_size_per_layer_input=0))  # fmt: skip
+                                                   hidden_size_per_layer_input=0, **moe))  # fmt: skip
     elif m.family == "qwen3_moe":  # Qwen3-30B-A3B's routing: top-k weights renormalised
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, head_dim=m.head_dim, num_experts=m.num_experts,
                                                    num_experts_per_tok=m.experts_per_token,

@@ -364,6 +364,30 @@ def test_qwen3_qk_norms_match_fsdp_and_under_tensor_parallel(qwen3_dir, tmp_path
         _assert_same_step(run, base, mask, f"TP=2 sequence_parallel={sp}")
 
 
+def test_spec_helpers_take_both_megatron_core_spec_shapes():
+    """0.16 holds sub-specs as ModuleSpec, 0.19 as functools.partial (this machine has 0.16; the GPU
+    image 0.19): both are retargeted to another module and built with the same arguments."""
+    import functools
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from hpcrl.trainer.megatron.spec import build, submodules_of, with_module
+
+    class Slot(torch.nn.Module):
+        def __init__(self, config: object, submodules: object = None, **kwargs: object) -> None:
+            super().__init__()
+            self.config, self.submodules, self.kwargs = config, submodules, kwargs
+
+    class Ours(Slot):
+        pass
+
+    for spec in (ModuleSpec(module=Slot, submodules="subs"), functools.partial(Slot, submodules="subs")):
+        assert submodules_of(spec) == "subs"
+        built = build(with_module(spec, Ours), config="cfg", pg_collection="pg")
+        assert type(built) is Ours and built.config == "cfg" and built.submodules == "subs"
+        assert built.kwargs == {"pg_collection": "pg"}
+
+
 def test_sp_norm_marks_its_weight_and_hands_the_next_matmul_its_autocast_dtype():
     from types import SimpleNamespace
 

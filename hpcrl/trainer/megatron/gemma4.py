@@ -35,7 +35,6 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from hpcrl.trainer.megatron.gemma import (
@@ -46,7 +45,7 @@ from hpcrl.trainer.megatron.gemma import (
     scale_embeddings,
     window_fields,
 )
-from hpcrl.trainer.megatron.spec import GPTFamily, SPNorm, submodules_of, with_module
+from hpcrl.trainer.megatron.spec import GPTFamily, SPNorm, build, submodules_of, with_module
 from hpcrl.trainer.megatron.weights import LayerAttention
 
 
@@ -250,7 +249,7 @@ class Gemma4MoEBlock(MLP):
         for name in ("dense_layernorm", "experts_layernorm", "experts_post_layernorm", "post_layernorm"):
             setattr(self, name, Gemma4Norm(config, h, eps=eps))
         moe = {"pg_collection": pg_collection} if pg_collection is not None else {}
-        self.moe = build_module(self.moe_spec, config=config, **moe)
+        self.moe = build(self.moe_spec, config=config, **moe)
 
     def set_layer_number(self, layer_number: int) -> None:
         self.moe.set_layer_number(layer_number)
