@@ -10,23 +10,27 @@ from hpcrl.trainer.fsdp import is_right_padded, logprob_and_entropy
 from hpcrl.trainer.logprob_head import LogprobHead, chunked_logprob, install_logprob_head
 
 
-def reference(hidden, weight, targets):
-    return logprob_and_entropy(hidden @ weight.t(), targets)
+def reference(hidden, weight, targets, cap=None):
+    logits = hidden @ weight.t()
+    return logprob_and_entropy(logits if cap is None else cap * torch.tanh(logits / cap), targets)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7, 100])  # one row per chunk, ragged last chunk, a single chunk
-def test_values_and_gradients_match_the_logits_path(rows):
+# one row per chunk, ragged last chunk, a single chunk; soft-capped logits (Gemma) at 2 (logits reach it)
+@pytest.mark.parametrize("rows,cap", [(1, None), (3, None), (7, None), (100, None), (3, 2.0), (100, 2.0)])
+def test_values_and_gradients_match_the_logits_path(rows, cap):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 7, 16, generator=g, dtype=torch.float32, requires_grad=True)
     weight = torch.randn(50, 16, generator=g, dtype=torch.float32, requires_grad=True)
     targets = torch.randint(0, 50, (2, 7), generator=g)
     upstream = torch.randn(2, 7, generator=g, dtype=torch.float32)  # a loss that weights tokens unequally
 
-    logp, entropy = chunked_logprob(hidden, weight, targets, rows=rows)
+    logp, entropy = chunked_logprob(hidden, weight, targets, rows=rows, cap=cap)
     (logp * upstream).sum().backward()
     got = hidden.grad.clone(), weight.grad.clone()
     hidden.grad = weight.grad = None
-    ref_logp, ref_entropy = reference(hidden, weight, targets)
+    ref_logp, ref_entropy = reference(hidden, weight, targets, cap)
+    if cap is not None:  # the cap really bites: uncapped log-probs are far from these
+        assert (reference(hidden, weight, targets)[0] - ref_logp).abs().max() > 1.0
     (ref_logp * upstream).sum().backward()
 
     torch.testing.assert_close(logp, ref_logp)

@@ -24,11 +24,17 @@ from torch import nn
 from hpcrl.trainer.config import CHUNK_ELEMENTS, FUSED_CHUNK_ELEMENTS  # torch-free there, for the planner
 
 
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma's logit soft-capping, cap * tanh(x / cap) (None: the logits as they are)."""
+    return x if cap is None else cap * torch.tanh(x / cap)
+
+
 def chunk_stats(
-    logits: torch.Tensor, targets: torch.Tensor
+    logits: torch.Tensor, targets: torch.Tensor, cap: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log p(target), entropy, logsumexp) of one chunk of logits, in fp32 (fp64 stays fp64)."""
-    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    """(log p(target), entropy, logsumexp) of one chunk of logits (soft-capped at ``cap``), in fp32
+    (fp64 stays fp64)."""
+    x = soft_cap(logits.to(torch.promote_types(logits.dtype, torch.float32)), cap)
     lse = torch.logsumexp(x, dim=-1)
     target = x.gather(-1, targets[:, None]).squeeze(-1)
     entropy = lse - (torch.exp(x - lse[:, None]) * x).sum(-1)
@@ -36,12 +42,16 @@ def chunk_stats(
 
 
 def chunk_grad(
-    logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor
+    logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, cap: float | None = None
 ) -> torch.Tensor:
-    """d(sum g * log p(target)) / d logits = g * (onehot(target) - softmax(logits)), in the logits' dtype."""
-    x = logits.to(lse.dtype)
+    """d(sum g * log p(target)) / d logits = g * (onehot(target) - softmax(capped)), times the cap's
+    derivative 1 - (capped / cap)^2 when soft-capped; in the logits' dtype."""
+    x = soft_cap(logits.to(lse.dtype), cap)
     onehot = torch.arange(x.shape[-1], device=x.device)[None, :] == targets[:, None]
-    return (g[:, None] * (onehot.to(x.dtype) - torch.exp(x - lse[:, None]))).to(logits.dtype)
+    grad = g[:, None] * (onehot.to(x.dtype) - torch.exp(x - lse[:, None]))
+    if cap is not None:
+        grad = grad * (1 - (x / cap) ** 2)
+    return grad.to(logits.dtype)
 
 
 _compiled: dict[str, Any] = {}
@@ -60,22 +70,27 @@ def chunk_fns(device: torch.device) -> tuple[Any, Any, int]:
 
 class ChunkedLogprob(torch.autograd.Function):
     """(hidden [N, h], weight [V, h], targets [N]) -> (log p(target) [N], entropy [N]), both fp32
-    (fp64 for fp64 inputs). Gradients flow to ``hidden`` and ``weight`` through log p only (the
-    entropy is a metric)."""
+    (fp64 for fp64 inputs), the logits soft-capped at ``cap`` when given. Gradients flow to ``hidden``
+    and ``weight`` through log p only (the entropy is a metric)."""
 
     @staticmethod
     def forward(
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int | None
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        rows: int | None,
+        cap: float | None = None,
     ) -> Any:
         stats, _, elements = chunk_fns(hidden.device)
         rows = rows or max(1, elements // weight.shape[0])
         parts = [
-            stats(hidden[s : s + rows] @ weight.t(), targets[s : s + rows])
+            stats(hidden[s : s + rows] @ weight.t(), targets[s : s + rows], cap)
             for s in range(0, hidden.shape[0], rows)
         ]
         logp, entropy, lse = (torch.cat(p) for p in zip(*parts, strict=True))
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.rows = rows
+        ctx.rows, ctx.cap = rows, cap
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -97,21 +112,27 @@ class ChunkedLogprob(torch.autograd.Function):
                 targets[s : s + rows],
                 lse[s : s + rows],
                 grad_logp[s : s + rows].to(lse.dtype),
+                ctx.cap,
             )
             if grad_hidden is not None:
                 grad_hidden[s : s + rows] = grad_logits @ weight
             if grad_weight is not None:
                 grad_weight.add_(grad_logits.t() @ h)
-        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
 
 
 def chunked_logprob(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    rows: int | None = None,
+    cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(target) and entropy for hidden states of any leading shape ``[..., h]``."""
+    """log p(target) and entropy for hidden states of any leading shape ``[..., h]``; ``cap``: the
+    logits soft-capped first (Gemma's ``final_logit_softcapping``)."""
     lead = hidden.shape[:-1]
     logp, entropy = ChunkedLogprob.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), rows
+        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), rows, cap
     )
     return logp.view(lead), entropy.view(lead)
 

@@ -13,7 +13,8 @@ changes these, each handled here:
   a quarter of the 512 dimensions); the local angles are padded to the global width in the one tensor
   Megatron hands every layer, and each layer reads its own head size from it;
 - ``layer_scalar``: a checkpoint buffer scaling each layer's output;
-- ``final_logit_softcapping`` when a checkpoint sets it (the trainer caps the logits).
+- ``final_logit_softcapping`` when a checkpoint sets it (the trainer caps the logits, in the chunked
+  log-prob head at TP=1 too);
 - 26B-A4B's MoE block: each layer runs a dense MLP and an MoE side by side on the same residual, each
   between its own norms, summed before the outer post-MLP norm; the router reads the un-normalised
   residual through its own weightless norm and ``scale``, renormalises the top-k weights and scales

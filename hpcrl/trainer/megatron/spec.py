@@ -219,7 +219,7 @@ class GPTFamily:
     buffers: tuple[str, ...] = ()
     """Buffers loaded from the checkpoint beside the parameters (never trained, never exported)."""
     final_logit_softcap: float | None = None
-    """Logits -> cap * tanh(logits / cap) before the log-softmax (the logits path; no chunked head)."""
+    """Logits -> cap * tanh(logits / cap) before the log-softmax (chunked head and logits path alike)."""
 
     def config_fields(self, hf: Any) -> dict[str, Any]:
         """TransformerConfig fields beyond the GPT ones in ``transformer_config``."""

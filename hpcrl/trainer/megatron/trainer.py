@@ -34,7 +34,7 @@ from hpcrl.topology import TrainParallel
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import MEGATRON_FAMILIES, MegatronTrainerConfig
 from hpcrl.trainer.fsdp import init_process_group
-from hpcrl.trainer.logprob_head import chunked_logprob
+from hpcrl.trainer.logprob_head import chunked_logprob, soft_cap
 from hpcrl.trainer.megatron import compat
 from hpcrl.trainer.megatron.optimizer import ShardedAdamW
 from hpcrl.trainer.megatron.spec import (
@@ -141,8 +141,7 @@ class MegatronTrainer:
         arch = self.arch = family_of(hf)
         # At TP=1 the loss reads log-probs from the final hidden states in chunks, never the logits
         # (trainer/logprob_head.py); under TP the vocab-parallel cross-entropy keeps the logits split.
-        # Soft-capped logits (a Gemma 4 checkpoint may set it) take the logits path.
-        self.fused_head = t.chunked_logprob() and arch.final_logit_softcap is None
+        self.fused_head = t.chunked_logprob()
         self.compute_dtype = torch.bfloat16 if config.enable_autocast else torch.float32
 
         def build() -> Any:
@@ -320,12 +319,13 @@ class MegatronTrainer:
             weight = model.shared_embedding_or_output_weight() if self.tied else model.output_layer.weight
             # the loss runs outside the schedule's autocast: cast as autocast would have
             logp, entropy = chunked_logprob(
-                out.to(self.compute_dtype), weight.to(self.compute_dtype), targets
+                out.to(self.compute_dtype),
+                weight.to(self.compute_dtype),
+                targets,
+                cap=self.arch.final_logit_softcap,
             )
             return self._cp_join(logp), self._cp_join(entropy)
-        logits = out.float()
-        if cap := self.arch.final_logit_softcap:  # as Hugging Face caps them, before the log-softmax
-            logits = cap * torch.tanh(logits / cap)
+        logits = soft_cap(out.float(), self.arch.final_logit_softcap)  # as HF caps them, before log-softmax
         group = self.ps.get_tensor_model_parallel_group()
         with torch.no_grad():  # entropy is a metric: all-reduced pieces of logsumexp and E[logit]
             m = logits.max(-1).values
