@@ -56,20 +56,48 @@ def test_head_is_installed_with_the_tied_weight_and_refuses_calls_without_target
     assert out[0, 0, 0].item() == pytest.approx(-torch.log(torch.tensor(50.0)).item())  # uniform logits
 
 
-def test_soft_capped_or_biased_heads_are_left_alone():
-    capped = nn.Module()
-    capped.lm_head = nn.Linear(4, 8, bias=False)
-    capped.config = type("C", (), {"final_logit_softcapping": 30.0})()
+def test_biased_or_scaled_heads_are_left_alone():
     biased = nn.Module()
     biased.lm_head = nn.Linear(4, 8, bias=True)
-    assert install_logprob_head(capped) is None and type(capped.lm_head) is nn.Linear
+    scaled = nn.Module()
+    scaled.lm_head = nn.Linear(4, 8, bias=False)
+    scaled.config = type("C", (), {"logit_scale": 0.5})()
     assert install_logprob_head(biased) is None
-    # a vision-language checkpoint (Gemma 4) sets the cap on its text config only
-    vlm = nn.Module()
-    vlm.lm_head = nn.Linear(4, 8, bias=False)
-    text = type("T", (), {"final_logit_softcapping": 30.0})()
-    vlm.config = type("C", (), {"get_text_config": lambda self: text})()
-    assert install_logprob_head(vlm) is None and type(vlm.lm_head) is nn.Linear
+    assert install_logprob_head(scaled) is None and type(scaled.lm_head) is nn.Linear
+
+
+@pytest.mark.parametrize("vlm", [False, True])
+def test_soft_capped_gemma_gets_the_head_with_its_cap_and_the_logits_paths_numbers(vlm, tmp_path):
+    """Gemma 4 soft-caps its logits (a VLM names the cap on its text config only): the head takes the cap
+    over, the model's forward no longer caps (it would cap the head's output), and log-probs and
+    gradients are the capped logits path's."""
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.trainer.batch import build_batch
+    from hpcrl.trainer.fsdp import token_logprobs
+
+    from .test_megatron import gemma4_model
+
+    gemma4_model(vlm=vlm, final_logit_softcapping=2.0).save_pretrained(tmp_path)
+    batch = build_batch([[1, 5, 9, 20], [1, 7]], [[33, 7, 12], [40, 41, 42, 43]], [[-1.0] * 3, [-1.0] * 4],
+                        [1.0, -1.0], [1.0, 1.0], pad_id=0)  # fmt: skip
+    runs = []
+    for install in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path)
+        head = install_logprob_head(model) if install else None
+        logp, entropy = token_logprobs(model, batch)
+        (logp * batch.loss_mask).sum().backward()
+        emb = model.get_input_embeddings().weight.grad.clone()
+        runs.append((logp, entropy, emb, head, model))
+    (logp0, ent0, emb0, _, _), (logp1, ent1, emb1, head, model) = runs
+    assert isinstance(head, LogprobHead) and head.cap == 2.0
+    assert model.config.get_text_config().final_logit_softcapping is None  # the forward must not cap again
+    mask = batch.loss_mask.bool()
+    torch.testing.assert_close(logp1[mask], logp0[mask])
+    torch.testing.assert_close(ent1[mask], ent0[mask])
+    # HF's backward multiplies by the cap and divides by it again: ~1e-6 of the gradient's scale (20)
+    torch.testing.assert_close(emb1, emb0, atol=1e-4, rtol=1e-5)
+    assert emb0.abs().max() > 1.0
 
 
 def test_right_padding_detection():

@@ -45,12 +45,14 @@ def chunk_grad(
     logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, cap: float | None = None
 ) -> torch.Tensor:
     """d(sum g * log p(target)) / d logits = g * (onehot(target) - softmax(capped)), times the cap's
-    derivative 1 - (capped / cap)^2 when soft-capped; in the logits' dtype."""
-    x = soft_cap(logits.to(lse.dtype), cap)
+    derivative 1 - tanh(logits / cap)^2 when soft-capped; in the logits' dtype."""
+    x = logits.to(lse.dtype)
+    t = None if cap is None else torch.tanh(x / cap)
+    capped = x if cap is None or t is None else cap * t
     onehot = torch.arange(x.shape[-1], device=x.device)[None, :] == targets[:, None]
-    grad = g[:, None] * (onehot.to(x.dtype) - torch.exp(x - lse[:, None]))
-    if cap is not None:
-        grad = grad * (1 - (x / cap) ** 2)
+    grad = g[:, None] * (onehot.to(x.dtype) - torch.exp(capped - lse[:, None]))
+    if t is not None:
+        grad = grad * (1 - t * t)
     return grad.to(logits.dtype)
 
 
@@ -141,10 +143,11 @@ class LogprobHead(nn.Module):
     """Takes ``lm_head``'s place (and its weight: a tied embedding stays tied). While ``targets``
     are set it returns ``[..., 2]`` = (log p(target), entropy); it is only ever called that way."""
 
-    def __init__(self, lm_head: nn.Linear) -> None:
+    def __init__(self, lm_head: nn.Linear, cap: float | None = None) -> None:
         super().__init__()
         self.weight = lm_head.weight
         self.in_features, self.out_features = lm_head.in_features, lm_head.out_features
+        self.cap = cap  # the model's logit soft cap (Gemma), applied here instead of after the head
         self._targets: torch.Tensor | None = None
 
     @contextmanager
@@ -158,24 +161,28 @@ class LogprobHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._targets is None:
             raise RuntimeError("LogprobHead needs targets: call the model inside `with head.targets(ids):`")
-        logp, entropy = chunked_logprob(hidden, self.weight, self._targets)
+        logp, entropy = chunked_logprob(hidden, self.weight, self._targets, cap=self.cap)
         return torch.stack([logp, entropy], dim=-1)
 
 
 def install_logprob_head(model: nn.Module) -> LogprobHead | None:
-    """Replace a causal LM's plain ``lm_head`` (a bias-free Linear applied last, as in Qwen2/Qwen3/Llama)
-    by a ``LogprobHead``. Models that transform the logits after the head (Gemma's soft-capping) or
-    have no such head keep theirs; None then, and the caller takes the logits path."""
+    """Replace a causal LM's plain ``lm_head`` (a bias-free Linear applied last, as in Qwen2/Qwen3/Llama/
+    Gemma) by a ``LogprobHead``. Gemma's logit soft cap moves into the head: the model's config stops
+    naming it, else the model's forward would cap the head's (log p, entropy) output — a
+    vision-language model keeps it on its text config (Gemma 4), so both are read. Models that scale
+    the logits after the head, or have no such head, keep theirs; None then, and the caller takes the
+    logits path."""
     head = getattr(model, "lm_head", None)
     config = getattr(model, "config", None)
     if type(head) is not nn.Linear or head.bias is not None:
         return None
-    # A vision-language model keeps these on its text config (Gemma 4): missed there, the model's
-    # forward would soft-cap this head's (log p, entropy) output instead of the logits.
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for c in (config, text):
-        if getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None):
-            return None
-    new = LogprobHead(head)
+    configs = [c for c in (config, text) if c is not None]
+    if any(getattr(c, "logit_scale", None) for c in configs):
+        return None
+    capped = [c for c in configs if getattr(c, "final_logit_softcapping", None)]
+    new = LogprobHead(head, cap=float(capped[0].final_logit_softcapping) if capped else None)
+    for c in capped:
+        c.final_logit_softcapping = None
     model.lm_head = new
     return new
