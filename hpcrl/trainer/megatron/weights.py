@@ -1,8 +1,9 @@
 """Hugging Face <-> Megatron-core weights for Qwen2/Qwen3/Llama-family decoders, Qwen3-MoE, Gemma 3 and
-Gemma 4's dense decoder (sandwich norms map to ``linear_proj.post_layernorm`` /
-``linear_fc2.post_layernorm``; Gemma 4's global layers have their own head size and KV heads, and with
-``attention_k_eq_v`` no V projection: ``Shape.layers``; its ``layer_scalar`` buffer keeps its name; a
-vision-language checkpoint's text decoder is picked out by ``LanguageModel``).
+Gemma 4 (sandwich norms map to ``linear_proj.post_layernorm`` / ``linear_fc2.post_layernorm``; Gemma 4's
+global layers have their own head size and KV heads, and with ``attention_k_eq_v`` no V projection:
+``Shape.layers``; its ``layer_scalar`` buffer keeps its name; 26B-A4B's MoE block: ``MOE_BLOCK_LAYER_KEYS``
+and the experts' stacked tensors split per expert; a vision-language checkpoint's text decoder is picked
+out by ``LanguageModel``).
 
 Two steps each way. ``to_megatron`` turns HF tensors into Megatron names and layouts as one
 unsharded (TP=1) model: Q/K/V fused per query group ([q heads of the group; k; v]), gate and up
