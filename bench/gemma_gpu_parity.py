@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_bench import DEVICE, MODEL_OVERRIDES, make_model_dir
+from gpu_bench import DEVICE, MODEL_OVERRIDES, make_model_dir, portable
 
 from hpcrl.config import compose_config
 from hpcrl.trainer import make_trainer
@@ -150,7 +150,7 @@ def main() -> int:
                                str(a.seq), "--variant", variant, "--one", backend, str(model_dir), str(out)],
                               capture_output=True, text=True)  # fmt: skip
         if done.returncode:
-            errors[name] = done.stderr.strip().splitlines()[-30:]
+            errors[name] = portable(done.stderr).strip().splitlines()[-30:]
         else:
             runs[name] = torch.load(out)
     result: dict = {"model": a.model, "batch": a.batch, "seq": a.seq, "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,

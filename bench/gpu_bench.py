@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -76,6 +77,15 @@ def measure_peaks() -> tuple[float, float]:
 MODEL_OVERRIDES = os.environ.get("HPCRL_BENCH_MODEL_OVERRIDES", "").split()
 """Catalog-model overrides every benchmark applies, e.g. ``model.num_layers=4`` to fit a slice of a
 large model on one GPU (the parameter count and FLOPs follow)."""
+REPO = Path(__file__).resolve().parents[1]
+
+
+def portable(text: str) -> str:
+    """A captured stderr with this machine's paths taken out (results are committed): the repository's
+    own files relative to it, installed packages from ``site-packages/`` on."""
+    return re.sub(r"[^\s\"']*/site-packages/", "site-packages/", text.replace(f"{REPO}/", ""))
+
+
 DEVICE = os.environ.get("HPCRL_BENCH_DEVICE", "cuda")
 """Where the correctness benches run (gemma_gpu_parity.py, moe_experts_reference.py): "cpu" tries them here."""
 

@@ -27,6 +27,7 @@ from gpu_bench import (
     MODEL_OVERRIDES,
     bench_train_baseline,
     make_model_dir,
+    portable,
     timed,
     train_flops_per_token,
 )
@@ -84,7 +85,7 @@ def run_isolated(name: str, args: list[str]) -> dict:
     for line in done.stdout.splitlines()[::-1]:
         if line.startswith("{"):
             return json.loads(line)
-    lines = done.stderr.strip().splitlines()
+    lines = portable(done.stderr).strip().splitlines()
     errors = [
         line for line in lines if "Error" in line and not line.startswith(" ")
     ]  # the exception, not NCCL's farewell

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_bench import DATASHEET_TFLOPS, make_model_dir, timed, train_flops_per_token
+from gpu_bench import DATASHEET_TFLOPS, make_model_dir, portable, timed, train_flops_per_token
 from megatron_bench import grpo_batch
 
 from hpcrl.config import compose_config
@@ -57,7 +57,7 @@ def launch(
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return dict(json.loads(line[7:]))
-    return {"error": done.stderr[-2500:]}
+    return {"error": portable(done.stderr)[-2500:]}
 
 
 def main() -> int:

@@ -47,13 +47,13 @@ def chunk_grad(
     """d(sum g * log p(target)) / d logits = g * (onehot(target) - softmax(capped)), times the cap's
     derivative 1 - tanh(logits / cap)^2 when soft-capped; in the logits' dtype."""
     x = logits.to(lse.dtype)
-    t = None if cap is None else torch.tanh(x / cap)
-    capped = x if cap is None or t is None else cap * t
+    slope = None
+    if cap is not None:
+        t = torch.tanh(x / cap)
+        x, slope = cap * t, 1 - t * t
     onehot = torch.arange(x.shape[-1], device=x.device)[None, :] == targets[:, None]
-    grad = g[:, None] * (onehot.to(x.dtype) - torch.exp(capped - lse[:, None]))
-    if t is not None:
-        grad = grad * (1 - t * t)
-    return grad.to(logits.dtype)
+    grad = g[:, None] * (onehot.to(x.dtype) - torch.exp(x - lse[:, None]))
+    return (grad if slope is None else grad * slope).to(logits.dtype)
 
 
 _compiled: dict[str, Any] = {}

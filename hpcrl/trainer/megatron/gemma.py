@@ -46,14 +46,7 @@ class Gemma3(GPTFamily):
 
     def config_fields(self, hf: Any) -> dict[str, Any]:
         check_supported(hf)
-        return {
-            "layernorm_zero_centered_gamma": True,
-            "activation_func": gelu_tanh,
-            "bias_activation_fusion": False,  # Megatron fuses SwiGLU or erf-GELU only
-            "qk_layernorm": True,
-            "softmax_scale": hf.query_pre_attn_scalar**-0.5,
-            **window_fields(hf),
-        }
+        return {"layernorm_zero_centered_gamma": True, **gemma_fields(hf, hf.query_pre_attn_scalar**-0.5)}
 
     def rope(self, hf: Any) -> dict[str, Any]:
         """The global layers' base and linear scaling; the local base goes in with ``adapt_model``."""
@@ -76,10 +69,15 @@ class Gemma3(GPTFamily):
         model.rotary_pos_emb = DualRotaryEmbedding(model.rotary_pos_emb, local)
 
 
-def window_fields(hf: Any) -> dict[str, Any]:
-    """Megatron's sliding-window fields from ``layer_types`` (None where every layer is global)."""
+def gemma_fields(hf: Any, softmax_scale: float) -> dict[str, Any]:
+    """TransformerConfig fields Gemma 3 and 4 share: GeGLU (tanh GELU), Q/K norms, the softmax scale,
+    and the sliding windows from ``layer_types`` (None where every layer is global)."""
     sliding = [int(kind == "sliding_attention") for kind in hf.layer_types]
     return {
+        "activation_func": gelu_tanh,
+        "bias_activation_fusion": False,  # Megatron fuses SwiGLU or erf-GELU only
+        "qk_layernorm": True,
+        "softmax_scale": softmax_scale,
         # Hugging Face: query i sees keys i - window + 1 .. i; Megatron's (left, right) counts them so
         "window_size": (hf.sliding_window - 1, 0) if any(sliding) else None,
         "window_attn_skip_freq": sliding if any(sliding) else None,

@@ -42,9 +42,8 @@ from hpcrl.trainer.megatron.gemma import (
     DualRotaryEmbedding,
     GemmaSelfAttention,
     RowParallelLinearPostNorm,
-    gelu_tanh,
+    gemma_fields,
     scale_embeddings,
-    window_fields,
 )
 from hpcrl.trainer.megatron.spec import GPTFamily, SPNorm, build, submodules_of, with_module
 from hpcrl.trainer.megatron.weights import LayerAttention
@@ -71,13 +70,7 @@ class Gemma4(GPTFamily):
         self.layouts = {i: own for i in range(hf.num_hidden_layers) if (own := layer_attention(hf, i))}
 
     def config_fields(self, hf: Any) -> dict[str, Any]:
-        return {
-            "activation_func": gelu_tanh,
-            "bias_activation_fusion": False,  # Megatron fuses SwiGLU or erf-GELU only
-            "qk_layernorm": True,
-            "softmax_scale": 1.0,
-            **window_fields(hf),
-        }
+        return gemma_fields(hf, softmax_scale=1.0)  # x * w norms: not zero-centred
 
     def attention_layouts(self, hf: Any) -> dict[int, Any] | None:
         return self.layouts or None

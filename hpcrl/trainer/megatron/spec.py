@@ -220,6 +220,8 @@ class GPTFamily:
     """Buffers loaded from the checkpoint beside the parameters (never trained, never exported)."""
     final_logit_softcap: float | None = None
     """Logits -> cap * tanh(logits / cap) before the log-softmax (chunked head and logits path alike)."""
+    moe_block = False
+    """Gemma 4 26B-A4B: a dense MLP beside the MoE in every layer (weights.Shape.moe_block)."""
 
     def config_fields(self, hf: Any) -> dict[str, Any]:
         """TransformerConfig fields beyond the GPT ones in ``transformer_config``."""

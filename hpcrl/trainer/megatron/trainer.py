@@ -82,7 +82,7 @@ def model_shape(hf: Any, tp: int) -> Shape:
                  head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
                  vocab=hf.vocab_size, padded_vocab=padded, fused_norms=uses_fused_norms(fam),
                  sandwich_norms=fam.sandwich_norms, layers=fam.attention_layouts(hf),
-                 moe_block=bool(getattr(hf, "enable_moe_block", False)))  # fmt: skip
+                 moe_block=fam.moe_block)  # fmt: skip
 
 
 class MegatronTrainer:
@@ -227,13 +227,12 @@ class MegatronTrainer:
     def _load(self, model: Any, full: dict[str, torch.Tensor]) -> None:
         """Every parameter from ``full``; the checkpoint buffers too where ``full`` has them (a training
         checkpoint holds the trained weights only: the buffers stay as the model directory had them)."""
-        params = {n for n, _ in model.named_parameters()}
         with torch.no_grad():
             for name, param in self._loaded(model):
                 key = relocate(name, self.layer_offset, self.expert_offset)
-                if key not in full and name not in params:
-                    continue
                 if key not in full:
+                    if not isinstance(param, torch.nn.Parameter):
+                        continue
                     raise KeyError(f"checkpoint has no weight for Megatron parameter {key}")
                 tp, rank, _ = self._tp_of(name)
                 param.copy_(shard(key, full[key], tp, rank).to(param.dtype))

@@ -247,13 +247,13 @@ def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, t
             elif key == "mlp.linear_fc1.weight":
                 gate, up = t.chunk(2)
                 out[f"{pre}.mlp.gate_proj.weight"], out[f"{pre}.mlp.up_proj.weight"] = gate, up
-            elif (em := MEGATRON_EXPERT.match(key)) and em.group(1) == "mlp.moe.experts.local_experts.":
-                stacked.setdefault(pre, {}).setdefault(em.group(3), {})[int(em.group(2))] = t
-            elif em:
-                hf_pre = f"{pre}.mlp.experts.{em.group(2)}"
-                if em.group(3) == "linear_fc1":
-                    gate, up = t.chunk(2)
-                    out[f"{hf_pre}.gate_proj.weight"], out[f"{hf_pre}.up_proj.weight"] = gate, up
+            elif em := MEGATRON_EXPERT.match(key):
+                slot, e, fc = em.group(1), int(em.group(2)), em.group(3)
+                hf_pre = f"{pre}.mlp.experts.{e}"
+                if slot.startswith("mlp.moe."):  # Gemma 4: stacked over the experts after the loop
+                    stacked.setdefault(pre, {}).setdefault(fc, {})[e] = t
+                elif fc == "linear_fc1":
+                    out[f"{hf_pre}.gate_proj.weight"], out[f"{hf_pre}.up_proj.weight"] = t.chunk(2)
                 else:
                     out[f"{hf_pre}.down_proj.weight"] = t
             else:
