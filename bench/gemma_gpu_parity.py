@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_bench import DEVICE, MODEL_OVERRIDES, make_model_dir, portable
 
-from hpcrl.config import compose_config
+from hpcrl.config.compose import compose_config
 from hpcrl.trainer import make_trainer
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.fsdp import free_port

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hpcrl.config import compose_config
+from hpcrl.config.compose import compose_config
 from hpcrl.rollout.base import SamplingSettings
 from hpcrl.rollout.hf_engine import HFEngine
 from hpcrl.trainer.batch import build_batch
@@ -138,7 +138,7 @@ def make_model_dir(cfg) -> Path:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     out = Path(tempfile.mkdtemp()) / f"{m.name}-random"
     model.to(torch.bfloat16).save_pretrained(out)
-    from hpcrl.tiny import build_tokenizer  # any tokenizer: the benchmark feeds token ids
+    from hpcrl.run.tiny_model import build_tokenizer  # any tokenizer: the benchmark feeds token ids
 
     build_tokenizer(out, m.vocab_size)
     return out

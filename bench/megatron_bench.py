@@ -32,7 +32,7 @@ from gpu_bench import (
     train_flops_per_token,
 )
 
-from hpcrl.config import compose_config
+from hpcrl.config.compose import compose_config
 from hpcrl.trainer import make_trainer
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.fsdp import free_port

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_bench import DATASHEET_TFLOPS, make_model_dir, portable, timed, train_flops_per_token
 from megatron_bench import grpo_batch
 
-from hpcrl.config import compose_config
+from hpcrl.config.compose import compose_config
 
 
 def worker(model_dir: str, tp: int, pp: int, batch: int, seq: int, extra: list[str], cp: int = 1) -> None:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gemma_gpu_parity import batch
 from gpu_bench import DEVICE, MODEL_OVERRIDES, make_model_dir
 
-from hpcrl.config import compose_config
+from hpcrl.config.compose import compose_config
 
 
 def hf_logprobs(model_dir: Path, experts: str, b) -> tuple[torch.Tensor, list[float]]:

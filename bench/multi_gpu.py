@@ -23,8 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hpcrl.config import compose_config  # noqa: E402
-from hpcrl.tiny import ensure_tiny_model  # noqa: E402
+from hpcrl.config.compose import compose_config  # noqa: E402
+from hpcrl.run.tiny_model import ensure_tiny_model  # noqa: E402
 from tests.megatron_parity import parity_batch  # noqa: E402
 
 

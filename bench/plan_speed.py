@@ -1,7 +1,7 @@
 """Cold-start time of `hpcrl plan` and `hpcrl render`, against a bare interpreter start measured
 in the same run (and `import torch`, the cost the CLI avoids). Prints a table of medians and ratios,
 each hpcrl command in three modes: a cold start (nothing cached: the first use of an override set, or
-after an edit of conf/ or hpcrl/; composed by hpcrl.fastcompose), the same composed by Hydra (what a
+after an edit of conf/ or hpcrl/; composed by hpcrl.config.fastcompose), the same composed by Hydra (what a
 cold start cost before fastcompose, and what overrides outside its subset still cost), and with the
 composition cached (every later use).
 

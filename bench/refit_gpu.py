@@ -46,9 +46,9 @@ def worker(rank: int, args: argparse.Namespace, work: Path) -> None:
     from safetensors.torch import load as st_load
     from safetensors.torch import save as st_save
 
-    from hpcrl.config import compose_config
+    from hpcrl.config.compose import compose_config
+    from hpcrl.run.weight_sync import dtype_of, join_as_sender
     from hpcrl.trainer.fsdp import free_port
-    from hpcrl.weight_sync import dtype_of, join_as_sender
 
     cfg = compose_config([f"model={args.model}", f"model.num_layers={args.layers}", "rollout=hf"])
     gpu = args.device == "cuda"

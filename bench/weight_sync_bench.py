@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def make_model_dir(cfg, out: Path) -> Path:
-    from hpcrl.tiny import build_model, build_tokenizer
+    from hpcrl.run.tiny_model import build_model, build_tokenizer
 
     build_tokenizer(out, cfg.model.vocab_size)
     model = build_model(cfg.model, seed=0)
@@ -43,10 +43,10 @@ def main() -> int:
 
     import torch
 
-    from hpcrl.config import compose_config
-    from hpcrl.local import start_local_ray
-    from hpcrl.plan import make_plan
-    from hpcrl.runtime import Runtime
+    from hpcrl.config.compose import compose_config
+    from hpcrl.launch.local import start_local_ray
+    from hpcrl.plan.planner import make_plan
+    from hpcrl.run.fleet import Fleet
 
     cfg = compose_config([f"model={args.model}", f"model.num_layers={args.layers}",
                           "data.max_prompt_tokens=16", "rollout.max_new_tokens=16"])  # fmt: skip
@@ -58,7 +58,7 @@ def main() -> int:
     print(f"model: {args.model} width, {args.layers} layers, {params / 1e6:.0f}M parameters (fp32 on CPU)")
     start_local_ray(plan, scratch)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rt = Runtime.start(plan, model_dir, scratch, device=device, gpu_resources=False)
+    rt = Fleet.start(plan, model_dir, scratch, device=device, gpu_resources=False)
 
     start = time.perf_counter()
     rt.sync_weights()  # forms the group (agrees names/shapes, rendezvous) and sends once

@@ -1,8 +1,10 @@
 """hpcrl: Slurm-native GRPO/DAPO post-training for LLMs.
 
-The package is split so that the command line can plan and render jobs without importing
-torch, ray or vllm: everything under ``hpcrl.config``, ``hpcrl.topology``, ``hpcrl.memory``,
-``hpcrl.quirks`` and ``hpcrl.launch`` is pure Python.
+Layers as folders, top to bottom: ``cli`` -> ``launch`` (local start, sbatch, submit, the in-job
+bootstrap) -> ``run`` (driver, loop, actors) -> ``trainer`` / ``rollout`` / ``rewards`` / ``algo`` /
+``data`` -> ``plan`` (quirks, topology, memory) -> ``config`` (schemas, composition). ``config``,
+``plan`` and ``launch`` import no torch, ray or vllm at module level, so ``hpcrl plan`` and
+``render`` start in well under a second (tests/test_layout.py holds the rule).
 """
 
 __version__ = "0.1.0"

@@ -55,17 +55,23 @@ def _parser() -> argparse.ArgumentParser:
             )
         if name == "submit":
             p.add_argument(
-                "--hold", type=float, default=0.0, metavar="SECONDS",
+                "--hold",
+                type=float,
+                default=0.0,
+                metavar="SECONDS",
                 help="Slurm: keep the job's Ray cluster up this long after the driver (debugging)",
-            )  # fmt: skip
+            )
             p.add_argument(
-                "-m", "--multirun", action="store_true",
+                "-m",
+                "--multirun",
+                action="store_true",
                 help="Slurm: Hydra sweep syntax (algo.lr=1e-6,3e-6 ...): one job per point, returns at once",
-            )  # fmt: skip
+            )
             p.add_argument(
-                "--smoke", action="store_true",
+                "--smoke",
+                action="store_true",
                 help="Slurm: only bring up Ray and place one actor per node by role (checks an allocation; no training)",
-            )  # fmt: skip
+            )
     for name, text in (
         ("status", "state of a job (or of the recent ones)"),
         ("logs", "per-node logs of a job"),
@@ -112,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from hpcrl.plan import plan_from_overrides
-    from hpcrl.view import show_plan
+    from hpcrl.plan.planner import plan_from_overrides
+    from hpcrl.plan.show import show_plan
 
     plan = plan_from_overrides(args.overrides)
     show_plan(plan, Console())
@@ -121,9 +127,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from hpcrl.cluster import Scheduler
-    from hpcrl.plan import plan_from_overrides
-    from hpcrl.rundir import new_run_dir, write_resolved_config
+    from hpcrl.config.cluster import Scheduler
+    from hpcrl.plan.planner import plan_from_overrides
+    from hpcrl.run.rundir import new_run_dir, write_resolved_config
 
     plan = plan_from_overrides(args.overrides)
     plan.require_fit()
@@ -143,8 +149,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from hpcrl.cluster import Scheduler
-    from hpcrl.plan import plan_from_overrides
+    from hpcrl.config.cluster import Scheduler
+    from hpcrl.plan.planner import plan_from_overrides
 
     if args.multirun:
         return submit_multirun(args.overrides)
@@ -152,8 +158,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     plan.require_fit()
     plan.require_buildable()
     if plan.cfg.cluster.scheduler is Scheduler.local:
-        from hpcrl.local import run_local
-        from hpcrl.preempt import EXIT_PREEMPTED, Preempted
+        from hpcrl.launch.local import run_local
+        from hpcrl.run.preempt import EXIT_PREEMPTED, Preempted
 
         try:
             run_local(plan)
@@ -173,7 +179,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     if args.groups:
-        from hpcrl.config import GROUPS, conf_dir
+        from hpcrl.config.compose import conf_dir
+        from hpcrl.config.schema import GROUPS
 
         for group in GROUPS:
             names = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
@@ -181,7 +188,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 0
     from omegaconf import OmegaConf
 
-    from hpcrl.config import compose_raw
+    from hpcrl.config.compose import compose_raw
 
     print(OmegaConf.to_yaml(compose_raw(args.overrides)), end="")
     return 0
@@ -198,7 +205,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def submit_multirun(overrides: list[str]) -> int:
-    from hpcrl.cluster import Scheduler
+    from hpcrl.config.cluster import Scheduler
     from hpcrl.launch.sweep import plan_points, submit_sweep
 
     points = plan_points(overrides)  # every point validated before the first job goes out
@@ -214,10 +221,10 @@ def submit_multirun(overrides: list[str]) -> int:
 
 
 def cmd_debug(args: argparse.Namespace) -> int:
-    from hpcrl.cluster import Scheduler
+    from hpcrl.config.cluster import Scheduler
     from hpcrl.launch.debug import READY_TIMEOUT_S, node_hosts, wait_ready
     from hpcrl.launch.submit import submit
-    from hpcrl.plan import plan_from_overrides
+    from hpcrl.plan.planner import plan_from_overrides
 
     plan = plan_from_overrides(args.overrides)
     plan.require_fit()
@@ -244,7 +251,7 @@ def cmd_debug(args: argparse.Namespace) -> int:
 def _debug_root(args: argparse.Namespace) -> Path:
     if args.root is not None:
         return Path(args.root)
-    from hpcrl.config import compose_config
+    from hpcrl.config.compose import compose_config
 
     return Path(compose_config(list(args.overrides)).run.output_root)
 
@@ -255,7 +262,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import subprocess
 
     from hpcrl.launch.debug import check_fits_allocation, driver_argv, held, node_hosts, run_here
-    from hpcrl.plan import plan_from_overrides
+    from hpcrl.plan.planner import plan_from_overrides
 
     job_id = args.job or os.environ.get("SLURM_JOB_ID")
     if not job_id:
@@ -339,9 +346,19 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"plan": cmd_plan, "render": cmd_render, "submit": cmd_submit, "show": cmd_show, "status": cmd_status,
-            "logs": cmd_logs, "cancel": cmd_cancel, "ls": cmd_ls, "debug": cmd_debug, "run": cmd_run,
-            "attach": cmd_attach}  # fmt: skip
+COMMANDS = {
+    "plan": cmd_plan,
+    "render": cmd_render,
+    "submit": cmd_submit,
+    "show": cmd_show,
+    "status": cmd_status,
+    "logs": cmd_logs,
+    "cancel": cmd_cancel,
+    "ls": cmd_ls,
+    "debug": cmd_debug,
+    "run": cmd_run,
+    "attach": cmd_attach,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.config import RunConfig, compose_config
-from hpcrl.plan import Plan, make_plan
+from hpcrl.config.compose import compose_config
+from hpcrl.config.schema import RunConfig
+from hpcrl.plan.planner import Plan, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ["cluster.slurm.account=acct", "cluster.container.image=img.sqsh"]
@@ -39,7 +40,7 @@ def cli():
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A randomly initialised tiny model (no warm start): fast to build, real HF checkpoint."""
-    from hpcrl.tiny import ensure_tiny_model
+    from hpcrl.run.tiny_model import ensure_tiny_model
 
     cfg = compose("model=tiny")
     return ensure_tiny_model(

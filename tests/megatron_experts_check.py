@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from hpcrl.config import compose_config
+from hpcrl.config.compose import compose_config
 
 
 def plain_loop(

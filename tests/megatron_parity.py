@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hpcrl.config import compose_config
+from hpcrl.config.compose import compose_config
 from hpcrl.trainer.batch import TrainBatch, build_batch
 
 

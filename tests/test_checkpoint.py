@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpcrl.checkpoint import CheckpointManager, load_state
+from hpcrl.run.checkpoint import CheckpointManager, load_state
 
 
 def test_keep_top_k_plus_latest(tmp_path):

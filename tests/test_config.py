@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.cluster import Scheduler
-from hpcrl.config import GROUPS, conf_dir
+from hpcrl.config.cluster import Scheduler
+from hpcrl.config.compose import conf_dir
+from hpcrl.config.schema import GROUPS
 from hpcrl.errors import ConfigError
 from hpcrl.rollout.config import HFRolloutConfig, VLLMRolloutConfig
 from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig
@@ -99,7 +100,7 @@ def test_env_entries_can_be_added():
 
 
 def _compose_in_subprocess(cache_dir, overrides):
-    code = ("import sys; from hpcrl.config import compose_config; cfg = compose_config(sys.argv[1:]); "
+    code = ("import sys; from hpcrl.config.compose import compose_config; cfg = compose_config(sys.argv[1:]); "
             "print(cfg.model.name, cfg.trainer.tp, 'hydra' in sys.modules)")  # fmt: skip
     # Hydra composes every miss here, so 'hydra' in sys.modules tells a miss from a hit.
     env = {**os.environ, "HPCRL_CACHE": str(cache_dir), "HPCRL_COMPOSE_CACHE": "1", "HPCRL_FAST_COMPOSE": "0"}

@@ -9,8 +9,10 @@ import sys
 
 import pytest
 
-from hpcrl import config, fastcompose
-from hpcrl.config import GROUP_SCHEMAS, RunConfig, conf_dir, normalize_overrides
+from hpcrl.config import compose, fastcompose
+from hpcrl.config.compose import conf_dir, normalize_overrides
+from hpcrl.config.schema import GROUP_SCHEMAS, RunConfig
+from hpcrl.errors import ConfigError
 
 EXPERIMENTS = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
 
@@ -28,7 +30,7 @@ PLAIN = [
 
 
 def _fast(overrides: list[str]) -> RunConfig | None:
-    normalized = normalize_overrides(config.with_embedded_default(overrides))
+    normalized = normalize_overrides(compose.with_embedded_default(overrides))
     return fastcompose.compose(conf_dir(), normalized, GROUP_SCHEMAS, RunConfig)
 
 
@@ -36,8 +38,8 @@ def _fast(overrides: list[str]) -> RunConfig | None:
 def test_plain_overrides_compose_like_hydra(overrides):
     fast = _fast(overrides)
     assert fast is not None, "a plain override set fell back to Hydra: the cold start slows down"
-    assert fast == config._compose_hydra(overrides)
-    assert type(fast.trainer) is type(config._compose_hydra(overrides).trainer)
+    assert fast == compose._compose_hydra(overrides)
+    assert type(fast.trainer) is type(compose._compose_hydra(overrides).trainer)
 
 
 DEFERRED = [
@@ -79,13 +81,13 @@ def test_float_forms_follow_omegaconf():
 
 
 def test_errors_still_come_from_hydra_in_one_line():
-    with pytest.raises(config.ConfigError, match=r"trainer\.typo"):
-        config.compose_config(["trainer.typo=1"])
+    with pytest.raises(ConfigError, match=r"trainer\.typo"):
+        compose.compose_config(["trainer.typo=1"])
 
 
 def test_cold_composition_imports_no_hydra(tmp_path):
     code = (
-        "import sys, json; from hpcrl.config import compose_config;"
+        "import sys, json; from hpcrl.config.compose import compose_config;"
         "c = compose_config(['+experiment=dapo-nemotron-super-5n4g-megatron',"
         "'cluster.slurm.account=rl', 'cluster.container.image=nvcr.io/nvidia/nemo-rl:v0.4']);"
         "print(json.dumps([c.trainer.ep, 'hydra' in sys.modules, 'omegaconf' in sys.modules]))"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpcrl.topology import Placement
+from hpcrl.plan.topology import Placement
 
 from .conftest import SITE, plan
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from hpcrl.config import LoggerConfig
-from hpcrl.metrics import MetricsLogger, console_line
+from hpcrl.config.schema import LoggerConfig
+from hpcrl.run.metrics import MetricsLogger, console_line
 
 
 def test_all_sinks_write(tmp_path, monkeypatch):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpcrl.config import conf_dir
+from hpcrl.config.compose import conf_dir
 
 from .conftest import compose
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from hpcrl.errors import ConfigError
-from hpcrl.topology import Placement, RolloutParallel, TrainParallel, build_topology
+from hpcrl.plan.topology import Placement, RolloutParallel, TrainParallel, build_topology
 
 
 def topo(**kw):

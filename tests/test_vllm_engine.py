@@ -65,7 +65,7 @@ def test_gemma3_exported_through_the_megatron_mapping_reloads_into_vllm(tmp_path
     """What trainer=megatron sends a Gemma 3 engine (to_hf of its Megatron weights: sandwich norms, Q/K
     norms, the tied head as lm_head) loads into vLLM's Gemma 3 in place: its logprobs then equal
     transformers' for the new weights (sliding window and two RoPE bases on the vLLM side too)."""
-    from hpcrl.tiny import build_tokenizer
+    from hpcrl.run.tiny_model import build_tokenizer
     from hpcrl.trainer.megatron.weights import Shape, to_hf, to_megatron
 
     from .test_megatron import gemma3_model

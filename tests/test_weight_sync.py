@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.trainer.fsdp import free_port
-from hpcrl.weight_sync import (
+from hpcrl.run.weight_sync import (
     TensorMeta,
     WeightReceiver,
     WeightSender,
@@ -19,6 +18,7 @@ from hpcrl.weight_sync import (
     new_group,
     plan_buckets,
 )
+from hpcrl.trainer.fsdp import free_port
 
 METAS = [
     TensorMeta("a", (3, 4)),  # 12
@@ -95,7 +95,7 @@ def test_sender_refuses_a_weight_whose_shape_changed():
 
 
 def test_mode_and_backend_follow_devices_and_placement():
-    from hpcrl.runtime import choose_weight_sync
+    from hpcrl.run.fleet import choose_weight_sync
 
     assert choose_weight_sync("collective", on_cpu=True, split=False) == ("collective", "gloo")
     assert choose_weight_sync("collective", on_cpu=False, split=True) == ("collective", "nccl")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from hpcrl.checks import in_range, non_negative, positive
+from hpcrl.config.checks import in_range, non_negative, positive
 from hpcrl.errors import ConfigError
 
 

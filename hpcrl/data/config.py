@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcrl.checks import MISSING, in_range, positive
+from hpcrl.config.checks import MISSING, in_range, positive
 from hpcrl.errors import ConfigError
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from hpcrl.errors import HpcrlError
 from hpcrl.launch import lifecycle
-from hpcrl.plan import Plan
+from hpcrl.plan.planner import Plan
 
 READY_TIMEOUT_S = 900.0
 
@@ -33,14 +33,17 @@ def wait_ready(job_id: str, run_dir: Path, timeout_s: float, say: Callable[[str]
     while not ready.exists():
         state = lifecycle.job_state(job_id, run_dir)
         if state.split()[0] not in lifecycle.ACTIVE:
-            raise HpcrlError(f"debug job {job_id} ended ({state}) before its Ray cluster was up; "
-                             f"see `hpcrl logs {job_id}`")  # fmt: skip
+            raise HpcrlError(
+                f"debug job {job_id} ended ({state}) before its Ray cluster was up; see `hpcrl logs {job_id}`"
+            )
         if state != last:
             say(f"job {job_id}: {state}")
             last = state
         if time.monotonic() > deadline:
-            raise HpcrlError(f"debug job {job_id} is still {state} after {timeout_s:.0f}s; it stays queued "
-                             f"(`hpcrl cancel {job_id}` to drop it)")  # fmt: skip
+            raise HpcrlError(
+                f"debug job {job_id} is still {state} after {timeout_s:.0f}s; it stays queued "
+                f"(`hpcrl cancel {job_id}` to drop it)"
+            )
         time.sleep(0.5)
     return dict(json.loads(ready.read_text()))
 
@@ -63,8 +66,15 @@ def node_hosts(run_dir: Path, nodes: int) -> list[str]:
 
 
 def attach_argv(job_id: str, meta: dict[str, Any], host: str, command: list[str]) -> list[str]:
-    argv = ["srun", f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={host}",
-            *meta.get("container_args", [])]  # fmt: skip
+    argv = [
+        "srun",
+        f"--jobid={job_id}",
+        "--overlap",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={host}",
+        *meta.get("container_args", []),
+    ]
     return [*argv, *command] if command else [*argv, "--pty", os.environ.get("SHELL", "/bin/bash"), "-l"]
 
 
@@ -85,15 +95,19 @@ def check_fits_allocation(plan: Plan, job_id: str, meta: dict[str, Any]) -> None
 
 def driver_argv(job_id: str, meta: dict[str, Any], head: str, root: Path, overrides: list[str]) -> list[str]:
     python = meta.get("python") or sys.executable
-    return attach_argv(job_id, meta, head, [python, "-m", "hpcrl.cli", "run", "--here", "--job", job_id,
-                                            "--root", str(root), *overrides])  # fmt: skip
+    return attach_argv(
+        job_id,
+        meta,
+        head,
+        [python, "-m", "hpcrl.cli", "run", "--here", "--job", job_id, "--root", str(root), *overrides],
+    )
 
 
 def run_here(plan: Plan, job: lifecycle.JobInfo) -> Path:
     """The driver, on a node of the held cluster: connect with the job's token and train."""
-    from hpcrl.driver import run_loop
     from hpcrl.launch.ray_cluster import auth_env
-    from hpcrl.rundir import write_resolved_config
+    from hpcrl.run.driver import run_loop
+    from hpcrl.run.rundir import write_resolved_config
 
     head = json.loads((job.run_dir / "ray" / f"head-{job.job_id}.json").read_text())
     if "ray" in sys.modules:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from hpcrl.cluster import Scheduler
-from hpcrl.config import compose_config, conf_dir
+from hpcrl.config.cluster import Scheduler
+from hpcrl.config.compose import compose_config, conf_dir
 from hpcrl.launch.sbatch import render_sbatch
-from hpcrl.plan import make_plan
+from hpcrl.plan.planner import make_plan
 
 SITE_PLACEHOLDERS = ["cluster.slurm.account=ACCOUNT", "cluster.container.image=IMAGE"]
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "sbatch"

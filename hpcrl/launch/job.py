@@ -25,7 +25,7 @@ from hpcrl.launch.ray_cluster import (
     this_node,
     wait_for_cluster,
 )
-from hpcrl.plan import Plan
+from hpcrl.plan.planner import Plan
 
 CANARY_DEADLINE_S = 30.0
 HEAD_DEADLINE_S = 90.0
@@ -66,8 +66,12 @@ class _Where:
     def where(self, role: str) -> dict[str, Any]:
         import ray
 
-        return {"role": role, "host": socket.gethostname(), "gpus": [str(g) for g in ray.get_gpu_ids()],
-                "listening": listening_ports()}  # fmt: skip
+        return {
+            "role": role,
+            "host": socket.gethostname(),
+            "gpus": [str(g) for g in ray.get_gpu_ids()],
+            "listening": listening_ports(),
+        }
 
 
 def listening_ports() -> dict[int, str]:
@@ -101,7 +105,7 @@ def probe_placement(roles: list[str]) -> list[dict[str, Any]]:
     Actors (not tasks) hold their GPU while alive, so each lands on its own node."""
     import ray
 
-    from hpcrl.workers import ROLLOUT_RESOURCE, TRAIN_RESOURCE
+    from hpcrl.run.actors import ROLLOUT_RESOURCE, TRAIN_RESOURCE
 
     actor_cls = ray.remote(num_cpus=0)(_Where)
     actors = [
@@ -146,15 +150,25 @@ class NodeTask:
         signal.signal(signal.SIGTERM, _terminated)
         run_dir, job_id = Path(self.run_dir), attempt_key()
         spec = this_node(self.roles)
-        record = {"node_id": spec.node_id, "role": spec.role, "host": spec.host, "ip": spec.ip,
-                  "job_id": job_id, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "time": time.time()}  # fmt: skip
+        record = {
+            "node_id": spec.node_id,
+            "role": spec.role,
+            "host": spec.host,
+            "ip": spec.ip,
+            "job_id": job_id,
+            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+            "time": time.time(),
+        }
         _write(run_dir / "nodes" / f"{spec.node_id}.json", record)
         print(f"hpcrl: node {spec.node_id} ({spec.host}) checked in as {spec.role}", flush=True)
         canary = run_dir / f".canary-{job_id}"
         if spec.node_id == 0:
             _write(canary, {"host": spec.host})
-        _wait_for(canary, CANARY_DEADLINE_S,
-                  f"node {spec.node_id} ({spec.host}) cannot see the shared run directory {run_dir}")  # fmt: skip
+        _wait_for(
+            canary,
+            CANARY_DEADLINE_S,
+            f"node {spec.node_id} ({spec.host}) cannot see the shared run directory {run_dir}",
+        )
         head_file = run_dir / "ray" / f"head-{job_id}.json"
         done_file = run_dir / "ray" / f"done-{job_id}"
         if spec.node_id == 0:
@@ -183,7 +197,7 @@ class NodeTask:
             return None
         from submitit.helpers import DelayedSubmission
 
-        from hpcrl.preempt import REQUEST
+        from hpcrl.run.preempt import REQUEST
 
         if self._driver is not None and self._driver.is_alive():
             REQUEST.ask()
@@ -193,15 +207,17 @@ class NodeTask:
                 flush=True,
             )
             saved = REQUEST.wait(budget)
-            print(f"hpcrl: {'saved step ' + str(REQUEST.step) if saved else 'no save in time'}; requeueing",
-                  flush=True)  # fmt: skip
+            print(
+                f"hpcrl: {'saved step ' + str(REQUEST.step) if saved else 'no save in time'}; requeueing",
+                flush=True,
+            )
 
         return DelayedSubmission(NodeTask(self.run_dir, self.roles, self.plan, self.hold_s))
 
     def _drive(self, run_dir: Path, address: str) -> dict[str, float]:
         import ray
 
-        from hpcrl.driver import run_loop
+        from hpcrl.run.driver import run_loop
 
         assert self.plan is not None
 
@@ -251,8 +267,10 @@ class NodeTask:
             )
             ready_s = time.monotonic() - started
             job_start = float(os.environ.get("HPCRL_JOB_START", "nan"))
-            _write(run_dir / "ray" / f"ready-{job_id}.json",
-                   {"seconds": ready_s, "polled_s": waited, "since_job_start_s": time.time() - job_start})  # fmt: skip
+            _write(
+                run_dir / "ray" / f"ready-{job_id}.json",
+                {"seconds": ready_s, "polled_s": waited, "since_job_start_s": time.time() - job_start},
+            )
             print(f"hpcrl: Ray ready with {len(self.roles)} nodes after {ready_s:.1f}s", flush=True)
             if self.plan is None:
                 placement = probe_placement(self.roles)

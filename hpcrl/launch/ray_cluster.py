@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcrl.workers import ROLLOUT_RESOURCE, TRAIN_RESOURCE
+from hpcrl.run.actors import ROLLOUT_RESOURCE, TRAIN_RESOURCE
 
 GCS_PORT = 1200
 NODE_MANAGER_PORT = 1301
@@ -66,10 +66,12 @@ def auth_env(token: Path) -> dict[str, str]:
 def ray_env(run_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(DROP_PREFIXES)}
     env.update(auth_env(run_dir / "ray" / "token"))
-    env.update({
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_worker_register_timeout_seconds": "120",
-    })  # fmt: skip
+    env.update(
+        {
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_worker_register_timeout_seconds": "120",
+        }
+    )
     return env
 
 
@@ -91,14 +93,24 @@ def start_node(spec: NodeSpec, run_dir: Path, head_ip: str, job_id: str) -> subp
         role_resources[ROLLOUT_RESOURCE] = spec.gpus or 1
     # hpcrl.launch.ray_node: `ray start --block` without importing Ray's CLI (~2 s of CPU per node).
     cmd = [
-        sys.executable, "-m", "hpcrl.launch.ray_node", f"--node-ip-address={spec.ip}",
-        f"--temp-dir={temp}", f"--num-gpus={spec.gpus}", f"--num-cpus={os.cpu_count() or 1}",
-        f"--resources={json.dumps(role_resources)}", "--object-store-memory=200000000",
-        f"--node-manager-port={NODE_MANAGER_PORT}", f"--object-manager-port={OBJECT_MANAGER_PORT}",
-        f"--min-worker-port={WORKER_PORTS[0]}", f"--max-worker-port={WORKER_PORTS[1]}",
-        f"--dashboard-agent-port={DASHBOARD_AGENT_PORT}", f"--dashboard-agent-grpc-port={DASHBOARD_AGENT_GRPC_PORT}",
-        f"--runtime-env-agent-port={RUNTIME_ENV_AGENT_PORT}", f"--metrics-export-port={METRICS_EXPORT_PORT}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "hpcrl.launch.ray_node",
+        f"--node-ip-address={spec.ip}",
+        f"--temp-dir={temp}",
+        f"--num-gpus={spec.gpus}",
+        f"--num-cpus={os.cpu_count() or 1}",
+        f"--resources={json.dumps(role_resources)}",
+        "--object-store-memory=200000000",
+        f"--node-manager-port={NODE_MANAGER_PORT}",
+        f"--object-manager-port={OBJECT_MANAGER_PORT}",
+        f"--min-worker-port={WORKER_PORTS[0]}",
+        f"--max-worker-port={WORKER_PORTS[1]}",
+        f"--dashboard-agent-port={DASHBOARD_AGENT_PORT}",
+        f"--dashboard-agent-grpc-port={DASHBOARD_AGENT_GRPC_PORT}",
+        f"--runtime-env-agent-port={RUNTIME_ENV_AGENT_PORT}",
+        f"--metrics-export-port={METRICS_EXPORT_PORT}",
+    ]
     if spec.node_id == 0:
         cmd += [
             "--head",

@@ -134,7 +134,7 @@ def registered(node: Any) -> bool:
         and i.node_manager_address == node.node_ip_address
         and i.state == 0
         for i in infos
-    )  # fmt: skip  (0: ALIVE)
+    )  # 0: ALIVE
 
 
 def main(argv: list[str]) -> int:

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hpcrl.cluster import ClusterConfig
-from hpcrl.plan import Plan
+from hpcrl.config.cluster import ClusterConfig
+from hpcrl.plan.planner import Plan
 
 SUBMITIT_DIR = "slurm"
 """Run-directory subfolder where submitit keeps its pickles and per-task logs."""

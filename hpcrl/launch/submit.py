@@ -12,8 +12,8 @@ from hpcrl.errors import HpcrlError
 from hpcrl.launch.job import NodeTask
 from hpcrl.launch.ray_cluster import make_token
 from hpcrl.launch.sbatch import SUBMITIT_DIR, make_executor, render_sbatch, srun_args
-from hpcrl.plan import Plan
-from hpcrl.rundir import atomic_write_text, new_run_dir, write_resolved_config
+from hpcrl.plan.planner import Plan
+from hpcrl.run.rundir import atomic_write_text, new_run_dir, write_resolved_config
 
 JOBS_INDEX = ".jobs"
 """``<output_root>/.jobs/<job id>`` holds the run directory of each submitted job."""
@@ -33,8 +33,9 @@ class Submitted:
         return int(json.loads((self.run_dir / "job.json").read_text())["nodes"])
 
 
-def submit(plan: Plan, hold_s: float = 0.0, smoke: bool = False, *, debug: bool = False,
-           suffix: str = "") -> Submitted:  # fmt: skip
+def submit(
+    plan: Plan, hold_s: float = 0.0, smoke: bool = False, *, debug: bool = False, suffix: str = ""
+) -> Submitted:
     """``debug``: a held session (placement check, then Ray stays up until the time limit or cancel).
     ``suffix``: appended to the run directory's name (sweep points submitted in the same second)."""
     cfg = plan.cfg
@@ -47,8 +48,12 @@ def submit(plan: Plan, hold_s: float = 0.0, smoke: bool = False, *, debug: bool 
     atomic_write_text(run_dir / "sbatch.sh", render_sbatch(plan, run_dir))
     try:
         executor = make_executor(plan, run_dir)
-        task = NodeTask(str(run_dir), plan.topology.node_roles(), None if smoke or debug else plan,
-                        hold_s=math.inf if debug else hold_s)  # fmt: skip
+        task = NodeTask(
+            str(run_dir),
+            plan.topology.node_roles(),
+            None if smoke or debug else plan,
+            hold_s=math.inf if debug else hold_s,
+        )
         job = executor.submit(task)
     except Exception as exc:  # submitit raises RuntimeError/FailedSubmissionError with sbatch's own words
         reason = " ".join(str(exc).split())[:400]
@@ -56,10 +61,20 @@ def submit(plan: Plan, hold_s: float = 0.0, smoke: bool = False, *, debug: bool 
             f"submission to Slurm failed ({reason}); check that sbatch works here "
             f"(SLURM_CONF, partition/account in cluster.slurm.*). Run dir kept: {run_dir}"
         ) from None
-    meta = {"job_id": job.job_id, "nodes": plan.topology.nodes, "submitted": time.time(),
-            "roles": plan.topology.node_roles(), "cluster": cfg.cluster.name, "name": cfg.run.name,
-            "debug": debug, "gpus_per_node": cfg.cluster.gpus_per_node, "python": cfg.cluster.python,
-            "container_args": [a for a in srun_args(cfg.cluster) if a.startswith("--container") or a.startswith("--no-container")]}  # fmt: skip
+    meta = {
+        "job_id": job.job_id,
+        "nodes": plan.topology.nodes,
+        "submitted": time.time(),
+        "roles": plan.topology.node_roles(),
+        "cluster": cfg.cluster.name,
+        "name": cfg.run.name,
+        "debug": debug,
+        "gpus_per_node": cfg.cluster.gpus_per_node,
+        "python": cfg.cluster.python,
+        "container_args": [
+            a for a in srun_args(cfg.cluster) if a.startswith("--container") or a.startswith("--no-container")
+        ],
+    }
     atomic_write_text(run_dir / "job.json", json.dumps(meta, indent=1))
     index = Path(cfg.run.output_root) / JOBS_INDEX
     index.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.errors import HpcrlError
-from hpcrl.plan import Plan, plan_from_overrides
+from hpcrl.plan.planner import Plan, plan_from_overrides
 
 SWEEPS_DIR = "sweeps"
 

@@ -34,13 +34,21 @@ class RolloutEngine(Protocol):
         """Replace the engine's weights in place (HF parameter names); caches from old weights are dropped."""
         ...
 
-    # The broadcast path (hpcrl.weight_sync): join the trainer's weight group once, then take part in
+    # The broadcast path (hpcrl.run.weight_sync): join the trainer's weight group once, then take part in
     # one broadcast per step. ``ranks``: how many ranks of the group the engine's workers take.
     ranks: int
     weight_dtype: str
     """The dtype the engine holds weights in: the sender casts to it."""
 
-    def join_weight_group(self, master: str, rank_base: int, world: int, metas: list[Any],
-                          bucket_numel: int, local_ip: str, backend: str) -> None: ...  # fmt: skip
+    def join_weight_group(
+        self,
+        master: str,
+        rank_base: int,
+        world: int,
+        metas: list[Any],
+        bucket_numel: int,
+        local_ip: str,
+        backend: str,
+    ) -> None: ...
 
     def receive_weights(self) -> None: ...

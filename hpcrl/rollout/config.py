@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpcrl.checks import in_range, non_negative, positive
+from hpcrl.config.checks import in_range, non_negative, positive
 from hpcrl.errors import ConfigError
 
 WEIGHT_SYNC = ("collective", "object_store")

@@ -113,8 +113,9 @@ class HFEngine:
         return bool(self.cfg.static_cache) and str(self.device).startswith("cuda")
 
     def _dynamic_forward(self, x: Any, mask: Any, position: Any, past: Any, step: int) -> tuple[Any, Any]:
-        out = self.model(input_ids=x, attention_mask=mask, position_ids=position, past_key_values=past,
-                         use_cache=True)  # fmt: skip
+        out = self.model(
+            input_ids=x, attention_mask=mask, position_ids=position, past_key_values=past, use_cache=True
+        )
         return out.logits[:, -1], out.past_key_values
 
     def _static_forward(self, prompt_mask: Any, max_tokens: int) -> Any:
@@ -134,8 +135,14 @@ class HFEngine:
             model = self.model
 
             def step_fn(tok: Any, pos: Any, cache_pos: Any) -> Any:
-                return model(input_ids=tok, attention_mask=full, position_ids=pos, past_key_values=cache,
-                             cache_position=cache_pos, use_cache=True).logits[:, -1]  # fmt: skip
+                return model(
+                    input_ids=tok,
+                    attention_mask=full,
+                    position_ids=pos,
+                    past_key_values=cache,
+                    cache_position=cache_pos,
+                    use_cache=True,
+                ).logits[:, -1]
 
             # Each shape is a recompilation of the same step: past dynamo's default limit (8) it would
             # silently fall back to eager, ~2x slower per token.
@@ -148,8 +155,14 @@ class HFEngine:
 
         def forward(x: Any, mask: Any, position: Any, past: Any, step: int) -> tuple[Any, Any]:
             if step == 0:
-                out = self.model(input_ids=x, attention_mask=full, position_ids=position, past_key_values=cache,
-                                 cache_position=torch.arange(width, device=self.device), use_cache=True)  # fmt: skip
+                out = self.model(
+                    input_ids=x,
+                    attention_mask=full,
+                    position_ids=position,
+                    past_key_values=cache,
+                    cache_position=torch.arange(width, device=self.device),
+                    use_cache=True,
+                )
                 return out.logits[:, -1], cache
             cache_pos = torch.full((1,), width + step - 1, dtype=torch.long, device=self.device)
             return compiled(x, position, cache_pos).clone(), cache  # clone: the graph reuses its output
@@ -163,12 +176,21 @@ class HFEngine:
     ranks = 1
     """Ranks this engine takes in the weight group (one process)."""
 
-    def join_weight_group(self, master: str, rank_base: int, world: int, metas: list[Any],
-                          bucket_numel: int, local_ip: str, backend: str) -> None:  # fmt: skip
-        from hpcrl.weight_sync import join_as_receiver
+    def join_weight_group(
+        self,
+        master: str,
+        rank_base: int,
+        world: int,
+        metas: list[Any],
+        bucket_numel: int,
+        local_ip: str,
+        backend: str,
+    ) -> None:
+        from hpcrl.run.weight_sync import join_as_receiver
 
-        self._receiver = join_as_receiver(backend, master, rank_base, world, metas, bucket_numel,
-                                          self.weight_dtype, self.device, local_ip)  # fmt: skip
+        self._receiver = join_as_receiver(
+            backend, master, rank_base, world, metas, bucket_numel, self.weight_dtype, self.device, local_ip
+        )
 
     def receive_weights(self) -> None:
         self.load_weights(dict(self._receiver.receive()))
@@ -181,8 +203,10 @@ class HFEngine:
         fused = fuse_experts(weights, state)
         unknown = sorted(set(fused) - set(state))
         if unknown:
-            raise KeyError(f"hf engine: {len(unknown)} received weights match no parameter of "
-                           f"{type(self.model).__name__}, e.g. {unknown[:3]}")  # fmt: skip
+            raise KeyError(
+                f"hf engine: {len(unknown)} received weights match no parameter of "
+                f"{type(self.model).__name__}, e.g. {unknown[:3]}"
+            )
         self.model.load_state_dict(fused, strict=False)
 
 

@@ -21,18 +21,26 @@ class WeightReloader:
     """vLLM worker extension (named by ``worker_extension_cls``): runs inside each vLLM worker."""
 
     def hpcrl_join_weight_group(
-        self, master: str, rank_base: int, world: int, metas: list[Any], bucket_numel: int,
-        dtype: str, local_ip: str, backend: str,
-    ) -> int:  # fmt: skip
+        self,
+        master: str,
+        rank_base: int,
+        world: int,
+        metas: list[Any],
+        bucket_numel: int,
+        dtype: str,
+        local_ip: str,
+        backend: str,
+    ) -> int:
         """Join the trainer's weight group as rank ``rank_base`` + this worker's rank in the engine."""
         import torch
 
-        from hpcrl.weight_sync import join_as_receiver
+        from hpcrl.run.weight_sync import join_as_receiver
 
         rank = rank_base + int(getattr(self, "rank", 0))
         device = getattr(self, "device", None) or torch.device("cpu")
-        self._hpcrl_receiver = join_as_receiver(backend, master, rank, world, metas, bucket_numel, dtype,
-                                                device, local_ip)  # fmt: skip
+        self._hpcrl_receiver = join_as_receiver(
+            backend, master, rank, world, metas, bucket_numel, dtype, device, local_ip
+        )
         return rank
 
     def hpcrl_receive_weights(self) -> int:
@@ -129,8 +137,16 @@ class VLLMEngine:
             groups.append(group)
         return groups
 
-    def join_weight_group(self, master: str, rank_base: int, world: int, metas: list[Any],
-                          bucket_numel: int, local_ip: str, backend: str) -> None:  # fmt: skip
+    def join_weight_group(
+        self,
+        master: str,
+        rank_base: int,
+        world: int,
+        metas: list[Any],
+        bucket_numel: int,
+        local_ip: str,
+        backend: str,
+    ) -> None:
         self.llm.collective_rpc(
             "hpcrl_join_weight_group",
             args=(master, rank_base, world, metas, bucket_numel, self.weight_dtype, local_ip, backend),

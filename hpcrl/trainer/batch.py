@@ -24,14 +24,27 @@ class TrainBatch:
         return int(self.input_ids.shape[0])
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        return TrainBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask,
-                                                  self.advantages, self.rollout_logp)))  # fmt: skip
+        return TrainBatch(
+            *(
+                t.to(device)
+                for t in (
+                    self.input_ids,
+                    self.attention_mask,
+                    self.loss_mask,
+                    self.advantages,
+                    self.rollout_logp,
+                )
+            )
+        )
 
     def select(self, idx: slice | torch.Tensor) -> TrainBatch:
         return TrainBatch(
-            self.input_ids[idx], self.attention_mask[idx], self.loss_mask[idx], self.advantages[idx],
+            self.input_ids[idx],
+            self.attention_mask[idx],
+            self.loss_mask[idx],
+            self.advantages[idx],
             self.rollout_logp[idx],
-        )  # fmt: skip
+        )
 
 
 def build_batch(

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from hpcrl.checks import non_negative, positive
+from hpcrl.config.checks import non_negative, positive
 
 if TYPE_CHECKING:
-    from hpcrl.models import ModelConfig
+    from hpcrl.config.model import ModelConfig
 
 CHUNK_ELEMENTS = 1 << 28
 """Logit elements per chunk of ``trainer/logprob_head.py`` where its chunk math runs eagerly (CPU:
@@ -102,20 +102,30 @@ def megatron_build_gap(model: ModelConfig, tp: int = 1) -> str:
     """Why ``trainer=megatron`` cannot build this catalog model (at tensor parallel ``tp``) yet (empty:
     it can). The backend refuses the same checkpoints by their Hugging Face fields (megatron/gemma4.py)."""
     if model.family not in MEGATRON_FAMILIES:
-        return (f"trainer=megatron cannot build {model.name} yet (family {model.family}; the backend's "
-                f"HF<->Megatron weight mapping covers {', '.join(MEGATRON_FAMILIES)})")  # fmt: skip
+        return (
+            f"trainer=megatron cannot build {model.name} yet (family {model.family}; the backend's "
+            f"HF<->Megatron weight mapping covers {', '.join(MEGATRON_FAMILIES)})"
+        )
     if model.family == "gemma4":
-        missing = [what for what, has in (
-            ("per-layer embeddings and KV-shared layers (E2B/E4B)", model.per_layer_embed_dim > 0),
-            ("gemma4_unified checkpoint", model.unified),
-        ) if has]  # fmt: skip
+        missing = [
+            what
+            for what, has in (
+                ("per-layer embeddings and KV-shared layers (E2B/E4B)", model.per_layer_embed_dim > 0),
+                ("gemma4_unified checkpoint", model.unified),
+            )
+            if has
+        ]
         if missing:
-            return (f"trainer=megatron cannot build {model.name} yet (it builds Gemma 4's 31B and 26B-A4B decoders, "
-                    f"not the {' or the '.join(missing)}): use trainer=fsdp, as the Gemma 4 recipes do")  # fmt: skip
+            return (
+                f"trainer=megatron cannot build {model.name} yet (it builds Gemma 4's 31B and 26B-A4B decoders, "
+                f"not the {' or the '.join(missing)}): use trainer=fsdp, as the Gemma 4 recipes do"
+            )
         if model.global_kv_heads and model.global_kv_heads % tp:
             # keys double as values there: each TP rank must hold whole KV heads
-            return (f"trainer.tp={tp} must divide the {model.global_kv_heads} KV heads of {model.name}'s "
-                    f"global layers (model.global_kv_heads) under trainer=megatron")  # fmt: skip
+            return (
+                f"trainer.tp={tp} must divide the {model.global_kv_heads} KV heads of {model.name}'s "
+                f"global layers (model.global_kv_heads) under trainer=megatron"
+            )
     return ""
 
 
@@ -150,8 +160,10 @@ class MegatronTrainerConfig(TrainerConfig):
         """Why this layout cannot train the MoE model ``model`` yet (empty: it can)."""
         if self.tp > 1 and not self.sequence_parallel:
             # Megatron's MoE layer takes each TP rank's own slice of the tokens
-            return (f"trainer=megatron runs MoE models ({model}) under tensor parallel with sequence parallel only "
-                    f"(trainer.tp={self.tp}): set trainer.sequence_parallel=true")  # fmt: skip
+            return (
+                f"trainer=megatron runs MoE models ({model}) under tensor parallel with sequence parallel only "
+                f"(trainer.tp={self.tp}): set trainer.sequence_parallel=true"
+            )
         return ""
 
     def compile_layers(self) -> bool:

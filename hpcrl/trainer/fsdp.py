@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.algo.losses import gen_kl_error, grpo_loss
-from hpcrl.config import RunConfig
+from hpcrl.config.schema import RunConfig
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import Precision
 from hpcrl.trainer.logprob_head import LogprobHead, install_logprob_head
@@ -123,10 +123,14 @@ class FSDPTrainer:
         fully_shard(model, **shard)
         self.model = model
         self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=cfg.algo.lr,
-            weight_decay=cfg.trainer.weight_decay, betas=(0.9, 0.999),
-            fused=True if device.startswith("cuda") else None,  # one kernel per step instead of ~10 per tensor list
-        )  # fmt: skip
+            [p for p in model.parameters() if p.requires_grad],
+            lr=cfg.algo.lr,
+            weight_decay=cfg.trainer.weight_decay,
+            betas=(0.9, 0.999),
+            fused=True
+            if device.startswith("cuda")
+            else None,  # one kernel per step instead of ~10 per tensor list
+        )
 
     def data_rank(self) -> tuple[int, int]:
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -178,11 +182,21 @@ class FSDPTrainer:
                 logp, entropy = token_logprobs(self.model, mb, right_padded=mask_ok)
                 old = logp.detach() if old_logp is None else old_logp[idx]
                 terms = grpo_loss(
-                    logp, old, ref_logp[idx] if ref_logp is not None else None, mb.rollout_logp,
-                    mb.advantages, mb.loss_mask, eps_low=algo.eps_low, eps_high=algo.eps_high,
-                    dual_clip=algo.dual_clip, kl_coef=algo.kl_coef, kl_type=algo.kl_type, agg=algo.loss_agg,
-                    is_correction=algo.is_correction, is_cap=algo.is_cap,
-                )  # fmt: skip
+                    logp,
+                    old,
+                    ref_logp[idx] if ref_logp is not None else None,
+                    mb.rollout_logp,
+                    mb.advantages,
+                    mb.loss_mask,
+                    eps_low=algo.eps_low,
+                    eps_high=algo.eps_high,
+                    dual_clip=algo.dual_clip,
+                    kl_coef=algo.kl_coef,
+                    kl_type=algo.kl_type,
+                    agg=algo.loss_agg,
+                    is_correction=algo.is_correction,
+                    is_cap=algo.is_cap,
+                )
                 # Weight each micro-batch by its share of the minibatch's tokens so accumulation
                 # reproduces the full-minibatch mean (exact for token-level aggregation).
                 share = mb.loss_mask.sum() / tokens_in_minibatch

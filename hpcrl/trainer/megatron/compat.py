@@ -140,8 +140,9 @@ class _GlooDistributed(types.ModuleType):
     def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
         return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if t.shape[0] < rows else t
 
-    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
-                   async_op: bool = False) -> Any:  # fmt: skip
+    def all_gather(
+        self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
+    ) -> Any:
         sizes = [t.shape[0] for t in tensor_list]
         if async_op or len(set([*sizes, tensor.shape[0]])) == 1:
             return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
@@ -152,8 +153,14 @@ class _GlooDistributed(types.ModuleType):
             out.copy_(part[:n])
         return None
 
-    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: Any = None,
-                       group: Any = None, async_op: bool = False) -> Any:  # fmt: skip
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input_list: list[torch.Tensor],
+        op: Any = None,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
         if async_op:
             return torch.distributed.reduce_scatter(output, input_list, group=group, async_op=True)
         rows = max(t.shape[0] for t in input_list)

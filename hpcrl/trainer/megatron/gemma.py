@@ -64,8 +64,13 @@ class Gemma3(GPTFamily):
         """Embeddings scaled, both RoPE bases handed to every layer."""
         scale_embeddings(model, hf, compute_dtype)
         _, _, local_base = rope_bases(hf)
-        local = RotaryEmbedding(kv_channels=model.config.kv_channels, rotary_percent=1.0, rotary_base=local_base,
-                                use_cpu_initialization=True, cp_group=model.rotary_pos_emb.cp_group)  # fmt: skip
+        local = RotaryEmbedding(
+            kv_channels=model.config.kv_channels,
+            rotary_percent=1.0,
+            rotary_base=local_base,
+            use_cpu_initialization=True,
+            cp_group=model.rotary_pos_emb.cp_group,
+        )
         model.rotary_pos_emb = DualRotaryEmbedding(model.rotary_pos_emb, local)
 
 
@@ -95,14 +100,18 @@ def check_supported(hf: Any) -> None:
     """Gemma 3 variants this decoder does not express fail here, naming the field."""
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if getattr(hf, key, None) is not None:
-            raise ValueError(f"trainer=megatron does not apply {key} (this checkpoint sets "
-                             f"{getattr(hf, key)}; Gemma 3 has none): use trainer=fsdp")  # fmt: skip
+            raise ValueError(
+                f"trainer=megatron does not apply {key} (this checkpoint sets "
+                f"{getattr(hf, key)}; Gemma 3 has none): use trainer=fsdp"
+            )
     if getattr(hf, "use_bidirectional_attention", False):
         raise ValueError("trainer=megatron trains causal Gemma 3 only (use_bidirectional_attention is set)")
     full = hf.rope_parameters.get("full_attention") or {}
     if full.get("rope_type", "default") not in ("default", "linear"):
-        raise ValueError(f"trainer=megatron applies default or linear RoPE scaling on Gemma 3's global "
-                         f"layers, not {full.get('rope_type')!r}: use trainer=fsdp")  # fmt: skip
+        raise ValueError(
+            f"trainer=megatron applies default or linear RoPE scaling on Gemma 3's global "
+            f"layers, not {full.get('rope_type')!r}: use trainer=fsdp"
+        )
 
 
 def rope_bases(hf: Any) -> tuple[float, float | None, float]:
@@ -137,8 +146,9 @@ class GemmaSelfAttention(SelfAttention):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         self.rope_index = int(sliding_window(config, self.layer_number) is not None)
 
-    def forward(self, hidden_states: Any, attention_mask: Any, *args: Any, rotary_pos_emb: Any = None,
-                **kwargs: Any) -> Any:  # fmt: skip
+    def forward(
+        self, hidden_states: Any, attention_mask: Any, *args: Any, rotary_pos_emb: Any = None, **kwargs: Any
+    ) -> Any:
         if rotary_pos_emb is not None:
             rotary_pos_emb = rotary_pos_emb[self.rope_index][..., : self.hidden_size_per_attention_head]
         return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)

@@ -94,8 +94,12 @@ class Gemma4(GPTFamily):
         angles = hf_rope_angles(hf)
         ropes = {}
         for kind, inv_freq in angles.items():
-            rope = RotaryEmbedding(kv_channels=2 * inv_freq.numel(), rotary_percent=1.0,
-                                   use_cpu_initialization=True, cp_group=model.rotary_pos_emb.cp_group)  # fmt: skip
+            rope = RotaryEmbedding(
+                kv_channels=2 * inv_freq.numel(),
+                rotary_percent=1.0,
+                use_cpu_initialization=True,
+                cp_group=model.rotary_pos_emb.cp_group,
+            )
             rope.inv_freq = inv_freq  # Megatron's rope computes its angles from this, positions x inv_freq
             ropes[kind] = rope
         full = ropes.get("full_attention") or ropes["sliding_attention"]
@@ -120,8 +124,10 @@ def check_supported(hf: Any) -> None:
     }
     for key, what in gaps.items():
         if getattr(hf, key, None):
-            raise ValueError(f"trainer=megatron does not build Gemma 4's {what} yet (this checkpoint sets "
-                             f"{key}={getattr(hf, key)}): use trainer=fsdp")  # fmt: skip
+            raise ValueError(
+                f"trainer=megatron does not build Gemma 4's {what} yet (this checkpoint sets "
+                f"{key}={getattr(hf, key)}): use trainer=fsdp"
+            )
     if getattr(hf, "use_bidirectional_attention", None) == "all":
         raise ValueError("trainer=megatron trains causal Gemma 4 only (use_bidirectional_attention='all')")
     # "vision": bidirectional among image tokens only; text-only batches are causal
@@ -135,8 +141,10 @@ def hf_rope_angles(hf: Any) -> dict[str, torch.Tensor]:
     out = {}
     for kind in rope.layer_types:
         if getattr(rope, f"{kind}_attention_scaling") != 1.0:
-            raise ValueError(f"trainer=megatron does not scale Gemma 4's RoPE attention ({kind}: "
-                             f"{rope.rope_type[kind]}): use trainer=fsdp")  # fmt: skip
+            raise ValueError(
+                f"trainer=megatron does not scale Gemma 4's RoPE attention ({kind}: "
+                f"{rope.rope_type[kind]}): use trainer=fsdp"
+            )
         out[kind] = getattr(rope, f"{kind}_inv_freq").float().clone()
     return out
 
@@ -157,12 +165,19 @@ class Gemma4SelfAttention(GemmaSelfAttention):
         if self.keys_are_values:
             tp = self.world_size
             if config.num_query_groups % tp:
-                raise ValueError(f"trainer.tp={tp} must divide the {config.num_query_groups} KV heads of "
-                                 f"Gemma 4's global layers (their keys double as values)")  # fmt: skip
+                raise ValueError(
+                    f"trainer.tp={tp} must divide the {config.num_query_groups} KV heads of "
+                    f"Gemma 4's global layers (their keys double as values)"
+                )
             narrow_rows(self.linear_qkv, (self.query_projection_size + self.kv_projection_size) // tp)
 
-    def get_query_key_value_tensors(self, hidden_states: torch.Tensor, key_value_states: Any = None,
-                                    output_gate: bool = False, split_qkv: bool = True) -> Any:  # fmt: skip
+    def get_query_key_value_tensors(
+        self,
+        hidden_states: torch.Tensor,
+        key_value_states: Any = None,
+        output_gate: bool = False,
+        split_qkv: bool = True,
+    ) -> Any:
         assert not output_gate and split_qkv, "Gemma 4 has no attention output gate"
         if not self.keys_are_values:
             query, key, value = super().get_query_key_value_tensors(hidden_states, key_value_states)

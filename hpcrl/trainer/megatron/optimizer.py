@@ -57,7 +57,9 @@ class ShardedAdamW:
         if isinstance(state, dict):  # written before the state was split into parts: one plain AdamW
             state = [state]
         if len(state) != len(self.parts):
-            raise ValueError(f"checkpoint holds {len(state)} optimizer parts, this layout has {len(self.parts)}: "
-                             "resume with the trainer.* parallel sizes the checkpoint was written with")  # fmt: skip
+            raise ValueError(
+                f"checkpoint holds {len(state)} optimizer parts, this layout has {len(self.parts)}: "
+                "resume with the trainer.* parallel sizes the checkpoint was written with"
+            )
         for opt, st in zip(self.local(), state, strict=True):
             opt.load_state_dict(st)

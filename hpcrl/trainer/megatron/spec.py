@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hpcrl.topology import TrainParallel
+from hpcrl.plan.topology import TrainParallel
 from hpcrl.trainer.config import MegatronTrainerConfig, Precision, megatron_family
 
 
@@ -40,17 +40,32 @@ class SDPAttention(torch.nn.Module):
     attends to the keys of every chunk up to its own, causal within its own chunk — on a sliding-window
     layer only to the keys its window reaches, masked by global position (Gemma 3 under CP)."""
 
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str = "self",
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 **_: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        **_: Any,
+    ) -> None:
         super().__init__()
         self.config = config
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.scale = softmax_scale
         self.window = sliding_window(config, layer_number)
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
+        attn_mask_type: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPAttention: packed sequences and attention bias need Transformer Engine")
         # Megatron hands [s, b, heads, dim]; SDPA wants [b, heads, s, dim]. Sequences are right-padded,
@@ -71,9 +86,15 @@ class SDPAttention(torch.nn.Module):
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: Any) -> torch.Tensor:
         mask = None if causal is True else causal
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal is True, dropout_p=self.dropout if self.training else 0.0,
-            scale=self.scale, enable_gqa=q.shape[1] != k.shape[1],
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=causal is True,
+            dropout_p=self.dropout if self.training else 0.0,
+            scale=self.scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
 
     # Eager even inside a compiled layer: compiled, the gradient of the K/V all-gather (a reduce-scatter
     # in Megatron's autograd function) came out wrong on 2 H200s (grad norm 4.46 instead of 6.16).
@@ -96,8 +117,9 @@ class SDPAttention(torch.nn.Module):
             k, v = (t[first:seen].permute(1, 2, 0, 3) for t in (k_all, v_all))
             causal: Any
             if self.window is not None:
-                causal = window_mask(chunk, self.window, q.device, first_query=g * chunk, first_key=first,
-                                     keys=seen - first)  # fmt: skip
+                causal = window_mask(
+                    chunk, self.window, q.device, first_query=g * chunk, first_key=first, keys=seen - first
+                )
             else:
                 causal = True if g == 0 else causal_lower_right(chunk, seen)
             outs.append(self._sdpa(q, k, v, causal=causal))
@@ -141,8 +163,9 @@ def _flex() -> Any:
 # Eager, like the CP path: the block mask is cached per (length, window) outside any compiled graph,
 # and flex_attention runs as its own compiled kernel.
 @torch.compiler.disable
-def flex_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
-                          scale: float | None, kernel: Any = None) -> torch.Tensor:  # fmt: skip
+def flex_window_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float | None, kernel: Any = None
+) -> torch.Tensor:
     """Sliding-window causal attention on [b, heads, s, dim] (query i reads keys i - window + 1 .. i);
     ``kernel`` replaces the compiled flex_attention (tests pass the eager one)."""
     block = _window_block_mask(q.shape[2], window, q.device)
@@ -150,8 +173,14 @@ def flex_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, win
     return run(q, k, v, block_mask=block, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def window_mask(s: int, window: int, device: torch.device, first_query: int = 0, first_key: int = 0,
-                keys: int | None = None) -> torch.Tensor:  # fmt: skip
+def window_mask(
+    s: int,
+    window: int,
+    device: torch.device,
+    first_query: int = 0,
+    first_key: int = 0,
+    keys: int | None = None,
+) -> torch.Tensor:
     """[s, keys (default s)], True where the query at position ``first_query + i`` may read the key at
     ``first_key + j``: key <= query and query - key < window (sliding-window causal)."""
     q = torch.arange(first_query, first_query + s, device=device)
@@ -435,8 +464,10 @@ def moe_settings(hf: Any, trainer: MegatronTrainerConfig) -> dict[str, Any]:
     if not num_experts(hf):
         return {}
     if getattr(hf, "decoder_sparse_step", 1) != 1 or getattr(hf, "mlp_only_layers", None):
-        raise ValueError("trainer=megatron builds Qwen3-MoE with an MoE in every layer "
-                         "(decoder_sparse_step=1, no mlp_only_layers); use trainer=fsdp")  # fmt: skip
+        raise ValueError(
+            "trainer=megatron builds Qwen3-MoE with an MoE in every layer "
+            "(decoder_sparse_step=1, no mlp_only_layers); use trainer=fsdp"
+        )
     coeff = trainer.moe_aux_loss_coeff
     if coeff is None:
         coeff = float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0)

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.algo.losses import gen_kl_error, grpo_loss
-from hpcrl.config import RunConfig
-from hpcrl.topology import TrainParallel
+from hpcrl.config.schema import RunConfig
+from hpcrl.plan.topology import TrainParallel
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import MEGATRON_FAMILIES, MegatronTrainerConfig
 from hpcrl.trainer.fsdp import init_process_group
@@ -78,11 +78,17 @@ def model_shape(hf: Any, tp: int) -> Shape:
     heads = hf.num_attention_heads
     padded = math.ceil(hf.vocab_size / tp) * tp
     fam = family_of(hf)
-    return Shape(heads=heads, groups=hf.num_key_value_heads,
-                 head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-                 vocab=hf.vocab_size, padded_vocab=padded, fused_norms=uses_fused_norms(fam),
-                 sandwich_norms=fam.sandwich_norms, layers=fam.attention_layouts(hf),
-                 moe_block=fam.moe_block)  # fmt: skip
+    return Shape(
+        heads=heads,
+        groups=hf.num_key_value_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        vocab=hf.vocab_size,
+        padded_vocab=padded,
+        fused_norms=uses_fused_norms(fam),
+        sandwich_norms=fam.sandwich_norms,
+        layers=fam.attention_layouts(hf),
+        moe_block=fam.moe_block,
+    )
 
 
 class MegatronTrainer:
@@ -107,15 +113,16 @@ class MegatronTrainer:
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
             torch.cuda.set_device(device)
         self.cfg, self.device = cfg, torch.device(device)
-        self.par = TrainParallel(world=world, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep,
-                                 expert_tp=t.expert_tp)  # fmt: skip
+        self.par = TrainParallel(world=world, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep, expert_tp=t.expert_tp)
         # a vision-language checkpoint (Gemma 3 4B+): the text decoder is trained, the vision tower
         # stays frozen in the rollout engines (weights.LanguageModel)
         hf = text_config(model_dir)
         name = family(hf)
         if name not in MEGATRON_FAMILIES:
-            raise ValueError(f"trainer=megatron cannot build model_type {hf.model_type!r} yet "
-                             f"(supported: {', '.join(MEGATRON_FAMILIES)}); use trainer=fsdp for {model_dir}")  # fmt: skip
+            raise ValueError(
+                f"trainer=megatron cannot build model_type {hf.model_type!r} yet "
+                f"(supported: {', '.join(MEGATRON_FAMILIES)}); use trainer=fsdp for {model_dir}"
+            )
         experts = num_experts(hf)
         if experts and t.moe_gap(hf.model_type):  # the planner refuses it before submitting
             raise ValueError(t.moe_gap(hf.model_type))
@@ -127,11 +134,13 @@ class MegatronTrainer:
             )
         init_process_group(rank, world, master, "nccl" if device.startswith("cuda") else "gloo")
         if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=self.par.tp,
-                                         pipeline_model_parallel_size=self.par.pp,
-                                         context_parallel_size=self.par.cp,
-                                         expert_model_parallel_size=self.par.ep,
-                                         expert_tensor_parallel_size=self.par.expert_tp if experts else None)  # fmt: skip
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=self.par.tp,
+                pipeline_model_parallel_size=self.par.pp,
+                context_parallel_size=self.par.cp,
+                expert_model_parallel_size=self.par.ep,
+                expert_tensor_parallel_size=self.par.expert_tp if experts else None,
+            )
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.run.seed)
         self.ps = ps
         self.tied = bool(getattr(hf, "tie_word_embeddings", False))
@@ -146,12 +155,16 @@ class MegatronTrainer:
 
         def build() -> Any:
             model = GPTModel(
-                config=config, transformer_layer_spec=layer_spec(config, arch),
-                vocab_size=self.shape.padded_vocab, max_sequence_length=hf.max_position_embeddings,
-                pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                share_embeddings_and_output_weights=self.tied, position_embedding_type="rope",
+                config=config,
+                transformer_layer_spec=layer_spec(config, arch),
+                vocab_size=self.shape.padded_vocab,
+                max_sequence_length=hf.max_position_embeddings,
+                pre_process=ps.is_pipeline_first_stage(),
+                post_process=ps.is_pipeline_last_stage(),
+                share_embeddings_and_output_weights=self.tied,
+                position_embedding_type="rope",
                 **arch.rope(hf),
-            )  # fmt: skip
+            )
             arch.adapt_model(model, hf, self.compute_dtype)
             keep_pad_row_untrained(model, hf)
             return with_hidden_output(model.to(self.device), self.fused_head)
@@ -187,8 +200,12 @@ class MegatronTrainer:
         ]
         # Replicated over TP but computed from this rank's part: norms under sequence parallelism (a
         # slice of the sequence), Q/K norms always (this rank's heads). Megatron sums them over TP.
-        self.tp_partial = [p for name, p in self.model.named_parameters() if p.requires_grad and (
-            getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name)]  # fmt: skip
+        self.tp_partial = [
+            p
+            for name, p in self.model.named_parameters()
+            if p.requires_grad
+            and (getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name)
+        ]
         self.optimizer = self._make_optimizer()
 
     def _make_optimizer(self) -> ShardedAdamW:
@@ -197,8 +214,12 @@ class MegatronTrainer:
         their expert-data-parallel group (optimizer.py)."""
         t, algo = self.cfg.trainer, self.cfg.algo
         assert isinstance(t, MegatronTrainerConfig)
-        kwargs: dict[str, Any] = {"lr": algo.lr, "weight_decay": t.weight_decay, "betas": (0.9, 0.999),
-                                  "fused": True if self.device.type == "cuda" else None}  # fmt: skip
+        kwargs: dict[str, Any] = {
+            "lr": algo.lr,
+            "weight_decay": t.weight_decay,
+            "betas": (0.9, 0.999),
+            "fused": True if self.device.type == "cuda" else None,
+        }
         shard = t.distributed_optimizer
         dense = self.ps.get_data_parallel_group(with_context_parallel=True) if shard else None
         expert = self.ps.get_expert_data_parallel_group() if shard and self.expert_params else None
@@ -214,8 +235,11 @@ class MegatronTrainer:
         TP for an expert's weights, the dense TP group for the rest."""
         ps = self.ps
         if is_expert(name):
-            return (self.par.expert_tp, ps.get_expert_tensor_parallel_rank(),
-                    ps.get_expert_tensor_parallel_group(check_initialized=False))  # fmt: skip
+            return (
+                self.par.expert_tp,
+                ps.get_expert_tensor_parallel_rank(),
+                ps.get_expert_tensor_parallel_group(check_initialized=False),
+            )
         return self.par.tp, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
 
     def _loaded(self, model: Any) -> list[tuple[str, torch.Tensor]]:
@@ -247,9 +271,11 @@ class MegatronTrainer:
             dist.all_gather_object(every, used)
         left = set(full) - set().union(*every) - ({"output_layer.weight"} if self.tied else set())
         if left:
-            raise ValueError(f"trainer=megatron built a {model_type} model with no place for {len(left)} "
-                             f"checkpoint weights, e.g. {sorted(left)[:3]}: its layer spec does not match "
-                             "the architecture; use trainer=fsdp for this model")  # fmt: skip
+            raise ValueError(
+                f"trainer=megatron built a {model_type} model with no place for {len(left)} "
+                f"checkpoint weights, e.g. {sorted(left)[:3]}: its layer spec does not match "
+                "the architecture; use trainer=fsdp for this model"
+            )
 
     def _local_full(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """This stage's parameters (or their gradients), gathered over tensor parallel (expert TP for
@@ -280,8 +306,11 @@ class MegatronTrainer:
         TP gathered, stages merged."""
         local = self._local_full(grads)  # collective over TP: every rank takes part
         ps = self.ps
-        first = (ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
-                 and ps.get_context_parallel_rank() == 0)  # fmt: skip
+        first = (
+            ps.get_data_parallel_rank() == 0
+            and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0
+        )
         # experts: one copy of each, from the first of the ranks that hold it (its expert-DP group;
         # expert-TP rank 0 of those, which gathered the whole expert)
         first_expert = ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
@@ -378,11 +407,17 @@ class MegatronTrainer:
             out = model(input_ids=self._cp_split(ids), position_ids=self._cp_split(pos), attention_mask=None)
             return out, partial(loss_fn, i, mb)
 
-        return list(get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(enumerate(mbs)), model=[model],
-            num_microbatches=len(mbs), seq_length=mbs[0].input_ids.shape[1],
-            micro_batch_size=len(mbs[0]), forward_only=forward_only,
-        ))  # fmt: skip
+        return list(
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(enumerate(mbs)),
+                model=[model],
+                num_microbatches=len(mbs),
+                seq_length=mbs[0].input_ids.shape[1],
+                micro_batch_size=len(mbs[0]),
+                forward_only=forward_only,
+            )
+        )
 
     def _targets(self, mb: TrainBatch) -> torch.Tensor:
         ids = mb.input_ids.to(self.device)
@@ -423,8 +458,15 @@ class MegatronTrainer:
             mbs = self._micro_batches(minibatch)
             size = len(mbs[0])
 
-            def loss_fn(i: int, mb: TrainBatch, logits: torch.Tensor, _chunk: Any = chunk,
-                        _tokens: float = tokens, _k: int = len(mbs), _size: int = size) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+            def loss_fn(
+                i: int,
+                mb: TrainBatch,
+                logits: torch.Tensor,
+                _chunk: Any = chunk,
+                _tokens: float = tokens,
+                _k: int = len(mbs),
+                _size: int = size,
+            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
                 targets = self._targets(mb)
                 logp, entropy = self._token_stats(self.model, logits, targets)
                 w = mb.loss_mask.shape[1]
@@ -435,17 +477,31 @@ class MegatronTrainer:
                 old = logp.detach() if old_all is None else _rows(old_all, rows, real, logp)
                 ref = None if ref_logp is None else _rows(ref_logp, rows, real, logp)
                 terms = grpo_loss(
-                    logp, old, ref, mb.rollout_logp.to(self.device), mb.advantages.to(self.device), mask,
-                    eps_low=algo.eps_low, eps_high=algo.eps_high, dual_clip=algo.dual_clip,
-                    kl_coef=algo.kl_coef, kl_type=algo.kl_type, agg=algo.loss_agg,
-                    is_correction=algo.is_correction, is_cap=algo.is_cap,
-                )  # fmt: skip
+                    logp,
+                    old,
+                    ref,
+                    mb.rollout_logp.to(self.device),
+                    mb.advantages.to(self.device),
+                    mask,
+                    eps_low=algo.eps_low,
+                    eps_high=algo.eps_high,
+                    dual_clip=algo.dual_clip,
+                    kl_coef=algo.kl_coef,
+                    kl_type=algo.kl_type,
+                    agg=algo.loss_agg,
+                    is_correction=algo.is_correction,
+                    is_cap=algo.is_cap,
+                )
                 share = float(mb.loss_mask.sum()) / _tokens  # host tensor: no wait on the GPU
                 # device tensors, converted once after the schedule (a float() here would stall it)
-                stats = {"loss": terms.loss.detach() * share, "policy_loss": terms.policy * share,
-                         "kl": terms.kl * share, "clip_fraction": terms.clip_fraction * share,
-                         "entropy": (entropy.detach() * mask).sum() / _tokens,
-                         "gen_kl_error": gen_kl_error(old, mb.rollout_logp.to(self.device), mask) * share}  # fmt: skip
+                stats = {
+                    "loss": terms.loss.detach() * share,
+                    "policy_loss": terms.policy * share,
+                    "kl": terms.kl * share,
+                    "clip_fraction": terms.clip_fraction * share,
+                    "entropy": (entropy.detach() * mask).sum() / _tokens,
+                    "gen_kl_error": gen_kl_error(old, mb.rollout_logp.to(self.device), mask) * share,
+                }
                 # the schedule divides by the number of micro-batches; the token share is the real weight
                 return terms.loss * share * _k, stats
 
@@ -571,12 +627,21 @@ def _rows(full: torch.Tensor, rows: torch.Tensor, real: int, like: torch.Tensor)
 
 
 def _concat(parts: list[TrainBatch]) -> TrainBatch:
-    return TrainBatch(*(torch.cat([getattr(p, f) for p in parts]) for f in
-                        ("input_ids", "attention_mask", "loss_mask", "advantages", "rollout_logp")))  # fmt: skip
+    return TrainBatch(
+        *(
+            torch.cat([getattr(p, f) for p in parts])
+            for f in ("input_ids", "attention_mask", "loss_mask", "advantages", "rollout_logp")
+        )
+    )
 
 
 def _widen(batch: TrainBatch, width: int) -> TrainBatch:
     grow = width - batch.input_ids.shape[1]
     pad = torch.nn.functional.pad
-    return TrainBatch(pad(batch.input_ids, (0, grow)), pad(batch.attention_mask, (0, grow)),
-                      pad(batch.loss_mask, (0, grow)), batch.advantages, pad(batch.rollout_logp, (0, grow)))  # fmt: skip
+    return TrainBatch(
+        pad(batch.input_ids, (0, grow)),
+        pad(batch.attention_mask, (0, grow)),
+        pad(batch.loss_mask, (0, grow)),
+        batch.advantages,
+        pad(batch.rollout_logp, (0, grow)),
+    )

@@ -137,15 +137,19 @@ class LanguageModel:
         """Causal-LM names (``to_hf``'s) -> this checkpoint's."""
         if self.prefix == "model.":
             return hf
-        return {self.head if k == "lm_head.weight" else self.prefix + k.removeprefix("model."): v
-                for k, v in hf.items()}  # fmt: skip
+        return {
+            self.head if k == "lm_head.weight" else self.prefix + k.removeprefix("model."): v
+            for k, v in hf.items()
+        }
 
 
 def _norm_names(fused: bool) -> dict[str, str]:
     if not fused:
         return {}
-    return {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-            "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}  # fmt: skip
+    return {
+        "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+        "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    }
 
 
 def _pad_vocab(t: torch.Tensor, shape: Shape) -> torch.Tensor:
@@ -206,8 +210,14 @@ def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[s
             )
             out[f"{meg_pre}.linear_fc2.weight"] = p[f"{hf_pre}.down_proj.weight"]
         known = {f"self_attn.{proj}_proj.{kind}" for proj in "qkv" for kind in ("weight", "bias")}
-        left = [key for key in p if key not in known and not EXPERT.match(key) and key not in STACKED_EXPERTS
-                and key not in ("mlp.gate_proj.weight", "mlp.up_proj.weight")]  # fmt: skip
+        left = [
+            key
+            for key in p
+            if key not in known
+            and not EXPERT.match(key)
+            and key not in STACKED_EXPERTS
+            and key not in ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+        ]
         if left:
             raise KeyError(
                 f"no Megatron name for Hugging Face weight {pre.replace('decoder.', 'model.')}.{left[0]}"
@@ -316,6 +326,9 @@ def relocate(name: str, offset: int, expert_offset: int = 0) -> str:
     m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
     if m is None:
         return name
-    rest = re.sub(r"^(mlp\.(?:moe\.)?experts\.local_experts\.)(\d+)",
-                  lambda e: f"{e.group(1)}{int(e.group(2)) + expert_offset}", m.group(2))  # fmt: skip
+    rest = re.sub(
+        r"^(mlp\.(?:moe\.)?experts\.local_experts\.)(\d+)",
+        lambda e: f"{e.group(1)}{int(e.group(2)) + expert_offset}",
+        m.group(2),
+    )
     return f"decoder.layers.{int(m.group(1)) + offset}.{rest}"

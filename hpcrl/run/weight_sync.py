@@ -168,15 +168,25 @@ def _buckets(metas: list[Any], bucket_numel: int) -> list[Bucket]:
     return plan_buckets([TensorMeta(str(n), tuple(int(d) for d in s)) for n, s in metas], bucket_numel)
 
 
-def join_as_sender(backend: str, master: str, world: int, metas: list[Any], bucket_numel: int,
-                   dtype: str, device: Any) -> WeightSender:  # fmt: skip
+def join_as_sender(
+    backend: str, master: str, world: int, metas: list[Any], bucket_numel: int, dtype: str, device: Any
+) -> WeightSender:
     """Rank 0 (trainer rank 0): hosts the group's store at ``master`` and sends from there."""
     group = new_group(backend, master, 0, world, local_ip=master.rsplit(":", 1)[0])
     return WeightSender(group, _buckets(metas, bucket_numel), dtype_of(dtype), torch.device(device))
 
 
-def join_as_receiver(backend: str, master: str, rank: int, world: int, metas: list[Any],
-                     bucket_numel: int, dtype: str, device: Any, local_ip: str) -> WeightReceiver:  # fmt: skip
+def join_as_receiver(
+    backend: str,
+    master: str,
+    rank: int,
+    world: int,
+    metas: list[Any],
+    bucket_numel: int,
+    dtype: str,
+    device: Any,
+    local_ip: str,
+) -> WeightReceiver:
     """An engine worker at ``rank`` (1..world-1), its gloo traffic leaving from ``local_ip``."""
     group = new_group(backend, master, rank, world, local_ip=local_ip)
     return WeightReceiver(group, _buckets(metas, bucket_numel), dtype_of(dtype), torch.device(device))

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from hpcrl.checks import MISSING
+from hpcrl.config.checks import MISSING
 
 
 class Unsupported(Exception):

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcrl.config import RunConfig
+from hpcrl.config.schema import RunConfig
+from hpcrl.plan.topology import Placement, Topology
 from hpcrl.rollout.config import VLLMRolloutConfig
-from hpcrl.topology import Placement, Topology
 from hpcrl.trainer.config import FUSED_CHUNK_ELEMENTS, FSDPTrainerConfig, MegatronTrainerConfig, Precision
 
 GB = 1e9

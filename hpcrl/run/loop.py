@@ -22,12 +22,12 @@ import torch
 
 from hpcrl.algo.advantages import group_advantages
 from hpcrl.algo.shaping import informative_groups, overlong_penalty, scale_rewards, truncation_mask
-from hpcrl.config import RunConfig
+from hpcrl.config.schema import RunConfig
 from hpcrl.data.loader import Example, PromptStream
-from hpcrl.preempt import REQUEST, Preempted
 from hpcrl.rewards.pool import RewardPool, Task
 from hpcrl.rewards.verifiers import Outcome
 from hpcrl.rollout.base import Completion, SamplingSettings
+from hpcrl.run.preempt import REQUEST, Preempted
 from hpcrl.trainer.batch import TrainBatch, build_batch
 
 
@@ -58,8 +58,11 @@ def generate_and_score(
     settings: SamplingSettings,
 ) -> Scored:
     groups = rt.generate([encode(e.prompt) for e in examples], settings)
-    tasks = [Task(i * settings.n + j, c.text, e.answer, e.prompt)
-             for i, (e, g) in enumerate(zip(examples, groups, strict=True)) for j, c in enumerate(g)]  # fmt: skip
+    tasks = [
+        Task(i * settings.n + j, c.text, e.answer, e.prompt)
+        for i, (e, g) in enumerate(zip(examples, groups, strict=True))
+        for j, c in enumerate(g)
+    ]
     flat = pool.score(tasks)
     outcomes = [flat[i * settings.n : (i + 1) * settings.n] for i in range(len(examples))]
     rewards = torch.tensor([[1.0 if o is Outcome.correct else 0.0 for o in row] for row in outcomes])
@@ -111,14 +114,24 @@ def collect(
             else torch.ones(len(rewards), dtype=torch.bool)
         )
         idx = [i for i in range(len(rewards)) if keep[i]]
-        kept.append(Scored([scored.examples[i] for i in idx], [scored.groups[i] for i in idx],
-                           scored.rewards[idx], [scored.outcomes[i] for i in idx]))  # fmt: skip
+        kept.append(
+            Scored(
+                [scored.examples[i] for i in idx],
+                [scored.groups[i] for i in idx],
+                scored.rewards[idx],
+                [scored.outcomes[i] for i in idx],
+            )
+        )
         kept_rewards.append(rewards[idx])
         rounds += 1
         if sum(len(k.examples) for k in kept) >= want:
             break
-    merged = Scored([e for k in kept for e in k.examples][:want], [g for k in kept for g in k.groups][:want],
-                    torch.cat([k.rewards for k in kept])[:want], [o for k in kept for o in k.outcomes][:want])  # fmt: skip
+    merged = Scored(
+        [e for k in kept for e in k.examples][:want],
+        [g for k in kept for g in k.groups][:want],
+        torch.cat([k.rewards for k in kept])[:want],
+        [o for k in kept for o in k.outcomes][:want],
+    )
     shaped = torch.cat(kept_rewards)[:want]
     every = [o for s in seen for row in s.outcomes for o in row]
     completions = [c for s in seen for g in s.groups for c in g]
@@ -210,11 +223,15 @@ def train(
         # would stop the run without its checkpoint). A later signal is taken at the next step.
         stop = REQUEST.asked
         if due or stop:  # stop: Slurm's warning signal came during this step
-            state = {"trainer": rt.state_dict(), "stream": stream.state(), "step": step,
-                     "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}}  # fmt: skip
+            state = {
+                "trainer": rt.state_dict(),
+                "stream": stream.state(),
+                "step": step,
+                "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
+            }
             ckpt.save(step, state, metrics)
         logger.log(step, metrics)
-        from hpcrl.metrics import console_line
+        from hpcrl.run.metrics import console_line
 
         say(console_line(step, algo.max_steps, metrics))
         last = {**last, **metrics}

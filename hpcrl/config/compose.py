@@ -1,127 +1,15 @@
-"""The run configuration: typed schemas registered once, composed by Hydra from ``conf/``.
-
-YAML files in ``conf/`` only select and override; every key they set must exist in a schema
-here (struct mode), so a typo fails at composition with the key named.
-"""
+"""Composition: ``conf/`` + overrides -> a checked ``RunConfig``, through the Hydra-free composer
+(``fastcompose``) for plain override sets, Hydra otherwise, with a pickle cache for repeat commands."""
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl.algo.config import AlgoConfig
-from hpcrl.checks import MISSING, positive
-from hpcrl.cluster import ClusterConfig
-from hpcrl.data.config import DataConfig
+from hpcrl.config.schema import GROUP_SCHEMAS, RunConfig, register_schemas
 from hpcrl.errors import ConfigError
-from hpcrl.models import ModelConfig
-from hpcrl.rollout.config import HFRolloutConfig, RolloutConfig, VLLMRolloutConfig
-from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig, TrainerConfig
-
-GROUPS = ("cluster", "model", "algo", "trainer", "rollout", "data", "experiment")
-
-
-@dataclass
-class LayoutConfig:
-    """How many nodes do what. ``rollout_nodes: 0`` colocates rollout and training on every node."""
-
-    train_nodes: int = 1
-    rollout_nodes: int = 0
-
-
-@dataclass
-class CheckpointConfig:
-    enabled: bool = True
-    period: int = 10
-    """Save every N steps (and before the Slurm time limit)."""
-    keep_top_k: int = 3
-    metric: str = "val/accuracy"
-    higher_is_better: bool = True
-    dir: str | None = None
-    """None: ``<run dir>/checkpoints``."""
-
-
-@dataclass
-class LoggerConfig:
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "hpcrl"
-    wandb_mode: str = "offline"
-    """'offline' works without network; 'online' needs WANDB_API_KEY in the environment."""
-
-
-@dataclass
-class RunMeta:
-    name: str = "hpcrl"
-    seed: int = 1234
-    output_root: str = "runs"
-    """Where run directories are created (must be on the shared filesystem for Slurm)."""
-    dir: str | None = None
-    """Exact run directory; None creates ``<output_root>/<name>-<timestamp>``."""
-
-
-@dataclass
-class RunConfig:
-    cluster: ClusterConfig = MISSING
-    model: ModelConfig = MISSING
-    algo: AlgoConfig = MISSING
-    trainer: TrainerConfig = MISSING
-    rollout: RolloutConfig = MISSING
-    data: DataConfig = MISSING
-    layout: LayoutConfig = field(default_factory=LayoutConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    run: RunMeta = field(default_factory=RunMeta)
-
-    def check(self) -> None:
-        """Per-component value checks; cross-component rules live in the topology and quirks."""
-        for part in (self.cluster, self.model, self.algo, self.trainer, self.rollout, self.data):
-            part.check()
-        positive("layout.train_nodes", self.layout.train_nodes)
-        if self.layout.rollout_nodes < 0:
-            raise ConfigError(
-                f"layout.rollout_nodes={self.layout.rollout_nodes} must be >= 0 (0 = colocated)"
-            )
-        positive("checkpoint.period", self.checkpoint.period)
-        positive("checkpoint.keep_top_k", self.checkpoint.keep_top_k)
-        if self.logger.wandb_mode not in ("offline", "online", "disabled"):
-            raise ConfigError(
-                f"logger.wandb_mode='{self.logger.wandb_mode}' must be offline, online or disabled"
-            )
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.trainer.max_seq_len or self.data.max_prompt_tokens + self.rollout.max_new_tokens
-
-
-_registered = False
-
-
-def register_schemas() -> None:
-    """Register every schema with Hydra's ConfigStore (once per process)."""
-    global _registered
-    if _registered:
-        return
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    cs.store(name="hpcrl_schema", node=RunConfig)
-    for (group, name), schema in GROUP_SCHEMAS.items():
-        cs.store(group=group, name=name, node=schema)
-    _registered = True
-
-
-GROUP_SCHEMAS: dict[tuple[str, str], type] = {
-    ("trainer", "fsdp_schema"): FSDPTrainerConfig,
-    ("trainer", "megatron_schema"): MegatronTrainerConfig,
-    ("rollout", "vllm_schema"): VLLMRolloutConfig,
-    ("rollout", "hf_schema"): HFRolloutConfig,
-}
-"""cluster/model/algo/data are typed by RunConfig itself; only the groups whose schema depends on the
-option chosen (trainer, rollout) need a schema each for their YAML files to extend."""
 
 
 def conf_dir() -> Path:
@@ -129,7 +17,7 @@ def conf_dir() -> Path:
     override = os.environ.get("HPCRL_CONF_DIR")
     if override:
         return Path(override).resolve()
-    return Path(__file__).resolve().parent.parent / "conf"
+    return Path(__file__).resolve().parents[2] / "conf"
 
 
 def normalize_overrides(overrides: list[str]) -> list[str]:
@@ -185,7 +73,7 @@ def compose_config(overrides: list[str]) -> RunConfig:
 
     A successful composition is cached (see ``_cache_path``): the next ``hpcrl plan``/``render`` with
     the same overrides, conf/ tree and hpcrl code skips composing. A first composition of a plain
-    override set skips Hydra too (``hpcrl.fastcompose``, about half a second of start-up); anything
+    override set skips Hydra too (``hpcrl.config.fastcompose``, about half a second of start-up); anything
     else, errors included, is composed by Hydra. HPCRL_FAST_COMPOSE=0 always uses Hydra."""
     cache = _cache_path(overrides)
     cached = _load_cached(cache)
@@ -200,7 +88,7 @@ def compose_config(overrides: list[str]) -> RunConfig:
 def _compose_fast(overrides: list[str]) -> RunConfig | None:
     if os.environ.get("HPCRL_FAST_COMPOSE", "1") == "0":
         return None
-    from hpcrl import fastcompose
+    from hpcrl.config import fastcompose
 
     normalized = normalize_overrides(with_embedded_default(overrides))
     cfg = fastcompose.compose(conf_dir(), normalized, GROUP_SCHEMAS, RunConfig)
@@ -230,7 +118,7 @@ def _cache_path(overrides: list[str]) -> Path | None:
     if os.environ.get("HPCRL_COMPOSE_CACHE", "1") == "0":
         return None
     digest = hashlib.sha256("\0".join([sys.version, *overrides]).encode())
-    for root in (conf_dir(), Path(__file__).resolve().parent):
+    for root in (conf_dir(), Path(__file__).resolve().parents[1]):
         for path in sorted(root.rglob("*")):
             if path.suffix in (".yaml", ".py"):
                 st = path.stat()

@@ -9,14 +9,14 @@ import os
 import sys
 from pathlib import Path
 
-from hpcrl.driver import run_loop
-from hpcrl.plan import Plan
-from hpcrl.rundir import new_run_dir, write_resolved_config
+from hpcrl.plan.planner import Plan
+from hpcrl.run.driver import run_loop
+from hpcrl.run.rundir import new_run_dir, write_resolved_config
 
 
 def start_local_ray(plan: Plan, scratch: Path) -> None:
     """Ray reads its auth settings when first imported, so the environment is set before ``import ray``."""
-    from hpcrl.workers import ROLLOUT_RESOURCE, TRAIN_RESOURCE
+    from hpcrl.run.actors import ROLLOUT_RESOURCE, TRAIN_RESOURCE
 
     if "ray" in sys.modules:
         raise RuntimeError("internal: ray was imported before its auth settings were made")
@@ -44,7 +44,7 @@ def run_local(plan: Plan) -> dict[str, float]:
     allocation) saves a checkpoint after the current step and stops with ``Preempted``."""
     import signal
 
-    from hpcrl.preempt import REQUEST, Preempted
+    from hpcrl.run.preempt import REQUEST, Preempted
 
     run_dir = new_run_dir(plan.cfg).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

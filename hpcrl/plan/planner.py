@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcrl.cluster import Scheduler
-from hpcrl.config import RunConfig, compose_config, conf_dir
+from hpcrl.config.cluster import Scheduler
+from hpcrl.config.compose import compose_config, conf_dir
+from hpcrl.config.schema import RunConfig
 from hpcrl.errors import ConfigError, DoesNotFitError
-from hpcrl.memory import MemoryEstimate, estimate_memory
-from hpcrl.quirks import AppliedQuirk, apply_quirks
-from hpcrl.topology import Topology, build_topology
+from hpcrl.plan.memory import MemoryEstimate, estimate_memory
+from hpcrl.plan.quirks import AppliedQuirk, apply_quirks
+from hpcrl.plan.topology import Topology, build_topology
 from hpcrl.trainer.config import (
     MEGATRON_FAMILIES,
     FSDPTrainerConfig,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from hpcrl.checks import divisors
+from hpcrl.config.checks import divisors
 from hpcrl.errors import ConfigError
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpcrl.checks import MISSING, non_negative, positive
+from hpcrl.config.checks import MISSING, non_negative, positive
 from hpcrl.errors import ConfigError
 
 

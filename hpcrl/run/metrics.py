@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-from hpcrl.config import LoggerConfig
+from hpcrl.config.schema import LoggerConfig
 
 
 class MetricsLogger:

@@ -1,6 +1,6 @@
 """The driver's handle on the Ray actors of one run: trainer ranks and rollout engines.
 
-``Runtime`` hides how many actors there are: generation is spread over the engines, training
+``Fleet`` hides how many actors there are: generation is spread over the engines, training
 over the trainer ranks (each takes its shard of the batch), weights go trainer -> every engine.
 """
 
@@ -10,15 +10,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl.plan import Plan
+from hpcrl.plan.planner import Plan
+from hpcrl.plan.topology import Placement
 from hpcrl.rollout.base import Completion, SamplingSettings
-from hpcrl.topology import Placement
+from hpcrl.run.actors import ROLLOUT_RESOURCE, TRAIN_RESOURCE, RolloutActor, TrainerActor
 from hpcrl.trainer.batch import TrainBatch
-from hpcrl.workers import ROLLOUT_RESOURCE, TRAIN_RESOURCE, RolloutWorker, TrainerWorker
 
 
 @dataclass
-class Runtime:
+class Fleet:
     trainers: list[Any]
     engines: list[Any]
     placement: list[dict[str, Any]] = field(default_factory=list)
@@ -30,9 +30,7 @@ class Runtime:
     last_sync: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def start(
-        cls, plan: Plan, model_dir: Path, scratch: Path, *, device: str, gpu_resources: bool
-    ) -> Runtime:
+    def start(cls, plan: Plan, model_dir: Path, scratch: Path, *, device: str, gpu_resources: bool) -> Fleet:
         """Trainer ranks on the train role's GPUs, engines on the rollout role's.
 
         ``gpu_resources`` false (a local run): one trainer and one engine, no GPU requests."""
@@ -44,8 +42,8 @@ class Runtime:
         on_cpu = device == "cpu"
         # Colocated: trainer rank and engine share each GPU (half a Ray GPU each); split: a whole one.
         share = 0.5 if topo.placement is Placement.COLOCATED else 1.0
-        trainer_cls = ray.remote(TrainerWorker)
-        rollout_cls = ray.remote(RolloutWorker)
+        trainer_cls = ray.remote(TrainerActor)
+        rollout_cls = ray.remote(RolloutActor)
         trainers = [
             trainer_cls.options(
                 num_cpus=0, num_gpus=share if gpu_resources else 0, resources={TRAIN_RESOURCE: 1}
@@ -70,8 +68,14 @@ class Runtime:
         where = ray.get([a.where.remote() for a in trainers + engines])  # surface start-up errors here
         split = topo.placement is Placement.SPLIT and gpu_resources
         mode, backend = choose_weight_sync(cfg.rollout.weight_sync, on_cpu=on_cpu, split=split)
-        return cls(trainers, engines, where, weight_sync=mode, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
-                   backend=backend)  # fmt: skip
+        return cls(
+            trainers,
+            engines,
+            where,
+            weight_sync=mode,
+            bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+            backend=backend,
+        )
 
     def describe(self) -> str:
         """One line: which role runs where, e.g. ``train x1 on node2; rollout x1 on node1``."""
@@ -87,9 +91,16 @@ class Runtime:
 
         k = len(self.engines)
         chunks = [prompts[i::k] for i in range(k)]
-        futures = [e.generate.remote(c, SamplingSettings(settings.n, settings.temperature, settings.top_p,
-                                                         settings.max_tokens, settings.seed + i))
-                   for i, (e, c) in enumerate(zip(self.engines, chunks, strict=True)) if c]  # fmt: skip
+        futures = [
+            e.generate.remote(
+                c,
+                SamplingSettings(
+                    settings.n, settings.temperature, settings.top_p, settings.max_tokens, settings.seed + i
+                ),
+            )
+            for i, (e, c) in enumerate(zip(self.engines, chunks, strict=True))
+            if c
+        ]
         parts = ray.get(futures)
         out: list[list[Completion]] = [[] for _ in prompts]
         for i, part in enumerate(parts):
@@ -129,8 +140,12 @@ class Runtime:
 
         ranks = self._data_ranks()
         refs = [None if ref_logp is None else ref_logp[r::n] for r, n in ranks]
-        results = ray.get([t.train_step.remote(s, r)
-                           for t, s, r in zip(self.trainers, self._shards(batch), refs, strict=True)])  # fmt: skip
+        results = ray.get(
+            [
+                t.train_step.remote(s, r)
+                for t, s, r in zip(self.trainers, self._shards(batch), refs, strict=True)
+            ]
+        )
         return dict(results[0])
 
     def sync_weights(self) -> None:
@@ -143,8 +158,10 @@ class Runtime:
             return
         if not self.weight_group_ready:
             self._form_weight_group()
-        parts = ray.get([t.send_weights.remote() for t in self.trainers]
-                        + [e.receive_weights.remote() for e in self.engines])  # fmt: skip
+        parts = ray.get(
+            [t.send_weights.remote() for t in self.trainers]
+            + [e.receive_weights.remote() for e in self.engines]
+        )
         self.last_sync = dict(parts[0])
 
     def _form_weight_group(self) -> None:
@@ -152,7 +169,7 @@ class Runtime:
         weights' names and shapes and open the group they broadcast over."""
         import ray
 
-        from hpcrl.weight_sync import dtype_of
+        from hpcrl.run.weight_sync import dtype_of
 
         metas = next(m for m in ray.get([t.weight_metas.remote() for t in self.trainers]) if m)
         master = ray.get(self.trainers[0].weight_endpoint.remote())
@@ -164,12 +181,16 @@ class Runtime:
         # Buckets in elements of the wire dtype; every end derives the same plan from the same numbers.
         (dtype,) = dtypes
         bucket_numel = self.bucket_mb * 2**20 // dtype_of(dtype).itemsize
-        joins = [self.trainers[0].join_weight_group.remote(master, world, metas, bucket_numel, dtype,
-                                                           self.backend)]  # fmt: skip
+        joins = [
+            self.trainers[0].join_weight_group.remote(master, world, metas, bucket_numel, dtype, self.backend)
+        ]
         rank_base = 1
         for engine, (ranks, _, ip) in zip(self.engines, engines, strict=True):
-            joins.append(engine.join_weight_group.remote(master, rank_base, world, metas, bucket_numel,
-                                                         ip, self.backend))  # fmt: skip
+            joins.append(
+                engine.join_weight_group.remote(
+                    master, rank_base, world, metas, bucket_numel, ip, self.backend
+                )
+            )
             rank_base += ranks
         try:
             ray.get(joins)

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hpcrl.config import cache_dir
-from hpcrl.plan import Plan
+from hpcrl.config.compose import cache_dir
+from hpcrl.plan.planner import Plan
 
 
 def say(msg: str) -> None:
@@ -27,7 +27,7 @@ def say(msg: str) -> None:
 def prepare_model(plan: Plan) -> Path:
     model = plan.cfg.model
     if model.name == "tiny":
-        from hpcrl.tiny import ensure_tiny_model
+        from hpcrl.run.tiny_model import ensure_tiny_model
 
         return ensure_tiny_model(model, cache_dir(), seed=plan.cfg.run.seed, log=say)
     return Path(model.hf_id)
@@ -59,14 +59,14 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
     over the topology's nodes; locally there is one trainer and one engine without GPU requests."""
     import torch
 
-    from hpcrl.checkpoint import CheckpointManager, load_state
     from hpcrl.data.loader import PromptStream, load_examples
-    from hpcrl.loop import train
-    from hpcrl.metrics import MetricsLogger
-    from hpcrl.preempt import REQUEST
     from hpcrl.rewards.pool import RewardPool
-    from hpcrl.rundir import atomic_write_text, config_yaml
-    from hpcrl.runtime import Runtime
+    from hpcrl.run.checkpoint import CheckpointManager, load_state
+    from hpcrl.run.fleet import Fleet
+    from hpcrl.run.loop import train
+    from hpcrl.run.metrics import MetricsLogger
+    from hpcrl.run.preempt import REQUEST
+    from hpcrl.run.rundir import atomic_write_text, config_yaml
 
     REQUEST.reset()  # a request belongs to one run (tests and `debug` run several in one process)
     cfg = plan.cfg
@@ -79,15 +79,24 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
     scratch = Path(tempfile.mkdtemp(prefix="hpcrl-"))  # short path: Ray's socket names have a length limit
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
-    ckpt = CheckpointManager(Path(cfg.checkpoint.dir or run_dir / "checkpoints"), cfg.checkpoint.keep_top_k,
-                             cfg.checkpoint.metric, cfg.checkpoint.higher_is_better)  # fmt: skip
+    ckpt = CheckpointManager(
+        Path(cfg.checkpoint.dir or run_dir / "checkpoints"),
+        cfg.checkpoint.keep_top_k,
+        cfg.checkpoint.metric,
+        cfg.checkpoint.higher_is_better,
+    )
     stream = PromptStream(train_ex, cfg.run.seed)
     logger = MetricsLogger(run_dir, cfg.logger, cfg.run.name, {"config": config_yaml(cfg)})
     try:
         connect(scratch)
         say("starting trainer and rollout workers")
-        rt = Runtime.start(plan, model_dir, scratch, device="cuda" if torch.cuda.is_available() else "cpu",
-                           gpu_resources=slurm)  # fmt: skip
+        rt = Fleet.start(
+            plan,
+            model_dir,
+            scratch,
+            device="cuda" if torch.cuda.is_available() else "cpu",
+            gpu_resources=slurm,
+        )
         say(f"placed: {rt.describe()}")
         atomic_write_text(run_dir / "placement.json", json.dumps({"actors": rt.placement}, indent=1))
         start_step = 0

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hpcrl.config import RunConfig
+from hpcrl.config.model import ModelConfig
+from hpcrl.config.schema import RunConfig
 from hpcrl.errors import ConfigError
-from hpcrl.models import ModelConfig
 from hpcrl.rollout.config import VLLMRolloutConfig
 
 

@@ -27,7 +27,7 @@ def _threads() -> None:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 
-class TrainerWorker:
+class TrainerActor:
     """One training rank. Built in two steps: rank 0 first names the rendezvous address on its
     own node (``endpoint``), then every rank joins it (``setup``)."""
 
@@ -67,7 +67,7 @@ class TrainerWorker:
     def export_weights(self) -> dict[str, Any]:
         return self.trainer.export_weights()
 
-    # -- weight broadcast to the engines (hpcrl.weight_sync); rank 0 is the sender ----------------
+    # -- weight broadcast to the engines (hpcrl.run.weight_sync); rank 0 is the sender ----------------
     def weight_metas(self) -> list[tuple[str, tuple[int, ...]]]:
         """Names and shapes of the exported weights (a collective: every rank calls it; rank 0 answers)."""
         weights = self.trainer.export_weights()
@@ -79,9 +79,10 @@ class TrainerWorker:
         ip = ray_node_ip()
         return f"{ip}:{free_port(ip)}"
 
-    def join_weight_group(self, master: str, world: int, metas: list[Any], bucket_numel: int,
-                          dtype: str, backend: str) -> None:  # fmt: skip
-        from hpcrl.weight_sync import join_as_sender
+    def join_weight_group(
+        self, master: str, world: int, metas: list[Any], bucket_numel: int, dtype: str, backend: str
+    ) -> None:
+        from hpcrl.run.weight_sync import join_as_sender
 
         self.sender = join_as_sender(backend, master, world, metas, bucket_numel, dtype, self.device)
 
@@ -102,7 +103,7 @@ class TrainerWorker:
         self.trainer.load_state_dict(state)
 
 
-class RolloutWorker:
+class RolloutActor:
     def __init__(
         self,
         model_dir: str,
@@ -148,8 +149,16 @@ class RolloutWorker:
         """(ranks this engine takes in the weight group, the dtype it wants, this node's address)."""
         return self.engine.ranks, self.engine.weight_dtype, ray_node_ip()
 
-    def join_weight_group(self, master: str, rank_base: int, world: int, metas: list[Any],
-                          bucket_numel: int, local_ip: str, backend: str) -> None:  # fmt: skip
+    def join_weight_group(
+        self,
+        master: str,
+        rank_base: int,
+        world: int,
+        metas: list[Any],
+        bucket_numel: int,
+        local_ip: str,
+        backend: str,
+    ) -> None:
         self.engine.join_weight_group(master, rank_base, world, metas, bucket_numel, local_ip, backend)
 
     def receive_weights(self) -> bool:

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from hpcrl.checks import MISSING, non_negative, positive
+from hpcrl.config.checks import MISSING, non_negative, positive
 from hpcrl.errors import ConfigError
 
 

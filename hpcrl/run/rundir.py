@@ -9,7 +9,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from hpcrl.config import RunConfig
+from hpcrl.config.schema import RunConfig
 
 
 def new_run_dir(cfg: RunConfig) -> Path:

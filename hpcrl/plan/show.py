@@ -5,9 +5,9 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from hpcrl.cluster import Scheduler
-from hpcrl.plan import Plan, matching_recipes
-from hpcrl.topology import Placement
+from hpcrl.config.cluster import Scheduler
+from hpcrl.plan.planner import Plan, matching_recipes
+from hpcrl.plan.topology import Placement
 from hpcrl.trainer.config import MegatronTrainerConfig
 
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hpcrl.config.model import ModelConfig
 from hpcrl.data.synthetic import Problem, synthetic_split
-from hpcrl.models import ModelConfig
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = string.digits + "+-*/=() .,:?" + string.ascii_letters

@@ -1,0 +1,120 @@
+"""The run configuration: typed schemas registered once, composed by Hydra from ``conf/``.
+
+YAML files in ``conf/`` only select and override; every key they set must exist in a schema
+here (struct mode), so a typo fails at composition with the key named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hpcrl.algo.config import AlgoConfig
+from hpcrl.config.checks import MISSING, positive
+from hpcrl.config.cluster import ClusterConfig
+from hpcrl.config.model import ModelConfig
+from hpcrl.data.config import DataConfig
+from hpcrl.errors import ConfigError
+from hpcrl.rollout.config import HFRolloutConfig, RolloutConfig, VLLMRolloutConfig
+from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig, TrainerConfig
+
+GROUPS = ("cluster", "model", "algo", "trainer", "rollout", "data", "experiment")
+
+
+@dataclass
+class LayoutConfig:
+    """How many nodes do what. ``rollout_nodes: 0`` colocates rollout and training on every node."""
+
+    train_nodes: int = 1
+    rollout_nodes: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    period: int = 10
+    """Save every N steps (and before the Slurm time limit)."""
+    keep_top_k: int = 3
+    metric: str = "val/accuracy"
+    higher_is_better: bool = True
+    dir: str | None = None
+    """None: ``<run dir>/checkpoints``."""
+
+
+@dataclass
+class LoggerConfig:
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "hpcrl"
+    wandb_mode: str = "offline"
+    """'offline' works without network; 'online' needs WANDB_API_KEY in the environment."""
+
+
+@dataclass
+class RunMeta:
+    name: str = "hpcrl"
+    seed: int = 1234
+    output_root: str = "runs"
+    """Where run directories are created (must be on the shared filesystem for Slurm)."""
+    dir: str | None = None
+    """Exact run directory; None creates ``<output_root>/<name>-<timestamp>``."""
+
+
+@dataclass
+class RunConfig:
+    cluster: ClusterConfig = MISSING
+    model: ModelConfig = MISSING
+    algo: AlgoConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    rollout: RolloutConfig = MISSING
+    data: DataConfig = MISSING
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    run: RunMeta = field(default_factory=RunMeta)
+
+    def check(self) -> None:
+        """Per-component value checks; cross-component rules live in the topology and quirks."""
+        for part in (self.cluster, self.model, self.algo, self.trainer, self.rollout, self.data):
+            part.check()
+        positive("layout.train_nodes", self.layout.train_nodes)
+        if self.layout.rollout_nodes < 0:
+            raise ConfigError(
+                f"layout.rollout_nodes={self.layout.rollout_nodes} must be >= 0 (0 = colocated)"
+            )
+        positive("checkpoint.period", self.checkpoint.period)
+        positive("checkpoint.keep_top_k", self.checkpoint.keep_top_k)
+        if self.logger.wandb_mode not in ("offline", "online", "disabled"):
+            raise ConfigError(
+                f"logger.wandb_mode='{self.logger.wandb_mode}' must be offline, online or disabled"
+            )
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.trainer.max_seq_len or self.data.max_prompt_tokens + self.rollout.max_new_tokens
+
+
+_registered = False
+
+
+def register_schemas() -> None:
+    """Register every schema with Hydra's ConfigStore (once per process)."""
+    global _registered
+    if _registered:
+        return
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="hpcrl_schema", node=RunConfig)
+    for (group, name), schema in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=name, node=schema)
+    _registered = True
+
+
+GROUP_SCHEMAS: dict[tuple[str, str], type] = {
+    ("trainer", "fsdp_schema"): FSDPTrainerConfig,
+    ("trainer", "megatron_schema"): MegatronTrainerConfig,
+    ("rollout", "vllm_schema"): VLLMRolloutConfig,
+    ("rollout", "hf_schema"): HFRolloutConfig,
+}
+"""cluster/model/algo/data are typed by RunConfig itself; only the groups whose schema depends on the
+option chosen (trainer, rollout) need a schema each for their YAML files to extend."""
