@@ -3,10 +3,14 @@
 
     for each step:
         sample prompts; generate n completions each on the rollout engines
-        score them with the verifier (worker processes, hard time limit per sample)
+        score them with the verifier (a pool of processes, hard time limit per sample)
         shape rewards (overlong penalty, scaling); DAPO: drop groups with equal rewards, sample more
         group-relative advantages; clipped-surrogate + KL loss on the trainer ranks
         broadcast the new weights to the engines; validate, checkpoint and log when due
+
+``train`` is that loop and ``one_step`` one pass of it; the loop sees the run's actors and the reward
+pool only through the ``Actors`` and ``Scorer`` protocols, so tests/test_loop.py drives it with
+recording fakes in milliseconds.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,9 +28,10 @@ from hpcrl.algo.advantages import group_advantages
 from hpcrl.algo.shaping import informative_groups, overlong_penalty, scale_rewards, truncation_mask
 from hpcrl.config.schema import RunConfig
 from hpcrl.data.loader import Example, PromptStream
-from hpcrl.rewards.pool import RewardPool, Task
+from hpcrl.rewards.pool import Task
 from hpcrl.rewards.verifiers import Outcome
 from hpcrl.rollout.base import Completion, SamplingSettings
+from hpcrl.run.metrics import console_line
 from hpcrl.run.preempt import REQUEST, Preempted
 from hpcrl.trainer.batch import TrainBatch, build_batch
 
@@ -49,10 +54,45 @@ class Scored:
     rewards: torch.Tensor  # [groups, n], after shaping
     outcomes: list[list[Outcome]]
 
+    def subset(self, idx: list[int]) -> Scored:
+        return Scored(
+            [self.examples[i] for i in idx],
+            [self.groups[i] for i in idx],
+            self.rewards[idx],
+            [self.outcomes[i] for i in idx],
+        )
+
+    @staticmethod
+    def concat(parts: list[Scored], limit: int) -> Scored:
+        """The first ``limit`` groups of ``parts``, in order."""
+        return Scored(
+            [e for k in parts for e in k.examples][:limit],
+            [g for k in parts for g in k.groups][:limit],
+            torch.cat([k.rewards for k in parts])[:limit],
+            [o for k in parts for o in k.outcomes][:limit],
+        )
+
+
+class Scorer(Protocol):
+    """What the loop asks of the reward pool (``hpcrl.rewards.pool.RewardPool``)."""
+
+    def score(self, tasks: list[Task]) -> list[Outcome]: ...
+
+
+class Actors(Protocol):
+    """What the loop asks of the run's actors (``hpcrl.run.fleet.Fleet`` on Ray; a recording fake in
+    tests/test_loop.py)."""
+
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]: ...
+    def ref_logprobs(self, batch: TrainBatch) -> Any: ...
+    def train_step(self, batch: TrainBatch, ref: Any) -> dict[str, float]: ...
+    def sync_weights(self) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+
 
 def generate_and_score(
-    rt: Any,
-    pool: RewardPool,
+    rt: Actors,
+    pool: Scorer,
     encode: Callable[[str], list[int]],
     examples: list[Example],
     settings: SamplingSettings,
@@ -82,30 +122,30 @@ def shape(cfg: RunConfig, s: Scored) -> torch.Tensor:
     return rewards
 
 
+def sampling(cfg: RunConfig, step: int, round_: int) -> SamplingSettings:
+    """Training sampling settings; the seed differs per step and per dynamic-sampling round."""
+    r = cfg.rollout
+    seed = cfg.run.seed * 100_003 + step * 101 + round_
+    return SamplingSettings(cfg.algo.num_generations, r.temperature, r.top_p, r.max_new_tokens, seed=seed)
+
+
 def collect(
     cfg: RunConfig,
-    rt: Any,
-    pool: RewardPool,
+    rt: Actors,
+    pool: Scorer,
     encode: Callable[[str], list[int]],
     stream: PromptStream,
     step: int,
 ) -> tuple[Scored, torch.Tensor, dict[str, float]]:
-    """One step's rollouts; with dynamic sampling, keep sampling until the batch holds enough informative groups."""
+    """One step's rollouts; with dynamic sampling, keep sampling until the batch holds enough
+    informative groups (or the rounds run out: then the batch is smaller)."""
     algo = cfg.algo
     want = algo.num_prompts_per_step
     kept: list[Scored] = []
     kept_rewards: list[torch.Tensor] = []
     seen: list[Scored] = []
-    rounds = 0
-    while rounds < (algo.dynamic_sampling_max_rounds if algo.dynamic_sampling else 1):
-        settings = SamplingSettings(
-            algo.num_generations,
-            cfg.rollout.temperature,
-            cfg.rollout.top_p,
-            cfg.rollout.max_new_tokens,
-            seed=cfg.run.seed * 100_003 + step * 101 + rounds,
-        )
-        scored = generate_and_score(rt, pool, encode, stream.take(want), settings)
+    for round_ in range(algo.dynamic_sampling_max_rounds if algo.dynamic_sampling else 1):
+        scored = generate_and_score(rt, pool, encode, stream.take(want), sampling(cfg, step, round_))
         seen.append(scored)
         rewards = shape(cfg, scored)
         keep = (
@@ -114,38 +154,30 @@ def collect(
             else torch.ones(len(rewards), dtype=torch.bool)
         )
         idx = [i for i in range(len(rewards)) if keep[i]]
-        kept.append(
-            Scored(
-                [scored.examples[i] for i in idx],
-                [scored.groups[i] for i in idx],
-                scored.rewards[idx],
-                [scored.outcomes[i] for i in idx],
-            )
-        )
+        kept.append(scored.subset(idx))
         kept_rewards.append(rewards[idx])
-        rounds += 1
         if sum(len(k.examples) for k in kept) >= want:
             break
-    merged = Scored(
-        [e for k in kept for e in k.examples][:want],
-        [g for k in kept for g in k.groups][:want],
-        torch.cat([k.rewards for k in kept])[:want],
-        [o for k in kept for o in k.outcomes][:want],
-    )
+    merged = Scored.concat(kept, want)
     shaped = torch.cat(kept_rewards)[:want]
+    return merged, shaped, rollout_stats(seen, len(merged.examples))
+
+
+def rollout_stats(seen: list[Scored], kept_groups: int) -> dict[str, float]:
+    """Accuracy and length figures over every completion generated this step, filtered or not."""
     every = [o for s in seen for row in s.outcomes for o in row]
     completions = [c for s in seen for g in s.groups for c in g]
-    stats = {
-        "train/accuracy": sum(o is Outcome.correct for o in every) / max(1, len(every)),
-        "train/parse_error_rate": sum(o is Outcome.parse_error for o in every) / max(1, len(every)),
+    n, m = max(1, len(every)), max(1, len(completions))
+    return {
+        "train/accuracy": sum(o is Outcome.correct for o in every) / n,
+        "train/parse_error_rate": sum(o is Outcome.parse_error for o in every) / n,
         "train/verifier_timeouts": float(sum(o in (Outcome.timeout, Outcome.error) for o in every)),
-        "train/mean_gen_tokens": sum(len(c.token_ids) for c in completions) / max(1, len(completions)),
-        "train/truncated_rate": sum(c.truncated for c in completions) / max(1, len(completions)),
-        "train/dynamic_sampling_rounds": float(rounds),
-        "train/kept_groups": float(len(merged.examples)),
+        "train/mean_gen_tokens": sum(len(c.token_ids) for c in completions) / m,
+        "train/truncated_rate": sum(c.truncated for c in completions) / m,
+        "train/dynamic_sampling_rounds": float(len(seen)),
+        "train/kept_groups": float(kept_groups),
         "perf/gen_tokens": float(sum(len(c.token_ids) for c in completions)),
     }
-    return merged, shaped, stats
 
 
 def make_batch(
@@ -168,7 +200,7 @@ def make_batch(
 
 
 def validate(
-    cfg: RunConfig, rt: Any, pool: RewardPool, encode: Callable[[str], list[int]], val: list[Example]
+    cfg: RunConfig, rt: Actors, pool: Scorer, encode: Callable[[str], list[int]], val: list[Example]
 ) -> dict[str, float]:
     """Greedy decoding, one sample per validation prompt."""
     settings = SamplingSettings(1, 0.0, 1.0, cfg.rollout.max_new_tokens, seed=cfg.run.seed)
@@ -183,8 +215,8 @@ def validate(
 
 def train(
     cfg: RunConfig,
-    rt: Any,
-    pool: RewardPool,
+    rt: Actors,
+    pool: Scorer,
     encode: Callable[[str], list[int]],
     pad_id: int,
     stream: PromptStream,
@@ -194,6 +226,7 @@ def train(
     say: Callable[[str], None],
     start_step: int = 0,
 ) -> dict[str, float]:
+    """Steps ``start_step + 1 .. algo.max_steps``; returns the last value of every metric."""
     algo = cfg.algo
     last: dict[str, float] = {}
     if start_step == 0 and algo.val_at_start:
@@ -201,38 +234,14 @@ def train(
         logger.log(0, last)
         say(f"step   0/{algo.max_steps} | val {last['val/accuracy']:.3f} (before training)")
     for step in range(start_step + 1, algo.max_steps + 1):
-        timer, t0 = Timer(), time.perf_counter()
-        with timer("rollout"):
-            scored, shaped, metrics = collect(cfg, rt, pool, encode, stream, step)
-        batch = make_batch(cfg, scored, shaped, encode, pad_id)
-        with timer("ref_logprobs"):
-            ref = rt.ref_logprobs(batch) if algo.kl_coef > 0 else None
-        with timer("train"):
-            metrics.update({f"train/{k}": v for k, v in rt.train_step(batch, ref).items()})
-        with timer("weight_sync"):
-            rt.sync_weights()
-        metrics["train/reward"] = float(shaped.mean())
-        if step % algo.val_period == 0 or step == algo.max_steps:
-            with timer("validation"):
-                metrics.update(validate(cfg, rt, pool, encode, val))
-        metrics.update(timer.times)
-        metrics["time/step"] = time.perf_counter() - t0
-        metrics["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(timer.times["time/rollout"], 1e-9)
+        metrics = one_step(cfg, rt, pool, encode, pad_id, stream, val, step)
         due = cfg.checkpoint.enabled and (step % cfg.checkpoint.period == 0 or step == algo.max_steps)
         # Read once: the save and the stop below must agree (a signal landing between two reads
         # would stop the run without its checkpoint). A later signal is taken at the next step.
         stop = REQUEST.asked
         if due or stop:  # stop: Slurm's warning signal came during this step
-            state = {
-                "trainer": rt.state_dict(),
-                "stream": stream.state(),
-                "step": step,
-                "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
-            }
-            ckpt.save(step, state, metrics)
+            ckpt.save(step, run_state(rt, stream, step), metrics)
         logger.log(step, metrics)
-        from hpcrl.run.metrics import console_line
-
         say(console_line(step, algo.max_steps, metrics))
         last = {**last, **metrics}
         if stop:
@@ -241,3 +250,46 @@ def train(
                 say(f"stopping after step {step} on the scheduler's warning signal: checkpoint saved")
                 raise Preempted(step)
     return last
+
+
+def one_step(
+    cfg: RunConfig,
+    rt: Actors,
+    pool: Scorer,
+    encode: Callable[[str], list[int]],
+    pad_id: int,
+    stream: PromptStream,
+    val: list[Example],
+    step: int,
+) -> dict[str, float]:
+    """Rollouts and rewards, reference log-probs (KL only), the train step, the weight sync, and the
+    validation when due; returns the step's metrics with per-phase times."""
+    algo = cfg.algo
+    timer, t0 = Timer(), time.perf_counter()
+    with timer("rollout"):
+        scored, shaped, metrics = collect(cfg, rt, pool, encode, stream, step)
+    batch = make_batch(cfg, scored, shaped, encode, pad_id)
+    with timer("ref_logprobs"):
+        ref = rt.ref_logprobs(batch) if algo.kl_coef > 0 else None
+    with timer("train"):
+        metrics.update({f"train/{k}": v for k, v in rt.train_step(batch, ref).items()})
+    with timer("weight_sync"):
+        rt.sync_weights()
+    metrics["train/reward"] = float(shaped.mean())
+    if step % algo.val_period == 0 or step == algo.max_steps:
+        with timer("validation"):
+            metrics.update(validate(cfg, rt, pool, encode, val))
+    metrics.update(timer.times)
+    metrics["time/step"] = time.perf_counter() - t0
+    metrics["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(timer.times["time/rollout"], 1e-9)
+    return metrics
+
+
+def run_state(rt: Actors, stream: PromptStream, step: int) -> dict[str, Any]:
+    """What a resume needs: the trainer's state, the prompt stream's position, the step, the RNGs."""
+    return {
+        "trainer": rt.state_dict(),
+        "stream": stream.state(),
+        "step": step,
+        "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
+    }

@@ -1,0 +1,219 @@
+"""``loop.train`` driven by recording fakes, in milliseconds: the order of operations and the batch
+contents through dynamic sampling, validation, checkpoints and the preemption stop.
+
+Fakes, named as such: ``FakeActors`` stands for the Ray actors (``hpcrl.run.fleet.Fleet``) and
+``FakeScorer`` for the reward pool; both only record and return canned answers. The prompt stream,
+advantages, batch building, checkpoint manager and preemption request are the real ones. The same
+loop with real actors runs end to end in tests/test_embedded.py and tests/test_slurm.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hpcrl.config.compose import compose_config
+from hpcrl.data.loader import Example, PromptStream
+from hpcrl.rewards.pool import Task
+from hpcrl.rewards.verifiers import Outcome
+from hpcrl.rollout.base import Completion, SamplingSettings
+from hpcrl.run import loop
+from hpcrl.run.checkpoint import CheckpointManager, load_state
+from hpcrl.run.preempt import REQUEST, Preempted
+from hpcrl.trainer.batch import TrainBatch
+
+PAD = 0
+EXAMPLES = [Example(prompt=f"q{i}", answer=str(i) * (1 + i % 3)) for i in range(10)]
+ANSWER = {e.prompt: e.answer for e in EXAMPLES}
+VAL = EXAMPLES[:4]
+
+
+def encode(text: str) -> list[int]:
+    return [ord(ch) for ch in text]
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(chr(i) for i in ids)
+
+
+class FakeActors:
+    """Records every call; completions are scripted per training ``generate`` call: ``"right"``
+    answers every prompt correctly (groups without signal), ``"mixed"`` answers the first of each
+    group's ``n`` samples correctly and the rest wrongly. Validation (one greedy sample) answers the
+    first half of the validation prompts correctly."""
+
+    def __init__(self, script: list[str], preempt_at_train_step: int | None = None) -> None:
+        self.script = list(script)
+        self.preempt_at = preempt_at_train_step
+        self.calls: list[tuple[Any, ...]] = []
+        self.batches: list[TrainBatch] = []
+        self.prompts: list[list[str]] = []
+        self.seeds: list[int] = []
+        self.steps = 0
+
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
+        texts = [decode(p) for p in prompts]
+        greedy = settings.temperature == 0.0
+        self.calls.append(("validate" if greedy else "generate", len(prompts), settings.n))
+        if greedy:
+            return [[self._reply(t, t in {e.prompt for e in VAL[:2]})] for t in texts]
+        self.prompts.append(texts)
+        self.seeds.append(settings.seed)
+        mode = self.script.pop(0)
+        return [[self._reply(t, mode == "right" or j == 0) for j in range(settings.n)] for t in texts]
+
+    @staticmethod
+    def _reply(prompt: str, right: bool) -> Completion:
+        text = ANSWER[prompt] if right else "x"
+        return Completion(encode(text), [-0.5] * len(text), text, truncated=False)
+
+    def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        self.calls.append(("ref_logprobs", len(batch)))
+        return torch.zeros(batch.loss_mask.shape)
+
+    def train_step(self, batch: TrainBatch, ref: torch.Tensor | None) -> dict[str, float]:
+        self.steps += 1
+        self.calls.append(("train_step", len(batch), ref is not None))
+        self.batches.append(batch)
+        if self.steps == self.preempt_at:
+            REQUEST.ask()  # as the USR2 handler would, in the middle of the step
+        return {"loss": 0.25, "grad_norm": 1.0}
+
+    def sync_weights(self) -> None:
+        self.calls.append(("sync_weights",))
+
+    def state_dict(self) -> dict[str, Any]:
+        self.calls.append(("state_dict",))
+        return {"weights": torch.tensor([float(self.steps)])}
+
+
+class FakeScorer:
+    """Exact-match verdicts: correct when the completion is the answer."""
+
+    def score(self, tasks: list[Task]) -> list[Outcome]:
+        return [Outcome.correct if t.completion == t.answer else Outcome.wrong for t in tasks]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.logged: list[tuple[int, dict[str, float]]] = []
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.logged.append((step, dict(metrics)))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_request() -> Any:
+    REQUEST.reset()
+    yield
+    REQUEST.reset()
+
+
+def config(*overrides: str) -> Any:
+    base = [
+        "algo.num_prompts_per_step=3",
+        "algo.num_generations=2",
+        "algo.max_steps=3",
+        "algo.val_period=2",
+        "checkpoint.period=2",
+        "checkpoint.keep_top_k=5",
+    ]
+    return compose_config([*base, *overrides])
+
+
+def run(cfg: Any, actors: FakeActors, tmp_path: Path, start_step: int = 0, stream: Any = None) -> Any:
+    stream = stream or PromptStream(EXAMPLES, seed=cfg.run.seed)
+    ckpt = CheckpointManager(tmp_path / "ckpt", cfg.checkpoint.keep_top_k, "val/accuracy", True)
+    logger, said = Recorder(), []
+    args = (cfg, actors, FakeScorer(), encode, PAD, stream, VAL, ckpt, logger, said.append)
+    last = loop.train(*args, start_step=start_step)
+    return last, ckpt, logger, said
+
+
+def test_dynamic_sampling_validation_and_checkpoints_in_order(tmp_path: Path) -> None:
+    cfg = config("algo.dynamic_sampling=true", "algo.kl_coef=0.01")
+    actors = FakeActors(["right", "mixed"] * 3)
+    last, ckpt, logger, said = run(cfg, actors, tmp_path)
+
+    step_ops = [("generate", 3, 2), ("generate", 3, 2), ("ref_logprobs", 6), ("train_step", 6, True)]
+    step_ops.append(("sync_weights",))
+    val = ("validate", 4, 1)
+    assert actors.calls == [
+        val,
+        *step_ops,  # step 1: no validation (period 2), no checkpoint
+        *step_ops,
+        val,
+        ("state_dict",),  # step 2: validation and checkpoint are due
+        *step_ops,
+        val,
+        ("state_dict",),  # step 3: the last step validates and saves
+    ]
+    # the first round's groups all agree (no signal) and are dropped: each batch is the second round's
+    for batch, prompts in zip(actors.batches, actors.prompts[1::2], strict=True):
+        rows = [
+            decode(r[m.bool()].tolist()) for r, m in zip(batch.input_ids, batch.attention_mask, strict=True)
+        ]
+        assert rows == [f"{p}{ANSWER[p] if j == 0 else 'x'}" for p in prompts for j in range(2)]
+        assert batch.advantages.tolist() == pytest.approx([0.7071, -0.7071] * 3, abs=1e-4)
+        assert batch.loss_mask.sum(dim=1).tolist() == [
+            len(ANSWER[p]) if j == 0 else 1 for p in prompts for j in range(2)
+        ]
+    assert len(set(actors.seeds)) == 6  # every step and every round samples anew
+    metrics = dict(logger.logged)
+    assert sorted(metrics) == [0, 1, 2, 3]
+    assert metrics[0]["val/accuracy"] == 0.5
+    assert metrics[1]["train/dynamic_sampling_rounds"] == 2.0
+    assert metrics[1]["train/kept_groups"] == 3.0
+    assert metrics[1]["train/accuracy"] == pytest.approx(9 / 12)  # 6 of round 1 + 3 of round 2
+    assert "val/accuracy" not in metrics[1] and metrics[2]["val/accuracy"] == 0.5
+    assert [c.step for c in ckpt.list()] == [2, 3]
+    state = load_state(ckpt.latest())
+    assert state["step"] == 3 and state["stream"] == {"epoch": 1, "offset": 8}  # 6 steps x 3 prompts of 10
+    assert state["trainer"]["weights"].item() == 3.0
+    assert last["train/loss"] == 0.25
+    assert said[-1].startswith("step   3/3")
+
+
+def test_without_dynamic_sampling_or_kl_every_group_trains(tmp_path: Path) -> None:
+    cfg = config("algo.dynamic_sampling=false", "algo.kl_coef=0.0", "checkpoint.enabled=false")
+    actors = FakeActors(["right", "mixed", "right"])
+    _, ckpt, logger, _ = run(cfg, actors, tmp_path)
+
+    ops = [c[0] for c in actors.calls]
+    assert (
+        ops
+        == ["validate"]
+        + ["generate", "train_step", "sync_weights"]
+        + ["generate", "train_step", "sync_weights", "validate"] * 2
+    )
+    first = actors.batches[0]  # all-right groups stay in, with zero advantage
+    assert len(first) == 6 and first.advantages.abs().max().item() == 0.0
+    assert dict(logger.logged)[1]["train/reward"] == 1.0
+    assert ckpt.list() == []
+
+
+def test_preemption_saves_the_step_then_resume_continues_the_same_stream(tmp_path: Path) -> None:
+    cfg = config("algo.dynamic_sampling=false", "algo.kl_coef=0.0", "checkpoint.period=10")
+    whole = FakeActors(["mixed"] * 3)
+    run(cfg, whole, tmp_path / "whole")
+
+    first = FakeActors(["mixed"] * 3, preempt_at_train_step=2)
+    with pytest.raises(Preempted) as stopped:
+        run(cfg, first, tmp_path / "cut")
+    assert stopped.value.step == 2 and REQUEST.step == 2
+    ops = [c[0] for c in first.calls]
+    assert ops[-3:] == ["sync_weights", "validate", "state_dict"]  # saved after step 2, nothing after
+    ckpt = CheckpointManager(tmp_path / "cut" / "ckpt", 5, "val/accuracy", True)
+    assert [c.step for c in ckpt.list()] == [2]  # period 10: only the stop saved
+
+    REQUEST.reset()
+    state = load_state(ckpt.latest())
+    stream = PromptStream(EXAMPLES, seed=cfg.run.seed)
+    stream.restore(state["stream"])
+    resumed = FakeActors(["mixed"])
+    run(cfg, resumed, tmp_path / "cut", start_step=state["step"], stream=stream)
+    assert resumed.calls[0][0] == "generate"  # no validation before a resumed step
+    assert resumed.prompts == whole.prompts[2:]  # step 3 sees the prompts it would have seen
