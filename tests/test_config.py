@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -68,6 +69,19 @@ def test_group_choice_switches_schema():
     assert cfg.trainer.sequence_parallel is True
 
 
+@pytest.mark.parametrize(
+    ("overrides", "trainer", "rollout"),
+    [([], "fsdp", "vllm"), (["trainer=megatron", "rollout=hf"], "megatron", "hf")],
+)
+def test_backend_is_the_schema_class_not_a_field(overrides, trainer, rollout):
+    """``trainer=fsdp trainer.backend=megatron`` used to plan as FSDP and fail in the job: the backend is
+    now a class variable of the schema the group picks, so there is nothing to contradict it."""
+    cfg = compose(*overrides)
+    assert (cfg.trainer.backend, cfg.rollout.backend) == (trainer, rollout)
+    for part in (cfg.trainer, cfg.rollout):
+        assert "backend" not in {f.name for f in dataclasses.fields(part)}
+
+
 def test_yaml_values_reach_typed_fields():
     cfg = compose("+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1", *SITE)
     assert cfg.algo.num_prompts_per_step == 32 and cfg.algo.num_generations == 16
@@ -85,6 +99,8 @@ def test_yaml_values_reach_typed_fields():
         ("+experiment=nope", "unknown config 'experiment/nope'"),
         ("trainer.tp=two", "bad value in override 'trainer.tp=two'"),
         ("algo.kl_type=k7", "expected one of [k1, k2, k3]"),
+        ("trainer.backend=megatron", "use trainer=fsdp or trainer=megatron instead"),
+        ("rollout.backend=hf", "use rollout=hf or rollout=vllm instead"),
     ],
 )
 def test_composition_errors_name_the_key(override, fragment):

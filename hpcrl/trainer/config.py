@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from hpcrl.config.checks import non_negative, positive
 
@@ -30,7 +30,9 @@ class Precision(StrEnum):
 
 @dataclass
 class TrainerConfig:
-    backend: str = "fsdp"
+    backend: ClassVar[str]
+    """The training backend, fixed by the schema class the ``trainer`` group picks (``trainer=fsdp``,
+    ``trainer=megatron``): not a field, so no override can contradict the group."""
     tp: int = 1
     """Tensor parallel size."""
     pp: int = 1
@@ -88,7 +90,7 @@ class TrainerConfig:
 class FSDPTrainerConfig(TrainerConfig):
     """PyTorch FSDP2 (DTensor): parameters, gradients and optimizer state sharded over data parallel."""
 
-    backend: str = "fsdp"
+    backend: ClassVar[str] = "fsdp"
     reshard_after_forward: bool = True
     cpu_offload: bool = False
 
@@ -139,7 +141,7 @@ def megatron_family(model_type: str) -> str:
 class MegatronTrainerConfig(TrainerConfig):
     """Megatron-core: TP/PP/CP/EP model parallelism with the distributed optimizer."""
 
-    backend: str = "megatron"
+    backend: ClassVar[str] = "megatron"
     sequence_parallel: bool = True
     """With TP: activations outside attention/MLP split over the TP ranks (34/t instead of 10 + 24/t
     bytes per token x hidden per layer). Costs speed where memory is plentiful: Qwen2-1.5B at TP=2,
