@@ -9,9 +9,110 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hpcrl.errors import HpcrlError
+
+
+def _add_root_of_debug_job(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="run.output_root of the debug job (default: from the overrides)",
+    )
+
+
+def _add_show(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--groups", action="store_true", help="list the options of every config group")
+
+
+def _add_render(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--out", type=Path, default=None, help="directory to write into (default: the run directory)"
+    )
+
+
+def _add_submit(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--hold",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="Slurm: keep the job's Ray cluster up this long after the driver (debugging)",
+    )
+    p.add_argument(
+        "-m",
+        "--multirun",
+        action="store_true",
+        help="Slurm: Hydra sweep syntax (algo.lr=1e-6,3e-6 ...): one job per point, returns at once",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="Slurm: only bring up Ray and place one actor per node by role (checks an allocation; no training)",
+    )
+
+
+def _add_debug(p: argparse.ArgumentParser) -> None:
+    _add_root_of_debug_job(p)
+    p.add_argument("--no-wait", action="store_true", help="return once submitted, without waiting for Ray")
+
+
+def _add_run(p: argparse.ArgumentParser) -> None:
+    _add_root_of_debug_job(p)
+    p.add_argument(
+        "--job", default=None, help="the debug job (default: $SLURM_JOB_ID, i.e. the allocation you are in)"
+    )
+    p.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # on the head node already
+
+
+def _add_attach(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job")
+    p.add_argument("node", nargs="?", default=None, help="host name or node index (default: the head)")
+    p.epilog = "hpcrl attach JOB [NODE] -- COMMAND...  runs COMMAND there instead of a shell"
+
+
+def _add_job(optional: bool) -> Callable[[argparse.ArgumentParser], None]:
+    return lambda p: p.add_argument("job", nargs="?" if optional else None)
+
+
+def _add_logs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+
+
+def _add_ls(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sweep", type=Path, default=None, metavar="DIR", help="the points of one sweep")
+
+
+Options = Callable[[argparse.ArgumentParser], None]
+
+PLANNED: dict[str, tuple[str, Options | None]] = {
+    "plan": ("compose and validate the config, print the topology/memory plan", None),
+    "render": (
+        "write the sbatch script and resolved config that submit would use, without submitting",
+        _add_render,
+    ),
+    "submit": ("validate, then run locally (no cluster) or submit to Slurm", _add_submit),
+    "show": ("print the composed config as YAML", _add_show),
+    "debug": (
+        "hold an allocation with the planned nodes and its Ray cluster up; prints how to attach",
+        _add_debug,
+    ),
+    "run": ("run the driver against a held debug session's Ray cluster (no restart)", _add_run),
+}
+"""Commands that compose a config from Hydra overrides, with their own options."""
+
+JOBS: dict[str, tuple[str, Options]] = {
+    "status": ("state of a job (or of the recent ones)", _add_job(optional=True)),
+    "logs": ("per-node logs of a job", _add_logs),
+    "cancel": ("cancel a job", _add_job(optional=False)),
+    "ls": ("recent runs with state, nodes and start time", _add_ls),
+    "attach": ("open a shell (or run a command after --) on a node of a held debug session", _add_attach),
+}
+"""Commands about submitted jobs and their run directories (all take ``--root``)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,82 +122,17 @@ def _parser() -> argparse.ArgumentParser:
         "+cluster=gb200 +model=nemotron_super trainer.tp=2 ...",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (
-        ("plan", "compose and validate the config, print the topology/memory plan"),
-        ("render", "write the sbatch script and resolved config that submit would use, without submitting"),
-        ("submit", "validate, then run locally (no cluster) or submit to Slurm"),
-        ("show", "print the composed config as YAML"),
-        ("debug", "hold an allocation with the planned nodes and its Ray cluster up; prints how to attach"),
-        ("run", "run the driver against a held debug session's Ray cluster (no restart)"),
-    ):
+    for name, (text, options) in PLANNED.items():
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +cluster=gb200 trainer.tp=2")
-        if name in ("debug", "run"):
-            p.add_argument(
-                "--root",
-                type=Path,
-                default=None,
-                help="run.output_root of the debug job (default: from the overrides)",
-            )
-        if name == "run":
-            p.add_argument(
-                "--job",
-                default=None,
-                help="the debug job (default: $SLURM_JOB_ID, i.e. the allocation you are in)",
-            )
-            p.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # on the head node already
-        if name == "debug":
-            p.add_argument(
-                "--no-wait", action="store_true", help="return once submitted, without waiting for Ray"
-            )
-        if name == "render":
-            p.add_argument(
-                "--out", type=Path, default=None, help="directory to write into (default: the run directory)"
-            )
-        if name == "submit":
-            p.add_argument(
-                "--hold",
-                type=float,
-                default=0.0,
-                metavar="SECONDS",
-                help="Slurm: keep the job's Ray cluster up this long after the driver (debugging)",
-            )
-            p.add_argument(
-                "-m",
-                "--multirun",
-                action="store_true",
-                help="Slurm: Hydra sweep syntax (algo.lr=1e-6,3e-6 ...): one job per point, returns at once",
-            )
-            p.add_argument(
-                "--smoke",
-                action="store_true",
-                help="Slurm: only bring up Ray and place one actor per node by role (checks an allocation; no training)",
-            )
-    for name, text in (
-        ("status", "state of a job (or of the recent ones)"),
-        ("logs", "per-node logs of a job"),
-        ("cancel", "cancel a job"),
-        ("ls", "recent runs with state, nodes and start time"),
-        ("attach", "open a shell (or run a command after --) on a node of a held debug session"),
-    ):
+        if options:
+            options(p)
+    for name, (text, job_options) in JOBS.items():
         p = sub.add_parser(name, help=text, description=text)
-        if name == "attach":
-            p.add_argument("job")
-            p.add_argument(
-                "node", nargs="?", default=None, help="host name or node index (default: the head)"
-            )
-            p.epilog = "hpcrl attach JOB [NODE] -- COMMAND...  runs COMMAND there instead of a shell"
-        if name == "ls":
-            p.add_argument("--sweep", type=Path, default=None, metavar="DIR", help="the points of one sweep")
-        if name in ("status", "logs", "cancel"):
-            p.add_argument("job", nargs="?" if name == "status" else None)
-        if name == "logs":
-            p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+        job_options(p)
         p.add_argument(
             "--root", type=Path, default=Path("runs"), help="run.output_root of the runs (default: runs)"
         )
-    show = sub.choices["show"]
-    show.add_argument("--groups", action="store_true", help="list the options of every config group")
     return parser
 
 
@@ -118,11 +154,17 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from hpcrl.config.cluster import Scheduler
     from hpcrl.plan.planner import plan_from_overrides
     from hpcrl.plan.show import show_plan
 
     plan = plan_from_overrides(args.overrides)
-    show_plan(plan, Console())
+    sbatch = None
+    if plan.cfg.cluster.scheduler is Scheduler.slurm:
+        from hpcrl.launch.sbatch import slurm_parameters
+
+        sbatch = slurm_parameters(plan)
+    show_plan(plan, Console(), sbatch)
     return 0 if plan.memory.fits else 1
 
 

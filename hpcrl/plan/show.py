@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Console
 from rich.table import Table
 
-from hpcrl.config.cluster import Scheduler
 from hpcrl.plan.planner import Plan, matching_recipes
 from hpcrl.plan.topology import Placement
 from hpcrl.trainer.config import MegatronTrainerConfig
@@ -15,18 +16,45 @@ def _b(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
 
 
-def show_plan(plan: Plan, console: Console) -> None:
-    cfg, topo, mem = plan.cfg, plan.topology, plan.memory
+def show_plan(plan: Plan, console: Console, sbatch: dict[str, Any] | None = None) -> None:
+    """Print the plan; ``sbatch``: the job's Slurm parameters (``launch.sbatch.slurm_parameters``), for
+    Slurm clusters (the caller computes them: the plan layer does not import the launch layer)."""
+    cfg = plan.cfg
     counts = cfg.model.param_counts()
     console.print(
         f"[bold]{cfg.run.name}[/]  {cfg.algo.name.upper()} · {cfg.model.name} "
         f"({_b(counts.total)} params, {_b(counts.active)} active) · trainer={cfg.trainer.backend} "
         f"· rollout={cfg.rollout.backend} · cluster={cfg.cluster.name} ({cfg.cluster.gpu})"
     )
+    console.print(_nodes(plan))
+    console.print(_parallelism(plan))
+    console.print(_memory(plan))
+    _verdict(plan, console)
+    if plan.quirks:
+        quirks = _table("Model quirks applied", "quirk", "setting", "why")
+        for q in plan.quirks:
+            quirks.add_row(q.quirk, f"{q.key}={q.value}", q.reason)
+        console.print(quirks)
+    if sbatch is not None:
+        console.print(_sbatch(plan, sbatch))
 
-    nodes = Table(title=f"Nodes: {topo.nodes} x {topo.gpus_per_node} GPUs, {topo.placement.value}")
-    for col in ("node", "role", "GPUs", "runs"):
-        nodes.add_column(col)
+
+def _table(title: str, *columns: str) -> Table:
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col)
+    return table
+
+
+def _nodes(plan: Plan) -> Table:
+    topo = plan.topology
+    nodes = _table(
+        f"Nodes: {topo.nodes} x {topo.gpus_per_node} GPUs, {topo.placement.value}",
+        "node",
+        "role",
+        "GPUs",
+        "runs",
+    )
     engines_per_node = topo.gpus_per_node // topo.rollout.tp
     for index, role in enumerate(topo.node_roles()):
         runs = []
@@ -34,14 +62,14 @@ def show_plan(plan: Plan, console: Console) -> None:
             first = (index - topo.rollout_nodes) * topo.gpus_per_node
             runs.append(f"trainer ranks {first}-{first + topo.gpus_per_node - 1}")
         if "rollout" in role:
-            runs.append(f"{engines_per_node} {cfg.rollout.backend} engine(s) x TP{topo.rollout.tp}")
+            runs.append(f"{engines_per_node} {plan.cfg.rollout.backend} engine(s) x TP{topo.rollout.tp}")
         nodes.add_row(str(index), role, str(topo.gpus_per_node), ", ".join(runs))
-    console.print(nodes)
+    return nodes
 
-    par = Table(title="Parallelism")
-    for col in ("side", "GPUs", "TP", "PP", "CP", "EP", "DP", "notes"):
-        par.add_column(col)
-    tr = topo.train
+
+def _parallelism(plan: Plan) -> Table:
+    cfg, tr, ro = plan.cfg, plan.topology.train, plan.topology.rollout
+    par = _table("Parallelism", "side", "GPUs", "TP", "PP", "CP", "EP", "DP", "notes")
     notes = []
     if isinstance(cfg.trainer, MegatronTrainerConfig):
         notes.append("SP" if cfg.trainer.sequence_parallel else "no SP")
@@ -51,15 +79,16 @@ def show_plan(plan: Plan, console: Console) -> None:
             notes.append(f"expert TP {tr.expert_tp}")
         notes.append(f"expert DP {tr.expert_dp}")
     notes.append("recompute" if cfg.trainer.activation_checkpointing else "no recompute")
-    par.add_row(
-        "train", str(tr.world), str(tr.tp), str(tr.pp), str(tr.cp), str(tr.ep), str(tr.dp), ", ".join(notes)
-    )
-    ro = topo.rollout
+    degrees = (tr.world, tr.tp, tr.pp, tr.cp, tr.ep, tr.dp)
+    par.add_row("train", *map(str, degrees), ", ".join(notes))
     par.add_row(
         "rollout", str(ro.gpus), str(ro.tp), "1", "1", "-", str(ro.engines), f"{ro.engines} engine(s)"
     )
-    console.print(par)
+    return par
 
+
+def _memory(plan: Plan) -> Table:
+    mem = plan.memory
     table = Table(title=f"Memory per GPU (GB of {mem.capacity:.0f})")
     table.add_column("item")
     table.add_column("GB", justify="right")
@@ -79,42 +108,34 @@ def show_plan(plan: Plan, console: Console) -> None:
     table.add_row("rollout: weights (per GPU)", f"{r.weights:.1f}")
     table.add_row(f"rollout: KV per {r.sequence_len}-token sequence", f"{r.kv_per_sequence:.3f}")
     table.add_row("rollout: sequences in KV (fit / wanted)", f"{r.sequences_that_fit} / {r.wanted_sequences}")
-    if topo.placement is Placement.COLOCATED:
+    if plan.topology.placement is Placement.COLOCATED:
         table.add_row("colocated peak (train state + engine share)", f"{mem.train_gpu_peak:.1f}")
-    console.print(table)
+    return table
+
+
+def _verdict(plan: Plan, console: Console) -> None:
+    cfg, mem = plan.cfg, plan.memory
     for gap in plan.backend_gaps:
         console.print(f"[yellow]cannot submit yet[/]: {gap}")
     if mem.fits:
         console.print(f"[green]fits[/]: peak {mem.train_gpu_peak:.0f} GB of {mem.capacity:.0f} GB per GPU")
-    else:
-        for problem in mem.problems:
-            console.print(f"[red]does not fit[/]: {problem}")
-        for recipe in matching_recipes(cfg.model.name, cfg.cluster.name):
-            console.print(f"a shipped layout for this model and cluster: [bold]+experiment={recipe}[/]")
+        return
+    for problem in mem.problems:
+        console.print(f"[red]does not fit[/]: {problem}")
+    for recipe in matching_recipes(cfg.model.name, cfg.cluster.name):
+        console.print(f"a shipped layout for this model and cluster: [bold]+experiment={recipe}[/]")
 
-    if plan.quirks:
-        quirks = Table(title="Model quirks applied")
-        for col in ("quirk", "setting", "why"):
-            quirks.add_column(col)
-        for q in plan.quirks:
-            quirks.add_row(q.quirk, f"{q.key}={q.value}", q.reason)
-        console.print(quirks)
 
-    if cfg.cluster.scheduler is Scheduler.slurm:
-        from hpcrl.launch.sbatch import slurm_parameters
-
-        params = slurm_parameters(plan)
-        sb = Table(title="sbatch")
-        sb.add_column("key")
-        sb.add_column("value")
-        for key in ("job_name", "partition", "account", "qos", "nodes", "gpus_per_node", "time"):
-            if key in params:
-                value = params[key]
-                sb.add_row(key, f"{value} min" if key == "time" else str(value))
-        for key, value in params["additional_parameters"].items():
-            sb.add_row(key, str(value))
-        container = cfg.cluster.container.image
-        sb.add_row("container", container or "(none)")
-        for name in sorted(cfg.cluster.env):
-            sb.add_row(f"env {name}", cfg.cluster.env[name])
-        console.print(sb)
+def _sbatch(plan: Plan, params: dict[str, Any]) -> Table:
+    cfg = plan.cfg
+    sb = _table("sbatch", "key", "value")
+    for key in ("job_name", "partition", "account", "qos", "nodes", "gpus_per_node", "time"):
+        if key in params:
+            value = params[key]
+            sb.add_row(key, f"{value} min" if key == "time" else str(value))
+    for key, value in params["additional_parameters"].items():
+        sb.add_row(key, str(value))
+    sb.add_row("container", cfg.cluster.container.image or "(none)")
+    for name in sorted(cfg.cluster.env):
+        sb.add_row(f"env {name}", cfg.cluster.env[name])
+    return sb
