@@ -82,6 +82,17 @@ def test_backend_is_the_schema_class_not_a_field(overrides, trainer, rollout):
         assert "backend" not in {f.name for f in dataclasses.fields(part)}
 
 
+@pytest.mark.parametrize(
+    "override",
+    ["trainer.sequence_packing=true", "trainer.cpu_offload=true", "trainer=megatron trainer.virtual_pp=2"],
+)
+def test_settings_that_did_nothing_are_gone(override):
+    """Nothing packed sequences, offloaded fsdp's optimizer (the planner counted it as 0 GB) or built
+    a virtual pipeline: the keys are unknown now instead of silently accepted."""
+    with pytest.raises(ConfigError, match=r"unknown key 'trainer\."):
+        compose(*override.split())
+
+
 def test_yaml_values_reach_typed_fields():
     cfg = compose("+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1", *SITE)
     assert cfg.algo.num_prompts_per_step == 32 and cfg.algo.num_generations == 16

@@ -142,7 +142,7 @@ def estimate_train(cfg: RunConfig, topo: Topology) -> TrainMemory:
         layer = (counts.total - counts.embedding - frozen) / model.num_layers / par.tp
         weights += 2 * 2 * layer  # unsharded bf16 copies of the current and the prefetched layer
         grads = 4 * trainable
-        optimizer = 0.0 if trainer.cpu_offload else 8 * trainable
+        optimizer = 8 * trainable  # fp32 Adam m + v (the fp32 master weights are `weights`)
     tokens = trainer.micro_batch_size * cfg.max_seq_len / par.cp
     h = model.hidden_size
     # Activations per layer (Korthikanti et al. 2022): 34·s·b·h/t bytes with sequence parallelism;

@@ -134,15 +134,8 @@ def _moe_settings(cfg: RunConfig) -> list[Setting]:
     ]
 
 
-_NO_PACKING = Forbid(
-    "trainer.sequence_packing",
-    lambda v: v is True,
-    "sliding-window attention bias is not supported with sequence packing",
-    "set trainer.sequence_packing=false",
-)
-
 QUIRKS: list[Quirk] = [
-    Quirk("gemma3", _family("gemma3"), _gemma3_settings, [_NO_PACKING]),
+    Quirk("gemma3", _family("gemma3"), _gemma3_settings),
     # DTensor's context parallel (NeMo RL's, and what an fsdp CP would be) fails on the sliding-window
     # attention bias; trainer=megatron's CP attention applies the window itself (spec.SDPAttention:
     # CP2 = CP1 in tests/test_megatron.py), so only the other backends keep the ban.
@@ -158,7 +151,7 @@ QUIRKS: list[Quirk] = [
             )
         ],
     ),
-    Quirk("gemma4", _family("gemma4"), _gemma4_settings, [_NO_PACKING]),
+    Quirk("gemma4", _family("gemma4"), _gemma4_settings),
     Quirk(
         "gemma4-unified",
         lambda cfg: cfg.model.family == "gemma4" and cfg.model.unified,
