@@ -1,4 +1,4 @@
-"""Bandwidth of one broadcast over hpcrl.run.weight_sync's directly-built process group, between two
+"""Bandwidth of one broadcast over hpcrl.sync.broadcast's directly-built process group, between two
 processes on two GPUs (or gloo on CPU): the transport a refit runs on, without any model code.
 
     python bench/nccl_group_bw.py [--gb 1] [--device cuda]
@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 def worker(rank: int, port: int, gb: float, device: str) -> None:
     import torch
 
-    from hpcrl.run.weight_sync import new_group
+    from hpcrl.sync.broadcast import new_group
 
     dev = f"cuda:{rank}" if device == "cuda" else "cpu"
     if device == "cuda":

@@ -47,7 +47,7 @@ def worker(rank: int, args: argparse.Namespace, work: Path) -> None:
     from safetensors.torch import save as st_save
 
     from hpcrl.config.compose import compose_config
-    from hpcrl.run.weight_sync import dtype_of, join_as_sender
+    from hpcrl.sync.broadcast import dtype_of, join_as_sender
     from hpcrl.trainer.fsdp import free_port
 
     cfg = compose_config([f"model={args.model}", f"model.num_layers={args.layers}", "rollout=hf"])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.run.weight_sync import (
+from hpcrl.sync.broadcast import (
     TensorMeta,
     WeightReceiver,
     WeightSender,

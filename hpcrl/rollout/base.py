@@ -34,7 +34,7 @@ class RolloutEngine(Protocol):
         """Replace the engine's weights in place (HF parameter names); caches from old weights are dropped."""
         ...
 
-    # The broadcast path (hpcrl.run.weight_sync): join the trainer's weight group once, then take part in
+    # The broadcast path (hpcrl.sync.broadcast): join the trainer's weight group once, then take part in
     # one broadcast per step. ``ranks``: how many ranks of the group the engine's workers take.
     ranks: int
     weight_dtype: str

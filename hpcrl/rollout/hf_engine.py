@@ -186,7 +186,7 @@ class HFEngine:
         local_ip: str,
         backend: str,
     ) -> None:
-        from hpcrl.run.weight_sync import join_as_receiver
+        from hpcrl.sync.broadcast import join_as_receiver
 
         self._receiver = join_as_receiver(
             backend, master, rank_base, world, metas, bucket_numel, self.weight_dtype, self.device, local_ip

@@ -34,7 +34,7 @@ class WeightReloader:
         """Join the trainer's weight group as rank ``rank_base`` + this worker's rank in the engine."""
         import torch
 
-        from hpcrl.run.weight_sync import join_as_receiver
+        from hpcrl.sync.broadcast import join_as_receiver
 
         rank = rank_base + int(getattr(self, "rank", 0))
         device = getattr(self, "device", None) or torch.device("cpu")

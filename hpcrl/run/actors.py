@@ -67,7 +67,7 @@ class TrainerActor:
     def export_weights(self) -> dict[str, Any]:
         return self.trainer.export_weights()
 
-    # -- weight broadcast to the engines (hpcrl.run.weight_sync); rank 0 is the sender ----------------
+    # -- weight broadcast to the engines (hpcrl.sync.broadcast); rank 0 is the sender ----------------
     def weight_metas(self) -> list[tuple[str, tuple[int, ...]]]:
         """Names and shapes of the exported weights (a collective: every rank calls it; rank 0 answers)."""
         weights = self.trainer.export_weights()
@@ -82,7 +82,7 @@ class TrainerActor:
     def join_weight_group(
         self, master: str, world: int, metas: list[Any], bucket_numel: int, dtype: str, backend: str
     ) -> None:
-        from hpcrl.run.weight_sync import join_as_sender
+        from hpcrl.sync.broadcast import join_as_sender
 
         self.sender = join_as_sender(backend, master, world, metas, bucket_numel, dtype, self.device)
 

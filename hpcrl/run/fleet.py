@@ -169,7 +169,7 @@ class Fleet:
         weights' names and shapes and open the group they broadcast over."""
         import ray
 
-        from hpcrl.run.weight_sync import dtype_of
+        from hpcrl.sync.broadcast import dtype_of
 
         metas = next(m for m in ray.get([t.weight_metas.remote() for t in self.trainers]) if m)
         master = ray.get(self.trainers[0].weight_endpoint.remote())

@@ -1,7 +1,7 @@
 """Trainer -> rollout engine weight broadcast over a process group of its own.
 
 After every step trainer rank 0 broadcasts the full weights (Hugging Face names) to every rollout
-worker: NCCL between GPUs, gloo on CPUs. The group is built directly from a ``TCPStore`` — never
+engine process: NCCL between GPUs, gloo on CPUs. The group is built directly from a ``TCPStore`` — never
 through ``init_process_group`` — so it lives beside the trainer's own group and vLLM's, which each
 own their process's default group.
 
