@@ -1,1 +1,1 @@
-"""Verifiable rewards: a registry of verifiers and a worker pool that bounds each sample's time."""
+"""Verifiable rewards: a registry of verifiers and a pool of processes that bounds each sample's time."""

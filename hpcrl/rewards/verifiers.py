@@ -1,7 +1,7 @@
 """Verifiers: ``fn(completion, answer, prompt) -> Verdict``. Register your own with ``@register("name")``
 and select it with ``data.verifier=name`` (import your module with ``HPCRL_PLUGINS=my.module``).
 
-Verifiers run inside reward worker processes, never in the training loop's process.
+Verifiers run inside the reward pool's processes, never in the training loop's process.
 """
 
 from __future__ import annotations
