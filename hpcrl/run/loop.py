@@ -91,13 +91,13 @@ class Actors(Protocol):
 
 
 def generate_and_score(
-    rt: Actors,
+    actors: Actors,
     pool: Scorer,
     encode: Callable[[str], list[int]],
     examples: list[Example],
     settings: SamplingSettings,
 ) -> Scored:
-    groups = rt.generate([encode(e.prompt) for e in examples], settings)
+    groups = actors.generate([encode(e.prompt) for e in examples], settings)
     tasks = [
         Task(i * settings.n + j, c.text, e.answer, e.prompt)
         for i, (e, g) in enumerate(zip(examples, groups, strict=True))
@@ -131,7 +131,7 @@ def sampling(cfg: RunConfig, step: int, round_: int) -> SamplingSettings:
 
 def collect(
     cfg: RunConfig,
-    rt: Actors,
+    actors: Actors,
     pool: Scorer,
     encode: Callable[[str], list[int]],
     stream: PromptStream,
@@ -145,7 +145,7 @@ def collect(
     kept_rewards: list[torch.Tensor] = []
     seen: list[Scored] = []
     for round_ in range(algo.dynamic_sampling_max_rounds if algo.dynamic_sampling else 1):
-        scored = generate_and_score(rt, pool, encode, stream.take(want), sampling(cfg, step, round_))
+        scored = generate_and_score(actors, pool, encode, stream.take(want), sampling(cfg, step, round_))
         seen.append(scored)
         rewards = shape(cfg, scored)
         keep = (
@@ -200,11 +200,11 @@ def make_batch(
 
 
 def validate(
-    cfg: RunConfig, rt: Actors, pool: Scorer, encode: Callable[[str], list[int]], val: list[Example]
+    cfg: RunConfig, actors: Actors, pool: Scorer, encode: Callable[[str], list[int]], val: list[Example]
 ) -> dict[str, float]:
     """Greedy decoding, one sample per validation prompt."""
     settings = SamplingSettings(1, 0.0, 1.0, cfg.rollout.max_new_tokens, seed=cfg.run.seed)
-    scored = generate_and_score(rt, pool, encode, val, settings)
+    scored = generate_and_score(actors, pool, encode, val, settings)
     outcomes = [row[0] for row in scored.outcomes]
     return {
         "val/accuracy": sum(o is Outcome.correct for o in outcomes) / max(1, len(outcomes)),
@@ -215,7 +215,7 @@ def validate(
 
 def train(
     cfg: RunConfig,
-    rt: Actors,
+    actors: Actors,
     pool: Scorer,
     encode: Callable[[str], list[int]],
     pad_id: int,
@@ -230,17 +230,17 @@ def train(
     algo = cfg.algo
     last: dict[str, float] = {}
     if start_step == 0 and algo.val_at_start:
-        last = validate(cfg, rt, pool, encode, val)
+        last = validate(cfg, actors, pool, encode, val)
         logger.log(0, last)
         say(f"step   0/{algo.max_steps} | val {last['val/accuracy']:.3f} (before training)")
     for step in range(start_step + 1, algo.max_steps + 1):
-        metrics = one_step(cfg, rt, pool, encode, pad_id, stream, val, step)
+        metrics = one_step(cfg, actors, pool, encode, pad_id, stream, val, step)
         due = cfg.checkpoint.enabled and (step % cfg.checkpoint.period == 0 or step == algo.max_steps)
         # Read once: the save and the stop below must agree (a signal landing between two reads
         # would stop the run without its checkpoint). A later signal is taken at the next step.
         stop = REQUEST.asked
         if due or stop:  # stop: Slurm's warning signal came during this step
-            ckpt.save(step, run_state(rt, stream, step), metrics)
+            ckpt.save(step, run_state(actors, stream, step), metrics)
         logger.log(step, metrics)
         say(console_line(step, algo.max_steps, metrics))
         last = {**last, **metrics}
@@ -254,7 +254,7 @@ def train(
 
 def one_step(
     cfg: RunConfig,
-    rt: Actors,
+    actors: Actors,
     pool: Scorer,
     encode: Callable[[str], list[int]],
     pad_id: int,
@@ -267,28 +267,28 @@ def one_step(
     algo = cfg.algo
     timer, t0 = Timer(), time.perf_counter()
     with timer("rollout"):
-        scored, shaped, metrics = collect(cfg, rt, pool, encode, stream, step)
+        scored, shaped, metrics = collect(cfg, actors, pool, encode, stream, step)
     batch = make_batch(cfg, scored, shaped, encode, pad_id)
     with timer("ref_logprobs"):
-        ref = rt.ref_logprobs(batch) if algo.kl_coef > 0 else None
+        ref = actors.ref_logprobs(batch) if algo.kl_coef > 0 else None
     with timer("train"):
-        metrics.update({f"train/{k}": v for k, v in rt.train_step(batch, ref).items()})
+        metrics.update({f"train/{k}": v for k, v in actors.train_step(batch, ref).items()})
     with timer("weight_sync"):
-        rt.sync_weights()
+        actors.sync_weights()
     metrics["train/reward"] = float(shaped.mean())
     if step % algo.val_period == 0 or step == algo.max_steps:
         with timer("validation"):
-            metrics.update(validate(cfg, rt, pool, encode, val))
+            metrics.update(validate(cfg, actors, pool, encode, val))
     metrics.update(timer.times)
     metrics["time/step"] = time.perf_counter() - t0
     metrics["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(timer.times["time/rollout"], 1e-9)
     return metrics
 
 
-def run_state(rt: Actors, stream: PromptStream, step: int) -> dict[str, Any]:
+def run_state(actors: Actors, stream: PromptStream, step: int) -> dict[str, Any]:
     """What a resume needs: the trainer's state, the prompt stream's position, the step, the RNGs."""
     return {
-        "trainer": rt.state_dict(),
+        "trainer": actors.state_dict(),
         "stream": stream.state(),
         "step": step,
         "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
