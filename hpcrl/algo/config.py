@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from hpcrl.config.checks import in_range, non_negative, positive
+from hpcrl.config.checks import MISSING, in_range, non_negative, positive
 from hpcrl.errors import ConfigError
 
 
@@ -33,7 +33,10 @@ class ISCorrection(StrEnum):
 
 @dataclass
 class AlgoConfig:
-    name: str = "grpo"
+    """The defaults are GRPO's (``conf/algo/grpo.yaml`` only names it); DAPO changes a few of them."""
+
+    name: str = MISSING
+    """The algorithm as plans name it (grpo, dapo): set by the ``algo`` group option."""
     num_prompts_per_step: int = 32
     num_generations: int = 16
     """Samples per prompt: one GRPO group."""

@@ -47,6 +47,8 @@ class TrainerConfig:
     """Longest training sequence; None derives it from data.max_prompt_tokens + rollout.max_new_tokens."""
     precision: Precision = Precision.bfloat16
     activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (megatron:
+    full recompute, one layer at a time)."""
     compile: bool | None = None
     """torch.compile each decoder layer (GPU only; CPUs run eagerly). ``None`` is the backend's measured
     choice (``compile_layers``): on for fsdp, where it took the Qwen2-1.5B GRPO step on one H200 from
@@ -90,6 +92,8 @@ class FSDPTrainerConfig(TrainerConfig):
     """PyTorch FSDP2 (DTensor): parameters, gradients and optimizer state sharded over data parallel."""
 
     backend: ClassVar[str] = "fsdp"
+    micro_batch_size: int = 4
+    """Sequences per forward/backward on one GPU (fsdp's default; megatron's is 1)."""
     reshard_after_forward: bool = True
     """Free each layer's gathered parameters after its forward and gather them again for the backward
     (ZeRO-3); false keeps them until the backward: one all-gather less per layer, more memory."""
@@ -142,6 +146,8 @@ class MegatronTrainerConfig(TrainerConfig):
     """Megatron-core: TP/PP/CP/EP model parallelism with the distributed optimizer."""
 
     backend: ClassVar[str] = "megatron"
+    activation_checkpointing: bool = True
+    """Full activation recompute by default: the large-model layouts megatron is for fit by it."""
     sequence_parallel: bool = True
     """With TP: activations outside attention/MLP split over the TP ranks (34/t instead of 10 + 24/t
     bytes per token x hidden per layer). Costs speed where memory is plentiful: Qwen2-1.5B at TP=2,
