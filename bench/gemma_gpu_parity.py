@@ -47,9 +47,9 @@ def one(backend: str, model_dir: Path, model: str, n: int, seq: int, out: Path, 
                           f"trainer.micro_batch_size={n}", "algo.kl_coef=0", "trainer.grad_clip=1e12",
                           *(w for w in words if not w.startswith("window="))])  # fmt: skip
     if backend == "megatron":
-        from hpcrl.trainer.megatron import spec
+        from hpcrl.trainer.megatron import attention
 
-        spec.WINDOW_KERNEL = "sdpa" if "window=sdpa" in words else "flex"
+        attention.WINDOW_KERNEL = "sdpa" if "window=sdpa" in words else "flex"
     trainer: Any = make_trainer(model_dir, cfg, 0, 1, f"127.0.0.1:{free_port()}", DEVICE)
     probes = probe_decoder_input(trainer, backend, scaled=cfg.model.family in ("gemma3", "gemma4"))
     b = batch(n, seq)

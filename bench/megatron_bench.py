@@ -52,9 +52,9 @@ def bench_backend(backend: str, model_dir: Path, batch: int, seq: int, local_spe
     cfg = compose_config([f"model={model}", *MODEL_OVERRIDES, f"trainer={backend}", f"trainer.micro_batch_size={batch}",
                           "trainer.activation_checkpointing=false", "algo.kl_coef=0", *overrides])  # fmt: skip
     if backend == "megatron":
-        from hpcrl.trainer.megatron import spec
+        from hpcrl.trainer.megatron import attention, spec
 
-        spec.WINDOW_KERNEL = window_kernel
+        attention.WINDOW_KERNEL = window_kernel
         from hpcrl.trainer.megatron import experts
 
         experts.KERNEL = experts_kernel

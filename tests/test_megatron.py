@@ -371,7 +371,7 @@ def test_spec_helpers_take_both_megatron_core_spec_shapes():
 
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from hpcrl.trainer.megatron.spec import build, submodules_of, with_module
+    from hpcrl.trainer.megatron.spec_utils import build, submodules_of, with_module
 
     class Slot(torch.nn.Module):
         def __init__(self, config: object, submodules: object = None, **kwargs: object) -> None:
@@ -391,7 +391,8 @@ def test_spec_helpers_take_both_megatron_core_spec_shapes():
 def test_sp_norm_marks_its_weight_and_hands_the_next_matmul_its_autocast_dtype():
     from types import SimpleNamespace
 
-    from hpcrl.trainer.megatron.spec import SPNorm, chunk_order
+    from hpcrl.trainer.megatron.attention import chunk_order
+    from hpcrl.trainer.megatron.norms import SPNorm
 
     norm = SPNorm(SimpleNamespace(sequence_parallel=True), 8, eps=1e-6)
     assert norm.weight.sequence_parallel is True  # summed over TP by the trainer
@@ -552,7 +553,8 @@ def test_window_mask_and_zero_centered_norm_by_hand():
 
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
-    from hpcrl.trainer.megatron.spec import SPNorm, window_mask
+    from hpcrl.trainer.megatron.attention import window_mask
+    from hpcrl.trainer.megatron.norms import SPNorm
 
     # query i reads keys i-1 and i (window 2), never a later one
     assert window_mask(4, 2, torch.device("cpu")).int().tolist() == [
@@ -760,7 +762,7 @@ def test_flex_window_attention_equals_masked_sdpa():
     are GPU-only; bench/window_attention_bench.py compares their gradients on the GPU)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from hpcrl.trainer.megatron.spec import flex_window_attention, window_mask
+    from hpcrl.trainer.megatron.attention import flex_window_attention, window_mask
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 160, 16, generator=gen) for h in (4, 2, 2))

@@ -100,13 +100,15 @@ class FSDPTrainerConfig(TrainerConfig):
 
 
 MEGATRON_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe", "gemma3", "gemma4")
-"""Model families (the catalog's ``family``) ``trainer=megatron`` maps from/to Hugging Face
-(hpcrl/trainer/megatron/weights.py); read by the planner and by the backend."""
+"""Model families (the catalog's ``family``) ``trainer=megatron`` builds: the keys of its family table
+(hpcrl/trainer/megatron/families/table.py), named here without torch for the planner; a test keeps
+the two equal."""
 
 
 def megatron_build_gap(model: ModelConfig, tp: int = 1) -> str:
     """Why ``trainer=megatron`` cannot build this catalog model (at tensor parallel ``tp``) yet (empty:
-    it can). The backend refuses the same checkpoints by their Hugging Face fields (megatron/gemma4.py)."""
+    it can). The backend refuses the same checkpoints by their Hugging Face fields
+    (megatron/families/gemma4.py)."""
     if model.family not in MEGATRON_FAMILIES:
         return (
             f"trainer=megatron cannot build {model.name} yet (family {model.family}; the backend's "
@@ -137,7 +139,8 @@ def megatron_build_gap(model: ModelConfig, tp: int = 1) -> str:
 
 def megatron_family(model_type: str) -> str:
     """A Hugging Face text config's ``model_type`` -> the catalog family (Gemma 3's text decoder is
-    ``gemma3_text``, in Gemma3ForCausalLM and inside Gemma3ForConditionalGeneration alike)."""
+    ``gemma3_text``, in Gemma3ForCausalLM and inside Gemma3ForConditionalGeneration alike); each
+    family class's ``model_types`` agree with it (tests/test_megatron_families.py)."""
     return {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}.get(model_type, model_type)
 
 

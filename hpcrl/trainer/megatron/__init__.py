@@ -1,11 +1,19 @@
-"""Megatron-core training backend (``trainer=megatron``).
+"""Megatron-core training backend (``trainer=megatron``). Floors, each importing only those below it:
 
-compat.py   the one place that handles Megatron-core's hard CUDA calls on a CPU-only host
-spec.py     TransformerConfig + layer spec (Transformer Engine when installed, else local + torch SDPA)
-weights.py  Hugging Face <-> Megatron weight mapping (Qwen2/Qwen3/Llama, Qwen3-MoE, Gemma 3), TP/PP sharding
-gemma.py    Gemma 3's decoder pieces (sandwich norms, sliding window, two RoPE bases, scaled embeddings)
-optimizer.py AdamW with Megatron's distributed-optimizer sharding (dense over DP x CP, experts over expert DP)
-trainer.py  the Trainer: logprobs, GRPO/DAPO loss through Megatron's pipeline schedules, export
+trainer.py    the Trainer: logprobs, GRPO/DAPO loss through Megatron's pipeline schedules, export
+optimizer.py  AdamW sharded as Megatron's distributed optimizer (dense over DP x CP, experts over expert DP)
+spec.py       a checkpoint's family, TransformerConfig and layer spec (Transformer Engine when installed,
+              else local + torch SDPA)
+families/     the family table (table.py: how to add one), the plain GPT's hooks (base.py), one module
+              per family: qwen (Qwen2/Qwen3/Llama), qwen3_moe, gemma3, gemma4
+gemma.py      modules Gemma 3 and 4 share (sandwich norms, GeGLU, sliding windows, two RoPE bases,
+              scaled embeddings)
+experts.py    MoE experts as grouped GEMMs
+attention.py  torch-SDPA core attention: sliding windows, context parallel
+norms.py      the sequence-parallel RMSNorm every norm slot takes
+spec_utils.py Megatron-core layer specs of both versions' shapes
+weights.py    Hugging Face <-> Megatron weight mapping, TP/PP/EP sharding
+compat.py     the one place that handles Megatron-core's hard CUDA calls on a CPU-only host
 """
 
 from hpcrl.trainer.megatron.trainer import MegatronTrainer

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from hpcrl.trainer.megatron.spec import submodules_of, with_module
+from hpcrl.trainer.megatron.spec_utils import submodules_of, with_module
 
 KERNEL = "grouped"
 """``"grouped"`` (the default) or ``"sequential"`` (Megatron's loop; benches compare the two)."""

@@ -1,22 +1,18 @@
-"""Gemma 3's decoder in Megatron-core (local spec, no Transformer Engine).
+"""Megatron-core modules Gemma 3 and Gemma 4 share (their families: families/gemma3.py, gemma4.py).
 
-What Gemma 3 has that the Qwen/Llama GPT does not, and where each lives here:
-- norms ``x * (1 + w)`` computed in fp32: Megatron's ``layernorm_zero_centered_gamma``, honoured by
-  hpcrl's ``SPNorm`` (every norm: input, pre-MLP, Q/K, final, and the two below);
+- GeGLU with tanh-approximated GELU, Q/K norms, the softmax scale and the sliding windows from
+  ``layer_types`` (``gemma_fields``: Megatron's ``window_size`` / ``window_attn_skip_freq``, applied by
+  hpcrl's ``SDPAttention``);
+- embeddings scaled by sqrt(hidden) — in the compute dtype, as Hugging Face and vLLM do (34.0, not
+  33.94, in bf16 for the 1B): ``scale_embeddings``;
+- two RoPE bases (global and sliding layers): ``DualRotaryEmbedding`` hands every layer both, stacked
+  into one tensor (so Megatron's plumbing, recompute included, passes it unchanged),
+  ``GemmaSelfAttention`` picks its own;
 - "sandwich" norms on the attention and MLP outputs before each residual add: ``RowParallelLinearPostNorm``
   in the ``linear_proj`` / ``linear_fc2`` slots (weights ``linear_proj.post_layernorm``,
-  ``linear_fc2.post_layernorm``, as Megatron-Bridge names them);
-- sliding-window attention on most layers (``layer_types``): Megatron's ``window_size`` /
-  ``window_attn_skip_freq`` fields, applied by hpcrl's ``SDPAttention``;
-- two RoPE bases (global layers: ``rope_theta`` with linear scaling on 4B+, sliding layers: the local
-  base): ``DualRotaryEmbedding`` hands every layer both, stacked into one tensor (so Megatron's
-  plumbing, recompute included, passes it unchanged), ``GemmaSelfAttention`` picks its own;
-- embeddings scaled by sqrt(hidden) — in the compute dtype, as Hugging Face and vLLM do (34.0, not
-  33.94, in bf16 for the 1B);
-- GeGLU with tanh-approximated GELU, softmax scale ``query_pre_attn_scalar ** -0.5``.
+  ``linear_fc2.post_layernorm``, as Megatron-Bridge names them).
 
-Imports Megatron-core: imported only where a Megatron model is built (``spec.family_of``, called by
-the trainer), never from the torch-free planner.
+Imports Megatron-core, and no family.
 """
 
 from __future__ import annotations
@@ -25,53 +21,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention
 
-from hpcrl.trainer.megatron.spec import GPTFamily, SPNorm, sliding_window, submodules_of
+from hpcrl.trainer.megatron.attention import sliding_window
+from hpcrl.trainer.megatron.norms import SPNorm
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """Hugging Face's ``gelu_pytorch_tanh``."""
     return F.gelu(x, approximate="tanh")
-
-
-class Gemma3(GPTFamily):
-    """Gemma 3's departures from the plain GPT (module docstring); always the local spec: its sandwich
-    norms have no place in Transformer Engine's."""
-
-    local_spec_only = True
-    sandwich_norms = True
-
-    def config_fields(self, hf: Any) -> dict[str, Any]:
-        check_supported(hf)
-        return {"layernorm_zero_centered_gamma": True, **gemma_fields(hf, hf.query_pre_attn_scalar**-0.5)}
-
-    def rope(self, hf: Any) -> dict[str, Any]:
-        """The global layers' base and linear scaling; the local base goes in with ``adapt_model``."""
-        base, factor, _ = rope_bases(hf)
-        return {"rotary_base": base, "seq_len_interpolation_factor": factor}
-
-    def adapt_spec(self, spec: Any) -> Any:
-        layer = spec.submodules
-        layer.self_attention.module = GemmaSelfAttention
-        layer.self_attention.submodules.linear_proj = RowParallelLinearPostNorm
-        submodules_of(layer.mlp).linear_fc2 = RowParallelLinearPostNorm
-        return spec
-
-    def adapt_model(self, model: Any, hf: Any, compute_dtype: torch.dtype) -> None:
-        """Embeddings scaled, both RoPE bases handed to every layer."""
-        scale_embeddings(model, hf, compute_dtype)
-        _, _, local_base = rope_bases(hf)
-        local = RotaryEmbedding(
-            kv_channels=model.config.kv_channels,
-            rotary_percent=1.0,
-            rotary_base=local_base,
-            use_cpu_initialization=True,
-            cp_group=model.rotary_pos_emb.cp_group,
-        )
-        model.rotary_pos_emb = DualRotaryEmbedding(model.rotary_pos_emb, local)
 
 
 def gemma_fields(hf: Any, softmax_scale: float) -> dict[str, Any]:
@@ -94,32 +53,6 @@ def scale_embeddings(model: Any, hf: Any, compute_dtype: torch.dtype) -> None:
     if getattr(model, "embedding", None) is not None:  # the first pipeline stage
         factor = float(torch.tensor(hf.hidden_size**0.5, dtype=compute_dtype))
         model.embedding.register_forward_hook(lambda _module, _args, out: out * factor)
-
-
-def check_supported(hf: Any) -> None:
-    """Gemma 3 variants this decoder does not express fail here, naming the field."""
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if getattr(hf, key, None) is not None:
-            raise ValueError(
-                f"trainer=megatron does not apply {key} (this checkpoint sets "
-                f"{getattr(hf, key)}; Gemma 3 has none): use trainer=fsdp"
-            )
-    if getattr(hf, "use_bidirectional_attention", False):
-        raise ValueError("trainer=megatron trains causal Gemma 3 only (use_bidirectional_attention is set)")
-    full = hf.rope_parameters.get("full_attention") or {}
-    if full.get("rope_type", "default") not in ("default", "linear"):
-        raise ValueError(
-            f"trainer=megatron applies default or linear RoPE scaling on Gemma 3's global "
-            f"layers, not {full.get('rope_type')!r}: use trainer=fsdp"
-        )
-
-
-def rope_bases(hf: Any) -> tuple[float, float | None, float]:
-    """(global base, global linear scaling factor or None, local base)."""
-    params = hf.rope_parameters
-    full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
-    factor = full.get("factor") if full.get("rope_type") == "linear" else None
-    return float(full.get("rope_theta", 1e6)), factor, float(local.get("rope_theta", 1e4))
 
 
 class DualRotaryEmbedding(torch.nn.Module):

@@ -160,7 +160,7 @@ def _pad_vocab(t: torch.Tensor, shape: Shape) -> torch.Tensor:
 def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     norms = _norm_names(shape.fused_norms)
-    parts: dict[int, dict[str, torch.Tensor]] = {}
+    parts: dict[int, dict[str, torch.Tensor]] = {}  # layer -> its weights that are fused or split
     for name, t in hf.items():
         if name == "model.embed_tokens.weight":
             out["embedding.word_embeddings.weight"] = _pad_vocab(t, shape)
@@ -181,47 +181,44 @@ def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[s
         else:
             raise KeyError(f"no Megatron name for Hugging Face weight {name!r}")
     for i, p in parts.items():
-        pre = f"decoder.layers.{i}"
-        att = shape.attention(i)
-        g, d, per = att.groups, att.head_dim, shape.heads // att.groups
-        for kind in ("weight", "bias"):
-            if f"self_attn.q_proj.{kind}" not in p:
-                continue
-            q = p[f"self_attn.q_proj.{kind}"].reshape(g, per * d, -1)
-            k = p[f"self_attn.k_proj.{kind}"].reshape(g, d, -1)
-            kv = [k, p[f"self_attn.v_proj.{kind}"].reshape(g, d, -1)] if att.values else [k]
-            fused = torch.cat([q, *kv], dim=1).reshape(-1, q.shape[-1])
-            out[f"{pre}.self_attention.linear_qkv.{kind}"] = fused.squeeze(-1) if kind == "bias" else fused
-        if "mlp.gate_proj.weight" in p:
-            out[f"{pre}.mlp.linear_fc1.weight"] = torch.cat(
-                [p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]]
-            )
-        if STACKED_EXPERTS[0] in p:  # one [experts, 2 x ffn, hidden] and one [experts, hidden, ffn] tensor
-            for e, (fc1, fc2) in enumerate(zip(p[STACKED_EXPERTS[0]], p[STACKED_EXPERTS[1]], strict=True)):
-                out[f"{pre}.mlp.moe.experts.local_experts.{e}.linear_fc1.weight"] = (
-                    fc1  # [gate; up], as Megatron
-                )
-                out[f"{pre}.mlp.moe.experts.local_experts.{e}.linear_fc2.weight"] = fc2
-        experts = sorted({int(m.group(1)) for key in p if (m := EXPERT.match(key))})
-        for e in experts:
-            hf_pre, meg_pre = f"mlp.experts.{e}", f"{pre}.mlp.experts.local_experts.{e}"
-            out[f"{meg_pre}.linear_fc1.weight"] = torch.cat(
-                [p[f"{hf_pre}.gate_proj.weight"], p[f"{hf_pre}.up_proj.weight"]]
-            )
-            out[f"{meg_pre}.linear_fc2.weight"] = p[f"{hf_pre}.down_proj.weight"]
-        known = {f"self_attn.{proj}_proj.{kind}" for proj in "qkv" for kind in ("weight", "bias")}
-        left = [
-            key
-            for key in p
-            if key not in known
-            and not EXPERT.match(key)
-            and key not in STACKED_EXPERTS
-            and key not in ("mlp.gate_proj.weight", "mlp.up_proj.weight")
-        ]
-        if left:
-            raise KeyError(
-                f"no Megatron name for Hugging Face weight {pre.replace('decoder.', 'model.')}.{left[0]}"
-            )
+        out.update(_fused_layer(f"decoder.layers.{i}", p, shape.attention(i), shape.heads))
+    return out
+
+
+def _fused_layer(
+    pre: str, p: dict[str, torch.Tensor], att: LayerAttention, heads: int
+) -> dict[str, torch.Tensor]:
+    """One layer's Q/K/V, gate/up and expert weights (Hugging Face names under the layer) as
+    Megatron's fused ones under ``pre``."""
+    out: dict[str, torch.Tensor] = {}
+    g, d, per = att.groups, att.head_dim, heads // att.groups
+    for kind in ("weight", "bias"):
+        if f"self_attn.q_proj.{kind}" not in p:
+            continue
+        q = p[f"self_attn.q_proj.{kind}"].reshape(g, per * d, -1)
+        k = p[f"self_attn.k_proj.{kind}"].reshape(g, d, -1)
+        kv = [k, p[f"self_attn.v_proj.{kind}"].reshape(g, d, -1)] if att.values else [k]
+        fused = torch.cat([q, *kv], dim=1).reshape(-1, q.shape[-1])
+        out[f"{pre}.self_attention.linear_qkv.{kind}"] = fused.squeeze(-1) if kind == "bias" else fused
+    if "mlp.gate_proj.weight" in p:
+        out[f"{pre}.mlp.linear_fc1.weight"] = torch.cat([p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]])
+    if STACKED_EXPERTS[0] in p:  # one [experts, 2 x ffn, hidden] and one [experts, hidden, ffn] tensor
+        for e, (fc1, fc2) in enumerate(zip(p[STACKED_EXPERTS[0]], p[STACKED_EXPERTS[1]], strict=True)):
+            out[f"{pre}.mlp.moe.experts.local_experts.{e}.linear_fc1.weight"] = fc1  # [gate; up], as Megatron
+            out[f"{pre}.mlp.moe.experts.local_experts.{e}.linear_fc2.weight"] = fc2
+    for e in sorted({int(m.group(1)) for key in p if (m := EXPERT.match(key))}):
+        hf_pre, meg_pre = f"mlp.experts.{e}", f"{pre}.mlp.experts.local_experts.{e}"
+        out[f"{meg_pre}.linear_fc1.weight"] = torch.cat(
+            [p[f"{hf_pre}.gate_proj.weight"], p[f"{hf_pre}.up_proj.weight"]]
+        )
+        out[f"{meg_pre}.linear_fc2.weight"] = p[f"{hf_pre}.down_proj.weight"]
+    known = {f"self_attn.{proj}_proj.{kind}" for proj in "qkv" for kind in ("weight", "bias")}
+    known |= {"mlp.gate_proj.weight", "mlp.up_proj.weight", *STACKED_EXPERTS}
+    left = [key for key in p if key not in known and not EXPERT.match(key)]
+    if left:
+        raise KeyError(
+            f"no Megatron name for Hugging Face weight {pre.replace('decoder.', 'model.')}.{left[0]}"
+        )
     return out
 
 

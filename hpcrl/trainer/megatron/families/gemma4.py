@@ -21,7 +21,7 @@ changes these, each handled here:
   them per expert (``Gemma4MoEBlock``, ``Gemma4MoELayer``: Megatron's MoELayer, its dispatcher, EP and
   hpcrl's grouped experts).
 The E2B/E4B extras (per-layer embeddings, KV-shared layers, double-wide MLPs) are refused by
-``check_supported`` and by the planner (``trainer.config.megatron_build_gap``).
+``Gemma4.check_supported`` and by the planner (``trainer.config.megatron_build_gap``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from hpcrl.trainer.megatron.families.base import GPTFamily
 from hpcrl.trainer.megatron.gemma import (
     DualRotaryEmbedding,
     GemmaSelfAttention,
@@ -45,7 +46,8 @@ from hpcrl.trainer.megatron.gemma import (
     gemma_fields,
     scale_embeddings,
 )
-from hpcrl.trainer.megatron.spec import GPTFamily, SPNorm, build, submodules_of, with_module
+from hpcrl.trainer.megatron.norms import SPNorm
+from hpcrl.trainer.megatron.spec_utils import build, submodules_of, with_module
 from hpcrl.trainer.megatron.weights import LayerAttention
 
 
@@ -58,19 +60,50 @@ class Gemma4PostNorm(RowParallelLinearPostNorm):
 
 
 class Gemma4(GPTFamily):
+    """Gemma 4's departures from the plain GPT and from Gemma 3 (module docstring)."""
+
+    model_types = ("gemma4_text",)
     local_spec_only = True
     sandwich_norms = True
     norm = Gemma4Norm
     buffers = ("layer_scalar",)
 
     def __init__(self, hf: Any) -> None:
-        check_supported(hf)
+        super().__init__(hf)
         self.final_logit_softcap = getattr(hf, "final_logit_softcapping", None) or None
         self.moe_block = bool(getattr(hf, "enable_moe_block", False))
         self.layouts = {i: own for i in range(hf.num_hidden_layers) if (own := layer_attention(hf, i))}
 
+    def check_supported(self, hf: Any) -> None:
+        gaps = {
+            "hidden_size_per_layer_input": "per-layer embeddings (E2B/E4B)",
+            "num_kv_shared_layers": "KV-shared layers (E2B/E4B)",
+            "attention_bias": "attention biases",
+            "attn_logit_softcapping": "attention logit soft-capping",
+        }
+        for key, what in gaps.items():
+            if getattr(hf, key, None):
+                raise ValueError(
+                    f"trainer=megatron does not build Gemma 4's {what} yet (this checkpoint sets "
+                    f"{key}={getattr(hf, key)}): use trainer=fsdp"
+                )
+        if getattr(hf, "use_bidirectional_attention", None) == "all":
+            raise ValueError(
+                "trainer=megatron trains causal Gemma 4 only (use_bidirectional_attention='all')"
+            )
+        # "vision": bidirectional among image tokens only; text-only batches are causal
+
     def config_fields(self, hf: Any) -> dict[str, Any]:
-        return gemma_fields(hf, softmax_scale=1.0)  # x * w norms: not zero-centred
+        # x * w norms: not zero-centred (no layernorm_zero_centered_gamma)
+        return {**super().config_fields(hf), **gemma_fields(hf, softmax_scale=1.0)}
+
+    def num_experts(self, hf: Any) -> int:
+        """26B-A4B's MoE block (``enable_moe_block``); 0 for the dense 31B."""
+        return int(hf.num_experts) if self.moe_block else 0
+
+    def routing(self, hf: Any) -> tuple[int, bool]:
+        """Top-k weights always renormalised (then scaled per expert: ``Gemma4MoELayer``)."""
+        return int(hf.top_k_experts), False
 
     def attention_layouts(self, hf: Any) -> dict[int, Any] | None:
         return self.layouts or None
@@ -112,25 +145,6 @@ def layer_attention(hf: Any, i: int) -> LayerAttention | None:
     keys_are_values = hf.attention_k_eq_v and hf.layer_types[i] == "full_attention"  # as transformers decides
     own = LayerAttention(view.num_key_value_heads, view.head_dim, values=not keys_are_values)
     return None if own == LayerAttention(hf.num_key_value_heads, hf.head_dim) else own
-
-
-def check_supported(hf: Any) -> None:
-    """Gemma 4 variants this decoder does not express fail here, naming the field."""
-    gaps = {
-        "hidden_size_per_layer_input": "per-layer embeddings (E2B/E4B)",
-        "num_kv_shared_layers": "KV-shared layers (E2B/E4B)",
-        "attention_bias": "attention biases",
-        "attn_logit_softcapping": "attention logit soft-capping",
-    }
-    for key, what in gaps.items():
-        if getattr(hf, key, None):
-            raise ValueError(
-                f"trainer=megatron does not build Gemma 4's {what} yet (this checkpoint sets "
-                f"{key}={getattr(hf, key)}): use trainer=fsdp"
-            )
-    if getattr(hf, "use_bidirectional_attention", None) == "all":
-        raise ValueError("trainer=megatron trains causal Gemma 4 only (use_bidirectional_attention='all')")
-    # "vision": bidirectional among image tokens only; text-only batches are causal
 
 
 def hf_rope_angles(hf: Any) -> dict[str, torch.Tensor]:
