@@ -1,4 +1,4 @@
-"""Rewards: real math-verify in worker processes with a hard per-sample time limit."""
+"""Rewards: real math-verify in reward processes with a hard per-sample time limit."""
 
 from __future__ import annotations
 
@@ -44,35 +44,42 @@ def test_unknown_verifier_names_the_registered_ones():
 @pytest.mark.slow
 def test_pool_survives_hanging_crashing_and_raising_verifiers(monkeypatch):
     monkeypatch.setenv("HPCRL_PLUGINS", "tests.verifier_plugins")
-    with RewardPool("test_adversarial", workers=2, timeout_s=1.0) as pool:
+    with RewardPool("test_adversarial", processes=2, timeout_s=1.0) as pool:
         tasks = [Task(i, c, "ok", "") for i, c in enumerate(["ok", "hang", "no", "crash", "raise", "ok"])]
         start = time.monotonic()
         out = pool.score(tasks)
         elapsed = time.monotonic() - start
         assert out == [Outcome.correct, Outcome.timeout, Outcome.wrong, Outcome.error, Outcome.error,
                        Outcome.correct]  # fmt: skip
-        assert pool.restarts == 2  # the hung and the crashed worker were replaced
+        assert pool.restarts == 2  # the hung and the crashed process were replaced
         assert elapsed < 10
         # the pool still works after the replacements
         assert pool.score([Task(0, "ok", "ok", "")]) == [Outcome.correct]
 
 
 @pytest.mark.slow
-def test_worker_start_up_does_not_count_against_the_first_sample(monkeypatch):
-    """Workers warm up (imports, first-call parser builds) before taking work: a 2 s first call
+def test_process_start_up_does_not_count_against_the_first_sample(monkeypatch):
+    """Reward processes warm up (imports, first-call parser builds) before taking work: a 2 s first call
     with a 1 s limit per sample times nothing out."""
     monkeypatch.setenv("HPCRL_PLUGINS", "tests.verifier_plugins")
-    with RewardPool("test_slow_first_call", workers=2, timeout_s=1.0) as pool:
+    with RewardPool("test_slow_first_call", processes=2, timeout_s=1.0) as pool:
         out = pool.score([Task(i, c, "ok", "") for i, c in enumerate(["ok", "no", "ok"])])
     assert out == [Outcome.correct, Outcome.wrong, Outcome.correct]
 
 
 @pytest.mark.slow
-def test_pool_scores_math_in_workers():
-    with RewardPool("math", workers=2, timeout_s=5.0) as pool:
+def test_pool_scores_math_in_processes():
+    with RewardPool("math", processes=2, timeout_s=5.0) as pool:
         tasks = [
             Task(i, c, a, "") for i, (c, a) in enumerate([("\\boxed{2}", "2"), ("3", "2"), ("x", "2")] * 20)
         ]
         out = pool.score(tasks)
     assert out[:3] == [Outcome.correct, Outcome.wrong, Outcome.parse_error]
     assert out.count(Outcome.correct) == 20
+
+
+@pytest.mark.slow
+def test_a_process_that_does_not_start_in_time_stops_the_pool_naming_the_key():
+    with RewardPool("math", processes=1, timeout_s=1.0, start_timeout_s=0.01) as pool:  # noqa: SIM117
+        with pytest.raises(RuntimeError, match=r"rewards\.start_timeout_s"):
+            pool.score([Task(0, "\\boxed{2}", "2", "")])

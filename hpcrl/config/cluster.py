@@ -60,6 +60,24 @@ class ImexConfig:
 
 
 @dataclass
+class BootstrapConfig:
+    """Deadlines of the start-up inside the job (``hpcrl/launch/job.py``): a node that waits longer for
+    a step fails the job with a line naming the step, so no allocation idles on a hang. Raise them on
+    sites with slow shared filesystems or many nodes."""
+
+    shared_dir_s: float = 30.0
+    """How long every node waits to see node 0's file in the run directory (the shared filesystem)."""
+    ray_head_s: float = 90.0
+    """How long the other nodes wait for node 0 to publish the Ray head's address."""
+    ray_nodes_s: float = 120.0
+    """How long node 0 waits for every node and GPU of the job to join the Ray cluster."""
+
+    def check(self) -> None:
+        for key in ("shared_dir_s", "ray_head_s", "ray_nodes_s"):
+            positive(f"cluster.bootstrap.{key}", getattr(self, key))
+
+
+@dataclass
 class ClusterConfig:
     name: str = MISSING
     scheduler: Scheduler = Scheduler.slurm
@@ -81,6 +99,7 @@ class ClusterConfig:
     slurm: SlurmSite = field(default_factory=SlurmSite)
     container: ContainerConfig = field(default_factory=ContainerConfig)
     imex: ImexConfig = field(default_factory=ImexConfig)
+    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
     env: dict[str, str] = field(default_factory=dict)
     """Environment for every task (NCCL settings and the like). Never put secrets here."""
 
@@ -97,6 +116,7 @@ class ClusterConfig:
         positive("cluster.slurm.signal_delay_s", self.slurm.signal_delay_s)
         non_negative("cluster.slurm.max_requeues", self.slurm.max_requeues)
         self.slurm.time_minutes()
+        self.bootstrap.check()
         for mount in self.container.mounts:
             if ":" not in mount:
                 raise ConfigError(f"cluster.container.mounts entry '{mount}' must be 'src:dst'")

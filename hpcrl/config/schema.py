@@ -14,6 +14,7 @@ from hpcrl.config.cluster import ClusterConfig
 from hpcrl.config.model import ModelConfig
 from hpcrl.data.config import DataConfig
 from hpcrl.errors import ConfigError
+from hpcrl.rewards.config import RewardsConfig
 from hpcrl.rollout.config import HFRolloutConfig, RolloutConfig, VLLMRolloutConfig
 from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig, TrainerConfig
 
@@ -67,6 +68,7 @@ class RunConfig:
     trainer: TrainerConfig = MISSING
     rollout: RolloutConfig = MISSING
     data: DataConfig = MISSING
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -74,7 +76,8 @@ class RunConfig:
 
     def check(self) -> None:
         """Per-component value checks; cross-component rules live in the topology and quirks."""
-        for part in (self.cluster, self.model, self.algo, self.trainer, self.rollout, self.data):
+        parts = (self.cluster, self.model, self.algo, self.trainer, self.rollout, self.data, self.rewards)
+        for part in parts:
             part.check()
         positive("layout.train_nodes", self.layout.train_nodes)
         if self.layout.rollout_nodes < 0:

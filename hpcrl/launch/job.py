@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcrl.config.cluster import BootstrapConfig
 from hpcrl.launch.ray_cluster import (
     GCS_PORT,
     BootstrapError,
@@ -26,10 +27,6 @@ from hpcrl.launch.ray_cluster import (
     wait_for_cluster,
 )
 from hpcrl.plan.planner import Plan
-
-CANARY_DEADLINE_S = 30.0
-HEAD_DEADLINE_S = 90.0
-CLUSTER_DEADLINE_S = 120.0
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:
@@ -131,7 +128,15 @@ def attempt_key() -> str:
 class NodeTask:
     """Picklable callable: submitit runs it once on every node of the allocation."""
 
-    def __init__(self, run_dir: str, roles: list[str], plan: Plan | None, hold_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        roles: list[str],
+        plan: Plan | None,
+        hold_s: float = 0.0,
+        *,
+        bootstrap: BootstrapConfig,
+    ) -> None:
         self._driver: Any = None
         """The thread running the training loop on the head node (only while it runs)."""
         self.run_dir = run_dir
@@ -140,6 +145,8 @@ class NodeTask:
         """What the driver trains; None: a smoke run that only places one actor per node by role."""
         self.hold_s = hold_s
         """Keep the Ray cluster up this long after the driver (debugging; the seed of `hpcrl debug`)."""
+        self.bootstrap = bootstrap
+        """The start-up deadlines (``cluster.bootstrap``): smoke and debug jobs have no plan, but wait too."""
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_driver": None}  # a thread does not pickle (submitit pickles tasks)
@@ -166,15 +173,19 @@ class NodeTask:
             _write(canary, {"host": spec.host})
         _wait_for(
             canary,
-            CANARY_DEADLINE_S,
-            f"node {spec.node_id} ({spec.host}) cannot see the shared run directory {run_dir}",
+            self.bootstrap.shared_dir_s,
+            f"node {spec.node_id} ({spec.host}) cannot see the shared run directory {run_dir} "
+            f"after {self.bootstrap.shared_dir_s:g}s (cluster.bootstrap.shared_dir_s)",
         )
         head_file = run_dir / "ray" / f"head-{job_id}.json"
         done_file = run_dir / "ray" / f"done-{job_id}"
         if spec.node_id == 0:
             return self._head(spec, run_dir, job_id, head_file, done_file)
         _wait_for(
-            head_file, HEAD_DEADLINE_S, f"node {spec.node_id} ({spec.host}): the Ray head never came up"
+            head_file,
+            self.bootstrap.ray_head_s,
+            f"node {spec.node_id} ({spec.host}): the Ray head did not come up within "
+            f"{self.bootstrap.ray_head_s:g}s (cluster.bootstrap.ray_head_s)",
         )
         head_ip = json.loads(head_file.read_text())["ip"]
         proc = start_node(spec, run_dir, head_ip, job_id)
@@ -212,7 +223,9 @@ class NodeTask:
                 flush=True,
             )
 
-        return DelayedSubmission(NodeTask(self.run_dir, self.roles, self.plan, self.hold_s))
+        return DelayedSubmission(
+            NodeTask(self.run_dir, self.roles, self.plan, self.hold_s, bootstrap=self.bootstrap)
+        )
 
     def _drive(self, run_dir: Path, address: str) -> dict[str, float]:
         import ray
@@ -263,7 +276,7 @@ class NodeTask:
             os.environ.update(auth_env(run_dir / "ray" / "token"))
             gpus = spec.gpus * len(self.roles)  # every node gets the same --gpus-per-node
             waited = wait_for_cluster(
-                f"{spec.ip}:{GCS_PORT}", len(self.roles), gpus, CLUSTER_DEADLINE_S, proc
+                f"{spec.ip}:{GCS_PORT}", len(self.roles), gpus, self.bootstrap.ray_nodes_s, proc
             )
             ready_s = time.monotonic() - started
             job_start = float(os.environ.get("HPCRL_JOB_START", "nan"))

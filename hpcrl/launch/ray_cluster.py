@@ -148,6 +148,7 @@ def wait_for_cluster(
             pass
         if time.monotonic() - start > deadline_s:
             raise BootstrapError(
-                f"only part of the Ray cluster registered after {deadline_s:.0f}s (wanted {nodes} nodes)"
+                f"only part of the Ray cluster registered after {deadline_s:.0f}s (wanted {nodes} nodes; "
+                "cluster.bootstrap.ray_nodes_s)"
             )
         time.sleep(0.2)

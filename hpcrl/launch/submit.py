@@ -53,6 +53,7 @@ def submit(
             plan.topology.node_roles(),
             None if smoke or debug else plan,
             hold_s=math.inf if debug else hold_s,
+            bootstrap=cfg.cluster.bootstrap,
         )
         job = executor.submit(task)
     except Exception as exc:  # submitit raises RuntimeError/FailedSubmissionError with sbatch's own words

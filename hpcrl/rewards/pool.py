@@ -1,9 +1,10 @@
-"""Reward worker pool: verifiers run in separate processes with a hard per-sample time limit.
+"""Reward pool: verifiers run in separate processes with a hard per-sample time limit.
 
 An adversarial completion that makes SymPy spin, or a verifier that crashes its process, costs
-that one sample (scored as timeout/error, counted apart) and a worker restart, never the run.
-Each worker has its own pipe and gets one task at a time, so the parent always knows which task
-a worker holds and since when: a killed or dead worker can never lose a task silently.
+that one sample (scored as timeout/error, counted apart) and a process restart, never the run.
+Each process has its own pipe and gets one task at a time, so the parent always knows which task
+a process holds and since when: a killed or dead process can never lose a task silently.
+How many processes, the time limit and the start-up deadline: ``rewards.*`` (``rewards/config.py``).
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ class Task:
     prompt: str
 
 
-def _worker(verifier_name: str, plugins: str, conn: Connection) -> None:
+def _serve(verifier_name: str, plugins: str, conn: Connection) -> None:
+    """One reward process: warm up, say READY, then score one task at a time until told to stop."""
     import logging
 
     logging.disable(logging.WARNING)  # math-verify warns on every call that its own timeouts are off
     import signal
 
     # Slurm's warning signal (USR2) reaches every process of the step; the driver handles it, and a
-    # worker killed by it would score its sample as an error.
+    # reward process killed by it would score its sample as an error.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     load_plugins(plugins)
     verify = get_verifier(verifier_name)
@@ -59,8 +61,6 @@ def _worker(verifier_name: str, plugins: str, conn: Connection) -> None:
 
 
 READY = ("ready", None)
-STARTUP_S = 300.0
-"""A worker that has not warmed up by then is broken (not slow): the pool stops with an error."""
 
 
 @dataclass
@@ -74,18 +74,23 @@ class _Slot:
 
 
 class RewardPool:
-    def __init__(self, verifier: str, workers: int = 2, timeout_s: float = 5.0) -> None:
+    """``processes`` verifier processes; ``timeout_s`` per sample; ``start_timeout_s`` for a process to
+    warm up (the run's values: ``rewards.*``)."""
+
+    def __init__(
+        self, verifier: str, processes: int, timeout_s: float, start_timeout_s: float = 300.0
+    ) -> None:
         self.plugins = os.environ.get("HPCRL_PLUGINS", "")
         load_plugins(self.plugins)
         get_verifier(verifier)  # fail here, in the caller, on an unknown name
-        self.verifier, self.timeout_s = verifier, timeout_s
+        self.verifier, self.timeout_s, self.start_timeout_s = verifier, timeout_s, start_timeout_s
         self.ctx = mp.get_context("spawn")  # no fork of a process that holds torch/Ray threads
-        self.slots = [self._spawn() for _ in range(workers)]
+        self.slots = [self._spawn() for _ in range(processes)]
         self.restarts = 0
 
     def _spawn(self) -> _Slot:
         parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_worker, args=(self.verifier, self.plugins, child), daemon=True)
+        proc = self.ctx.Process(target=_serve, args=(self.verifier, self.plugins, child), daemon=True)
         proc.start()
         child.close()
         return _Slot(proc, parent, spawned=time.monotonic())
@@ -118,7 +123,7 @@ class RewardPool:
                 if slot.conn in ready:
                     try:
                         index, value = slot.conn.recv()
-                    except (EOFError, OSError):  # the worker died mid-task
+                    except (EOFError, OSError):  # the process died mid-task
                         outcomes[slot.task] = Outcome.error
                         self._replace(i)
                         continue
@@ -130,16 +135,17 @@ class RewardPool:
         return [outcomes[t.index] for t in tasks]
 
     def _await_ready(self, i: int, slot: _Slot, readable: bool) -> None:
-        """A starting worker: ready once it says so; restarted if it died; an error past STARTUP_S."""
+        """A starting process: ready once it says so; restarted if it died; an error past start_timeout_s."""
         if readable:
             try:
                 slot.ready = slot.conn.recv() == READY
             except (EOFError, OSError):
                 self._replace(i)
-        elif time.monotonic() - slot.spawned > STARTUP_S:
+        elif time.monotonic() - slot.spawned > self.start_timeout_s:
             raise RuntimeError(
-                f"reward worker for verifier {self.verifier!r} did not start within {STARTUP_S:.0f} s "
-                f"(plugins: {self.plugins or 'none'}); check that the verifier imports in a fresh process"
+                f"reward process for verifier {self.verifier!r} did not start within "
+                f"{self.start_timeout_s:.0f} s (rewards.start_timeout_s; plugins: {self.plugins or 'none'}); "
+                "check that the verifier imports in a fresh process"
             )
 
     def close(self) -> None:

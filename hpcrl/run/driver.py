@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,26 +58,79 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
 
     ``slurm``: actors ask for the job's GPUs (real or the test cluster's fake ones) and are spread
     over the topology's nodes; locally there is one trainer and one engine without GPU requests."""
-    import torch
-
-    from hpcrl.data.loader import PromptStream, load_examples
     from hpcrl.rewards.pool import RewardPool
-    from hpcrl.run.checkpoint import CheckpointManager, load_state
-    from hpcrl.run.fleet import Fleet
     from hpcrl.run.loop import train
-    from hpcrl.run.metrics import MetricsLogger
     from hpcrl.run.preempt import REQUEST
-    from hpcrl.run.rundir import atomic_write_text, config_yaml
 
     REQUEST.reset()  # a request belongs to one run (tests and `debug` run several in one process)
     cfg = plan.cfg
     started = time.perf_counter()
     say(f"run directory {run_dir}")
+    run = _prepare(plan, run_dir)
+    scratch = Path(tempfile.mkdtemp(prefix="hpcrl-"))  # short path: Ray's socket names have a length limit
+    try:
+        connect(scratch)
+        actors = _start_actors(plan, run.model_dir, scratch, run_dir, slurm=slurm)
+        start_step = _resume(actors, run)
+        rewards = cfg.rewards
+        processes = rewards.process_count()
+        with RewardPool(cfg.data.verifier, processes, rewards.timeout_s, rewards.start_timeout_s) as pool:
+            say(
+                f"ready after {time.perf_counter() - started:.0f}s ({processes} reward processes); "
+                f"training {cfg.algo.max_steps} steps"
+            )
+            last = train(
+                cfg,
+                actors,
+                pool,
+                run.encode,
+                run.pad_id,
+                run.stream,
+                run.val,
+                run.ckpt,
+                run.logger,
+                say,
+                start_step,
+            )
+    finally:
+        run.logger.close()
+        if "ray" in sys.modules:
+            import ray
+
+            ray.shutdown()
+        shutil.rmtree(scratch, ignore_errors=True)
+    summarize(run_dir, run.ckpt, started)
+    return last
+
+
+@dataclass
+class _Run:
+    """What the driver holds for one run besides the actors: model, tokenizer, data, checkpoints, logs."""
+
+    model_dir: Path
+    encode: Callable[[str], list[int]]
+    pad_id: int
+    stream: Any
+    """The training prompts (``PromptStream``), in the order the checkpoint restores."""
+    val: list[Any]
+    ckpt: Any
+    logger: Any
+
+
+def _prepare(plan: Plan, run_dir: Path) -> _Run:
+    """Model, tokenizer, data, the seeded RNGs, checkpoints and the metrics log, before Ray starts."""
+    import torch
+
+    from hpcrl.data.loader import PromptStream, load_examples
+    from hpcrl.run.checkpoint import CheckpointManager
+    from hpcrl.run.metrics import MetricsLogger
+    from hpcrl.run.rundir import config_yaml
+
+    cfg = plan.cfg
     model_dir = prepare_model(plan)
     encode, pad_id = make_encoder(model_dir, cfg.data.template)
     train_ex, val_ex = load_examples(cfg.data, cfg.run.seed)
     say(f"data: {len(train_ex)} training / {len(val_ex)} validation prompts ({cfg.data.name})")
-    scratch = Path(tempfile.mkdtemp(prefix="hpcrl-"))  # short path: Ray's socket names have a length limit
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     ckpt = CheckpointManager(
@@ -87,41 +141,41 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
     )
     stream = PromptStream(train_ex, cfg.run.seed)
     logger = MetricsLogger(run_dir, cfg.logger, cfg.run.name, {"config": config_yaml(cfg)})
-    try:
-        connect(scratch)
-        say("starting trainer and rollout workers")
-        rt = Fleet.start(
-            plan,
-            model_dir,
-            scratch,
-            device="cuda" if torch.cuda.is_available() else "cpu",
-            gpu_resources=slurm,
-        )
-        say(f"placed: {rt.describe()}")
-        atomic_write_text(run_dir / "placement.json", json.dumps({"actors": rt.placement}, indent=1))
-        start_step = 0
-        latest = ckpt.latest()
-        if latest is not None:
-            state = load_state(latest)
-            rt.load_state_dict(state["trainer"])
-            stream.restore(state["stream"])
-            random.setstate(state["rng"]["python"])
-            torch.set_rng_state(state["rng"]["torch"])
-            rt.sync_weights()
-            start_step = int(state["step"])
-            say(f"resumed from {latest.path} (step {start_step})")
-        with RewardPool(cfg.data.verifier, workers=2, timeout_s=5.0) as pool:
-            say(f"ready after {time.perf_counter() - started:.0f}s; training {cfg.algo.max_steps} steps")
-            last = train(cfg, rt, pool, encode, pad_id, stream, val_ex, ckpt, logger, say, start_step)
-    finally:
-        logger.close()
-        if "ray" in sys.modules:
-            import ray
+    return _Run(model_dir, encode, pad_id, stream, val_ex, ckpt, logger)
 
-            ray.shutdown()
-        shutil.rmtree(scratch, ignore_errors=True)
-    summarize(run_dir, ckpt, started)
-    return last
+
+def _start_actors(plan: Plan, model_dir: Path, scratch: Path, run_dir: Path, *, slurm: bool) -> Any:
+    """The trainer ranks and rollout engines (``Fleet``), placed; where each landed goes to placement.json."""
+    import torch
+
+    from hpcrl.run.fleet import Fleet
+    from hpcrl.run.rundir import atomic_write_text
+
+    say("starting trainer and rollout actors")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    actors = Fleet.start(plan, model_dir, scratch, device=device, gpu_resources=slurm)
+    say(f"placed: {actors.describe()}")
+    atomic_write_text(run_dir / "placement.json", json.dumps({"actors": actors.placement}, indent=1))
+    return actors
+
+
+def _resume(actors: Any, run: _Run) -> int:
+    """Restore the latest checkpoint, if any (weights to the engines too); the step it was taken after."""
+    import torch
+
+    from hpcrl.run.checkpoint import load_state
+
+    latest = run.ckpt.latest()
+    if latest is None:
+        return 0
+    state = load_state(latest)
+    actors.load_state_dict(state["trainer"])
+    run.stream.restore(state["stream"])
+    random.setstate(state["rng"]["python"])
+    torch.set_rng_state(state["rng"]["torch"])
+    actors.sync_weights()
+    say(f"resumed from {latest.path} (step {state['step']})")
+    return int(state["step"])
 
 
 def summarize(run_dir: Path, ckpt: Any, started: float) -> None:
