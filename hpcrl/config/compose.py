@@ -169,8 +169,8 @@ def explain_hydra_error(exc: BaseException) -> str:
         key = unknown.group(1) or unknown.group(2)
         group, _, leaf = key.partition(".")
         if leaf == "backend" and group in ("trainer", "rollout"):
-            options = " or ".join(f"{group}={p.stem}" for p in sorted((conf_dir() / group).glob("*.yaml")))
-            return f"unknown key '{key}': the {group} group chooses the backend; use {options} instead"
+            choices = " or ".join(f"{group}={p.stem}" for p in sorted((conf_dir() / group).glob("*.yaml")))
+            return f"unknown key '{key}': the {group} group chooses the backend; use {choices} instead"
         return f"unknown key '{key}': no such field in the schema; check the spelling (`hpcrl show` lists every key)"
     if "Available options" in text:
         listed = text.split("Available options", 1)[1].split("Config search path", 1)[0]

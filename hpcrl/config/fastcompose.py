@@ -121,6 +121,29 @@ def compose(
 
 
 def _compose(conf_dir: Path, overrides: list[str], schemas: dict[tuple[str, str], type], root: type) -> Any:
+    selected, order, primary_body = _primary(conf_dir)
+    group_cli, experiments, values = _parse_overrides(overrides, selected)
+    experiment_body: dict[str, Any] = {}
+    for name in experiments:
+        experiment_body = _experiment(conf_dir, name, selected, seen=())
+    selected.update(group_cli)  # the command line wins over a recipe's overrides, as in Hydra
+
+    merged: dict[str, Any] = {}
+    chosen_schema: dict[str, type] = {}
+    for group in order:
+        body, schema = _group(conf_dir, group, selected[group], schemas)
+        if schema is not None:
+            chosen_schema[group] = schema
+        _merge(merged.setdefault(group, {}), body)
+    _merge(merged, primary_body)
+    _merge(merged, experiment_body)
+    for path, value, appended in values:
+        _set_value(merged, path, value, appended, _ends_in_map(root, chosen_schema, path))
+    return build(root, merged, chosen_schema)
+
+
+def _primary(conf_dir: Path) -> tuple[dict[str, str], list[str], dict[str, Any]]:
+    """``config.yaml``: the option each group defaults to, the groups in order, and its own body."""
     primary_defaults, primary_body = _split_defaults(_load(conf_dir / "config.yaml")[1])
     selected: dict[str, str] = {}
     order: list[str] = []
@@ -136,7 +159,13 @@ def _compose(conf_dir: Path, overrides: list[str], schemas: dict[tuple[str, str]
             raise Unsupported(f"defaults entry {entry!r}")
         selected[key] = option
         order.append(key)
+    return selected, order, primary_body
 
+
+def _parse_overrides(
+    overrides: list[str], groups: dict[str, str]
+) -> tuple[dict[str, str], list[str], list[tuple[list[str], Any, bool]]]:
+    """(group choices, experiments, (dotted path, value, ``+``-appended) assignments) of the command line."""
     group_cli: dict[str, str] = {}
     experiments: list[str] = []
     values: list[tuple[list[str], Any, bool]] = []
@@ -148,7 +177,7 @@ def _compose(conf_dir: Path, overrides: list[str], schemas: dict[tuple[str, str]
         key = key.lstrip("+")
         if key == "experiment":
             experiments.append(text)
-        elif key in selected:
+        elif key in groups:
             if appended:
                 raise Unsupported(item)
             group_cli[key] = text
@@ -158,41 +187,37 @@ def _compose(conf_dir: Path, overrides: list[str], schemas: dict[tuple[str, str]
             raise Unsupported(item)
     if len(experiments) > 1:
         raise Unsupported("several experiments")
+    return group_cli, experiments, values
 
-    experiment_body: dict[str, Any] = {}
-    for name in experiments:
-        experiment_body = _experiment(conf_dir, name, selected, seen=())
-    selected.update(group_cli)  # the command line wins over a recipe's overrides, as in Hydra
 
-    merged: dict[str, Any] = {}
-    chosen_schema: dict[str, type] = {}
-    for group in order:
-        package, body = _load(conf_dir / group / f"{selected[group]}.yaml")
-        if package is not None:
-            raise Unsupported(f"{group}/{selected[group]} has a @package header")
-        group_defaults, body = _split_defaults(body)
-        for entry in group_defaults:
-            if entry == "_self_":
-                continue
-            schema = schemas.get((group, entry)) if isinstance(entry, str) else None
-            if schema is None:
-                raise Unsupported(f"{group} defaults entry {entry!r}")
-            chosen_schema[group] = schema
-        _merge(merged.setdefault(group, {}), body)
-    _merge(merged, primary_body)
-    _merge(merged, experiment_body)
-    for path, value, appended in values:
-        node = merged
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise Unsupported(".".join(path))
-        # Hydra: ``+key`` only adds a map entry that is not there yet; a bare key must exist.
-        into_map = _ends_in_map(root, chosen_schema, path)
-        if (into_map and appended == (path[-1] in node)) or (appended and not into_map):
+def _group(
+    conf_dir: Path, group: str, option: str, schemas: dict[tuple[str, str], type]
+) -> tuple[dict[str, Any], type | None]:
+    """The body of ``<group>/<option>.yaml`` and the schema its defaults name (None: the root's type)."""
+    package, body = _load(conf_dir / group / f"{option}.yaml")
+    if package is not None:
+        raise Unsupported(f"{group}/{option} has a @package header")
+    group_defaults, body = _split_defaults(body)
+    chosen = None
+    for entry in group_defaults:
+        if entry == "_self_":
+            continue
+        chosen = schemas.get((group, entry)) if isinstance(entry, str) else None
+        if chosen is None:
+            raise Unsupported(f"{group} defaults entry {entry!r}")
+    return body, chosen
+
+
+def _set_value(merged: dict[str, Any], path: list[str], value: Any, appended: bool, into_map: bool) -> None:
+    node = merged
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
             raise Unsupported(".".join(path))
-        node[path[-1]] = value
-    return build(root, merged, chosen_schema)
+    # Hydra: ``+key`` only adds a map entry that is not there yet; a bare key must exist.
+    if (into_map and appended == (path[-1] in node)) or (appended and not into_map):
+        raise Unsupported(".".join(path))
+    node[path[-1]] = value
 
 
 def _ends_in_map(root: type, chosen: dict[str, type], path: list[str]) -> bool:
@@ -253,7 +278,7 @@ def _experiment(conf_dir: Path, name: str, selected: dict[str, str], seen: tuple
 def _hints(cls: type) -> dict[str, Any]:
     """The types of the dataclass fields of ``cls`` (class variables such as ``backend`` are not keys)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def build(cls: type, data: dict[str, Any], top_schemas: dict[str, type] | None = None) -> Any:
