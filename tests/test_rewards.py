@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from hpcrl.rewards.config import RewardsConfig
 from hpcrl.rewards.pool import RewardPool, Task
 from hpcrl.rewards.verifiers import Outcome, get_verifier, math_verify, math_verify_structural
 
@@ -44,7 +45,7 @@ def test_unknown_verifier_names_the_registered_ones():
 @pytest.mark.slow
 def test_pool_survives_hanging_crashing_and_raising_verifiers(monkeypatch):
     monkeypatch.setenv("HPCRL_PLUGINS", "tests.verifier_plugins")
-    with RewardPool("test_adversarial", processes=2, timeout_s=1.0) as pool:
+    with RewardPool("test_adversarial", RewardsConfig(processes=2, timeout_s=1.0)) as pool:
         tasks = [Task(i, c, "ok", "") for i, c in enumerate(["ok", "hang", "no", "crash", "raise", "ok"])]
         start = time.monotonic()
         out = pool.score(tasks)
@@ -62,14 +63,14 @@ def test_process_start_up_does_not_count_against_the_first_sample(monkeypatch):
     """Reward processes warm up (imports, first-call parser builds) before taking work: a 2 s first call
     with a 1 s limit per sample times nothing out."""
     monkeypatch.setenv("HPCRL_PLUGINS", "tests.verifier_plugins")
-    with RewardPool("test_slow_first_call", processes=2, timeout_s=1.0) as pool:
+    with RewardPool("test_slow_first_call", RewardsConfig(processes=2, timeout_s=1.0)) as pool:
         out = pool.score([Task(i, c, "ok", "") for i, c in enumerate(["ok", "no", "ok"])])
     assert out == [Outcome.correct, Outcome.wrong, Outcome.correct]
 
 
 @pytest.mark.slow
 def test_pool_scores_math_in_processes():
-    with RewardPool("math", processes=2, timeout_s=5.0) as pool:
+    with RewardPool("math", RewardsConfig(processes=2)) as pool:
         tasks = [
             Task(i, c, a, "") for i, (c, a) in enumerate([("\\boxed{2}", "2"), ("3", "2"), ("x", "2")] * 20)
         ]
@@ -80,6 +81,6 @@ def test_pool_scores_math_in_processes():
 
 @pytest.mark.slow
 def test_a_process_that_does_not_start_in_time_stops_the_pool_naming_the_key():
-    with RewardPool("math", processes=1, timeout_s=1.0, start_timeout_s=0.01) as pool:  # noqa: SIM117
+    with RewardPool("math", RewardsConfig(processes=1, start_timeout_s=0.01)) as pool:  # noqa: SIM117
         with pytest.raises(RuntimeError, match=r"rewards\.start_timeout_s"):
             pool.score([Task(0, "\\boxed{2}", "2", "")])

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from hpcrl.rewards.config import RewardsConfig
 from hpcrl.rewards.verifiers import Outcome, Verdict, get_verifier, load_plugins
 
 
@@ -74,18 +75,19 @@ class _Slot:
 
 
 class RewardPool:
-    """``processes`` verifier processes; ``timeout_s`` per sample; ``start_timeout_s`` for a process to
-    warm up (the run's values: ``rewards.*``)."""
+    """``verifier`` in ``settings.process_count()`` processes, under the run's ``rewards.*`` limits."""
 
-    def __init__(
-        self, verifier: str, processes: int, timeout_s: float, start_timeout_s: float = 300.0
-    ) -> None:
+    def __init__(self, verifier: str, settings: RewardsConfig) -> None:
         self.plugins = os.environ.get("HPCRL_PLUGINS", "")
         load_plugins(self.plugins)
         get_verifier(verifier)  # fail here, in the caller, on an unknown name
-        self.verifier, self.timeout_s, self.start_timeout_s = verifier, timeout_s, start_timeout_s
+        self.verifier, self.timeout_s, self.start_timeout_s = (
+            verifier,
+            settings.timeout_s,
+            settings.start_timeout_s,
+        )
         self.ctx = mp.get_context("spawn")  # no fork of a process that holds torch/Ray threads
-        self.slots = [self._spawn() for _ in range(processes)]
+        self.slots = [self._spawn() for _ in range(settings.process_count())]
         self.restarts = 0
 
     def _spawn(self) -> _Slot:

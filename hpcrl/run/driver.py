@@ -72,11 +72,9 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
         connect(scratch)
         actors = _start_actors(plan, run.model_dir, scratch, run_dir, slurm=slurm)
         start_step = _resume(actors, run)
-        rewards = cfg.rewards
-        processes = rewards.process_count()
-        with RewardPool(cfg.data.verifier, processes, rewards.timeout_s, rewards.start_timeout_s) as pool:
+        with RewardPool(cfg.data.verifier, cfg.rewards) as pool:
             say(
-                f"ready after {time.perf_counter() - started:.0f}s ({processes} reward processes); "
+                f"ready after {time.perf_counter() - started:.0f}s ({len(pool.slots)} reward processes); "
                 f"training {cfg.algo.max_steps} steps"
             )
             last = train(
