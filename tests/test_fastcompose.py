@@ -25,6 +25,8 @@ PLAIN = [
     ["+experiment=grpo-tiny-1n1g-fsdp", "+cluster.env.NCCL_DEBUG=INFO", "run.name=my-run.v2"],
     ["cluster=gb200", "cluster.slurm.time=08:00:00", "cluster.container.image=nvcr.io/nv/rl:v0.4"],
     ["checkpoint.dir=null", "logger.wandb=True", "algo.dual_clip=3", "algo.eps_high=0.28", "run.seed=-1"],
+    ["rewards.processes=4", "rewards.timeout_s=2", "cluster=h100", "cluster.bootstrap.ray_nodes_s=600"],
+    ["trainer=megatron", "trainer.activation_checkpointing=false", "trainer.micro_batch_size=2"],
     *[[f"+experiment={name}"] for name in EXPERIMENTS],
 ]
 
@@ -45,6 +47,8 @@ def test_plain_overrides_compose_like_hydra(overrides):
 DEFERRED = [
     ["trainer.tp=abc"],  # a type Hydra reports
     ["trainer.typo=1"],  # an unknown key
+    ["trainer=megatron", "trainer.backend=fsdp"],  # the backend is the schema class, not a key
+    ["rollout.backend=hf"],
     ["cluster=nope"],  # an unknown option
     ["algo.kl_type=k9"],  # not an enum member
     ["model.num_layers=[1,2]"],  # list syntax
