@@ -63,9 +63,9 @@ def bench_backend(backend: str, model_dir: Path, batch: int, seq: int, local_spe
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
             spec.layer_spec = lambda config, fam: get_gpt_layer_local_spec(normalization="RMSNorm")  # type: ignore[assignment]
-            import hpcrl.trainer.megatron.trainer as mt
+            import hpcrl.trainer.megatron.model as mm  # builds the GPTModel from the spec
 
-            mt.layer_spec = spec.layer_spec
+            mm.layer_spec = spec.layer_spec
     trainer = make_trainer(model_dir, cfg, 0, 1, f"127.0.0.1:{free_port()}", "cuda")
     b = grpo_batch(batch, seq)
     torch.cuda.reset_peak_memory_stats()

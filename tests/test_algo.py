@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from hpcrl.algo.advantages import group_advantages
-from hpcrl.algo.config import Baseline, ISCorrection, KLType, LossAgg
+from hpcrl.algo.config import AlgoConfig, Baseline, ISCorrection, KLType, LossAgg
 from hpcrl.algo.losses import (
+    PolicyLoss,
     aggregate,
     clipped_surrogate,
     gen_kl_error,
-    grpo_loss,
     importance_weights,
     kl_penalty,
 )
@@ -122,11 +122,8 @@ class TestAggregationAndIS:
 
     def test_full_loss_combines_terms(self):
         logp = t([lg(0.5)])
-        terms = grpo_loss(
-            logp, logp, t([lg(0.25)]), logp, t(1.0)[0:1].reshape(1), t([1.0]),
-            eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.1, kl_type=KLType.k3,
-            agg=LossAgg.token, is_correction=ISCorrection.none, is_cap=2.0,
-        )  # fmt: skip
+        loss = PolicyLoss(kl_coef=0.1, kl_type=KLType.k3, loss_agg=LossAgg.token)
+        terms = loss(logp, logp, t([lg(0.25)]), logp, t(1.0)[0:1].reshape(1), t([1.0]))
         kl = 0.5 - 1 + math.log(2)
         assert float(terms.policy) == pytest.approx(-1.0)
         assert float(terms.kl) == pytest.approx(kl)
@@ -134,13 +131,23 @@ class TestAggregationAndIS:
 
     def test_loss_gradient_pushes_up_positive_advantage(self):
         logp = torch.tensor([[lg(0.5)]], dtype=torch.float64, requires_grad=True)
-        terms = grpo_loss(
-            logp, logp.detach(), None, logp.detach(), t(1.0)[0:1].reshape(1), t([1.0]),
-            eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0, kl_type=KLType.k3,
-            agg=LossAgg.token, is_correction=ISCorrection.none, is_cap=2.0,
-        )  # fmt: skip
+        loss = PolicyLoss(kl_coef=0.0)
+        terms = loss(logp, logp.detach(), None, logp.detach(), t(1.0)[0:1].reshape(1), t([1.0]))
         terms.loss.backward()
         assert logp.grad is not None and logp.grad.item() == pytest.approx(-1.0)
+
+    def test_rollout_correction_weights_the_surrogate(self):
+        # old/rollout ratio 3 capped at 2 (TIS): the surrogate -r A = -1 is weighted by 2
+        logp = t([lg(0.6)])
+        loss = PolicyLoss(is_correction=ISCorrection.tis, is_cap=2.0)
+        terms = loss(logp, logp, None, t([lg(0.2)]), t(1.0)[0:1].reshape(1), t([1.0]))
+        assert float(terms.policy) == pytest.approx(-2.0)
+
+    def test_built_from_the_algo_settings(self):
+        algo = AlgoConfig(eps_high=0.28, dual_clip=3.0, kl_coef=0.0, loss_agg=LossAgg.sequence)
+        loss = PolicyLoss.from_config(algo)
+        assert (loss.eps_low, loss.eps_high, loss.dual_clip) == (0.2, 0.28, 3.0)
+        assert (loss.kl_coef, loss.loss_agg, loss.is_correction) == (0.0, LossAgg.sequence, ISCorrection.none)
 
 
 class TestShaping:

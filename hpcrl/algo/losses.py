@@ -1,15 +1,16 @@
-"""Policy-gradient loss pieces: clipped surrogate, KL to the reference, importance-sampling correction.
+"""The policy-gradient objective: ``PolicyLoss`` (GRPO/DAPO, built once from ``algo``) and its
+pieces (clipped surrogate, KL to the reference, rollout importance-sampling correction, aggregation).
 
-All functions take per-token tensors of shape [batch, tokens] and a 0/1 ``mask`` of generated tokens.
+Every function takes per-token tensors of shape [batch, tokens] and a 0/1 ``mask`` of generated tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from hpcrl.algo.config import ISCorrection, KLType, LossAgg
+from hpcrl.algo.config import AlgoConfig, ISCorrection, KLType, LossAgg
 
 MAX_LOG_RATIO = 20.0  # clamp |log ratio| before exp() so a large mismatch cannot overflow
 
@@ -89,36 +90,57 @@ class LossTerms:
     clip_fraction: torch.Tensor
 
 
-def grpo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    rollout_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: float | None,
-    kl_coef: float,
-    kl_type: KLType,
-    agg: LossAgg,
-    is_correction: ISCorrection,
-    is_cap: float,
-) -> LossTerms:
-    """The full per-batch objective: IS-weighted clipped surrogate + kl_coef * KL, aggregated."""
-    surrogate, clipped = clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high, dual_clip)
-    surrogate = surrogate * importance_weights(old_logp, rollout_logp, is_correction, is_cap)
-    policy = aggregate(surrogate, mask, agg)
-    kl = (
-        aggregate(kl_penalty(logp, ref_logp, kl_type), mask, agg)
-        if ref_logp is not None and kl_coef
-        else None
-    )
-    total = policy + kl_coef * kl if kl is not None else policy
-    return LossTerms(
-        loss=total,
-        policy=policy.detach(),
-        kl=kl.detach() if kl is not None else torch.zeros((), device=total.device),
-        clip_fraction=(clipped * mask).sum() / mask.sum().clamp(min=1),
-    )
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The GRPO/DAPO objective over the generated tokens of a batch, built once from ``algo``:
+
+        loss = agg(w * max(-r A, -clip(r, 1 - eps_low, 1 + eps_high) A)) + kl_coef * agg(KL(pi || pi_ref))
+
+    r = pi / pi_old per token (pi_old: the policy that generated the rollouts, as the trainer scores
+    it), A the sequence's advantage, w the rollout correction (``is_correction``: TIS or icepop on
+    pi_old / pi_rollout), dual clip optional, agg per token or per sequence. GRPO and DAPO are
+    settings of it (the ``algo`` groups): DAPO's clip-higher is ``eps_high``, its token-level mean
+    ``loss_agg=token``.
+    """
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    kl_type: KLType = KLType.k3
+    loss_agg: LossAgg = LossAgg.token
+    is_correction: ISCorrection = ISCorrection.none
+    is_cap: float = 2.0
+
+    @classmethod
+    def from_config(cls, algo: AlgoConfig) -> PolicyLoss:
+        """The settings of the same names in ``algo``."""
+        return cls(**{f.name: getattr(algo, f.name) for f in fields(cls)})
+
+    def __call__(
+        self,
+        logp: torch.Tensor,
+        old_logp: torch.Tensor,
+        ref_logp: torch.Tensor | None,
+        rollout_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> LossTerms:
+        """``logp`` carries the gradient; ``ref_logp`` None (or ``kl_coef`` 0) leaves the KL term out."""
+        surrogate, clipped = clipped_surrogate(
+            logp, old_logp, advantages, self.eps_low, self.eps_high, self.dual_clip
+        )
+        surrogate = surrogate * importance_weights(old_logp, rollout_logp, self.is_correction, self.is_cap)
+        policy = aggregate(surrogate, mask, self.loss_agg)
+        kl = (
+            aggregate(kl_penalty(logp, ref_logp, self.kl_type), mask, self.loss_agg)
+            if ref_logp is not None and self.kl_coef
+            else None
+        )
+        total = policy + self.kl_coef * kl if kl is not None else policy
+        return LossTerms(
+            loss=total,
+            policy=policy.detach(),
+            kl=kl.detach() if kl is not None else torch.zeros((), device=total.device),
+            clip_fraction=(clipped * mask).sum() / mask.sum().clamp(min=1),
+        )

@@ -1,4 +1,6 @@
-"""The trainer interface every backend implements (fsdp here, megatron in its own module)."""
+"""The trainer interface the driver's actors call (``Trainer``: fsdp.py and megatron/ implement it),
+and what both backends do alike to a freshly loaded model (``freeze``). The training step they share
+is step.py's."""
 
 from __future__ import annotations
 
@@ -31,3 +33,11 @@ class Trainer(Protocol):
         ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def freeze(model: torch.nn.Module, names: list[str]) -> None:
+    """``trainer.freeze``: parameters whose name contains any of ``names`` get no gradient."""
+    for name in names:
+        for pname, param in model.named_parameters():
+            if name in pname:
+                param.requires_grad_(False)

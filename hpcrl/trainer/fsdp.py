@@ -1,9 +1,9 @@
 """FSDP2 training backend: parameters, gradients and optimizer state sharded with ``fully_shard``
 over the training ranks (NCCL on GPUs, gloo on CPU).
 
-Per optimizer step: the batch is split into ``num_minibatches``; each minibatch is walked in
-micro-batches of ``trainer.micro_batch_size`` sequences with gradients accumulated, the gradient
-norm is clipped, and AdamW steps once.
+The step itself (minibatches, micro-batches, the loss) is trainer/step.py's; this backend supplies
+its forward (the Hugging Face model's, through the chunked log-prob head where installed) and its
+optimizer step (the gradient norm clipped over the sharded gradients, then AdamW).
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcrl.algo.losses import gen_kl_error, grpo_loss
 from hpcrl.config.schema import RunConfig
+from hpcrl.trainer.base import freeze
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import Precision
 from hpcrl.trainer.logprob_head import LogprobHead, install_logprob_head
+from hpcrl.trainer.step import LossFn, Metrics, StepBatch, TrainStep
 
 
 def init_process_group(rank: int, world: int, master: str, backend: str) -> None:
@@ -89,8 +90,6 @@ class FSDPTrainer:
         master: str = "127.0.0.1:29517",
         device: str = "cpu",
     ) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
         self.cfg, self.device = cfg, device
@@ -102,35 +101,18 @@ class FSDPTrainer:
             install_logprob_head(model)  # before the reference copy and sharding: both see the new head
         # The frozen reference policy for the KL term: a copy taken before any update.
         self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
-        for name in cfg.trainer.freeze:
-            for pname, param in model.named_parameters():
-                if name in pname:
-                    param.requires_grad_(False)
-        mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (world,))
-        shard: dict[str, Any] = {"mesh": mesh}
-        if device.startswith("cuda") and cfg.trainer.precision is Precision.bfloat16:
-            # fp32 sharded master weights and gradient reduction, bf16 compute
-            shard["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        # With one rank there is nothing to free by resharding: it would only re-gather (and re-cast to
-        # bf16) every layer's weights again for the backward pass.
-        reshard = getattr(cfg.trainer, "reshard_after_forward", True) and world > 1
-        compile_layers = device.startswith("cuda") and cfg.trainer.compile_layers()
-        # the text decoder's layers (inside the language model of a vision-language model too)
-        for layer in model.get_decoder().layers:
-            if compile_layers:
-                layer.compile()  # per decoder layer, before sharding (the torchtitan recipe)
-            fully_shard(layer, reshard_after_forward=reshard, **shard)
-        fully_shard(model, **shard)
-        self.model = model
+        freeze(model, cfg.trainer.freeze)
+        self.model = shard_model(model, cfg, device, world)
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=cfg.algo.lr,
             weight_decay=cfg.trainer.weight_decay,
             betas=(0.9, 0.999),
-            fused=True
-            if device.startswith("cuda")
-            else None,  # one kernel per step instead of ~10 per tensor list
+            fused=device.startswith("cuda") or None,  # one kernel per step instead of ~10 per tensor list
         )
+        self.step = TrainStep.from_config(cfg)
+        self._right_padded = True
+        """Whether this step's batch is right-padded (``token_logprobs``), checked once per step."""
 
     def data_rank(self) -> tuple[int, int]:
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -151,70 +133,33 @@ class FSDPTrainer:
         return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
 
     def train_step(self, batch: TrainBatch, ref_logp: torch.Tensor | None) -> dict[str, float]:
-        algo = self.cfg.algo
-        mask_ok = is_right_padded(batch.attention_mask)  # on the driver's CPU tensors, once per step
-        batch = batch.to(self.device)  # the driver sends CPU tensors
-        ref_logp = None if ref_logp is None else ref_logp.to(self.device)
+        self._right_padded = is_right_padded(batch.attention_mask)  # on the driver's CPU tensors, once
         self.model.train()
-        # The "old" policy is the one that generated the rollouts, as the trainer computes it. With a
-        # single optimizer step per batch it equals the current policy, so its logprobs come free from
-        # the training forward pass (logp.detach()) instead of a separate forward over the batch.
-        old_logp = None if algo.num_minibatches == 1 else self.logprobs(batch).to(self.device)
-        # Metrics stay 0-dim tensors on the device until the end of the step: a float() per metric
-        # would stall the CPU on the GPU before every backward and optimizer launch.
-        totals: dict[str, torch.Tensor] = {}
-
-        def add(key: str, value: torch.Tensor) -> None:
-            totals[key] = totals[key] + value if key in totals else value
-
-        if old_logp is not None:
-            add(
-                "gen_kl_error",
-                gen_kl_error(old_logp, batch.rollout_logp, batch.loss_mask) * algo.num_minibatches,
-            )
-        order = torch.arange(len(batch))
-        for minibatch in order.chunk(algo.num_minibatches):
-            self.optimizer.zero_grad(set_to_none=True)
-            tokens_in_minibatch = batch.loss_mask[minibatch].sum().clamp(min=1)
-            for start in range(0, len(minibatch), self.cfg.trainer.micro_batch_size):
-                idx = minibatch[start : start + self.cfg.trainer.micro_batch_size]
-                mb = batch.select(idx)
-                logp, entropy = token_logprobs(self.model, mb, right_padded=mask_ok)
-                old = logp.detach() if old_logp is None else old_logp[idx]
-                terms = grpo_loss(
-                    logp,
-                    old,
-                    ref_logp[idx] if ref_logp is not None else None,
-                    mb.rollout_logp,
-                    mb.advantages,
-                    mb.loss_mask,
-                    eps_low=algo.eps_low,
-                    eps_high=algo.eps_high,
-                    dual_clip=algo.dual_clip,
-                    kl_coef=algo.kl_coef,
-                    kl_type=algo.kl_type,
-                    agg=algo.loss_agg,
-                    is_correction=algo.is_correction,
-                    is_cap=algo.is_cap,
-                )
-                # Weight each micro-batch by its share of the minibatch's tokens so accumulation
-                # reproduces the full-minibatch mean (exact for token-level aggregation).
-                share = mb.loss_mask.sum() / tokens_in_minibatch
-                (terms.loss * share).backward()
-                add("loss", terms.loss.detach() * share)
-                if old_logp is None:
-                    add("gen_kl_error", gen_kl_error(old, mb.rollout_logp, mb.loss_mask) * share)
-                add("policy_loss", terms.policy * share)
-                add("kl", terms.kl * share)
-                add("clip_fraction", terms.clip_fraction * share)
-                add("entropy", (entropy.detach() * mb.loss_mask).sum() / tokens_in_minibatch)
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
-            add("grad_norm", norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-            self.optimizer.step()
-        keys = list(totals)
-        values = torch.stack([totals[k].float() for k in keys]).tolist()  # the step's one host sync
+        metrics = self.step(self, batch, ref_logp, self.device)
         self.model.eval()
-        return {k: v / algo.num_minibatches for k, v in zip(keys, values, strict=True)}
+        return metrics
+
+    # -- the step's backend (trainer/step.py) -------------------------------------------------------
+    def micro_batches(self, part: StepBatch, size: int) -> list[StepBatch]:
+        return [part.select(slice(i, i + size)) for i in range(0, len(part), size)]
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def forward_backward(self, micro_batches: list[StepBatch], loss_fn: LossFn) -> list[Metrics]:
+        out = []
+        for i, mb in enumerate(micro_batches):
+            logp, entropy = token_logprobs(self.model, mb.data, right_padded=self._right_padded)
+            loss, metrics = loss_fn(i, mb, logp, entropy)
+            loss.backward()
+            out.append(metrics)
+        return out
+
+    def optimizer_step(self) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        return norm
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Full weights in HF names. A tied lm_head is sent explicitly: vLLM's in-place reload does
@@ -252,6 +197,29 @@ class FSDPTrainer:
             optim_state_dict=state["optimizer"],
             options=StateDictOptions(full_state_dict=True),
         )
+
+
+def shard_model(model: Any, cfg: RunConfig, device: str, world: int) -> Any:
+    """``model`` under FSDP2 over the ``world`` training ranks, each decoder layer its own unit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (world,))
+    shard: dict[str, Any] = {"mesh": mesh}
+    if device.startswith("cuda") and cfg.trainer.precision is Precision.bfloat16:
+        # fp32 sharded master weights and gradient reduction, bf16 compute
+        shard["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # With one rank there is nothing to free by resharding: it would only re-gather (and re-cast to
+    # bf16) every layer's weights again for the backward pass.
+    reshard = getattr(cfg.trainer, "reshard_after_forward", True) and world > 1
+    compile_layers = device.startswith("cuda") and cfg.trainer.compile_layers()
+    # the text decoder's layers (inside the language model of a vision-language model too)
+    for layer in model.get_decoder().layers:
+        if compile_layers:
+            layer.compile()  # per decoder layer, before sharding (the torchtitan recipe)
+        fully_shard(layer, reshard_after_forward=reshard, **shard)
+    fully_shard(model, **shard)
+    return model
 
 
 def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:

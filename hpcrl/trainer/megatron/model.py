@@ -1,0 +1,147 @@
+"""The Megatron model for a Hugging Face checkpoint: whether this backend can build it
+(``check_buildable``), Megatron's parallel groups, the GPTModel of this rank's pipeline stage with its
+family's pieces (``build_model``), and the checkpoint's weights (``load_hf_weights``, ``model_shape``).
+
+At TP=1 the model can return its final hidden states instead of logits (``HiddenOutput``): the loss
+then reads log-probs from them in chunks (trainer/logprob_head.py).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcrl.plan.topology import TrainParallel
+from hpcrl.trainer.config import MEGATRON_FAMILIES, MegatronTrainerConfig
+from hpcrl.trainer.megatron.families.base import GPTFamily
+from hpcrl.trainer.megatron.spec import (
+    family,
+    family_of,
+    keep_pad_row_untrained,
+    layer_spec,
+    num_experts,
+    uses_fused_norms,
+)
+from hpcrl.trainer.megatron.weights import Shape
+
+
+def check_buildable(hf: Any, t: MegatronTrainerConfig, par: TrainParallel, model_dir: Path) -> int:
+    """Raise where this backend cannot build ``hf`` under ``par``; else the number of routed experts
+    per MoE layer (0: dense)."""
+    if family(hf) not in MEGATRON_FAMILIES:
+        raise ValueError(
+            f"trainer=megatron cannot build model_type {hf.model_type!r} yet "
+            f"(supported: {', '.join(MEGATRON_FAMILIES)}); use trainer=fsdp for {model_dir}"
+        )
+    experts = num_experts(hf)
+    if experts and t.moe_gap(hf.model_type):  # the planner refuses it before submitting
+        raise ValueError(t.moe_gap(hf.model_type))
+    if experts % par.ep:
+        raise ValueError(f"trainer.ep={par.ep} must divide the model's {experts} experts")
+    if hf.num_hidden_layers % par.pp:
+        raise ValueError(f"trainer.pp={par.pp} must divide the model's {hf.num_hidden_layers} layers")
+    return experts
+
+
+def init_parallel(par: TrainParallel, moe: bool, seed: int) -> None:
+    """Megatron's TP/PP/CP/EP groups (once per process) and its model-parallel RNG seeds."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=par.tp,
+            pipeline_model_parallel_size=par.pp,
+            context_parallel_size=par.cp,
+            expert_model_parallel_size=par.ep,
+            expert_tensor_parallel_size=par.expert_tp if moe else None,
+        )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def load_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(f))
+    return out
+
+
+def model_shape(hf: Any, tp: int) -> Shape:
+    heads = hf.num_attention_heads
+    padded = math.ceil(hf.vocab_size / tp) * tp
+    fam = family_of(hf)
+    return Shape(
+        heads=heads,
+        groups=hf.num_key_value_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        vocab=hf.vocab_size,
+        padded_vocab=padded,
+        fused_norms=uses_fused_norms(fam),
+        sandwich_norms=fam.sandwich_norms,
+        layers=fam.attention_layouts(hf),
+        moe_block=fam.moe_block,
+    )
+
+
+def build_model(
+    config: Any,
+    hf: Any,
+    arch: GPTFamily,
+    shape: Shape,
+    *,
+    tied: bool,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+    hidden_output: bool,
+) -> Any:
+    """This rank's pipeline stage of the GPTModel (randomly initialised: the caller loads weights)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config, arch),
+        vocab_size=shape.padded_vocab,
+        max_sequence_length=hf.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=tied,
+        position_embedding_type="rope",
+        **arch.rope(hf),
+    )
+    arch.adapt_model(model, hf, compute_dtype)
+    keep_pad_row_untrained(model, hf)
+    return with_hidden_output(model.to(device), hidden_output)
+
+
+def compile_layers(model: Any, moe: bool) -> None:
+    for layer in getattr(getattr(model, "decoder", None), "layers", []):
+        # An MoE layer compiles its attention only: the token dispatcher calls record_stream,
+        # which torch.compile cannot functionalize (every Qwen3-MoE step raised on an H200).
+        (layer.self_attention if moe else layer).compile()
+
+
+class HiddenOutput(torch.nn.Module):
+    """Stands in for ``GPTModel.output_layer`` (and keeps its weight, so names and the optimizer's
+    parameters do not change): the model returns its final hidden states [b, s, h] instead of logits."""
+
+    def __init__(self, layer: Any) -> None:
+        super().__init__()
+        self.weight = layer.weight  # None when tied to the input embedding
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        return hidden, None
+
+
+def with_hidden_output(model: Any, enabled: bool) -> Any:
+    if enabled and getattr(model, "output_layer", None) is not None:
+        model.output_layer = HiddenOutput(model.output_layer)
+    return model

@@ -1,0 +1,173 @@
+"""One training step, written once for every backend: minibatches, micro-batches, token shares,
+the loss call, metric sums, and the order of zeroing, backward, clipping and stepping.
+
+When a batch takes several optimizer steps (``algo.num_minibatches`` > 1) the policy that generated
+the rollouts is scored first (the "old" log-probs). Each minibatch: gradients zeroed, its rows cut
+into micro-batches, forward and backward over them with ``PolicyLoss`` weighted by each micro-batch's
+share of the minibatch's loss tokens (so accumulation gives the whole minibatch's token mean), then
+the gradients are clipped and the optimizer steps. Metrics are those share-weighted sums, averaged
+over the minibatches; ``gen_kl_error`` (the rollout engine's log-probs against the old policy's) is
+the whole batch's token mean.
+
+A backend implements ``StepBackend``: its forward (log-probs and entropy of micro-batches, however
+it computes them: fsdp's model call, megatron's pipeline schedule) and its optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
+
+import torch
+
+from hpcrl.algo.losses import PolicyLoss, gen_kl_error
+from hpcrl.config.schema import RunConfig
+from hpcrl.trainer.batch import TrainBatch
+
+Metrics = dict[str, torch.Tensor | float]
+"""One micro-batch's (or the step's) metrics: 0-dim tensors where they were computed, or floats."""
+
+
+@dataclass
+class StepBatch:
+    """Rows of the step's batch with the log-probs the loss compares the policy's against."""
+
+    data: TrainBatch
+    old_logp: torch.Tensor | None
+    """[b, T-1] under the policy that generated the rollouts; None: the current policy's (one
+    optimizer step per batch, so the training forward's own log-probs, detached)."""
+    ref_logp: torch.Tensor | None
+    """[b, T-1] under the frozen reference policy; None: no KL term."""
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def select(self, idx: slice | torch.Tensor) -> StepBatch:
+        return StepBatch(self.data.select(idx), *(None if t is None else t[idx] for t in self._logps()))
+
+    def to(self, device: torch.device | str) -> StepBatch:
+        return StepBatch(self.data.to(device), *(None if t is None else t.to(device) for t in self._logps()))
+
+    def _logps(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.old_logp, self.ref_logp
+
+
+LossFn = Callable[[int, StepBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Metrics]]
+"""(micro-batch index, micro-batch, log-probs, entropy) -> (loss to differentiate, its metrics)."""
+
+
+class StepBackend(Protocol):
+    """What a training backend supplies to the step: its forward and its optimizer step."""
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor: ...
+
+    def micro_batches(self, part: StepBatch, size: int) -> list[StepBatch]:
+        """``part`` cut in order into runs of ``size`` rows (the last may be shorter, or padded with
+        rows whose loss mask is 0), shaped as ``forward_backward`` takes them."""
+        ...
+
+    def zero_grad(self) -> None: ...
+
+    def forward_backward(self, micro_batches: list[StepBatch], loss_fn: LossFn) -> list[Metrics]:
+        """Forward and backward over every micro-batch: for micro-batch i, ``loss_fn(i, mb, logp,
+        entropy)`` (both [b, T-1] like ``mb``'s loss mask) gives the loss to differentiate and its
+        metrics. Returns each micro-batch's metrics, in order, on every rank."""
+        ...
+
+    def optimizer_step(self) -> torch.Tensor | float:
+        """Reduce and clip the gradients, step the optimizer; the gradient norm before clipping."""
+        ...
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    """The step's settings: the objective and how the batch is cut."""
+
+    loss: PolicyLoss
+    minibatches: int
+    micro_batch_size: int
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> TrainStep:
+        return cls(PolicyLoss.from_config(cfg.algo), cfg.algo.num_minibatches, cfg.trainer.micro_batch_size)
+
+    def __call__(
+        self,
+        backend: StepBackend,
+        batch: TrainBatch,
+        ref_logp: torch.Tensor | None,
+        device: torch.device | str,
+    ) -> dict[str, float]:
+        """One optimizer step per minibatch of ``batch`` (the driver's CPU tensors)."""
+        # The "old" policy is the one that generated the rollouts, as the trainer computes it. With a
+        # single optimizer step per batch it equals the current policy, so its logprobs come free from
+        # the training forward pass (logp.detach()) instead of a separate forward over the batch.
+        old_logp = None if self.minibatches == 1 else backend.logprobs(batch)
+        whole = StepBatch(batch, old_logp, ref_logp).to(device)
+        totals = Totals()
+        if whole.old_logp is not None:
+            # the rollouts' mismatch with the old policy, over the whole batch; times the number of
+            # minibatches, which the average over them divides out
+            d = whole.data
+            totals.add(
+                "gen_kl_error", gen_kl_error(whole.old_logp, d.rollout_logp, d.loss_mask) * self.minibatches
+            )
+        for rows in torch.arange(len(batch)).chunk(self.minibatches):
+            # token counts from the CPU tensors: no wait on the GPU
+            mask = batch.loss_mask[rows]
+            tokens = float(mask.sum().clamp(min=1))
+            shares = [float(m.sum()) / tokens for m in mask.split(self.micro_batch_size)]
+            backend.zero_grad()
+            micro = backend.micro_batches(whole.select(rows), self.micro_batch_size)
+            assert len(micro) == len(shares), "micro_batches must cut runs of micro_batch_size rows"
+            for metrics in backend.forward_backward(micro, partial(self.micro_loss, shares, tokens)):
+                for key, value in metrics.items():
+                    totals.add(key, value)
+            totals.add("grad_norm", backend.optimizer_step())
+        return totals.means(self.minibatches)
+
+    def micro_loss(
+        self,
+        shares: list[float],
+        tokens: float,
+        i: int,
+        mb: StepBatch,
+        logp: torch.Tensor,
+        entropy: torch.Tensor,
+    ) -> tuple[torch.Tensor, Metrics]:
+        """Micro-batch ``i``'s loss, weighted by its share of the minibatch's ``tokens`` so that
+        accumulation reproduces the full-minibatch mean (exact for token-level aggregation)."""
+        d, share = mb.data, shares[i]
+        old = logp.detach() if mb.old_logp is None else mb.old_logp
+        terms = self.loss(logp, old, mb.ref_logp, d.rollout_logp, d.advantages, d.loss_mask)
+        metrics: Metrics = {
+            "loss": terms.loss.detach() * share,
+            "policy_loss": terms.policy * share,
+            "kl": terms.kl * share,
+            "clip_fraction": terms.clip_fraction * share,
+            "entropy": (entropy.detach() * d.loss_mask).sum() / tokens,
+        }
+        if mb.old_logp is None:  # the old policy is this forward's (else: scored over the whole batch)
+            metrics["gen_kl_error"] = gen_kl_error(old, d.rollout_logp, d.loss_mask) * share
+        return terms.loss * share, metrics
+
+
+class Totals:
+    """Sums of the step's metrics. 0-dim tensors stay on their device until ``means``: a float() per
+    metric would stall the CPU on the GPU before every backward and optimizer launch; floats (a
+    backend that had to bring them to the host, as megatron's pipeline broadcast does) add as floats."""
+
+    def __init__(self) -> None:
+        self.sums: Metrics = {}
+
+    def add(self, key: str, value: torch.Tensor | float) -> None:
+        self.sums[key] = self.sums[key] + value if key in self.sums else value
+
+    def means(self, n: int) -> dict[str, float]:
+        """Each sum / ``n``, as floats: the step's one host sync."""
+        tensors = {k: v for k, v in self.sums.items() if isinstance(v, torch.Tensor)}
+        values = torch.stack([v.float() for v in tensors.values()]).tolist() if tensors else []
+        on_host = dict(zip(tensors, values, strict=True))
+        return {k: float(on_host.get(k, v)) / n for k, v in self.sums.items()}
