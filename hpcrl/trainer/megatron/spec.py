@@ -31,14 +31,15 @@ def family(hf: Any) -> str:
 
 def family_of(hf: Any) -> GPTFamily:
     """The family that builds this text config, from the table (its checks already run)."""
-    # imported here: the Gemma families import Megatron-core, which compat.prepare checks and
-    # patches first; importing this module imports no Megatron-core
+    # imported here: the Gemma families import Megatron-core at module level, and compat.prepare
+    # checks its version before anything imports it (importing spec.py imports no Megatron-core)
     from hpcrl.trainer.megatron.families.table import FAMILIES
 
     name = family(hf)
     if name not in FAMILIES:
         raise ValueError(
-            f"trainer=megatron cannot build model_type {hf.model_type!r} yet (supported: {', '.join(FAMILIES)})"
+            f"trainer=megatron cannot build model_type {hf.model_type!r} yet "
+            f"(supported: {', '.join(FAMILIES)}); use trainer=fsdp"
         )
     return FAMILIES[name](hf)
 
