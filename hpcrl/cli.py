@@ -75,7 +75,10 @@ def _add_attach(p: argparse.ArgumentParser) -> None:
 
 
 def _add_job(optional: bool) -> Callable[[argparse.ArgumentParser], None]:
-    return lambda p: p.add_argument("job", nargs="?" if optional else None)
+    def add(p: argparse.ArgumentParser) -> None:
+        p.add_argument("job", nargs="?" if optional else None)
+
+    return add
 
 
 def _add_logs(p: argparse.ArgumentParser) -> None:
@@ -195,6 +198,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from hpcrl.plan.planner import plan_from_overrides
 
     if args.multirun:
+        from hpcrl.launch.sweep import submit_multirun
+
         return submit_multirun(args.overrides)
     plan = plan_from_overrides(args.overrides)
     plan.require_fit()
@@ -243,22 +248,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         return cmd_ls(args)
     job = lifecycle.info(args.job, args.root)
     print(f"{job.job_id}  {job.state}  {job.name}  {job.nodes} node(s)  {job.run_dir}")
-    return 0
-
-
-def submit_multirun(overrides: list[str]) -> int:
-    from hpcrl.config.cluster import Scheduler
-    from hpcrl.launch.sweep import plan_points, submit_sweep
-
-    points = plan_points(overrides)  # every point validated before the first job goes out
-    if points[0].plan.cfg.cluster.scheduler is Scheduler.local:
-        raise HpcrlError("submit -m submits one Slurm job per point; choose a Slurm cluster (cluster=...)")
-    sweep_dir, rows = submit_sweep(points)
-    print(f"sweep   {sweep_dir}  ({len(rows)} jobs)")
-    print(f"{'point':>5}  {'job':>8}  {'overrides':40s}  run dir")
-    for row in rows:
-        print(f"{row['point']:>5}  {row['job_id']:>8}  {' '.join(row['overrides']):40s}  {row['run_dir']}")
-    print(f"follow with: hpcrl ls --sweep {sweep_dir}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Verifiers that misbehave on purpose, loaded into reward workers through HPCRL_PLUGINS."""
+"""Verifiers that misbehave on purpose, loaded into reward processes through HPCRL_PLUGINS."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcrl.config.cluster import Scheduler
 from hpcrl.errors import HpcrlError
 from hpcrl.plan.planner import Plan, plan_from_overrides
 
@@ -97,3 +98,17 @@ def summary(sweep_dir: Path) -> list[dict[str, Any]]:
         row["state"] = job_state(row["job_id"], Path(row["run_dir"]))
         row["metric"] = latest_metric(Path(row["run_dir"]))
     return rows
+
+
+def submit_multirun(overrides: list[str]) -> int:
+    """``hpcrl submit -m``: validate every point, submit one job each, print the table."""
+    points = plan_points(overrides)  # every point validated before the first job goes out
+    if points[0].plan.cfg.cluster.scheduler is Scheduler.local:
+        raise HpcrlError("submit -m submits one Slurm job per point; choose a Slurm cluster (cluster=...)")
+    sweep_dir, rows = submit_sweep(points)
+    print(f"sweep   {sweep_dir}  ({len(rows)} jobs)")
+    print(f"{'point':>5}  {'job':>8}  {'overrides':40s}  run dir")
+    for row in rows:
+        print(f"{row['point']:>5}  {row['job_id']:>8}  {' '.join(row['overrides']):40s}  {row['run_dir']}")
+    print(f"follow with: hpcrl ls --sweep {sweep_dir}")
+    return 0
