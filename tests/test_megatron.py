@@ -684,8 +684,10 @@ def test_gemma3_plans_and_renders_with_megatron_on_cpus_and_gpu_clusters(tmp_pat
     assert "cannot submit yet" not in plan.stdout and "rollout.block_size=32" in plan.stdout
     rendered = run_cli("render", "--out", str(tmp_path / "r"), "model=gemma3_1b", "trainer=megatron", *site)
     assert rendered.returncode == 0, rendered.stderr
-    # the backend is the schema's class, not a field: megatron's own fields show it was picked
-    assert "distributed_optimizer: true" in (tmp_path / "r" / "config.yaml").read_text()
+    # the backend is the schema's class, not a field: the header names it, megatron's own fields show it
+    resolved = (tmp_path / "r" / "config.yaml").read_text()
+    assert resolved.startswith("# trainer=megatron rollout=vllm\n")
+    assert "distributed_optimizer: true" in resolved
     assert "#SBATCH" in (tmp_path / "r" / "sbatch.sh").read_text()
     # the sliding-window ban on context parallel is DTensor's (fsdp); megatron's CP applies the window
     cp2 = run_cli("plan", "model=gemma3_4b", "trainer=megatron", "trainer.cp=2", *site)

@@ -36,7 +36,9 @@ def config_yaml(cfg: RunConfig) -> str:
     Plain PyYAML rather than OmegaConf: ``hpcrl render`` stays clear of the OmegaConf import."""
     import yaml
 
-    return str(yaml.safe_dump(_plain(cfg), sort_keys=False, default_flow_style=False))
+    # the backends are the schema classes the groups chose, not keys: name them for readers (and wandb)
+    head = f"# trainer={cfg.trainer.backend} rollout={cfg.rollout.backend}\n"
+    return head + str(yaml.safe_dump(_plain(cfg), sort_keys=False, default_flow_style=False))
 
 
 def write_resolved_config(cfg: RunConfig, run_dir: Path) -> Path:
