@@ -137,7 +137,7 @@ def _moe_settings(cfg: RunConfig) -> list[Setting]:
 QUIRKS: list[Quirk] = [
     Quirk("gemma3", _family("gemma3"), _gemma3_settings),
     # DTensor's context parallel (NeMo RL's, and what an fsdp CP would be) fails on the sliding-window
-    # attention bias; trainer=megatron's CP attention applies the window itself (spec.SDPAttention:
+    # attention bias; trainer=megatron's CP attention applies the window itself (attention.SDPAttention:
     # CP2 = CP1 in tests/test_megatron.py), so only the other backends keep the ban.
     Quirk(
         "gemma3-dtensor-cp",
