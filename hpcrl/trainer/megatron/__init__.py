@@ -1,6 +1,11 @@
 """Megatron-core training backend (``trainer=megatron``). Floors, each importing only those below it:
 
-trainer.py    the Trainer: logprobs, GRPO/DAPO loss through Megatron's pipeline schedules, export
+trainer.py    the Trainer: the StepBackend of trainer/step.py (the step skeleton and the loss are shared
+              with fsdp), logprobs, export, state
+model.py      build checks, parallel state, GPTModel construction, HF weight loading
+pipeline.py   Megatron's pipeline schedule over micro-batches, token log-probs and entropy, CP split/join
+grads.py      gradient finalize (DP/CP/expert reductions) and clipping
+placement.py  which layers, experts and TP slices of the checkpoint this rank holds
 optimizer.py  AdamW sharded as Megatron's distributed optimizer (dense over DP x CP, experts over expert DP)
 spec.py       a checkpoint's family, TransformerConfig and layer spec (Transformer Engine when installed,
               else local + torch SDPA)

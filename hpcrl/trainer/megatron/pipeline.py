@@ -24,7 +24,7 @@ import torch.distributed as dist
 from hpcrl.plan.topology import TrainParallel
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.logprob_head import chunked_logprob, soft_cap
-from hpcrl.trainer.megatron.spec import cp_gather
+from hpcrl.trainer.megatron.attention import cp_gather
 from hpcrl.trainer.step import StepBatch
 
 ScheduleLoss = Callable[[int, StepBatch, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]

@@ -19,7 +19,6 @@ import torch
 from hpcrl.plan.topology import TrainParallel
 from hpcrl.trainer.config import MegatronTrainerConfig, Precision, megatron_family
 from hpcrl.trainer.megatron.attention import SDPAttention
-from hpcrl.trainer.megatron.attention import cp_gather as cp_gather  # trainer.py imports it from here
 from hpcrl.trainer.megatron.families.base import GPTFamily
 from hpcrl.trainer.megatron.spec_utils import have_transformer_engine
 
