@@ -61,9 +61,13 @@ def main() -> None:
     x = torch.randn(int(counts.sum()), experts.config.hidden_size, generator=gen)
     probs = torch.rand(len(x), generator=gen)
     result = {"module": type(experts).__name__}
-    for name, kernel, bf16 in (("grouped fp32", "grouped", False), ("sequential fp32", "sequential", False),
-                               ("plain fp32", "plain", False), ("grouped bf16", "grouped", True),
-                               ("plain bf16", "plain", True)):  # fmt: skip
+    for name, kernel, bf16 in (
+        ("grouped fp32", "grouped", False),
+        ("sequential fp32", "sequential", False),
+        ("plain fp32", "plain", False),
+        ("grouped bf16", "grouped", True),
+        ("plain bf16", "plain", True),
+    ):
         result[name] = run(experts, kernel, x, counts, probs, bf16)
     torch.save(result, out)
     torch.distributed.destroy_process_group()

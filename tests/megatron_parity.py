@@ -40,8 +40,17 @@ def parity_batch() -> TrainBatch:
 def overrides(tp: int, pp: int, backend: str = "megatron") -> list[str]:
     # fp32 everywhere: on GPUs too (HPCRL_PARITY_DEVICE=cuda), so ranks can be compared closely
     extra = os.environ.get("HPCRL_PARITY_OVERRIDES", "").split()
-    return ["model=tiny", f"trainer={backend}", f"trainer.tp={tp}", f"trainer.pp={pp}", "trainer.precision=float32",
-            "trainer.micro_batch_size=2", "algo.kl_coef=0.05", "algo.num_minibatches=1", *extra]  # fmt: skip
+    return [
+        "model=tiny",
+        f"trainer={backend}",
+        f"trainer.tp={tp}",
+        f"trainer.pp={pp}",
+        "trainer.precision=float32",
+        "trainer.micro_batch_size=2",
+        "algo.kl_coef=0.05",
+        "algo.num_minibatches=1",
+        *extra,
+    ]
 
 
 def _full(grad: Any) -> torch.Tensor:
@@ -88,8 +97,11 @@ def main() -> None:
     batch = parity_batch()
     ref = trainer.logprobs(batch, reference=True)
     metrics = trainer.train_step(batch, ref)
-    grads = (trainer.export_weights(grads=True) if backend == "megatron"
-             else {n: _full(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None})  # fmt: skip
+    grads = (
+        trainer.export_weights(grads=True)
+        if backend == "megatron"
+        else {n: _full(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None}
+    )
     weights = trainer.export_weights()
     # optimizer state elements held by each rank (sharded under the distributed optimizer)
     local = trainer.local_optimizer() if backend == "megatron" else trainer.optimizer
@@ -106,17 +118,34 @@ def main() -> None:
     layout = {}
     if backend == "megatron":
         mc = trainer.model.config
-        layout = {"sequence_parallel": mc.sequence_parallel, "cp": mc.context_parallel_size,
-                  "qk_norms": sum("q_layernorm" in n for n, _ in trainer.model.named_parameters()),
-                  "expert_tp": mc.expert_tensor_parallel_size,
-                  "experts": sorted({type(m).__name__ for n, m in trainer.model.named_modules() if n.endswith(".experts")}),
-                  "expert_fc1_rows": [tuple(p.shape) for n, p in trainer.model.named_parameters()
-                                      if "local_experts.0.linear_fc1" in n][:1]}  # fmt: skip
+        layout = {
+            "sequence_parallel": mc.sequence_parallel,
+            "cp": mc.context_parallel_size,
+            "qk_norms": sum("q_layernorm" in n for n, _ in trainer.model.named_parameters()),
+            "expert_tp": mc.expert_tensor_parallel_size,
+            "experts": sorted(
+                {type(m).__name__ for n, m in trainer.model.named_modules() if n.endswith(".experts")}
+            ),
+            "expert_fc1_rows": [
+                tuple(p.shape)
+                for n, p in trainer.model.named_parameters()
+                if "local_experts.0.linear_fc1" in n
+            ][:1],
+        }
     if rank == 0:
         cpu = {k: v.cpu() for k, v in grads.items()}
-        torch.save({"logp": ref.cpu(), "metrics": metrics, "grads": cpu, "optimizer_numel": [h for h, _ in per_rank],
-                    "state_restored": [r for _, r in per_rank], "layout": layout,
-                    "weights": {k: v.cpu() for k, v in weights.items()}}, out)  # fmt: skip
+        torch.save(
+            {
+                "logp": ref.cpu(),
+                "metrics": metrics,
+                "grads": cpu,
+                "optimizer_numel": [h for h, _ in per_rank],
+                "state_restored": [r for _, r in per_rank],
+                "layout": layout,
+                "weights": {k: v.cpu() for k, v in weights.items()},
+            },
+            out,
+        )
     # Leave together and close the groups: a rank exiting while gloo's threads still run can abort
     # ("terminate called without an active exception"; seen once at TP=2 x CP=2 on a 2-core machine).
     if torch.distributed.is_initialized():

@@ -127,8 +127,10 @@ def test_env_entries_can_be_added():
 
 
 def _compose_in_subprocess(cache_dir, overrides):
-    code = ("import sys; from hpcrl.config.compose import compose_config; cfg = compose_config(sys.argv[1:]); "
-            "print(cfg.model.name, cfg.trainer.tp, 'hydra' in sys.modules)")  # fmt: skip
+    code = (
+        "import sys; from hpcrl.config.compose import compose_config; cfg = compose_config(sys.argv[1:]); "
+        "print(cfg.model.name, cfg.trainer.tp, 'hydra' in sys.modules)"
+    )
     # Hydra composes every miss here, so 'hydra' in sys.modules tells a miss from a hit.
     env = {**os.environ, "HPCRL_CACHE": str(cache_dir), "HPCRL_COMPOSE_CACHE": "1", "HPCRL_FAST_COMPOSE": "0"}
     out = subprocess.run(

@@ -21,8 +21,13 @@ def write_jsonl(path, rows):
 
 def test_openmathinstruct2_jsonl(tmp_path):
     f = tmp_path / "omi2.jsonl"
-    write_jsonl(f, [{"problem": f"What is {i}+1?", "expected_answer": str(i + 1), "generated_solution": "..."}
-                    for i in range(40)])  # fmt: skip
+    write_jsonl(
+        f,
+        [
+            {"problem": f"What is {i}+1?", "expected_answer": str(i + 1), "generated_solution": "..."}
+            for i in range(40)
+        ],
+    )
     cfg = compose("data=openmathinstruct2", f"data.source={f}", "data.val_fraction=0.1").data
     train, val = load_examples(cfg, seed=0)
     assert len(train) == 36 and len(val) == 4
@@ -32,8 +37,13 @@ def test_openmathinstruct2_jsonl(tmp_path):
 
 def test_dapo_math_17k_parquet_chat_prompt_and_nested_answer(tmp_path):
     f = tmp_path / "dapo.parquet"
-    rows = [{"prompt": [{"role": "user", "content": f"Compute {i}*2."}], "reward_model": {"ground_truth": str(2 * i)}}
-            for i in range(10)]  # fmt: skip
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"Compute {i}*2."}],
+            "reward_model": {"ground_truth": str(2 * i)},
+        }
+        for i in range(10)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), f)
     v = tmp_path / "math500.jsonl"
     write_jsonl(v, [{"problem": "1+1", "answer": "2"}])

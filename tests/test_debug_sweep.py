@@ -32,8 +32,14 @@ def test_expand_is_the_cartesian_product_of_sweep_axes():
 
 
 def test_one_bad_sweep_point_submits_nothing(tmp_path):
-    result = run_cli("submit", "-m", "+experiment=grpo-tiny-1n1g-fsdp", "cluster=slurmtest",
-                     "trainer.tp=1,3", f"run.output_root={tmp_path}")  # fmt: skip
+    result = run_cli(
+        "submit",
+        "-m",
+        "+experiment=grpo-tiny-1n1g-fsdp",
+        "cluster=slurmtest",
+        "trainer.tp=1,3",
+        f"run.output_root={tmp_path}",
+    )
     assert result.returncode == 2
     assert "sweep point 1 (trainer.tp=3)" in result.stderr and "nothing was submitted" in result.stderr
     assert not (tmp_path / "sweeps").exists() and not (tmp_path / ".jobs").exists()
@@ -97,8 +103,16 @@ def test_debug_session_runs_two_drivers_then_cancel_leaves_nothing(slurm_cluster
 
 @pytest.mark.slow
 def test_three_point_sweep_all_finish_and_ls_sweep_shows_them(slurm_cluster, tmp_path):
-    result = run_cli("submit", "-m", "+experiment=grpo-tiny-1n1g-fsdp", "cluster=slurmtest", *SHORT,
-                     "algo.lr=1e-4,3e-4,1e-3", f"run.output_root={tmp_path}", "run.name=sw")  # fmt: skip
+    result = run_cli(
+        "submit",
+        "-m",
+        "+experiment=grpo-tiny-1n1g-fsdp",
+        "cluster=slurmtest",
+        *SHORT,
+        "algo.lr=1e-4,3e-4,1e-3",
+        f"run.output_root={tmp_path}",
+        "run.name=sw",
+    )
     assert result.returncode == 0, result.stderr
     sweep_dir = Path(re.search(r"^sweep\s+(\S+)", result.stdout, re.M).group(1))
     points = json.loads((sweep_dir / "sweep.json").read_text())["points"]

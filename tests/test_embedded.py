@@ -63,8 +63,12 @@ def test_warning_signal_saves_the_current_step_and_resume_continues_the_same_tra
     is in — although no checkpoint is due — and stops with exit code 75; running again with the same
     run.dir resumes there, and steps after it equal an uninterrupted run's."""
     cache = tmp_path / "cache"
-    small = ["algo.num_prompts_per_step=16", "algo.val_period=100", "algo.val_at_start=false",
-             "algo.max_steps=4"]  # fmt: skip
+    small = [
+        "algo.num_prompts_per_step=16",
+        "algo.val_period=100",
+        "algo.val_at_start=false",
+        "algo.max_steps=4",
+    ]
     straight = tmp_path / "straight"
     assert submit(tmp_path, cache, *small, "checkpoint.period=2", f"run.dir={straight}").returncode == 0
     resumed = tmp_path / "resumed"
@@ -106,8 +110,15 @@ def test_warning_signal_saves_the_current_step_and_resume_continues_the_same_tra
 def test_megatron_backend_runs_the_loop_and_feeds_the_engine_exact_weights(tmp_path):
     """trainer=megatron in the real loop: vLLM reloads the exported (HF-named) weights after every step,
     here through Ray's object store (the other runs of this file broadcast them over gloo)."""
-    result = submit(tmp_path / "runs", tmp_path / "cache", "trainer=megatron", "algo.max_steps=6",
-                    "algo.val_period=3", "checkpoint.period=3", "rollout.weight_sync=object_store")  # fmt: skip
+    result = submit(
+        tmp_path / "runs",
+        tmp_path / "cache",
+        "trainer=megatron",
+        "algo.max_steps=6",
+        "algo.val_period=3",
+        "checkpoint.period=3",
+        "rollout.weight_sync=object_store",
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     rows = metrics(run_dir)
@@ -121,9 +132,17 @@ def test_megatron_backend_runs_the_loop_and_feeds_the_engine_exact_weights(tmp_p
 def test_dapo_runs_the_loop_with_dynamic_sampling_and_overlong_shaping(tmp_path):
     """algo=dapo over the embedded default: groups whose rewards are all equal are dropped and more
     prompts are sampled (up to the round limit); the overlong penalty and clip-higher are in the loss."""
-    result = submit(tmp_path / "runs", tmp_path / "cache", "algo=dapo", "algo.overlong_buffer=2",
-                    "algo.lr=3e-4", "algo.max_steps=4", "algo.val_period=4", "algo.num_prompts_per_step=32",
-                    "algo.num_generations=8")  # fmt: skip
+    result = submit(
+        tmp_path / "runs",
+        tmp_path / "cache",
+        "algo=dapo",
+        "algo.overlong_buffer=2",
+        "algo.lr=3e-4",
+        "algo.max_steps=4",
+        "algo.val_period=4",
+        "algo.num_prompts_per_step=32",
+        "algo.num_generations=8",
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     rows = [r for r in metrics(run_dir) if "train/kept_groups" in r]

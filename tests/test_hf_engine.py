@@ -95,9 +95,19 @@ def test_moe_weights_travel_in_checkpoint_names_and_load_into_fused_experts(tmp_
     from hpcrl.trainer.fsdp import checkpoint_names
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                            num_experts=3, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2,
-                            num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)  # fmt: skip
+    config = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=3,
+        num_experts_per_tok=2,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
     Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
     trained = AutoModelForCausalLM.from_pretrained(tmp_path)
     with torch.no_grad():

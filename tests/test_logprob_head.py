@@ -79,8 +79,14 @@ def test_soft_capped_gemma_gets_the_head_with_its_cap_and_the_logits_paths_numbe
     from .test_megatron import gemma4_model
 
     gemma4_model(vlm=vlm, final_logit_softcapping=2.0).save_pretrained(tmp_path)
-    batch = build_batch([[1, 5, 9, 20], [1, 7]], [[33, 7, 12], [40, 41, 42, 43]], [[-1.0] * 3, [-1.0] * 4],
-                        [1.0, -1.0], [1.0, 1.0], pad_id=0)  # fmt: skip
+    batch = build_batch(
+        [[1, 5, 9, 20], [1, 7]],
+        [[33, 7, 12], [40, 41, 42, 43]],
+        [[-1.0] * 3, [-1.0] * 4],
+        [1.0, -1.0],
+        [1.0, 1.0],
+        pad_id=0,
+    )
     runs = []
     for install in (False, True):
         model = AutoModelForCausalLM.from_pretrained(tmp_path)

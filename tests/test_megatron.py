@@ -47,16 +47,28 @@ def _hf_model(kind: str) -> tuple[dict[str, torch.Tensor], Shape, bool]:
         Qwen3MoeForCausalLM,
     )
 
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     if kind == "qwen2":
         model, tied = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True)), True
     elif kind == "qwen3":
         model, tied = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)), False
     elif kind == "qwen3_moe":
-        moe = Qwen3MoeConfig(**common, head_dim=32, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
-                             moe_intermediate_size=32)  # fmt: skip
+        moe = Qwen3MoeConfig(
+            **common,
+            head_dim=32,
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+        )
         model, tied = Qwen3MoeForCausalLM(moe), False
     elif kind == "gemma3":
         model, tied = gemma3_model(vocab_size=96, num_hidden_layers=2), True
@@ -81,16 +93,36 @@ def _hf_model(kind: str) -> tuple[dict[str, torch.Tensor], Shape, bool]:
     layers = {3: LayerAttention(groups=1, head_dim=32, values=False)} if kind == "gemma4" else None
     if kind == "gemma4_moe":
         layers = {1: LayerAttention(groups=2, head_dim=32, values=False)}
-    shape = Shape(heads=4, groups=2, head_dim=head_dim, vocab=96, padded_vocab=96,
-                  sandwich_norms=kind.startswith("gemma"), layers=layers, moe_block=kind == "gemma4_moe")  # fmt: skip
+    shape = Shape(
+        heads=4,
+        groups=2,
+        head_dim=head_dim,
+        vocab=96,
+        padded_vocab=96,
+        sandwich_norms=kind.startswith("gemma"),
+        layers=layers,
+        moe_block=kind == "gemma4_moe",
+    )
     return state, shape, tied
 
 
-GEMMA3_TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
-                   tie_word_embeddings=True, max_position_embeddings=256,
-                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})  # fmt: skip
+GEMMA3_TEXT = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    sliding_window=4,
+    tie_word_embeddings=True,
+    max_position_embeddings=256,
+    rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    },
+)
 """A small Gemma 3 where every quirk shows on the parity batch (sequences of up to 8 tokens): a
 4-token sliding window on layers 0-2 and a global layer 3 (so PP=2 splits sliding from mixed), two
 RoPE bases and linear scaling, a softmax scale that is not head_dim ** -0.5."""
@@ -105,10 +137,22 @@ def gemma3_model(vlm: bool = False, **overrides: object) -> torch.nn.Module:
     text = Gemma3TextConfig(**{**GEMMA3_TEXT, **overrides})
     text.layer_types = ["sliding_attention"] * (text.num_hidden_layers - 1) + ["full_attention"]
     if vlm:
-        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      image_size=28, patch_size=14)  # fmt: skip
-        config = Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4,
-                              image_token_index=127, boi_token_index=125, eoi_token_index=126)  # fmt: skip
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        )
+        config = Gemma3Config(
+            text_config=text.to_dict(),
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            image_token_index=127,
+            boi_token_index=125,
+            eoi_token_index=126,
+        )
         model: torch.nn.Module = Gemma3ForConditionalGeneration(config)
     else:
         model = Gemma3ForCausalLM(text)
@@ -119,10 +163,23 @@ def gemma3_model(vlm: bool = False, **overrides: object) -> torch.nn.Module:
     return model
 
 
-GEMMA4_TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-                   attention_k_eq_v=True, sliding_window=4, tie_word_embeddings=True, max_position_embeddings=256,
-                   hidden_size_per_layer_input=0, layer_types=["sliding_attention"] * 3 + ["full_attention"])  # fmt: skip
+GEMMA4_TEXT = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    sliding_window=4,
+    tie_word_embeddings=True,
+    max_position_embeddings=256,
+    hidden_size_per_layer_input=0,
+    layer_types=["sliding_attention"] * 3 + ["full_attention"],
+)
 """A small Gemma 4 dense decoder (31B's kind): 4-token windows on layers 0-2, a global layer 3 with
 twice the head size, its own KV heads and keys doubling as values, proportional RoPE there."""
 
@@ -135,10 +192,24 @@ def gemma4_model(vlm: bool = False, **overrides: object) -> torch.nn.Module:
     torch.manual_seed(0)
     text = {**GEMMA4_TEXT, **overrides}
     if vlm:
-        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=2, head_dim=16, patch_size=4)  # fmt: skip
-        tokens = dict(image_token_id=127, boi_token_id=125, eoi_token_id=126, video_token_id=124,
-                      boa_token_id=123, eoa_token_index=122, audio_token_id=121)  # fmt: skip
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            patch_size=4,
+        )
+        tokens = dict(
+            image_token_id=127,
+            boi_token_id=125,
+            eoi_token_id=126,
+            video_token_id=124,
+            boa_token_id=123,
+            eoa_token_index=122,
+            audio_token_id=121,
+        )
         model: torch.nn.Module = Gemma4ForConditionalGeneration(
             Gemma4Config(text_config=text, vision_config=vision, audio_config=None, **tokens)
         )
@@ -157,8 +228,15 @@ def gemma4_model(vlm: bool = False, **overrides: object) -> torch.nn.Module:
 def gemma4_moe_model(**overrides: object) -> torch.nn.Module:
     """A small Gemma 4 with 26B-A4B's MoE block in both layers (a sliding and a global one): 4 experts,
     top-2; router scales and experts drawn away from their ones/zeros."""
-    text = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], num_global_key_value_heads=2,
-                enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)  # fmt: skip
+    text = dict(
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        num_global_key_value_heads=2,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+    )
     model = gemma4_model(**{**text, **overrides})
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -178,10 +256,14 @@ def test_hf_to_megatron_to_hf_is_bit_identical(kind):
         assert torch.equal(
             meg["decoder.layers.1.mlp.moe.experts.local_experts.3.linear_fc1.weight"], stacked[3]
         )
-        assert torch.equal(meg["decoder.layers.0.mlp.moe.router.per_expert_scale"],
-                           hf["model.layers.0.router.per_expert_scale"])  # fmt: skip
-        assert torch.equal(meg["decoder.layers.0.mlp.linear_fc2.post_layernorm.weight"],
-                           hf["model.layers.0.post_feedforward_layernorm_1.weight"])  # fmt: skip
+        assert torch.equal(
+            meg["decoder.layers.0.mlp.moe.router.per_expert_scale"],
+            hf["model.layers.0.router.per_expert_scale"],
+        )
+        assert torch.equal(
+            meg["decoder.layers.0.mlp.linear_fc2.post_layernorm.weight"],
+            hf["model.layers.0.post_feedforward_layernorm_1.weight"],
+        )
         assert "decoder.layers.0.pre_mlp_layernorm.weight" not in meg  # the block norms its own inputs
         assert is_expert("decoder.layers.1.mlp.moe.experts.local_experts.3.linear_fc1.weight")
         assert relocate("decoder.layers.0.mlp.moe.experts.local_experts.1.linear_fc2.weight", 1, 2) == (
@@ -190,15 +272,26 @@ def test_hf_to_megatron_to_hf_is_bit_identical(kind):
     if kind == "gemma4":  # a global layer without V: [q heads; k] for its one query group
         assert "model.layers.3.self_attn.v_proj.weight" not in hf
         qkv = meg["decoder.layers.3.self_attention.linear_qkv.weight"]
-        assert torch.equal(qkv, torch.cat([hf["model.layers.3.self_attn.q_proj.weight"],
-                                           hf["model.layers.3.self_attn.k_proj.weight"]]))  # fmt: skip
+        assert torch.equal(
+            qkv,
+            torch.cat(
+                [hf["model.layers.3.self_attn.q_proj.weight"], hf["model.layers.3.self_attn.k_proj.weight"]]
+            ),
+        )
         assert qkv.shape == (4 * 32 + 32, 64)
         assert meg["decoder.layers.2.self_attention.linear_qkv.weight"].shape == (2 * (2 + 2) * 16, 64)
         assert torch.equal(meg["decoder.layers.1.layer_scalar"], torch.tensor([0.75]))  # kept as it is
     if kind == "qwen3_moe":  # gate+up fused per expert under its global index; the gate is the router
         fc1 = meg["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
-        assert torch.equal(fc1, torch.cat([hf["model.layers.1.mlp.experts.3.gate_proj.weight"],
-                                           hf["model.layers.1.mlp.experts.3.up_proj.weight"]]))  # fmt: skip
+        assert torch.equal(
+            fc1,
+            torch.cat(
+                [
+                    hf["model.layers.1.mlp.experts.3.gate_proj.weight"],
+                    hf["model.layers.1.mlp.experts.3.up_proj.weight"],
+                ]
+            ),
+        )
         assert torch.equal(meg["decoder.layers.0.mlp.router.weight"], hf["model.layers.0.mlp.gate.weight"])
         name = "decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.weight"
         assert relocate("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight", 2, 0) == name
@@ -216,12 +309,18 @@ def test_hf_to_megatron_to_hf_is_bit_identical(kind):
     )  # Qwen2 has QKV bias
     if kind == "gemma3":  # the sandwich norms: pre-MLP is Gemma's pre-feedforward norm, the post norms
         # sit on the output projections (Megatron-Bridge's names)
-        assert torch.equal(meg["decoder.layers.1.pre_mlp_layernorm.weight"],
-                           hf["model.layers.1.pre_feedforward_layernorm.weight"])  # fmt: skip
-        assert torch.equal(meg["decoder.layers.1.self_attention.linear_proj.post_layernorm.weight"],
-                           hf["model.layers.1.post_attention_layernorm.weight"])  # fmt: skip
-        assert torch.equal(meg["decoder.layers.0.mlp.linear_fc2.post_layernorm.weight"],
-                           hf["model.layers.0.post_feedforward_layernorm.weight"])  # fmt: skip
+        assert torch.equal(
+            meg["decoder.layers.1.pre_mlp_layernorm.weight"],
+            hf["model.layers.1.pre_feedforward_layernorm.weight"],
+        )
+        assert torch.equal(
+            meg["decoder.layers.1.self_attention.linear_proj.post_layernorm.weight"],
+            hf["model.layers.1.post_attention_layernorm.weight"],
+        )
+        assert torch.equal(
+            meg["decoder.layers.0.mlp.linear_fc2.post_layernorm.weight"],
+            hf["model.layers.0.post_feedforward_layernorm.weight"],
+        )
         assert not is_sharded("decoder.layers.0.mlp.linear_fc2.post_layernorm.weight")  # replicated over TP
     back = to_hf(meg, shape, tied)
     if tied:
@@ -269,11 +368,30 @@ def test_plan_names_a_model_the_backend_cannot_build_and_submit_refuses(tmp_path
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted
 
 
-def _torchrun(model_dir: Path, out: Path, tp: int, pp: int, backend: str = "megatron", port: int = 29631,
-              dp: int = 1, cp: int = 1, extra: tuple[str, ...] = ()) -> dict:  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={max(1, tp * pp * cp * dp)}",
-           f"--master_port={port}", str(ROOT / "tests" / "megatron_parity.py"), str(model_dir), str(out),
-           str(tp), str(pp), backend]  # fmt: skip
+def _torchrun(
+    model_dir: Path,
+    out: Path,
+    tp: int,
+    pp: int,
+    backend: str = "megatron",
+    port: int = 29631,
+    dp: int = 1,
+    cp: int = 1,
+    extra: tuple[str, ...] = (),
+) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={max(1, tp * pp * cp * dp)}",
+        f"--master_port={port}",
+        str(ROOT / "tests" / "megatron_parity.py"),
+        str(model_dir),
+        str(out),
+        str(tp),
+        str(pp),
+        backend,
+    ]
     env = {
         **os.environ,
         "HPCRL_PARITY_OVERRIDES": " ".join((f"trainer.cp={cp}", *extra) if backend == "megatron" else ()),
@@ -338,8 +456,16 @@ def qwen3_dir(tmp_path_factory):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)  # fmt: skip
+    config = Qwen3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
     out = tmp_path_factory.mktemp("qwen3")
     Qwen3ForCausalLM(config).save_pretrained(out)
     return out
@@ -358,8 +484,14 @@ def test_qwen3_qk_norms_match_fsdp_and_under_tensor_parallel(qwen3_dir, tmp_path
     for name, grad in fsdp["grads"].items():
         assert torch.allclose(base["grads"][name], grad, atol=1e-5), name
     for sp in (True, False):
-        run = _torchrun(qwen3_dir, tmp_path / f"tp2sp{sp}.pt", 2, 1, port=29733 + sp,
-                        extra=(f"trainer.sequence_parallel={str(sp).lower()}",))  # fmt: skip
+        run = _torchrun(
+            qwen3_dir,
+            tmp_path / f"tp2sp{sp}.pt",
+            2,
+            1,
+            port=29733 + sp,
+            extra=(f"trainer.sequence_parallel={str(sp).lower()}",),
+        )
         assert run["layout"]["sequence_parallel"] is sp
         _assert_same_step(run, base, mask, f"TP=2 sequence_parallel={sp}")
 
@@ -414,9 +546,20 @@ def qwen3_moe_dir(tmp_path_factory):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)  # fmt: skip
+    config = Qwen3MoeConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
     out = tmp_path_factory.mktemp("qwen3_moe")
     Qwen3MoeForCausalLM(config).save_pretrained(out)
     return out
@@ -452,13 +595,31 @@ def test_qwen3_moe_matches_fsdp_and_expert_parallel_matches_one_rank(qwen3_moe_d
     # Expert tensor parallel (ETP) splits each expert's fc1/fc2 over its own group, which Megatron
     # carves out of the TP x DP ranks like EP: TP=2 x ETP=2, DP=2 x ETP=2 (one expert split across two
     # data-parallel ranks, each gathering the other's routed tokens), TP=2 x EP=2 x ETP=2 x DP=2.
-    layouts = ((1, 2, 1, 2, 1, 1), (1, 2, 2, 2, 1, 1), (2, 1, 1, 1, 1, 1), (2, 2, 1, 1, 1, 1), (2, 2, 1, 2, 1, 1),
-               (1, 1, 1, 1, 2, 1), (1, 2, 1, 1, 2, 1), (2, 2, 1, 1, 2, 1),
-               (2, 1, 1, 1, 1, 2), (1, 1, 1, 2, 1, 2), (2, 2, 1, 2, 1, 2))  # fmt: skip
+    layouts = (
+        (1, 2, 1, 2, 1, 1),
+        (1, 2, 2, 2, 1, 1),
+        (2, 1, 1, 1, 1, 1),
+        (2, 2, 1, 1, 1, 1),
+        (2, 2, 1, 2, 1, 1),
+        (1, 1, 1, 1, 2, 1),
+        (1, 2, 1, 1, 2, 1),
+        (2, 2, 1, 1, 2, 1),
+        (2, 1, 1, 1, 1, 2),
+        (1, 1, 1, 2, 1, 2),
+        (2, 2, 1, 2, 1, 2),
+    )
     for i, (tp, ep, pp, dp, cp, etp) in enumerate(layouts):
         where = f"TP={tp} EP={ep} PP={pp} DP={dp} CP={cp} ETP={etp}"
-        run = _torchrun(qwen3_moe_dir, tmp_path / f"tp{tp}ep{ep}pp{pp}dp{dp}cp{cp}etp{etp}.pt", tp, pp, dp=dp,
-                        cp=cp, port=29771 + i, extra=(*aux_off, f"trainer.ep={ep}", f"trainer.expert_tp={etp}"))  # fmt: skip
+        run = _torchrun(
+            qwen3_moe_dir,
+            tmp_path / f"tp{tp}ep{ep}pp{pp}dp{dp}cp{cp}etp{etp}.pt",
+            tp,
+            pp,
+            dp=dp,
+            cp=cp,
+            port=29771 + i,
+            extra=(*aux_off, f"trainer.ep={ep}", f"trainer.expert_tp={etp}"),
+        )
         assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
         assert run["layout"]["expert_tp"] == etp and run["layout"]["expert_fc1_rows"] == [(64 // etp, 64)], (
             where
@@ -478,8 +639,16 @@ def test_grouped_experts_equal_megatrons_loop_and_autocast_per_expert(qwen3_moe_
     counts and an expert that gets none: Megatron's per-expert loop in fp32, and a per-expert F.linear
     loop under bf16 autocast (the cast GPUs take), give its outputs and gradients."""
     out = tmp_path / "experts.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port=29791",
-           str(ROOT / "tests" / "megatron_experts_check.py"), str(qwen3_moe_dir), str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=1",
+        "--master_port=29791",
+        str(ROOT / "tests" / "megatron_experts_check.py"),
+        str(qwen3_moe_dir),
+        str(out),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     r = torch.load(out)
@@ -510,13 +679,27 @@ def test_moe_plans_with_megatron_under_tensor_context_and_expert_tensor_parallel
     assert "EP" in ok.stdout and "cannot submit yet" not in ok.stdout, ok.stdout[-2000:]
     tp2 = run_cli("plan", "model=qwen3_30b_a3b", "trainer=megatron", "trainer.ep=4", "trainer.tp=2", *site)
     assert "EP" in tp2.stdout and "cannot submit yet" not in tp2.stdout, tp2.stdout[-2000:]
-    no_sp = run_cli("plan", "model=qwen3_30b_a3b", "trainer=megatron", "trainer.ep=4", "trainer.tp=2",
-                    "trainer.sequence_parallel=false", *site)  # fmt: skip
+    no_sp = run_cli(
+        "plan",
+        "model=qwen3_30b_a3b",
+        "trainer=megatron",
+        "trainer.ep=4",
+        "trainer.tp=2",
+        "trainer.sequence_parallel=false",
+        *site,
+    )
     assert "under tensor parallel with sequence parallel only" in no_sp.stdout
     cp2 = run_cli("plan", "model=qwen3_30b_a3b", "trainer=megatron", "trainer.ep=4", "trainer.cp=2", *site)
     assert "EP" in cp2.stdout and "cannot submit yet" not in cp2.stdout, cp2.stdout[-2000:]
-    etp = run_cli("plan", "model=qwen3_30b_a3b", "trainer=megatron", "trainer.ep=4", "trainer.tp=2",
-                  "trainer.expert_tp=2", *site)  # fmt: skip
+    etp = run_cli(
+        "plan",
+        "model=qwen3_30b_a3b",
+        "trainer=megatron",
+        "trainer.ep=4",
+        "trainer.tp=2",
+        "trainer.expert_tp=2",
+        *site,
+    )
     assert "expert TP 2" in etp.stdout, etp.stdout[-2000:]
     assert "cannot submit yet" not in etp.stdout, etp.stdout[-2000:]
 
@@ -620,8 +803,14 @@ def test_gemma3_matches_fsdp_and_under_tensor_and_pipeline_parallel(gemma3_dirs,
     # CP=2: 4 chunks of ~3 tokens, so the 4-token windows reach across chunks and CP ranks
     for tp, pp, cp in ((2, 1, 1), (1, 2, 1), (1, 1, 2)):
         where = f"gemma3 TP={tp} PP={pp} CP={cp}"
-        run = _torchrun(gemma3_dirs["text"], tmp_path / f"tp{tp}pp{pp}cp{cp}.pt", tp, pp, cp=cp,
-                        port=29755 + tp + 2 * pp + 4 * cp)  # fmt: skip
+        run = _torchrun(
+            gemma3_dirs["text"],
+            tmp_path / f"tp{tp}pp{pp}cp{cp}.pt",
+            tp,
+            pp,
+            cp=cp,
+            port=29755 + tp + 2 * pp + 4 * cp,
+        )
         assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
         _assert_same_step(run, text, mask, where)
         assert all(run["state_restored"]), where
@@ -667,8 +856,14 @@ def test_gemma4_matches_fsdp_and_under_tensor_pipeline_and_context_parallel(gemm
             assert torch.allclose(base[kind]["grads"][name], grad, atol=1e-5), (kind, name)
     for kind, tp, pp, cp in (("text", 2, 1, 1), ("text", 1, 2, 1), ("text", 1, 1, 2), ("vlm", 2, 1, 1)):
         where = f"gemma4 {kind} TP={tp} PP={pp} CP={cp}"
-        run = _torchrun(gemma4_dirs[kind], tmp_path / f"{kind}tp{tp}pp{pp}cp{cp}.pt", tp, pp, cp=cp,
-                        port=29775 + tp + 2 * pp + 4 * cp + 10 * (kind == "vlm"))  # fmt: skip
+        run = _torchrun(
+            gemma4_dirs[kind],
+            tmp_path / f"{kind}tp{tp}pp{pp}cp{cp}.pt",
+            tp,
+            pp,
+            cp=cp,
+            port=29775 + tp + 2 * pp + 4 * cp + 10 * (kind == "vlm"),
+        )
         assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
         _assert_same_step(run, base[kind], mask, where)
         assert all(run["state_restored"]), where
@@ -727,8 +922,16 @@ def test_gemma4_moe_block_matches_fsdp_and_under_expert_tensor_pipeline_and_cont
     for tp, pp, cp, ep in ((1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 1), (1, 1, 2, 1)):
         where = f"gemma4 MoE TP={tp} PP={pp} CP={cp} EP={ep}"
         # EP is carved out of the TP x DP ranks: DP = EP where TP x EP ranks run
-        run = _torchrun(gemma4_moe_dir, tmp_path / f"tp{tp}pp{pp}cp{cp}ep{ep}.pt", tp, pp, cp=cp, dp=ep,
-                        port=29793 + tp + 2 * pp + 4 * cp + 8 * ep, extra=(*moe, f"trainer.ep={ep}"))  # fmt: skip
+        run = _torchrun(
+            gemma4_moe_dir,
+            tmp_path / f"tp{tp}pp{pp}cp{cp}ep{ep}.pt",
+            tp,
+            pp,
+            cp=cp,
+            dp=ep,
+            port=29793 + tp + 2 * pp + 4 * cp + 8 * ep,
+            extra=(*moe, f"trainer.ep={ep}"),
+        )
         assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
         _assert_same_step(run, base, mask, where)
         assert all(run["state_restored"]), where

@@ -33,8 +33,15 @@ def test_qwen2_1p5b_megatron_tp2_hand_computed():
 
 
 def test_tp_without_sequence_parallel_keeps_norm_activations_whole():
-    base = ("model=qwen2_1p5b", "trainer=megatron", "trainer.tp=2", "cluster=h100", *SITE,
-            "data=openmathinstruct2", "trainer.activation_checkpointing=false")  # fmt: skip
+    base = (
+        "model=qwen2_1p5b",
+        "trainer=megatron",
+        "trainer.tp=2",
+        "cluster=h100",
+        *SITE,
+        "data=openmathinstruct2",
+        "trainer.activation_checkpointing=false",
+    )
     tokens, h, layers = 2048, 1536, 28
     with_sp = plan(*base).memory.train.activations
     without = plan(*base, "trainer.sequence_parallel=false").memory.train.activations

@@ -38,18 +38,35 @@ print(json.dumps(sorted(sorted(k for k in n["Resources"] if k.startswith("hpcrl"
 def _node(tmp: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
     ports = [str(free_port()) for _ in range(2)]
     low = free_port()
-    cmd = [sys.executable, "-m", "hpcrl.launch.reaper", "--", sys.executable, "-m", "hpcrl.launch.ray_node",
-           "--node-ip-address=127.0.0.1", f"--temp-dir={tmp / name}", "--num-cpus=1",
-           "--object-store-memory=80000000", f"--node-manager-port={ports[0]}",
-           f"--object-manager-port={ports[1]}", f"--min-worker-port={low}", f"--max-worker-port={low + 30}",
-           *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpcrl.launch.reaper",
+        "--",
+        sys.executable,
+        "-m",
+        "hpcrl.launch.ray_node",
+        "--node-ip-address=127.0.0.1",
+        f"--temp-dir={tmp / name}",
+        "--num-cpus=1",
+        "--object-store-memory=80000000",
+        f"--node-manager-port={ports[0]}",
+        f"--object-manager-port={ports[1]}",
+        f"--min-worker-port={low}",
+        f"--max-worker-port={low + 30}",
+        *args,
+    ]
     log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the test's tmp dir
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-            "RAY_AUTH_MODE": "disabled"}  # fmt: skip
+    return {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "disabled",
+    }
 
 
 def _alive(pid: int) -> bool:
@@ -70,8 +87,11 @@ def _group_of(tmp: Path, name: str) -> list[tuple[int, str]]:
             rows.append((int(pid), os.getpgid(int(pid)), args))
         except (OSError, ProcessLookupError):
             continue
-    launcher = [pid for pid, _, args in rows if "hpcrl.launch.ray_node" in args
-                and f"--temp-dir={tmp / name} " in args and "reaper" not in args]  # fmt: skip
+    launcher = [
+        pid
+        for pid, _, args in rows
+        if "hpcrl.launch.ray_node" in args and f"--temp-dir={tmp / name} " in args and "reaper" not in args
+    ]
     return [(pid, args) for pid, pgid, args in rows if launcher and pgid == launcher[0] and _alive(pid)]
 
 
@@ -79,14 +99,25 @@ def test_head_and_worker_register_and_a_dead_raylet_stops_its_node():
     tmp = Path(f"/tmp/hpcrl-rn-{os.getpid()}")  # short: Ray's socket paths are length-limited
     tmp.mkdir(parents=True, exist_ok=True)
     gcs = free_port()
-    head = _node(tmp, "head", "--head", f"--port={gcs}", f"--dashboard-port={free_port()}",
-                 '--resources={"hpcrl_rollout": 1}')  # fmt: skip
+    head = _node(
+        tmp,
+        "head",
+        "--head",
+        f"--port={gcs}",
+        f"--dashboard-port={free_port()}",
+        '--resources={"hpcrl_rollout": 1}',
+    )
     worker = _node(
         tmp, "worker", f"--address=127.0.0.1:{gcs}", "--num-gpus=1", '--resources={"hpcrl_train": 1}'
     )
     try:
-        client = subprocess.run([sys.executable, "-c", CLIENT, f"127.0.0.1:{gcs}"], capture_output=True,
-                                text=True, env=_env(), timeout=150)  # fmt: skip
+        client = subprocess.run(
+            [sys.executable, "-c", CLIENT, f"127.0.0.1:{gcs}"],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=150,
+        )
         assert client.returncode == 0, client.stderr[-2000:]
         assert json.loads(client.stdout) == [["GPU", "hpcrl_train"], ["hpcrl_rollout"]]
 

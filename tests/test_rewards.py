@@ -50,8 +50,14 @@ def test_pool_survives_hanging_crashing_and_raising_verifiers(monkeypatch):
         start = time.monotonic()
         out = pool.score(tasks)
         elapsed = time.monotonic() - start
-        assert out == [Outcome.correct, Outcome.timeout, Outcome.wrong, Outcome.error, Outcome.error,
-                       Outcome.correct]  # fmt: skip
+        assert out == [
+            Outcome.correct,
+            Outcome.timeout,
+            Outcome.wrong,
+            Outcome.error,
+            Outcome.error,
+            Outcome.correct,
+        ]
         assert pool.restarts == 2  # the hung and the crashed process were replaced
         assert elapsed < 10
         # the pool still works after the replacements

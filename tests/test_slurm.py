@@ -21,8 +21,16 @@ pytestmark = pytest.mark.slow
 
 
 def test_submit_places_one_task_per_node_with_roles(slurm_cluster, tmp_path):
-    result = run_cli("submit", "--smoke", "cluster=slurmtest", "model=tiny", "layout.train_nodes=2", "layout.rollout_nodes=1",
-                     f"run.output_root={tmp_path}", "run.name=checkin")  # fmt: skip
+    result = run_cli(
+        "submit",
+        "--smoke",
+        "cluster=slurmtest",
+        "model=tiny",
+        "layout.train_nodes=2",
+        "layout.rollout_nodes=1",
+        f"run.output_root={tmp_path}",
+        "run.name=checkin",
+    )
     assert result.returncode == 0, result.stderr
     job_id = re.search(r"^job\s+(\d+)", result.stdout, re.M).group(1)
     run_dir = lifecycle.run_dir_of(job_id, tmp_path)
@@ -49,12 +57,17 @@ def test_submit_places_one_task_per_node_with_roles(slurm_cluster, tmp_path):
     # Ray came up across the three nodes and placed one actor per node by its role resource
     placement = json.loads((run_dir / "placement.json").read_text())["actors"]
     assert [(a["role"], a["host"], a["gpus"]) for a in placement] == [
-        ("rollout", "hpcrl-node1", ["0"]), ("train", "hpcrl-node2", ["0"]), ("train", "hpcrl-node3", ["0"])
-    ]  # fmt: skip
+        ("rollout", "hpcrl-node1", ["0"]),
+        ("train", "hpcrl-node2", ["0"]),
+        ("train", "hpcrl-node3", ["0"]),
+    ]
     # every port Ray listens on, on every node, is a pinned one below 9000 (site firewalls)
     for actor in placement:
-        ports = {int(port): name for port, name in actor["listening"].items()
-                 if name not in ("slurmd", "slurmstepd", "srun")}  # Slurm's own ports are the site's  # fmt: skip
+        ports = {
+            int(port): name
+            for port, name in actor["listening"].items()
+            if name not in ("slurmd", "slurmstepd", "srun")
+        }  # Slurm's own ports are the site's
         assert ports and max(ports) < 9000, f"{actor['host']}: {ports}"
         assert sum(name.startswith("ray::DashboardA") for name in ports.values()) == 3  # pinned agent ports
     assert "1200" in placement[0]["listening"]  # the GCS, on the head (the rollout node)
@@ -87,8 +100,18 @@ def _cmdline(pid: int) -> str:
 
 
 def test_client_without_token_is_refused_and_a_dead_node_ends_the_job(slurm_cluster, tmp_path):
-    result = run_cli("submit", "--smoke", "cluster=slurmtest", "model=tiny", "layout.train_nodes=2", "layout.rollout_nodes=1",
-                     f"run.output_root={tmp_path}", "run.name=failfast", "--hold", "300")  # fmt: skip
+    result = run_cli(
+        "submit",
+        "--smoke",
+        "cluster=slurmtest",
+        "model=tiny",
+        "layout.train_nodes=2",
+        "layout.rollout_nodes=1",
+        f"run.output_root={tmp_path}",
+        "run.name=failfast",
+        "--hold",
+        "300",
+    )
     assert result.returncode == 0, result.stderr
     job_id = re.search(r"^job\s+(\d+)", result.stdout, re.M).group(1)
     run_dir = lifecycle.run_dir_of(job_id, tmp_path)
@@ -103,8 +126,11 @@ def test_client_without_token_is_refused_and_a_dead_node_ends_the_job(slurm_clus
     head = json.loads((run_dir / "ray" / f"head-{job_id}.json").read_text())
     probe = subprocess.run(
         [sys.executable, "-c", f"import ray; ray.init(address='{head['ip']}:{head['port']}')"],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert probe.returncode != 0
     assert "InvalidAuthToken" in probe.stderr or "uthentication" in probe.stderr, probe.stderr[-2000:]
 
@@ -161,8 +187,15 @@ def test_usr2_saves_the_current_step_requeues_and_the_next_attempt_resumes_there
     """The time-limit/preemption signal (USR2, what `--signal=USR2@...` sends) mid-run: the driver
     checkpoints the step it is in (no checkpoint is due: period 100), submitit requeues the job, and
     the next attempt brings Ray up again and resumes from exactly that step."""
-    result = run_cli("submit", "+experiment=grpo-tiny-2n1g-fsdp-split", f"run.output_root={tmp_path}",
-                     "algo.max_steps=8", "checkpoint.period=100", "algo.val_period=4", "algo.num_prompts_per_step=16")  # fmt: skip
+    result = run_cli(
+        "submit",
+        "+experiment=grpo-tiny-2n1g-fsdp-split",
+        f"run.output_root={tmp_path}",
+        "algo.max_steps=8",
+        "checkpoint.period=100",
+        "algo.val_period=4",
+        "algo.num_prompts_per_step=16",
+    )
     assert result.returncode == 0, result.stderr
     job_id = re.search(r"^job\s+(\d+)", result.stdout, re.M).group(1)
     run_dir = lifecycle.run_dir_of(job_id, tmp_path)

@@ -41,8 +41,9 @@ def engine_and_changed_model(model_dir, scratch):
 
     from hpcrl.rollout.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(model_dir, compose().rollout, seed=0, max_model_len=32, on_cpu=True, scratch=scratch,
-                        kv_cache_gb=0.05)  # fmt: skip
+    engine = VLLMEngine(
+        model_dir, compose().rollout, seed=0, max_model_len=32, on_cpu=True, scratch=scratch, kv_cache_gb=0.05
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     assert max_logprob_gap(engine, model) < 1e-4
     torch.manual_seed(1)

@@ -70,8 +70,9 @@ def _rank(rank: int, port: int, dtype: str, out: Path) -> None:
 def test_every_receiver_gets_the_senders_weights(dtype, tmp_path):
     port = free_port()
     outs = [tmp_path / f"rank{r}.pt" for r in range(3)]
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), dtype, str(outs[r])])
-             for r in range(3)]  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, __file__, str(r), str(port), dtype, str(outs[r])]) for r in range(3)
+    ]
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
     results = [torch.load(o) for o in outs]
     assert results[0] == 56 * dtype_of(dtype).itemsize  # bytes of the second step
