@@ -15,28 +15,20 @@ from typing import Any
 import torch
 
 from hpcrl.plan.topology import TrainParallel
-from hpcrl.trainer.config import MEGATRON_FAMILIES, MegatronTrainerConfig
+from hpcrl.trainer.config import MegatronTrainerConfig
 from hpcrl.trainer.megatron.families.base import GPTFamily
 from hpcrl.trainer.megatron.spec import (
-    family,
-    family_of,
     keep_pad_row_untrained,
     layer_spec,
-    num_experts,
     uses_fused_norms,
 )
 from hpcrl.trainer.megatron.weights import Shape
 
 
-def check_buildable(hf: Any, t: MegatronTrainerConfig, par: TrainParallel, model_dir: Path) -> int:
-    """Raise where this backend cannot build ``hf`` under ``par``; else the number of routed experts
-    per MoE layer (0: dense)."""
-    if family(hf) not in MEGATRON_FAMILIES:
-        raise ValueError(
-            f"trainer=megatron cannot build model_type {hf.model_type!r} yet "
-            f"(supported: {', '.join(MEGATRON_FAMILIES)}); use trainer=fsdp for {model_dir}"
-        )
-    experts = num_experts(hf)
+def check_buildable(hf: Any, arch: GPTFamily, t: MegatronTrainerConfig, par: TrainParallel) -> int:
+    """Raise where this backend cannot build ``hf`` under ``par`` (an unknown family was refused by
+    ``spec.family_of`` already); else the number of routed experts per MoE layer (0: dense)."""
+    experts = arch.num_experts(hf)
     if experts and t.moe_gap(hf.model_type):  # the planner refuses it before submitting
         raise ValueError(t.moe_gap(hf.model_type))
     if experts % par.ep:
@@ -74,10 +66,9 @@ def load_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def model_shape(hf: Any, tp: int) -> Shape:
+def model_shape(hf: Any, fam: GPTFamily, tp: int) -> Shape:
     heads = hf.num_attention_heads
     padded = math.ceil(hf.vocab_size / tp) * tp
-    fam = family_of(hf)
     return Shape(
         heads=heads,
         groups=hf.num_key_value_heads,

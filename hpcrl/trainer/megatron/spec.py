@@ -101,11 +101,12 @@ def uses_fused_norms(fam: GPTFamily) -> bool:
     return not uses_local_spec(fam)
 
 
-def transformer_config(hf: Any, trainer: MegatronTrainerConfig, par: TrainParallel, *, device: str) -> Any:
+def transformer_config(
+    hf: Any, fam: GPTFamily, trainer: MegatronTrainerConfig, par: TrainParallel, *, device: str
+) -> Any:
     """The run's fields (``run_fields``), the family's architecture over them, its MoE fields."""
     from megatron.core.transformer import TransformerConfig
 
-    fam = family_of(hf)
     return TransformerConfig(
         **{**run_fields(trainer, par, device=device), **fam.config_fields(hf), **fam.moe_fields(hf, trainer)}
     )

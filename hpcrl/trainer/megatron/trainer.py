@@ -68,14 +68,14 @@ class MegatronTrainer:
         # a vision-language checkpoint (Gemma 3 4B+): the text decoder is trained, the vision tower
         # stays frozen in the rollout engines (weights.LanguageModel)
         hf = text_config(model_dir)
-        experts = check_buildable(hf, t, self.par, model_dir)
+        self.arch = family_of(hf)  # one family object: it has run its checks on ``hf``
+        experts = check_buildable(hf, self.arch, t, self.par)
         init_process_group(rank, world, master, "nccl" if device.startswith("cuda") else "gloo")
         init_parallel(self.par, experts > 0, cfg.run.seed)
         self.ps = ps
         self.tied = bool(getattr(hf, "tie_word_embeddings", False))
-        self.shape = model_shape(hf, self.par.tp)
-        config = transformer_config(hf, t, self.par, device=device)
-        self.arch = family_of(hf)
+        self.shape = model_shape(hf, self.arch, self.par.tp)
+        config = transformer_config(hf, self.arch, t, self.par, device=device)
         self._build_models(model_dir, hf, config, experts)
         self.grads = Gradients(self.model, self.par, tied=self.tied, moe=experts > 0, device=self.device)
         self.optimizer = self._make_optimizer()
