@@ -17,9 +17,11 @@ class HybridLayers:
     """Layer mix of hybrid (Mamba + attention + MoE) stacks such as Nemotron-H.
 
     Each of ``mamba``, ``attention``, ``moe`` and ``mlp`` counts layers of that kind; they add up
-    to ``num_layers``. The exact order lives in the checkpoint's ``hybrid_override_pattern``.
+    to ``num_layers``. ``pattern`` is the checkpoint's ``hybrid_override_pattern`` (one symbol a layer:
+    ``M`` Mamba-2, ``*`` attention, ``E`` MoE, ``-`` dense MLP), the order the counts must agree with.
     """
 
+    pattern: str = ""
     mamba: int = 0
     attention: int = 0
     moe: int = 0
@@ -127,6 +129,18 @@ class ModelConfig:
                 f"model.hybrid layer counts ({h.mamba}+{h.attention}+{h.moe}+{h.mlp}) must add up "
                 f"to model.num_layers={self.num_layers}"
             )
+        if h.pattern:
+            counts = {s: h.pattern.count(s) for s in "M*E-"}
+            if len(h.pattern) != self.num_layers or sum(counts.values()) != len(h.pattern):
+                raise ConfigError(
+                    f"model.hybrid.pattern={h.pattern!r} must have one of M * E - per layer "
+                    f"({self.num_layers} layers)"
+                )
+            if (counts["M"], counts["*"], counts["E"], counts["-"]) != (h.mamba, h.attention, h.moe, h.mlp):
+                raise ConfigError(
+                    f"model.hybrid.pattern={h.pattern!r} has {counts['M']} M, {counts['*']} *, "
+                    f"{counts['E']} E, {counts['-']} -: set model.hybrid.mamba/attention/moe/mlp to match"
+                )
 
     @property
     def is_moe(self) -> bool:
