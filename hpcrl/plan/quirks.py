@@ -134,6 +134,28 @@ def _moe_settings(cfg: RunConfig) -> list[Setting]:
     ]
 
 
+def _nemotron_h_settings(cfg: RunConfig) -> list[Setting]:
+    out = [
+        Setting(
+            "trainer.freeze",
+            ["e_score_correction_bias"],
+            "the routers' fp32 correction bias only selects experts: RL keeps the checkpoint's "
+            "values (no load-balancing updates) and refits leave it out",
+            strict=False,
+        )
+    ]
+    if _uses_vllm(cfg):
+        out.append(
+            Setting(
+                "rollout.load_format",
+                "auto",
+                "engines read the fp32 e_score_correction_bias from the checkpoint (refits, cast to "
+                "the engine's dtype, leave it out), so a dummy load would leave it random",
+            )
+        )
+    return out
+
+
 QUIRKS: list[Quirk] = [
     Quirk("gemma3", _family("gemma3"), _gemma3_settings),
     # DTensor's context parallel (NeMo RL's, and what an fsdp CP would be) fails on the sliding-window
@@ -165,6 +187,9 @@ QUIRKS: list[Quirk] = [
         ],
     ),
     Quirk("moe", lambda cfg: cfg.model.is_moe, _moe_settings),
+    Quirk(
+        "nemotron_h", lambda cfg: cfg.model.family == "nemotron_h" and cfg.model.is_moe, _nemotron_h_settings
+    ),
 ]
 
 

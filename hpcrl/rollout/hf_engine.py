@@ -155,9 +155,13 @@ class HFEngine:
 
         def forward(x: Any, mask: Any, position: Any, past: Any, step: int) -> tuple[Any, Any]:
             if step == 0:
+                # The prompt's own mask, not the whole cache's: transformers pads a short 2D mask
+                # with zeros to the cache length for attention (nothing there yet either way), and
+                # Mamba layers mask their inputs with its last ``width`` columns, which of ``full``
+                # would be ones and let the left padding into the recurrent state.
                 out = self.model(
                     input_ids=x,
-                    attention_mask=full,
+                    attention_mask=full[:, :width],
                     position_ids=position,
                     past_key_values=cache,
                     cache_position=torch.arange(width, device=self.device),
@@ -197,17 +201,40 @@ class HFEngine:
 
     def load_weights(self, weights: dict[str, Any]) -> None:
         """Weights arrive in checkpoint names (both trainers export those); this model may hold some
-        fused (an MoE layer's experts). Every tensor must land somewhere: a name that matches nothing
-        would otherwise leave the engine generating with stale weights."""
+        under other names or fused (Nemotron-H's ``backbone.*`` is ``model.*`` in memory, an MoE
+        layer's experts one tensor). Each lands in the model's own tensor, cast to its dtype; every
+        one must land somewhere: a name that matches nothing would otherwise leave the engine
+        generating with stale weights."""
+        import torch
+
+        views = checkpoint_views(self.model)
         state = self.model.state_dict()
-        fused = fuse_experts(weights, state)
+        # what transformers' conversion cannot view (gate|up halves of fused experts): by name
+        fused = fuse_experts({k: v for k, v in weights.items() if k not in views}, state)
         unknown = sorted(set(fused) - set(state))
         if unknown:
             raise KeyError(
                 f"hf engine: {len(unknown)} received weights match no parameter of "
                 f"{type(self.model).__name__}, e.g. {unknown[:3]}"
             )
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                if name in views:
+                    views[name].copy_(tensor)
         self.model.load_state_dict(fused, strict=False)
+
+
+def checkpoint_views(model: Any) -> dict[str, Any]:
+    """Checkpoint name -> a view into the model tensor (parameter or buffer) that holds it:
+    transformers' save-time conversion (renames, fused experts split per expert) run on the live
+    tensors, so writing a view writes the model. Only true views are kept: a conversion that copies
+    (``Chunk`` makes its halves contiguous) would silently drop every write."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = model.state_dict()
+    storages = {t.untyped_storage().data_ptr() for t in state.values()}
+    views = dict(revert_weight_conversion(model, state))
+    return {k: v for k, v in views.items() if v.untyped_storage().data_ptr() in storages}
 
 
 EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")

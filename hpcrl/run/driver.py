@@ -27,9 +27,9 @@ def say(msg: str) -> None:
 
 def prepare_model(plan: Plan) -> Path:
     model = plan.cfg.model
-    if model.name == "tiny":
-        from hpcrl.run.tiny_model import ensure_tiny_model
+    from hpcrl.run.tiny_model import ensure_tiny_model, is_tiny
 
+    if is_tiny(model):
         return ensure_tiny_model(model, cache_dir(), seed=plan.cfg.run.seed, log=say)
     return Path(model.hf_id)
 

@@ -1,7 +1,9 @@
-"""The project's own tiny model: a character tokenizer and a small Qwen2-shaped network,
-warm-started by a short supervised pass on the synthetic arithmetic task so GRPO has signal.
+"""The project's own tiny models: a character tokenizer and a small network of the catalog entry's
+family (``tiny``: Qwen2; ``tiny_nemotronh``: Nemotron-H, Mamba-2 + attention + LatentMoE in Super's
+layer order), warm-started by a short supervised pass on the synthetic arithmetic task so GRPO has
+signal.
 
-Built once per (architecture, warm-start recipe) and cached under ``<cache>/tiny-<hash>`` as a
+Built once per (architecture, warm-start recipe) and cached under ``<cache>/<name>-<hash>`` as a
 normal Hugging Face directory (config.json, model.safetensors, tokenizer.json) that vLLM and
 transformers load like any checkpoint. Torch/transformers are imported inside the functions.
 """
@@ -15,6 +17,7 @@ import shutil
 import string
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +68,22 @@ def build_tokenizer(out_dir: Path, vocab_size: int) -> Any:
 
 
 def build_model(model_cfg: ModelConfig, seed: int) -> Any:
+    """A randomly initialised network of ``model_cfg``'s family (``BUILDERS``)."""
     import torch
+
+    builder = BUILDERS.get(model_cfg.family)
+    if builder is None:
+        raise ValueError(
+            f"model.family={model_cfg.family!r}: hpcrl builds tiny models of the families "
+            f"{', '.join(BUILDERS)} only; pick one of those or point model.hf_id at a checkpoint"
+        )
+    torch.manual_seed(seed)
+    return builder(model_cfg)
+
+
+def _qwen2(model_cfg: ModelConfig) -> Any:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=model_cfg.vocab_size,
         hidden_size=model_cfg.hidden_size,
@@ -85,6 +100,64 @@ def build_model(model_cfg: ModelConfig, seed: int) -> Any:
         torch_dtype="float32",
     )
     return Qwen2ForCausalLM(config)
+
+
+NEMOTRON_H_FIXED = {
+    # Nemotron 3 Super's values for what the catalog does not describe (notes/nemotron-h.md §0)
+    "conv_kernel": 4,
+    "mamba_hidden_act": "silu",
+    "use_conv_bias": True,
+    "time_step_min": 0.001,
+    "routed_scaling_factor": 5.0,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "mlp_hidden_act": "relu2",
+    "use_bias": False,
+    "mlp_bias": False,
+    "layer_norm_epsilon": 1e-5,
+    "num_nextn_predict_layers": 0,
+    # Super's chunk is 128; our sequences are ~16 tokens, so chunks of 8 keep the inter-chunk
+    # recurrence of the SSD scan in play (one chunk would never exercise it)
+    "chunk_size": 8,
+}
+
+
+def _nemotron_h(model_cfg: ModelConfig) -> Any:
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    h = model_cfg.hybrid
+    dense = {"intermediate_size": model_cfg.ffn_hidden_size} if model_cfg.ffn_hidden_size else {}
+    config = NemotronHConfig(
+        vocab_size=model_cfg.vocab_size,
+        hidden_size=model_cfg.hidden_size,
+        hybrid_override_pattern=h.pattern,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_key_value_heads=model_cfg.num_kv_heads,
+        head_dim=model_cfg.head_dim,
+        max_position_embeddings=model_cfg.max_position_embeddings,
+        mamba_num_heads=h.mamba_heads,
+        mamba_head_dim=h.mamba_head_dim,
+        ssm_state_size=h.mamba_state,
+        n_groups=h.mamba_groups,
+        n_routed_experts=model_cfg.num_experts,
+        num_experts_per_tok=model_cfg.experts_per_token,
+        moe_intermediate_size=model_cfg.moe_ffn_hidden_size,
+        moe_latent_size=model_cfg.moe_latent_size or None,
+        n_shared_experts=1 if model_cfg.shared_expert_ffn else 0,
+        moe_shared_expert_intermediate_size=model_cfg.shared_expert_ffn,
+        tie_word_embeddings=model_cfg.tie_embeddings,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        **dense,
+        **NEMOTRON_H_FIXED,
+    )
+    return NemotronHForCausalLM(config)
+
+
+BUILDERS: dict[str, Callable[[ModelConfig], Any]] = {"qwen2": _qwen2, "nemotron_h": _nemotron_h}
+"""The catalog families hpcrl builds tiny models of (``model.family``)."""
 
 
 def encode_sft(tok: Any, problems: list[Problem]) -> tuple[Any, Any]:
@@ -106,13 +179,57 @@ def encode_sft(tok: Any, problems: list[Problem]) -> tuple[Any, Any]:
     return ids, mask
 
 
+@dataclass(frozen=True)
+class WarmStart:
+    """The supervised warm start of one family's tiny model (part of the cache key)."""
+
+    steps: int
+    lr: float
+    bias_rate: float = 0.0
+    """Auxiliary-loss-free balancing of the MoE routers' correction bias (``CorrectionBiasBalancer``)."""
+
+
+WARM_STARTS = {"qwen2": WarmStart(350, 1e-3), "nemotron_h": WarmStart(350, 1e-3, bias_rate=1e-3)}
+
+
+class CorrectionBiasBalancer:
+    """DeepSeek-V3's auxiliary-loss-free load balancing, which is how Super's routers got their
+    ``e_score_correction_bias`` in pretraining: after each step every router's bias moves by ``rate``
+    toward equal expert load (up for experts picked less than average, down for those picked more).
+    The bias only selects experts (the weights come from the unbiased scores), so the tiny model
+    ends with a real, nonzero fp32 bias that RL must keep exactly (the nemotron_h quirk)."""
+
+    def __init__(self, model: Any, rate: float) -> None:
+        self.rate = rate
+        self.loads: dict[Any, Any] = {}
+        routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+        self.handles = [r.register_forward_hook(self._count) for r in routers]
+
+    def _count(self, router: Any, _inputs: Any, output: Any) -> None:
+        import torch
+
+        indices = output[2]  # (logits, weights, indices): NemotronHTopkRouter's output
+        self.loads[router] = torch.bincount(indices.flatten(), minlength=router.num_experts).float()
+
+    def step(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for router, load in self.loads.items():
+                router.e_score_correction_bias += self.rate * torch.sign(load.mean() - load)
+        self.loads.clear()
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 def warm_start(
     model: Any,
     tok: Any,
     problems: list[Problem],
-    steps: int,
+    recipe: WarmStart,
     batch: int,
-    lr: float,
     seed: int,
     log: Callable[[str], None],
 ) -> None:
@@ -120,55 +237,52 @@ def warm_start(
 
     gen = torch.Generator().manual_seed(seed)
     ids, mask = encode_sft(tok, problems)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
+    balancer = CorrectionBiasBalancer(model, recipe.bias_rate) if recipe.bias_rate else None
     model.train()
-    for step in range(steps):
+    for step in range(recipe.steps):
         idx = torch.randint(0, ids.shape[0], (batch,), generator=gen)
         x, m = ids[idx], mask[idx]
-        logits = model(input_ids=x, attention_mask=(x != PAD_ID).long()).logits[:, :-1]
+        # right-padded rows: with the mask left out no real token sees a pad (causal), on every
+        # path (the fused Mamba kernels take right padding only)
+        logits = model(input_ids=x).logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
         loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step % 50 == 0 or step == steps - 1:
-            log(f"warm start {step + 1}/{steps}: loss {loss.item():.3f}")
+        if balancer:
+            balancer.step()
+        if step % 50 == 0 or step == recipe.steps - 1:
+            log(f"warm start {step + 1}/{recipe.steps}: loss {loss.item():.3f}")
+    if balancer:
+        balancer.close()
     model.eval()
 
 
-def tiny_model_dir(model_cfg: ModelConfig, cache: Path, sft_steps: int, seed: int) -> Path:
-    recipe = {
-        "arch": {
-            k: getattr(model_cfg, k)
-            for k in (
-                "num_layers",
-                "hidden_size",
-                "num_attention_heads",
-                "num_kv_heads",
-                "head_dim",
-                "ffn_hidden_size",
-                "vocab_size",
-                "tie_embeddings",
-            )
-        },
-        "sft_steps": sft_steps,
-        "seed": seed,
-        "version": WARM_START_VERSION,
-    }
-    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    return cache / f"tiny-{digest}"
+def tiny_model_dir(model_cfg: ModelConfig, cache: Path, recipe: WarmStart, seed: int) -> Path:
+    """``<cache>/<name>-<hash>``: the hash covers every architecture field (the family, the hybrid
+    layout, the experts ...), the warm start and the seed, so no two builds share a directory."""
+    arch = {k: v for k, v in asdict(model_cfg).items() if k not in ("name", "hf_id", "stated_params_b")}
+    key = {"arch": arch, "warm_start": asdict(recipe), "seed": seed, "version": WARM_START_VERSION}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return cache / f"{model_cfg.name}-{digest}"
 
 
 def ensure_tiny_model(
     model_cfg: ModelConfig,
     cache: Path,
     *,
-    sft_steps: int = 350,
+    sft_steps: int | None = None,
     seed: int = 0,
     log: Callable[[str], None] = print,
 ) -> Path:
-    """Build (or reuse) the warm-started tiny model; returns its Hugging Face directory."""
-    out = tiny_model_dir(model_cfg, cache, sft_steps, seed)
+    """Build (or reuse) the warm-started tiny model; returns its Hugging Face directory.
+    ``sft_steps``: None takes the family's warm start (``WARM_STARTS``), 0 skips it."""
+    recipe = WARM_STARTS.get(model_cfg.family, WARM_STARTS["qwen2"])
+    if sft_steps is not None:
+        recipe = replace(recipe, steps=sft_steps)
+    out = tiny_model_dir(model_cfg, cache, recipe, seed)
     if (out / "model.safetensors").exists():
         return out
     started = time.perf_counter()
@@ -179,8 +293,8 @@ def ensure_tiny_model(
     model = build_model(model_cfg, seed)
     train, _ = synthetic_split(num_train=20000, num_val=256, seed=seed)
     train = noisy_teacher(train, TEACHER_RAMBLE, seed)
-    if sft_steps:
-        warm_start(model, tok, train, steps=sft_steps, batch=64, lr=1e-3, seed=seed, log=log)
+    if recipe.steps:
+        warm_start(model, tok, train, recipe, batch=64, seed=seed, log=log)
     model.save_pretrained(tmp, safe_serialization=True)
     if out.exists():  # another process built the same model meanwhile
         shutil.rmtree(tmp)
@@ -188,3 +302,8 @@ def ensure_tiny_model(
         os.replace(tmp, out)
     log(f"tiny model ready in {time.perf_counter() - started:.1f}s: {out}")
     return out
+
+
+def is_tiny(model_cfg: ModelConfig) -> bool:
+    """Catalog entries hpcrl builds itself (``hf_id: local/...``) rather than downloads."""
+    return model_cfg.hf_id.startswith("local/")

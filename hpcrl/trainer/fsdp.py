@@ -54,6 +54,11 @@ def token_logprobs(
     return logprob_and_entropy(logits, batch.input_ids[:, 1:])
 
 
+def frozen_buffers(model: torch.nn.Module, names: list[str]) -> set[str]:
+    """State-dict names of the buffers ``trainer.freeze`` names (the match ``freeze`` uses)."""
+    return {b for b, _ in model.named_buffers() if any(n in b for n in names)}
+
+
 def is_right_padded(mask: torch.Tensor) -> bool:
     """Every row is ones then zeros (what ``build_batch`` makes)."""
     return bool((mask[:, 1:] <= mask[:, :-1]).all())
@@ -92,6 +97,7 @@ class FSDPTrainer:
     ) -> None:
         from transformers import AutoModelForCausalLM
 
+        check_moe_settings(cfg)
         self.cfg, self.device = cfg, device
         backend = "nccl" if device.startswith("cuda") else "gloo"
         init_process_group(rank, world, master, backend)
@@ -102,6 +108,10 @@ class FSDPTrainer:
         # The frozen reference policy for the KL term: a copy taken before any update.
         self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
         freeze(model, cfg.trainer.freeze)
+        self.unsent = frozen_buffers(model, cfg.trainer.freeze)
+        """Buffers ``trainer.freeze`` names (Nemotron-H's router correction bias): they never change,
+        engines read them from the checkpoint, so refits leave them out; checkpoints keep them."""
+        self.recurrent = has_recurrent_layers(model)
         self.model = shard_model(model, cfg, device, world)
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
@@ -134,6 +144,9 @@ class FSDPTrainer:
 
     def train_step(self, batch: TrainBatch, ref_logp: torch.Tensor | None) -> dict[str, float]:
         self._right_padded = is_right_padded(batch.attention_mask)  # on the driver's CPU tensors, once
+        if self.recurrent and not self._right_padded:
+            # the fused Mamba training kernel (GPUs) does not mask padding after its convolution
+            raise ValueError("fsdp: a model with Mamba layers trains on right-padded batches only")
         self.model.train()
         metrics = self.step(self, batch, ref_logp, self.device)
         self.model.eval()
@@ -172,7 +185,7 @@ class FSDPTrainer:
         state = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_device)
         )
-        weights = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        weights = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and k not in self.unsent}
         if self._tied() and "model.embed_tokens.weight" in weights:
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
         return checkpoint_names(self.model, weights)
@@ -202,24 +215,75 @@ class FSDPTrainer:
 def shard_model(model: Any, cfg: RunConfig, device: str, world: int) -> Any:
     """``model`` under FSDP2 over the ``world`` training ranks, each decoder layer its own unit."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (world,))
-    shard: dict[str, Any] = {"mesh": mesh}
+    policy = None
     if device.startswith("cuda") and cfg.trainer.precision is Precision.bfloat16:
         # fp32 sharded master weights and gradient reduction, bf16 compute
-        shard["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     # With one rank there is nothing to free by resharding: it would only re-gather (and re-cast to
     # bf16) every layer's weights again for the backward pass.
     reshard = getattr(cfg.trainer, "reshard_after_forward", True) and world > 1
-    compile_layers = device.startswith("cuda") and cfg.trainer.compile_layers()
+    return apply_fsdp(
+        model,
+        mesh,
+        policy,
+        reshard=reshard,
+        router_fp32=cfg.trainer.router_dtype == "fp32",
+        compile_layers=device.startswith("cuda") and cfg.trainer.compile_layers(),
+    )
+
+
+def apply_fsdp(
+    model: Any, mesh: Any, policy: Any, *, reshard: bool, router_fp32: bool, compile_layers: bool
+) -> Any:
+    """``fully_shard`` per decoder layer (Nemotron-H: per block, whatever its mixer), then the rest.
+
+    ``router_fp32`` (``trainer.router_dtype=fp32``, the MoE quirk) under a bf16 ``policy``: each MoE
+    router is a unit of its own whose weight is gathered in fp32. transformers' Nemotron-H router
+    casts its weight and input to fp32 itself, but after a bf16 all-gather the weight has already
+    lost its low bits, and expert choice (a top-k over near-equal scores) moves with them."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    shard: dict[str, Any] = {"mesh": mesh} | ({"mp_policy": policy} if policy is not None else {})
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     # the text decoder's layers (inside the language model of a vision-language model too)
     for layer in model.get_decoder().layers:
+        if router_fp32 and policy is not None:
+            for router in routers(layer):
+                fully_shard(router, reshard_after_forward=reshard, mesh=mesh, mp_policy=fp32)
         if compile_layers:
             layer.compile()  # per decoder layer, before sharding (the torchtitan recipe)
         fully_shard(layer, reshard_after_forward=reshard, **shard)
     fully_shard(model, **shard)
     return model
+
+
+def routers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MoE routers inside ``module``: transformers names their classes ``*Router``
+    (``NemotronHTopkRouter``, ``Qwen3MoeTopKRouter``, ``Gemma4TextRouter``)."""
+    return [m for m in module.modules() if type(m).__name__.lower().endswith("router")]
+
+
+def check_moe_settings(cfg: RunConfig) -> None:
+    """What this backend can honour of the MoE settings the quirk sets (one-line errors)."""
+    t = cfg.trainer
+    if t.router_dtype not in (None, "fp32"):
+        raise ValueError(
+            f"trainer.router_dtype={t.router_dtype}: trainer=fsdp keeps routers in fp32 at most "
+            "(transformers computes router scores in fp32); set trainer.router_dtype=fp32"
+        )
+    if t.moe_aux_loss_coeff:
+        raise ValueError(
+            f"trainer.moe_aux_loss_coeff={t.moe_aux_loss_coeff}: trainer=fsdp adds no load-balancing "
+            "loss (the policy loss is computed from log-probs alone); set trainer.moe_aux_loss_coeff=0"
+        )
+
+
+def has_recurrent_layers(model: Any) -> bool:
+    """Mamba-style layers (Nemotron-H's ``linear_attention`` blocks) carry state across positions."""
+    return "linear_attention" in (getattr(model.config, "layer_types", None) or [])
 
 
 def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
