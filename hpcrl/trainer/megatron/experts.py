@@ -5,8 +5,8 @@ GEMM pair per expert, 128 launches per layer for Qwen3-30B-A3B (one H200, 4 laye
 tokens/s against the fsdp backend's 83.8k with Hugging Face's grouped experts; bench/results/README.md).
 ``GroupedExperts`` keeps SequentialMLP's parameters — one MLP per local expert, the names the weight
 mapping, EP relocation and expert-TP sharding already know — and computes the layer with torch's
-grouped_mm over the stacked weights: gate/up, GLU, the router's probabilities, down. Layouts it does
-not express (bias, non-GLU activations, probabilities applied on the input, fp8) keep SequentialMLP's
+grouped_mm over the stacked weights: gate/up, GLU (or a plain activation), the router's probabilities, down. Layouts it does
+not express (bias, probabilities applied on the input, fp8) keep SequentialMLP's
 loop. Imports Megatron-core: imported only where a Megatron model is built (``spec.layer_spec``).
 """
 
@@ -37,7 +37,6 @@ class GroupedExperts(SequentialMLP):
             or getattr(cfg, "fp8", None)
             or getattr(cfg, "fp4", None)
             or cfg.add_bias_linear
-            or not cfg.gated_linear_unit
             or getattr(cfg, "activation_func_clamp_value", None) is not None
             or getattr(cfg, "glu_linear_offset", 0.0)
             or getattr(cfg, "use_te_activation_func", False)
@@ -48,12 +47,15 @@ class GroupedExperts(SequentialMLP):
         dtype = (
             torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         )
-        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts]).to(dtype)  # [E, 2f, h]
+        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts]).to(dtype)  # [E, 2f or f, h]
         w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts]).to(dtype)  # [E, h, f]
         ends = torch.cumsum(torch.as_tensor(tokens_per_expert, device=x.device), 0).to(torch.int32)
         h = _grouped_mm(x.to(dtype), w1.transpose(1, 2), ends)
-        gate, up = h.chunk(2, dim=-1)
-        a = cfg.activation_func(gate) * up
+        if cfg.gated_linear_unit:
+            gate, up = h.chunk(2, dim=-1)
+            a = cfg.activation_func(gate) * up
+        else:  # Nemotron-H: squared ReLU, no gate
+            a = cfg.activation_func(h)
         a = (a * permuted_probs.unsqueeze(-1)).to(a.dtype)  # as Megatron's MLP applies per_token_scale
         return _grouped_mm(a, w2.transpose(1, 2), ends), None
 

@@ -79,6 +79,7 @@ def model_shape(hf: Any, fam: GPTFamily, tp: int) -> Shape:
         sandwich_norms=fam.sandwich_norms,
         layers=fam.attention_layouts(hf),
         moe_block=fam.moe_block,
+        **fam.shape_fields(hf),
     )
 
 
@@ -93,23 +94,39 @@ def build_model(
     device: torch.device,
     hidden_output: bool,
 ) -> Any:
-    """This rank's pipeline stage of the GPTModel (randomly initialised: the caller loads weights)."""
+    """This rank's pipeline stage of the GPTModel, or of the hybrid model for a hybrid family
+    (randomly initialised: the caller loads weights)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(config, arch),
-        vocab_size=shape.padded_vocab,
-        max_sequence_length=hf.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=tied,
-        position_embedding_type="rope",
-        **arch.rope(hf),
-    )
+    if arch.hybrid:
+        from hpcrl.trainer.megatron.ssm import hybrid_model
+
+        model = hybrid_model(
+            config,
+            arch.stack_layers(hf, config),
+            pattern=shape.pattern,
+            vocab_size=shape.padded_vocab,
+            max_sequence_length=hf.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            tied=tied,
+        )
+    else:
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(config, arch),
+            vocab_size=shape.padded_vocab,
+            max_sequence_length=hf.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=tied,
+            position_embedding_type="rope",
+            **arch.rope(hf),
+        )
     arch.adapt_model(model, hf, compute_dtype)
-    keep_pad_row_untrained(model, hf)
+    if arch.pad_row_untrained:
+        keep_pad_row_untrained(model, hf)
     return with_hidden_output(model.to(device), hidden_output)
 
 

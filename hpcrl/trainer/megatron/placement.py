@@ -28,16 +28,26 @@ class Placement:
     """Global index of this expert-parallel rank's first expert."""
     buffers: tuple[str, ...]
     """The family's checkpoint buffers (Gemma 4's ``layer_scalar``), loaded beside the parameters."""
+    parts: dict[str, tuple[int, ...]]
+    """Name suffix -> the parts its TP split cuts one by one (weights.shard; Nemotron-H's in_proj)."""
 
     @classmethod
     def of_this_rank(
-        cls, par: TrainParallel, layers: int, experts: int, buffers: tuple[str, ...]
+        cls,
+        par: TrainParallel,
+        layers: int,
+        experts: int,
+        buffers: tuple[str, ...],
+        parts: dict[str, tuple[int, ...]] | None = None,
     ) -> Placement:
         from megatron.core import parallel_state as ps
 
         layer_offset = layers // par.pp * ps.get_pipeline_model_parallel_rank()
         expert_offset = experts // par.ep * ps.get_expert_model_parallel_rank() if experts else 0
-        return cls(par, layer_offset, expert_offset, buffers)
+        return cls(par, layer_offset, expert_offset, buffers, parts or {})
+
+    def parts_of(self, name: str) -> tuple[int, ...] | None:
+        return next((p for suffix, p in self.parts.items() if name.endswith(suffix)), None)
 
     def global_name(self, name: str) -> str:
         return relocate(name, self.layer_offset, self.expert_offset)
@@ -71,7 +81,7 @@ class Placement:
                         continue
                     raise KeyError(f"checkpoint has no weight for Megatron parameter {key}")
                 tp, rank, _ = self.tp_of(name)
-                param.copy_(shard(key, full[key], tp, rank).to(param.dtype))
+                param.copy_(shard(key, full[key], tp, rank, self.parts_of(key)).to(param.dtype))
 
     def check_every_weight_used(
         self, model: Any, full: dict[str, torch.Tensor], tied: bool, model_type: str
@@ -105,7 +115,7 @@ class Placement:
                 dist.all_gather(parts, data.contiguous(), group=group)
             else:
                 parts = [data]
-            out[self.global_name(name)] = unshard(name, parts).cpu()
+            out[self.global_name(name)] = unshard(name, parts, self.parts_of(name)).cpu()
         return out
 
 

@@ -26,7 +26,7 @@ from hpcrl.trainer.base import freeze
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import MegatronTrainerConfig
 from hpcrl.trainer.fsdp import init_process_group
-from hpcrl.trainer.megatron import compat
+from hpcrl.trainer.megatron import compat, weights_hybrid
 from hpcrl.trainer.megatron.grads import Gradients
 from hpcrl.trainer.megatron.model import (
     build_model,
@@ -101,7 +101,10 @@ class MegatronTrainer:
             device=self.device,
             hidden_output=chunked,
         )
-        self.placement = Placement.of_this_rank(self.par, hf.num_hidden_layers, experts, self.arch.buffers)
+        parts = weights_hybrid.partitions(self.shape) if self.shape.pattern else None
+        self.placement = Placement.of_this_rank(
+            self.par, hf.num_hidden_layers, experts, self.arch.buffers, parts
+        )
         self.lm = LanguageModel.of(load_hf_weights(model_dir))
         full = to_megatron(self.lm.text, self.shape, self.tied)
         self.model = build()

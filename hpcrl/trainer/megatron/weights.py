@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hpcrl.trainer.megatron import weights_hybrid
+
 LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 HF_LAYER_KEYS = {
     "input_layernorm.weight": "input_layernorm.weight",
@@ -54,13 +56,14 @@ MEGATRON_EXPERT = re.compile(
     r"^(mlp\.(?:moe\.)?experts\.local_experts\.)(\d+)\.(linear_fc1|linear_fc2)\.weight$"
 )
 COLUMN = (
+    *(f"mixer.{k}" for k in weights_hybrid.MIXER if k != "out_proj.weight"),
     "linear_qkv.weight",
     "linear_qkv.bias",
     "linear_fc1.weight",
     "word_embeddings.weight",
     "output_layer.weight",
 )
-ROW = ("linear_proj.weight", "linear_fc2.weight")
+ROW = ("linear_proj.weight", "linear_fc2.weight", "mixer.out_proj.weight")
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,10 @@ class Shape:
     """Layers (global index) whose attention has its own shape; the rest have ``groups`` x ``head_dim``."""
     moe_block: bool = False
     """Gemma 4 26B-A4B: every layer a dense MLP beside an MoE (``MOE_BLOCK_LAYER_KEYS``, ``mlp.moe.*``)."""
+    pattern: str = ""
+    """A hybrid model's layer kinds, one symbol a layer (Nemotron-H: weights_hybrid.py maps it)."""
+    mamba: tuple[int, int, int] = (0, 0, 0)
+    """A hybrid model's Mamba widths (inner = heads x head dim, groups x state, heads): in_proj's parts."""
 
     def attention(self, layer: int) -> LayerAttention:
         return (self.layers or {}).get(layer) or LayerAttention(self.groups, self.head_dim)
@@ -152,23 +159,25 @@ def _norm_names(fused: bool) -> dict[str, str]:
     }
 
 
-def _pad_vocab(t: torch.Tensor, shape: Shape) -> torch.Tensor:
+def pad_vocab(t: torch.Tensor, shape: Shape) -> torch.Tensor:
     extra = shape.padded_vocab - t.shape[0]
     return torch.cat([t, t.new_zeros((extra, *t.shape[1:]))]) if extra else t
 
 
 def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, torch.Tensor]:
+    if shape.pattern:
+        return weights_hybrid.to_megatron(hf, shape, tied)
     out: dict[str, torch.Tensor] = {}
     norms = _norm_names(shape.fused_norms)
     parts: dict[int, dict[str, torch.Tensor]] = {}  # layer -> its weights that are fused or split
     for name, t in hf.items():
         if name == "model.embed_tokens.weight":
-            out["embedding.word_embeddings.weight"] = _pad_vocab(t, shape)
+            out["embedding.word_embeddings.weight"] = pad_vocab(t, shape)
             if tied:
                 out["output_layer.weight"] = out["embedding.word_embeddings.weight"]
         elif name == "lm_head.weight":
             if not tied:
-                out["output_layer.weight"] = _pad_vocab(t, shape)
+                out["output_layer.weight"] = pad_vocab(t, shape)
         elif name == "model.norm.weight":
             out["decoder.final_layernorm.weight"] = t
         elif m := LAYER.match(name.removeprefix("model.")):
@@ -185,21 +194,38 @@ def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[s
     return out
 
 
+def qkv_fused(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, att: LayerAttention, heads: int
+) -> torch.Tensor:
+    """Q/K/V (weights or biases) fused per query group, as Megatron's ``linear_qkv``: [q heads of the
+    group; k; v] for each group (no v: keys double as values)."""
+    g, d, per = att.groups, att.head_dim, heads // att.groups
+    kv = [k.reshape(g, d, -1)] + ([v.reshape(g, d, -1)] if v is not None else [])
+    fused = torch.cat([q.reshape(g, per * d, -1), *kv], dim=1).reshape(-1, q.shape[-1] if q.dim() > 1 else 1)
+    return fused.squeeze(-1) if q.dim() == 1 else fused
+
+
+def qkv_split(t: torch.Tensor, att: LayerAttention, heads: int) -> list[torch.Tensor]:
+    """Inverse of ``qkv_fused``: [q, k(, v)]."""
+    g, d, per = att.groups, att.head_dim, heads // att.groups
+    sizes = [per * d, d, d] if att.values else [per * d, d]
+    parts = t.reshape(g, sum(sizes), -1).split(sizes, dim=1)
+    return [
+        p.reshape(-1, p.shape[-1]).squeeze(-1) if t.dim() == 1 else p.reshape(-1, p.shape[-1]) for p in parts
+    ]
+
+
 def _fused_layer(
     pre: str, p: dict[str, torch.Tensor], att: LayerAttention, heads: int
 ) -> dict[str, torch.Tensor]:
     """One layer's Q/K/V, gate/up and expert weights (Hugging Face names under the layer) as
     Megatron's fused ones under ``pre``."""
     out: dict[str, torch.Tensor] = {}
-    g, d, per = att.groups, att.head_dim, heads // att.groups
     for kind in ("weight", "bias"):
-        if f"self_attn.q_proj.{kind}" not in p:
-            continue
-        q = p[f"self_attn.q_proj.{kind}"].reshape(g, per * d, -1)
-        k = p[f"self_attn.k_proj.{kind}"].reshape(g, d, -1)
-        kv = [k, p[f"self_attn.v_proj.{kind}"].reshape(g, d, -1)] if att.values else [k]
-        fused = torch.cat([q, *kv], dim=1).reshape(-1, q.shape[-1])
-        out[f"{pre}.self_attention.linear_qkv.{kind}"] = fused.squeeze(-1) if kind == "bias" else fused
+        if f"self_attn.q_proj.{kind}" in p:
+            q, k = p[f"self_attn.q_proj.{kind}"], p[f"self_attn.k_proj.{kind}"]
+            v = p[f"self_attn.v_proj.{kind}"] if att.values else None
+            out[f"{pre}.self_attention.linear_qkv.{kind}"] = qkv_fused(q, k, v, att, heads)
     if "mlp.gate_proj.weight" in p:
         out[f"{pre}.mlp.linear_fc1.weight"] = torch.cat([p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]])
     if STACKED_EXPERTS[0] in p:  # one [experts, 2 x ffn, hidden] and one [experts, hidden, ffn] tensor
@@ -223,6 +249,8 @@ def _fused_layer(
 
 
 def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, torch.Tensor]:
+    if shape.pattern:
+        return weights_hybrid.to_hf(meg, shape, tied)
     out: dict[str, torch.Tensor] = {}
     back = {v: k for k, v in shape.layer_keys.items()}
     unfused = {v: k for k, v in _norm_names(shape.fused_norms).items()}
@@ -244,13 +272,10 @@ def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, t
                 out[f"{pre}.{back[key]}"] = t
             elif key.startswith("self_attention.linear_qkv."):
                 kind = key.rsplit(".", 1)[1]
-                att = shape.attention(int(i))
-                g, d, per = att.groups, att.head_dim, shape.heads // att.groups
-                sizes = [per * d, d, d] if att.values else [per * d, d]
-                split = t.reshape(g, sum(sizes), -1).split(sizes, dim=1)
-                for proj, part in zip("qkv", split, strict=False):
-                    flat = part.reshape(-1, part.shape[-1])
-                    out[f"{pre}.self_attn.{proj}_proj.{kind}"] = flat.squeeze(-1) if kind == "bias" else flat
+                for proj, part in zip(
+                    "qkv", qkv_split(t, shape.attention(int(i)), shape.heads), strict=False
+                ):
+                    out[f"{pre}.self_attn.{proj}_proj.{kind}"] = part
             elif key == "mlp.linear_fc1.weight":
                 gate, up = t.chunk(2)
                 out[f"{pre}.mlp.gate_proj.weight"], out[f"{pre}.mlp.up_proj.weight"] = gate, up
@@ -288,12 +313,18 @@ def is_sharded(name: str) -> bool:
     return not is_expert(name) and is_split(name)
 
 
-def shard(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+def shard(
+    name: str, full: torch.Tensor, tp: int, rank: int, parts: tuple[int, ...] | None = None
+) -> torch.Tensor:
     """This rank's slice of one unsharded Megatron tensor over a tensor-parallel group of ``tp``
-    (the expert-TP group for an expert's weights: the caller picks)."""
+    (the expert-TP group for an expert's weights: the caller picks). ``parts``: a column-parallel
+    tensor cut part by part (each rank: its slice of every part, in order; () = one part), else by
+    its name."""
     if tp == 1:
         return full
-    if name.endswith("linear_fc1.weight"):
+    if parts:
+        return torch.cat([p.chunk(tp)[rank] for p in full.split(list(parts))])
+    if name.endswith("linear_fc1.weight") and parts is None:
         gate, up = full.chunk(2)
         return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
     if name.endswith(COLUMN):
@@ -303,11 +334,14 @@ def shard(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     return full
 
 
-def unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
-    """Inverse of ``shard`` given every rank's slice in rank order."""
+def unshard(name: str, parts: list[torch.Tensor], sizes: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Inverse of ``shard`` given every rank's slice in rank order (and the same ``sizes`` as its ``parts``)."""
     if len(parts) == 1:
         return parts[0]
-    if name.endswith("linear_fc1.weight"):
+    if sizes:
+        per_rank = [p.split([n // len(parts) for n in sizes]) for p in parts]
+        return torch.cat([torch.cat([r[j] for r in per_rank]) for j in range(len(sizes))])
+    if name.endswith("linear_fc1.weight") and sizes is None:
         halves = [p.chunk(2) for p in parts]
         return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
     if name.endswith(COLUMN):

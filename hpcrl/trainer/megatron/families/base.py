@@ -36,6 +36,10 @@ class GPTFamily:
     """Logits -> cap * tanh(logits / cap) before the log-softmax (chunked head and logits path alike)."""
     moe_block = False
     """Gemma 4 26B-A4B: a dense MLP beside the MoE in every layer (weights.Shape.moe_block)."""
+    hybrid = False
+    """Built as megatron-core's hybrid (Mamba) model from ``stack_layers``, not as a GPTModel."""
+    pad_row_untrained = True
+    """Hugging Face builds the embedding with ``padding_idx`` (spec.keep_pad_row_untrained)."""
 
     def __init__(self, hf: Any) -> None:
         self.check_supported(hf)
@@ -107,6 +111,14 @@ class GPTFamily:
     def attention_layouts(self, hf: Any) -> dict[int, Any] | None:
         """Layers whose attention shape departs from the model's (weights.Shape.layers)."""
         return None
+
+    def shape_fields(self, hf: Any) -> dict[str, Any]:
+        """weights.Shape fields beyond the attention's (a hybrid model's pattern and Mamba widths)."""
+        return {}
+
+    def stack_layers(self, hf: Any, config: Any) -> dict[str, Any]:
+        """A hybrid family's stack submodules, one spec per layer kind (ssm.hybrid_model)."""
+        raise NotImplementedError(f"{type(self).__name__} is not a hybrid family")
 
     def adapt_model(self, model: Any, hf: Any, compute_dtype: torch.dtype) -> None:
         """After GPTModel is built, before the weights load."""

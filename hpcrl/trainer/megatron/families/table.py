@@ -16,6 +16,7 @@ from __future__ import annotations
 from hpcrl.trainer.megatron.families.base import GPTFamily
 from hpcrl.trainer.megatron.families.gemma3 import Gemma3
 from hpcrl.trainer.megatron.families.gemma4 import Gemma4
+from hpcrl.trainer.megatron.families.nemotron_h import NemotronH
 from hpcrl.trainer.megatron.families.qwen import Llama, Qwen2, Qwen3
 from hpcrl.trainer.megatron.families.qwen3_moe import Qwen3MoE
 
@@ -26,4 +27,5 @@ FAMILIES: dict[str, type[GPTFamily]] = {
     "qwen3_moe": Qwen3MoE,
     "gemma3": Gemma3,
     "gemma4": Gemma4,
+    "nemotron_h": NemotronH,
 }

@@ -1,0 +1,171 @@
+"""Nemotron-H (Nemotron 3 Super/Nano): megatron-core's hybrid model — one layer per symbol of the
+checkpoint's ``hybrid_override_pattern``: ``M`` Mamba-2, ``*`` attention (GQA, no RoPE), ``E`` LatentMoE
+(sigmoid router with a correction bias, top-k renormalised and scaled, experts in a latent width, a
+shared expert at full width), ``-`` dense MLP; squared-ReLU MLPs throughout.
+
+The layers are megatron-core's (MambaLayer, TransformerLayer, MoELayer), with the pieces that need
+mamba_ssm or Transformer Engine taken from ssm.py (``TorchMambaMixer``, ``LatentMoELayer``). The router
+is kept as the RL recipes keep it (NeMo RL's Nemotron configs): fp32, no load-balancing loss, the
+correction bias (Megatron's ``expert_bias``) loaded and never updated.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from hpcrl.trainer.config import MegatronTrainerConfig
+from hpcrl.trainer.megatron.families.base import GPTFamily
+
+SUPPORTED = {
+    "mamba_hidden_act": "silu",
+    "mlp_hidden_act": "relu2",
+    "use_conv_bias": True,
+    "use_bias": False,
+    "mlp_bias": False,
+    "norm_topk_prob": True,  # Megatron renormalises top-k sigmoid scores whenever k > 1
+    "n_group": 1,
+    "topk_group": 1,
+}
+"""Config values this build expresses; a checkpoint with others is refused by name."""
+
+
+class NemotronH(GPTFamily):
+    model_types = ("nemotron_h",)
+    local_spec_only = True  # hpcrl's own hybrid spec (Transformer Engine's fuses the norms, other names)
+    hybrid = True
+    pad_row_untrained = False  # NemotronH's embedding has no padding_idx: the pad row trains there too
+    buffers = ("expert_bias",)  # the router's correction bias (``e_score_correction_bias``)
+
+    def check_supported(self, hf: Any) -> None:
+        for key, want in SUPPORTED.items():
+            have = getattr(hf, key, want)
+            if key == "norm_topk_prob" and int(hf.num_experts_per_tok) == 1:
+                continue
+            if have != want:
+                raise ValueError(
+                    f"trainer=megatron builds Nemotron-H with {key}={want!r} (this checkpoint: {have!r}); "
+                    "use trainer=fsdp"
+                )
+        if set(pattern(hf)) - set("M*E-"):
+            raise ValueError(
+                f"trainer=megatron builds Nemotron-H layers M * E - (pattern {pattern(hf)!r}); use trainer=fsdp"
+            )
+
+    def config_fields(self, hf: Any) -> dict[str, Any]:
+        from megatron.core.activations import squared_relu
+
+        return {
+            "num_layers": len(pattern(hf)),
+            "hidden_size": hf.hidden_size,
+            "num_attention_heads": hf.num_attention_heads,
+            "num_query_groups": hf.num_key_value_heads,
+            "kv_channels": hf.head_dim,
+            "normalization": "RMSNorm",
+            "add_bias_linear": False,
+            "qk_layernorm": False,
+            "ffn_hidden_size": int(
+                getattr(hf, "intermediate_size", 0) or hf.moe_shared_expert_intermediate_size
+            ),
+            "layernorm_epsilon": hf.layer_norm_epsilon,
+            "gated_linear_unit": False,
+            "activation_func": squared_relu,
+            "bias_activation_fusion": False,  # Megatron fuses GLU activations only
+            "add_qkv_bias": bool(getattr(hf, "attention_bias", False)),
+            "is_hybrid_model": True,
+            "mamba_num_heads": hf.mamba_num_heads,
+            "mamba_head_dim": hf.mamba_head_dim,
+            "mamba_state_dim": hf.ssm_state_size,
+            "mamba_num_groups": hf.n_groups,
+        }
+
+    def num_experts(self, hf: Any) -> int:
+        return int(hf.n_routed_experts) if "E" in pattern(hf) else 0
+
+    def routing(self, hf: Any) -> tuple[int, bool]:
+        return int(hf.num_experts_per_tok), False  # sigmoid scores: no softmax either side of the top-k
+
+    def moe_fields(self, hf: Any, trainer: MegatronTrainerConfig) -> dict[str, Any]:
+        fields = super().moe_fields(hf, trainer)
+        if not fields:
+            return {}
+        shared = int(hf.n_shared_experts or 0) * int(hf.moe_shared_expert_intermediate_size)
+        return {
+            **fields,
+            "moe_router_score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+            "moe_router_bias_update_rate": 0.0,  # the correction bias stays as the checkpoint has it
+            "moe_router_topk_scaling_factor": float(hf.routed_scaling_factor),
+            "moe_router_dtype": trainer.router_dtype or "fp32",
+            "moe_shared_expert_intermediate_size": shared or None,
+            "moe_shared_expert_overlap": False,  # refused with latent projections in training
+            "moe_latent_size": getattr(hf, "moe_latent_size", None) or None,
+        }
+
+    def rope(self, hf: Any) -> dict[str, Any]:
+        return {}
+
+    def shape_fields(self, hf: Any) -> dict[str, Any]:
+        inner = hf.mamba_num_heads * hf.mamba_head_dim
+        return {"pattern": pattern(hf), "mamba": (inner, hf.n_groups * hf.ssm_state_size, hf.mamba_num_heads)}
+
+    def stack_layers(self, hf: Any, config: Any) -> dict[str, Any]:
+        return stack_layers(hf, config)
+
+
+def pattern(hf: Any) -> str:
+    """The layer pattern (transformers keeps ``hybrid_override_pattern`` as a property of its layer types)."""
+    return str(hf.hybrid_override_pattern)
+
+
+def stack_layers(hf: Any, config: Any) -> dict[str, Any]:
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from hpcrl.trainer.megatron.attention import SDPAttention
+    from hpcrl.trainer.megatron.experts import use_grouped_experts
+    from hpcrl.trainer.megatron.norms import SPNorm
+    from hpcrl.trainer.megatron.spec_utils import with_module
+    from hpcrl.trainer.megatron.ssm import LatentMoELayer, TorchMambaMixer
+
+    # MambaLayer builds its norm without the epsilon (TransformerLayer passes the config's)
+    mamba_norm = ModuleSpec(module=SPNorm, params={"eps": hf.layer_norm_epsilon})
+    mixer = ModuleSpec(
+        module=TorchMambaMixer,
+        params={"chunk_size": hf.chunk_size, "conv_kernel": hf.conv_kernel, "dt_min": hf.time_step_min},
+    )
+    dense = copy.deepcopy(specs.get_gpt_layer_local_spec(normalization="RMSNorm")).submodules
+    attention = dense.self_attention
+    attention.submodules.core_attention = SDPAttention
+    layers: dict[str, Any] = {
+        "mamba_layer": ModuleSpec(
+            module=MambaLayer,
+            submodules=MambaLayerSubmodules(norm=mamba_norm, mixer=mixer, mamba_bda=get_bias_dropout_add),
+        ),
+        "attention_layer": ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                input_layernorm=SPNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add
+            ),
+        ),
+        "mlp_layer": ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=SPNorm, mlp=dense.mlp, mlp_bda=get_bias_dropout_add
+            ),
+        ),
+    }
+    if config.num_moe_experts:
+        local = specs.get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization="RMSNorm")
+        moe = with_module(copy.deepcopy(local.submodules.mlp), LatentMoELayer)
+        use_grouped_experts(moe)
+        layers["moe_layer"] = ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=SPNorm, mlp=moe, mlp_bda=get_bias_dropout_add
+            ),
+        )
+    return layers

@@ -1,0 +1,288 @@
+"""What Megatron-core's hybrid (Mamba-2 + attention + MoE) stack needs and cannot get here, in one
+contained module: pure torch, autograd-safe, used only where the real pieces are absent.
+
+- ``TorchMambaMixer`` stands in for ``megatron.core.ssm.mamba_mixer.MambaMixer``, which needs
+  mamba_ssm's Triton chunked scan and gated RMSNorm and causal_conv1d (none installs on the CPU
+  machines or the lent GPU; the module even imports triton at the top). Same parameters and per-TP-rank
+  layout as Megatron's: ``in_proj`` rows [z | x | B | C | dt] of this rank, a depthwise causal
+  ``conv1d`` over [x | B | C], ``A_log``/``D``/``dt_bias`` per head, the gated group RMSNorm, ``out_proj``.
+  The scan is the SSD chunked form (Mamba-2 paper, Listing 1) in fp32, with Hugging Face's and vLLM's
+  dt floor (``time_step_min``): Megatron's kernels do not clamp, but the rollout engines do, and the
+  trainer must score what they sample.
+- ``LatentMoELayer`` is Megatron's MoELayer with the latent projections (``fc1_latent_proj``,
+  ``fc2_latent_proj``) as replicated torch linears: Megatron builds them only with Transformer Engine.
+- ``hybrid_model`` builds the hybrid model under either name megatron-core gives it: ``MambaModel`` /
+  ``MambaStack`` / ``hybrid_override_pattern`` (0.16, the CPU lock) or ``HybridModel`` / ``HybridStack``
+  / ``hybrid_layer_pattern`` (0.19, the GPU), with a final norm that is not Transformer Engine's.
+
+Imports Megatron-core: imported only where a Megatron model is built.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import build_module
+
+
+def have_mamba_kernels() -> bool:
+    """Megatron's own mixer can run: mamba_ssm and causal_conv1d both import."""
+    try:
+        import causal_conv1d  # noqa: F401
+        import mamba_ssm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# -- the SSD scan -------------------------------------------------------------------------------------
+def _segsum(x: torch.Tensor) -> torch.Tensor:
+    """[..., T] -> [..., T, T]: sum of x[j+1..i] below the diagonal, -inf above (stable form)."""
+    t = x.shape[-1]
+    x = x[..., None].expand(*x.shape, t)
+    below = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=-1)
+    x = x.masked_fill(~below, 0).cumsum(dim=-2)
+    return x.masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device)), -torch.inf)
+
+
+def ssd_scan(
+    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """y_t = sum_{s<=t} C_t . (prod_{s<r<=t} exp(dt_r a)) dt_s B_s x_s, chunk by chunk, in fp32.
+
+    x [b, l, h, p], dt [b, l, h] (already softplus'd and clamped), a [h] (negative), b/c [b, l, g, n]
+    with h a multiple of g (heads share their group's B/C). Returns [b, l, h, p]."""
+    batch, length, heads, _ = x.shape
+    rep = heads // b.shape[2]
+    x, dt = x.float(), dt.float()
+    b = b.float().repeat_interleave(rep, dim=2)
+    c = c.float().repeat_interleave(rep, dim=2)
+    pad = (chunk - length % chunk) % chunk
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # [b, l, ...] -> [b, k, chunk, ...]
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.reshape(batch, -1, chunk, *t.shape[2:])
+
+    xs, bs, cs = chunks(x * dt[..., None]), chunks(b), chunks(c)
+    da = chunks(dt * a.float()).permute(0, 3, 1, 2)  # [b, h, k, chunk]
+    cum = da.cumsum(-1)
+    within = torch.exp(_segsum(da))  # [b, h, k, chunk, chunk]
+    y_diag = torch.einsum("bklhn,bkshn,bhkls,bkshp->bklhp", cs, bs, within, xs)
+    decay_to_end = torch.exp(cum[..., -1:] - cum)
+    states = torch.einsum("bklhn,bhkl,bklhp->bkhpn", bs, decay_to_end, xs)
+    states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
+    across = torch.exp(_segsum(F.pad(cum[..., -1], (1, 0))))  # [b, h, k+1, k+1]
+    states = torch.einsum("bhzc,bchpn->bzhpn", across, states)[:, :-1]
+    y_off = torch.einsum("bklhn,bkhpn,bhkl->bklhp", cs, states, torch.exp(cum))
+    return (y_diag + y_off).reshape(batch, -1, heads, x.shape[-1])[:, :length]
+
+
+def gated_rms_norm(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group: int, eps: float
+) -> torch.Tensor:
+    """Mamba-2's output norm: y * silu(z), RMS-normalised over groups of ``group`` channels, in fp32."""
+    h = y.float() * F.silu(z.float())
+    g = h.view(*h.shape[:-1], -1, group)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * g.view_as(h).to(y.dtype)
+
+
+# -- the mixer ------------------------------------------------------------------------------------------
+class TorchMambaMixer(MegatronModule):
+    """Megatron's MambaMixer in torch (module docstring). Input and output [s, b, h]; under sequence
+    parallel the input is this TP rank's slice of the sequence (``in_proj`` gathers it, ``out_proj``
+    reduce-scatters), heads and groups are split over TP."""
+
+    def __init__(
+        self,
+        config: Any,
+        d_model: int,
+        *,
+        chunk_size: int,
+        conv_kernel: int,
+        dt_min: float,
+        **_: Any,
+    ) -> None:
+        super().__init__(config)
+        tp = ps.get_tensor_model_parallel_world_size()
+        heads, groups = config.mamba_num_heads, config.mamba_num_groups
+        if heads % tp or groups % tp:
+            raise ValueError(
+                f"trainer.tp={tp} must divide the model's {heads} Mamba heads and {groups} groups"
+            )
+        self.heads, self.groups, self.state = heads // tp, groups // tp, config.mamba_state_dim
+        self.head_dim, self.chunk, self.dt_min = config.mamba_head_dim, chunk_size, dt_min
+        self.inner = self.heads * self.head_dim
+        self.group_size = heads * self.head_dim // groups
+        self.eps = config.layernorm_epsilon
+        conv_dim = self.inner + 2 * self.groups * self.state
+        self.in_proj = tensor_parallel.ColumnParallelLinear(
+            d_model,
+            (2 * self.inner + 2 * self.groups * self.state + self.heads) * tp,
+            config=config,
+            init_method=config.init_method,
+            bias=False,
+            gather_output=False,
+        )
+        self.conv1d = torch.nn.Conv1d(
+            conv_dim, conv_dim, conv_kernel, groups=conv_dim, padding=conv_kernel - 1
+        )
+        self.A_log = torch.nn.Parameter(torch.zeros(self.heads))
+        self.D = torch.nn.Parameter(torch.ones(self.heads))
+        self.dt_bias = torch.nn.Parameter(torch.zeros(self.heads))
+        self.norm = _Weight(self.inner)
+        self.out_proj = tensor_parallel.RowParallelLinear(
+            self.inner * tp,
+            d_model,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+        )
+
+    def forward(self, hidden: torch.Tensor, **_: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        zxbcdt, _ = self.in_proj(hidden)  # [s, b, this rank's z|x|B|C|dt]
+        zxbcdt = zxbcdt.transpose(0, 1)
+        gn = self.groups * self.state
+        z, xbc, dt = zxbcdt.split([self.inner, self.inner + 2 * gn, self.heads], dim=-1)
+        length = xbc.shape[1]
+        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :length].transpose(1, 2))
+        x, b, c = xbc.split([self.inner, gn, gn], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)
+        batch = x.shape[0]
+        xh = x.reshape(batch, length, self.heads, self.head_dim)
+        y = ssd_scan(
+            xh,
+            dt,
+            -torch.exp(self.A_log.float()),
+            b.reshape(batch, length, self.groups, self.state),
+            c.reshape(batch, length, self.groups, self.state),
+            self.chunk,
+        )
+        y = y + xh.float() * self.D.float()[:, None]
+        y = gated_rms_norm(
+            y.reshape(batch, length, -1).to(x.dtype), z, self.norm.weight, self.group_size, self.eps
+        )
+        return self.out_proj(y.transpose(0, 1).contiguous())
+
+
+class _Weight(torch.nn.Module):
+    """Holds the gated norm's weight under Megatron's and Hugging Face's name (``mixer.norm.weight``)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(size))
+
+
+# -- latent MoE -----------------------------------------------------------------------------------------
+class ReplicatedLinear(torch.nn.Linear):
+    """Transformer Engine's ``parallel_mode="duplicated"`` linear in torch: the whole weight on every
+    TP rank, returning (out, None) as Megatron's linears do. Under sequence parallel each TP rank
+    projects its own tokens, so its gradient is partial: marked ``sequence_parallel`` for the TP sum."""
+
+    def __init__(self, n_in: int, n_out: int, config: Any) -> None:
+        super().__init__(n_in, n_out, bias=False)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return super().forward(x), None
+
+
+class LatentMoELayer(MoELayer):
+    """Megatron's MoELayer with its latent projections built here (module docstring). The parent is
+    built without the latent width (its Transformer-Engine-only branch is skipped); the experts and
+    the token dispatcher, which work at the latent width, are then built again with it."""
+
+    def __init__(
+        self,
+        config: Any,
+        submodules: Any = None,
+        layer_number: Any = None,
+        pg_collection: Any = None,
+        **kw: Any,
+    ) -> None:
+        from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+        groups = pg_collection if pg_collection is not None else get_default_pg_collection()
+        plain = copy.copy(config)
+        plain.moe_latent_size = None
+        super().__init__(plain, submodules, layer_number, groups, **kw)
+        self.config = config
+        self.experts = build_module(
+            self.submodules.experts, self.num_local_experts, config, pg_collection=groups
+        )
+        self.token_dispatcher = type(self.token_dispatcher)(
+            self.num_local_experts, self.local_expert_indices, config=config, pg_collection=groups
+        )
+        self.fc1_latent_proj = ReplicatedLinear(config.hidden_size, config.moe_latent_size, config)
+        self.fc2_latent_proj = ReplicatedLinear(config.moe_latent_size, config.hidden_size, config)
+
+
+# -- the model --------------------------------------------------------------------------------------------
+def _stack_class(base: type) -> type:
+    """The version's hybrid stack with a torch final norm (the stock one is Transformer Engine's)."""
+    from hpcrl.trainer.megatron.norms import SPNorm
+
+    class Stack(base):  # type: ignore[valid-type,misc]
+        def __init__(self, config: Any, *args: Any, post_layer_norm: bool = True, **kwargs: Any) -> None:
+            super().__init__(config, *args, post_layer_norm=False, **kwargs)
+            self.post_layer_norm = post_layer_norm
+            if post_layer_norm and self.post_process:
+                self.final_norm = SPNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+
+    Stack.__name__ = Stack.__qualname__ = f"Torch{base.__name__}"
+    return Stack
+
+
+def hybrid_model(
+    config: Any,
+    layers: dict[str, Any],
+    *,
+    pattern: str,
+    vocab_size: int,
+    max_sequence_length: int,
+    pre_process: bool,
+    post_process: bool,
+    tied: bool,
+) -> Any:
+    """This pipeline stage of megatron-core's hybrid model for ``pattern`` (one of M * E - per layer),
+    its layers built from ``layers`` (the stack submodules: mamba_layer, attention_layer, moe_layer,
+    mlp_layer)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    common = dict(
+        config=config,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=tied,
+        position_embedding_type="none",
+    )
+    try:  # megatron-core >= 0.19
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+    except ImportError:  # 0.16: the same model under its first names
+        from megatron.core.models.mamba.mamba_model import MambaModel
+        from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+
+        spec = ModuleSpec(module=_stack_class(MambaStack), submodules=MambaStackSubmodules(**layers))
+        return MambaModel(mamba_stack_spec=spec, hybrid_override_pattern=pattern, **common)
+    spec = ModuleSpec(module=_stack_class(HybridStack), submodules=HybridStackSubmodules(**layers))
+    return HybridModel(hybrid_stack_spec=spec, hybrid_layer_pattern=_stages(pattern, config), **common)
+
+
+def _stages(pattern: str, config: Any) -> str:
+    """0.19 reads pipeline stages from ``|`` in the pattern: equal stages, as 0.16 splits them."""
+    pp = config.pipeline_model_parallel_size
+    per = math.ceil(len(pattern) / pp)
+    return "|".join(pattern[i : i + per] for i in range(0, len(pattern), per))

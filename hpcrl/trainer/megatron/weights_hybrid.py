@@ -1,0 +1,140 @@
+"""Hugging Face <-> Megatron-core weights for Nemotron-H (the hybrid stack of families/nemotron_h.py),
+named as Megatron-Bridge's NemotronH bridge names them, so a Bridge or NeMo RL user reads the same keys.
+
+The checkpoint's own names are ``backbone.*`` with one tensor pair per routed expert; one layer per
+pattern symbol, its block norm ``backbone.layers.<i>.norm.weight`` landing in the slot of that layer's
+kind (Mamba ``norm``, attention ``input_layernorm``, MoE/MLP ``pre_mlp_layernorm``). At TP=1 every
+Megatron tensor equals the Hugging Face one except attention's fused Q/K/V; under TP the Mamba mixer's
+``in_proj`` rows [z | x | B | C | dt] and ``conv1d`` channels [x | B | C] are cut part by part, so each
+rank holds [z_r | x_r | B_r | C_r | dt_r] (``partitions``, applied by weights.shard / unshard). The
+multi-token-prediction block (``mtp.*``) is not trained here (the RL recipes run with MTP off): it is
+dropped by name on the way in (``MTP_PREFIX``) and absent from exports.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from hpcrl.trainer.megatron.weights import Shape
+
+MTP_PREFIX = "mtp."
+MIXER = (
+    "in_proj.weight",
+    "conv1d.weight",
+    "conv1d.bias",
+    "A_log",
+    "D",
+    "dt_bias",
+    "norm.weight",
+    "out_proj.weight",
+)
+NORM_SLOT = {
+    "M": "norm.weight",
+    "*": "input_layernorm.weight",
+    "E": "pre_mlp_layernorm.weight",
+    "-": "pre_mlp_layernorm.weight",
+}
+LAYER_KEYS = {
+    "*": {"mixer.o_proj.weight": "self_attention.linear_proj.weight"},
+    "E": {
+        "mixer.gate.weight": "mlp.router.weight",
+        "mixer.gate.e_score_correction_bias": "mlp.router.expert_bias",
+        "mixer.fc1_latent_proj.weight": "mlp.fc1_latent_proj.weight",
+        "mixer.fc2_latent_proj.weight": "mlp.fc2_latent_proj.weight",
+        "mixer.shared_experts.up_proj.weight": "mlp.shared_experts.linear_fc1.weight",
+        "mixer.shared_experts.down_proj.weight": "mlp.shared_experts.linear_fc2.weight",
+    },
+    "-": {"mixer.up_proj.weight": "mlp.linear_fc1.weight", "mixer.down_proj.weight": "mlp.linear_fc2.weight"},
+    "M": {f"mixer.{k}": f"mixer.{k}" for k in MIXER},
+}
+HF_LAYER = re.compile(r"^backbone\.layers\.(\d+)\.(.+)$")
+HF_EXPERT = re.compile(r"^mixer\.experts\.(\d+)\.(up|down)_proj\.weight$")
+MEG_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+QKV = "self_attention.linear_qkv.weight"
+
+
+def partitions(shape: Shape) -> dict[str, tuple[int, ...]]:
+    """Megatron names (suffixes) whose column split is per part: the Mamba in_proj and conv1d, and
+    the squared-ReLU MLPs' ``linear_fc1`` (one part: no gate/up halves)."""
+    inner, gn, heads = shape.mamba
+    return {
+        "mixer.in_proj.weight": (inner, inner, gn, gn, heads),
+        "mixer.conv1d.weight": (inner, gn, gn),
+        "mixer.conv1d.bias": (inner, gn, gn),
+        "linear_fc1.weight": (),
+    }
+
+
+def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, torch.Tensor]:
+    from hpcrl.trainer.megatron.weights import pad_vocab, qkv_fused
+
+    out: dict[str, torch.Tensor] = {}
+    qkv: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in hf.items():
+        if name.startswith(MTP_PREFIX):
+            continue
+        if name == "backbone.embeddings.weight":
+            out["embedding.word_embeddings.weight"] = pad_vocab(t, shape)
+        elif name == "lm_head.weight":
+            out["output_layer.weight"] = pad_vocab(t, shape)
+        elif name == "backbone.norm_f.weight":
+            out["decoder.final_norm.weight"] = t
+        elif m := HF_LAYER.match(name):
+            i, key = int(m.group(1)), m.group(2)
+            kind, pre = shape.pattern[i], f"decoder.layers.{i}"
+            if key == "norm.weight":
+                out[f"{pre}.{NORM_SLOT[kind]}"] = t
+            elif key in LAYER_KEYS[kind]:
+                out[f"{pre}.{LAYER_KEYS[kind][key]}"] = t
+            elif kind == "*" and key in {f"mixer.{p}_proj.weight" for p in "qkv"}:
+                qkv.setdefault(i, {})[key[len("mixer.") : key.index("_")]] = t
+            elif kind == "E" and (e := HF_EXPERT.match(key)):
+                fc = "linear_fc1" if e.group(2) == "up" else "linear_fc2"
+                out[f"{pre}.mlp.experts.local_experts.{e.group(1)}.{fc}.weight"] = t
+            else:
+                raise KeyError(f"no Megatron name for Hugging Face weight {name!r} (layer kind {kind!r})")
+        else:
+            raise KeyError(f"no Megatron name for Hugging Face weight {name!r}")
+    for i, p in qkv.items():
+        out[f"decoder.layers.{i}.{QKV}"] = qkv_fused(p["q"], p["k"], p["v"], shape.attention(i), shape.heads)
+    if tied:
+        out["output_layer.weight"] = out["embedding.word_embeddings.weight"]
+    return out
+
+
+def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, torch.Tensor]:
+    from hpcrl.trainer.megatron.weights import qkv_split
+
+    out: dict[str, torch.Tensor] = {}
+    for name, t in meg.items():
+        if name == "embedding.word_embeddings.weight":
+            out["backbone.embeddings.weight"] = t[: shape.vocab]
+        elif name == "output_layer.weight":
+            out["lm_head.weight"] = t[: shape.vocab]
+        elif name == "decoder.final_norm.weight":
+            out["backbone.norm_f.weight"] = t
+        elif m := re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name):
+            i, key = int(m.group(1)), m.group(2)
+            kind, pre = shape.pattern[i], f"backbone.layers.{i}"
+            back = {v: k for k, v in LAYER_KEYS[kind].items()}
+            if key == NORM_SLOT[kind]:
+                out[f"{pre}.norm.weight"] = t
+            elif key in back:
+                out[f"{pre}.{back[key]}"] = t
+            elif key == QKV:
+                q, k, v = qkv_split(t, shape.attention(i), shape.heads)
+                out.update({f"{pre}.mixer.{p}_proj.weight": w for p, w in zip("qkv", (q, k, v), strict=True)})
+            elif e := MEG_EXPERT.match(key):
+                proj = "up" if e.group(2) == "linear_fc1" else "down"
+                out[f"{pre}.mixer.experts.{e.group(1)}.{proj}_proj.weight"] = t
+            else:
+                raise KeyError(f"no Hugging Face name for Megatron weight {name!r}")
+        else:
+            raise KeyError(f"no Hugging Face name for Megatron weight {name!r}")
+    if tied:
+        out["lm_head.weight"] = out["backbone.embeddings.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
