@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import yaml
 
-from .conftest import SITE, run_cli
+from .conftest import ROOT, SITE, run_cli
 
 
 def test_plan_default_prints_tables_and_fits(cli):
@@ -86,3 +93,53 @@ def test_fsdp_recipe_with_context_parallel_plans_but_submit_refuses(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted
     same_without_cp = run_cli("plan", recipe, "trainer.cp=1", *site)
     assert "no tensor or context parallelism" not in same_without_cp.stdout
+
+
+def test_plan_shows_both_gb200_layouts_with_their_peaks(cli):
+    result = cli("plan", "+experiment=dapo-nemotron-super-5n4g-megatron", *SITE)
+    assert result.returncode == 0, result.stderr
+    assert "Shipped layouts for nemotron_super on gb200" in result.stdout
+    rows = [line for line in result.stdout.splitlines() if "+experiment=dapo-nemotron-super-5n4g" in line]
+    assert len(rows) == 2 and all("fits" in row and "/ 189" in row for row in rows), rows
+    assert any("(this plan)" in row and "2 x 1 x 1 x 16 x 1 (8)" in row for row in rows)
+    assert any("-tp4cp4ep4etp4" in row and "4 x 4 x 1 x 4 x 4 (1)" in row for row in rows)
+    assert "checkpoint 123.61B with MTP" in result.stdout  # 120.67B trained, MTP in the checkpoint only
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "dapo-nemotron-super-5n4g-megatron",
+        "dapo-nemotron-super-5n4g-megatron-tp4cp4ep4etp4",
+        "dapo-nemotron-super-3n8g-megatron",
+    ],
+)
+def test_super_recipes_are_accepted_by_submit(recipe, tmp_path):
+    """`hpcrl submit` takes each Super recipe to sbatch: the Slurm binaries are faked at the edge (a
+    `sbatch` that keeps the script and answers with a job id, an `srun` that submitit looks for); the
+    script it is handed is the golden one but for the run directory."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        f'#!/bin/sh\ncp "$1" {tmp_path}/submitted.sh\necho "Submitted batch job 4242"\n'
+    )
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 0\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    out = tmp_path / "runs"
+    site = ["cluster.slurm.account=ACCOUNT", "cluster.container.image=IMAGE"]  # the goldens' placeholders
+    exe = Path(sys.executable).with_name("hpcrl")
+    result = subprocess.run(
+        [str(exe), "submit", f"+experiment={recipe}", f"run.output_root={out}", *site],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "job     4242" in result.stdout
+    run_dir = Path(re.search(r"^run dir (.+)$", result.stdout, re.M).group(1))
+    golden = (ROOT / "sbatch" / f"{recipe}.sbatch").read_text()
+    assert (tmp_path / "submitted.sh").read_text() == golden.replace(f"/RUN_DIR/{recipe}", str(run_dir))

@@ -1,7 +1,9 @@
 """Model catalog schema: real architecture numbers, and the parameter counts derived from them.
 
 The memory estimate and the MFU figures both start from ``ModelConfig.param_counts()``; a test
-checks each catalog entry against the parameter count its publisher states.
+checks each catalog entry against the parameter count its publisher states. Hybrid (Nemotron-H)
+models are counted tensor by tensor, norms and biases included: Nemotron 3 Super comes to the
+element count of its checkpoint exactly (tests/test_catalog_params.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class HybridLayers:
     """
 
     pattern: str = ""
+    mtp_pattern: str = ""
+    """Layers of one multi-token-prediction block (HF ``mtp_hybrid_override_pattern``; Super: ``*E``)."""
     mamba: int = 0
     attention: int = 0
     moe: int = 0
@@ -30,6 +34,10 @@ class HybridLayers:
     mamba_head_dim: int = 0
     mamba_state: int = 0
     mamba_groups: int = 0
+    mamba_conv_kernel: int = 4
+    """Depthwise causal conv1d width over [x, B, C] (HF ``conv_kernel``)."""
+    mamba_chunk: int = 128
+    """SSD chunk length (HF ``chunk_size``): the chunked scan's intermediates grow with it."""
 
 
 @dataclass
@@ -41,10 +49,25 @@ class ParamCounts:
     embedding: int
     frozen: int
     """Towers the RL recipes keep frozen (vision/audio)."""
+    replicated: int = 0
+    """Non-expert parameters every tensor-parallel rank holds whole in Megatron: the MoE router (and
+    its correction bias), LatentMoE's latent projections (``parallel_mode="duplicated"``) and, where
+    counted, the norms."""
+    qkv: int = 0
+    """Attention Q/K/V projections: Megatron splits them over TP only as far as the KV heads go (with
+    fewer KV heads than TP ranks each rank holds one KV head and its query heads' share of two)."""
+    mtp: int = 0
+    """Multi-token-prediction blocks in the checkpoint, outside ``total``: RL trains and serves without
+    them (``mtp_num_layers 0``, no speculative decoding), and the weight loaders skip ``mtp.*``."""
 
     @property
     def dense(self) -> int:
         return self.total - self.expert
+
+    @property
+    def checkpoint(self) -> int:
+        """Elements in the published checkpoint (the trained model plus its MTP blocks)."""
+        return self.total + self.mtp
 
 
 @dataclass
@@ -91,6 +114,10 @@ class ModelConfig:
     stated_params_b: float = MISSING
     """Total parameters the publisher states, in billions (checked against the architecture)."""
     max_position_embeddings: int = 8192
+    mtp_layers: int = 0
+    """Multi-token-prediction blocks the checkpoint ships (HF ``num_nextn_predict_layers``), each one
+    ``hybrid.mtp_pattern`` stack plus ``eh_proj`` [h, 2h], ``enorm``, ``hnorm``, ``final_layernorm``.
+    Counted (``ParamCounts.mtp``), not trained: the recipes run with Megatron's ``mtp_num_layers 0``."""
 
     def check(self) -> None:
         for key in (
@@ -111,8 +138,15 @@ class ModelConfig:
             "global_every",
             "per_layer_embed_dim",
             "vision_params_m",
+            "mtp_layers",
         ):
             non_negative(f"model.{key}", getattr(self, key))
+        mtp = self.hybrid.mtp_pattern
+        if self.mtp_layers and (not mtp or mtp.strip("M*E-")):
+            raise ConfigError(
+                f"model.mtp_layers={self.mtp_layers} needs model.hybrid.mtp_pattern: the layers of one MTP "
+                "block, one of M * E - each (Nemotron 3 Super: '*E'), or model.mtp_layers=0"
+            )
         if self.num_attention_heads % self.num_kv_heads:
             raise ConfigError(
                 f"model.num_kv_heads={self.num_kv_heads} must divide "
@@ -183,13 +217,32 @@ class ModelConfig:
         return matrices * (hidden or self.hidden_size) * width
 
     def _mamba_params(self) -> int:
+        """One Mamba-2 mixer, tensor by tensor: in_proj [z | x | B | C | dt], the depthwise conv1d over
+        [x | B | C] with its bias, per-head A_log / D / dt_bias, the gated RMSNorm over the inner
+        width, out_proj."""
         h, d = self.hybrid, self.hidden_size
         inner = h.mamba_heads * h.mamba_head_dim
-        in_proj = d * (2 * inner + 2 * h.mamba_groups * h.mamba_state + h.mamba_heads)
-        return in_proj + inner * d + 4 * (inner + 2 * h.mamba_groups * h.mamba_state)
+        conv = inner + 2 * h.mamba_groups * h.mamba_state
+        in_proj = d * (inner + conv + h.mamba_heads)
+        return in_proj + conv * (h.mamba_conv_kernel + 1) + 3 * h.mamba_heads + inner + inner * d
+
+    def _expert_params(self) -> int:
+        return self._mlp_params(self.moe_ffn_hidden_size, hidden=self.moe_latent_size or self.hidden_size)
+
+    def _moe_replicated_params(self) -> int:
+        """One MoE layer's router and latent projections: whole on every TP rank in Megatron."""
+        return self.hidden_size * self.num_experts + 2 * self.hidden_size * self.moe_latent_size
+
+    def _moe_common_params(self) -> int:
+        """One MoE layer's non-expert parameters: router, latent projections, shared expert."""
+        shared = self._mlp_params(self.shared_expert_ffn) if self.shared_expert_ffn else 0
+        return self._moe_replicated_params() + shared
 
     def param_counts(self) -> ParamCounts:
-        """Parameter totals from the architecture (norms and biases ignored: < 0.1%)."""
+        """Parameter totals from the architecture: tensor by tensor for hybrid models; for the other
+        families norms and biases are left out (< 0.1%; the hand counts in tests/test_models.py)."""
+        if self.is_hybrid:
+            return self._hybrid_counts()
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
         embed += self.per_layer_embed_dim * self.vocab_size * self.num_layers
         n_global = self.global_attention_layers
@@ -198,30 +251,62 @@ class ModelConfig:
         global_dim = self.global_head_dim or self.head_dim
         attention = local * self._attention_params(self.num_kv_heads, self.head_dim)
         attention += n_global * self._attention_params(global_kv, global_dim)
+        o_proj = self.hidden_size * self.num_attention_heads * (local * self.head_dim + n_global * global_dim)
         dense_mlp = (
             self.dense_mlp_layers * self._mlp_params(self.ffn_hidden_size) if self.ffn_hidden_size else 0
         )
         dense_mlp += self.wide_mlp_layers * self._mlp_params(self.ffn_hidden_size)
-        mamba = self.hybrid.mamba * self._mamba_params()
         expert = active_expert = 0
         if self.is_moe:
-            width = self.moe_latent_size or self.hidden_size
-            one_expert = self._mlp_params(self.moe_ffn_hidden_size, hidden=width)
-            per_layer_shared = self.hidden_size * self.num_experts  # router
-            per_layer_shared += self._mlp_params(self.shared_expert_ffn) if self.shared_expert_ffn else 0
-            if self.moe_latent_size:
-                per_layer_shared += 2 * self.hidden_size * self.moe_latent_size
-            expert = self.moe_layers * self.num_experts * one_expert
-            active_expert = self.moe_layers * self.experts_per_token * one_expert
-            dense_mlp += self.moe_layers * per_layer_shared
+            expert = self.moe_layers * self.num_experts * self._expert_params()
+            active_expert = self.moe_layers * self.experts_per_token * self._expert_params()
+            dense_mlp += self.moe_layers * self._moe_common_params()
         frozen = int(self.vision_params_m * 1e6)
-        common = embed + attention + dense_mlp + mamba + frozen
+        common = embed + attention + dense_mlp + frozen
         return ParamCounts(
             total=common + expert,
             active=common + active_expert,
             expert=expert,
             embedding=embed,
             frozen=frozen,
+            replicated=self.moe_layers * self._moe_replicated_params(),
+            qkv=attention - o_proj,
+        )
+
+    def _hybrid_layer(self, symbol: str) -> tuple[int, int]:
+        """(non-expert, routed-expert) parameters of one hybrid layer, its pre-norm included."""
+        norm = self.hidden_size
+        if symbol == "M":
+            return norm + self._mamba_params(), 0
+        if symbol == "*":  # Nemotron-H attention: GQA, no RoPE, no biases, no Q/K norms
+            return norm + self._attention_params(self.num_kv_heads, self.head_dim), 0
+        if symbol == "-":
+            return norm + self._mlp_params(self.ffn_hidden_size), 0
+        # E: + the router's fp32 correction bias (e_score_correction_bias, one per expert)
+        return norm + self._moe_common_params() + self.num_experts, self.num_experts * self._expert_params()
+
+    def _hybrid_counts(self) -> ParamCounts:
+        h, d = self.hybrid, self.hidden_size
+        per_kind = {"M": h.mamba, "*": h.attention, "E": h.moe, "-": h.mlp}
+        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        common, expert = embed + d, 0  # + the final norm (norm_f)
+        for symbol, layers in per_kind.items():
+            layer_common, layer_expert = self._hybrid_layer(symbol)
+            common += layers * layer_common
+            expert += layers * layer_expert
+        # one MTP block: its layers, eh_proj (concatenated [embedding; hidden] -> hidden) and 3 norms
+        mtp_block = sum(sum(self._hybrid_layer(s)) for s in h.mtp_pattern) + 2 * d * d + 3 * d
+        norms = (self.num_layers + 1) * d
+        replicated = h.moe * (self._moe_replicated_params() + self.num_experts) + norms
+        return ParamCounts(
+            total=common + expert,
+            active=common + h.moe * self.experts_per_token * self._expert_params(),
+            expert=expert,
+            embedding=embed,
+            frozen=0,
+            replicated=replicated,
+            qkv=h.attention * d * (self.num_attention_heads + 2 * self.num_kv_heads) * self.head_dim,
+            mtp=self.mtp_layers * mtp_block,
         )
 
     # -- rollout cache --------------------------------------------------------------------
@@ -235,16 +320,33 @@ class ModelConfig:
         per_layer_global = 2 * global_kv * global_dim * dtype_bytes
         return local * per_layer_local + n_global * per_layer_global
 
-    def kv_bytes_for_sequence(self, tokens: int, dtype_bytes: int = 2) -> float:
-        """KV bytes for one sequence; sliding-window layers hold at most ``sliding_window`` tokens."""
+    def kv_bytes_for_sequence(self, tokens: int, dtype_bytes: int = 2, tp: int = 1) -> float:
+        """Cache bytes one sequence takes on one GPU of a ``tp``-wide engine: the attention layers' KV
+        (sliding-window layers hold at most ``sliding_window`` tokens; KV heads split over tp as far
+        as they go, then replicated) and, for hybrid models, the per-sequence Mamba state, split
+        over tp by heads: vLLM's conv state, the last conv_kernel - 1 inputs of [x | B | C] in the
+        model dtype, and the SSM state, heads x head_dim x state in fp32 (the dtype NeMo RL sets,
+        ``mamba_ssm_cache_dtype: float32``, for rollout/training parity)."""
         global_kv = self.global_kv_heads or self.num_kv_heads
         global_dim = self.global_head_dim or self.head_dim
         n_global = self.global_attention_layers
         local = self.attention_layers - n_global
         local_tokens = min(tokens, self.sliding_window) if self.sliding_window else tokens
-        total = local * 2 * self.num_kv_heads * self.head_dim * dtype_bytes * local_tokens
-        total += n_global * 2 * global_kv * global_dim * dtype_bytes * tokens
-        if self.is_hybrid:  # Mamba state is per sequence, kept in fp32
+        total = (
+            local
+            * 2
+            * self.num_kv_heads
+            * self.head_dim
+            * dtype_bytes
+            * local_tokens
+            / min(tp, self.num_kv_heads)
+        )
+        total += n_global * 2 * global_kv * global_dim * dtype_bytes * tokens / min(tp, global_kv)
+        if self.is_hybrid:
             h = self.hybrid
-            total += h.mamba * h.mamba_heads * h.mamba_head_dim * h.mamba_state * 4
+            conv = (h.mamba_conv_kernel - 1) * (
+                h.mamba_heads * h.mamba_head_dim + 2 * h.mamba_groups * h.mamba_state
+            )
+            ssm = h.mamba_heads * h.mamba_head_dim * h.mamba_state * 4
+            total += h.mamba * (conv * dtype_bytes + ssm) / tp
         return total

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpcrl.config.model import ParamCounts
 from hpcrl.config.schema import RunConfig
+from hpcrl.plan.activations import ROUTER_BYTES, Share, activation_bytes
 from hpcrl.plan.topology import Placement, Topology
 from hpcrl.rollout.config import VLLMRolloutConfig
 from hpcrl.trainer.config import FUSED_CHUNK_ELEMENTS, FSDPTrainerConfig, MegatronTrainerConfig, Precision
@@ -122,13 +124,11 @@ def estimate_memory(cfg: RunConfig, topo: Topology) -> MemoryEstimate:
 def estimate_train(cfg: RunConfig, topo: Topology) -> TrainMemory:
     model, trainer, par = cfg.model, cfg.trainer, topo.train
     counts = model.param_counts()
-    frozen = counts.frozen
-    dense_trainable = counts.dense - frozen
     weight_bytes = 4 if trainer.precision is Precision.float32 else 2
     if isinstance(trainer, MegatronTrainerConfig):
-        dense_shard = dense_trainable / (par.tp * par.pp)
+        dense_shard = megatron_dense_share(counts, model.num_kv_heads, par.tp) / par.pp
         expert_shard = counts.expert / (par.ep * par.expert_tp * par.pp)
-        frozen_shard = frozen / (par.tp * par.pp)
+        frozen_shard = counts.frozen / (par.tp * par.pp)
         weights = weight_bytes * (dense_shard + expert_shard + frozen_shard)
         grads = 4 * (dense_shard + expert_shard)
         dense_opt_group = par.dp * par.cp if trainer.distributed_optimizer else 1
@@ -136,34 +136,21 @@ def estimate_train(cfg: RunConfig, topo: Topology) -> TrainMemory:
         optimizer = 12 * (dense_shard / dense_opt_group + expert_shard / expert_opt_group)
     else:
         assert isinstance(trainer, FSDPTrainerConfig)
+        frozen = counts.frozen
         # FSDP2 shards everything over the training world; TP/EP only change which rank holds what.
-        trainable = (dense_trainable + counts.expert) / par.world
+        trainable = (counts.dense - frozen + counts.expert) / par.world
         weights = 4 * trainable + 2 * frozen / par.world
         layer = (counts.total - counts.embedding - frozen) / model.num_layers / par.tp
         weights += 2 * 2 * layer  # unsharded bf16 copies of the current and the prefetched layer
         grads = 4 * trainable
         optimizer = 8 * trainable  # fp32 Adam m + v (the fp32 master weights are `weights`)
-    tokens = trainer.micro_batch_size * cfg.max_seq_len / par.cp
-    h = model.hidden_size
-    # Activations per layer (Korthikanti et al. 2022): 34·s·b·h/t bytes with sequence parallelism;
-    # without it the norms' and dropouts' 10·s·b·h stay whole on every TP rank.
-    sp = isinstance(trainer, MegatronTrainerConfig) and trainer.sequence_parallel
-    split = par.tp if sp else 1
-    per_layer_full = h * tokens * (24 / par.tp + 10 / split)
-    if model.is_moe:
-        width = model.moe_latent_size or h
-        per_layer_full += (
-            tokens * model.experts_per_token * (width + 2 * model.moe_ffn_hidden_size) * 2 / par.tp
-        )
-    if trainer.activation_checkpointing:
-        activations = 2 * h * tokens * model.num_layers / split + per_layer_full
-    else:
-        activations = per_layer_full * model.num_layers
+    share = train_share(cfg, topo)
+    activations = activation_bytes(model, share, trainer.activation_checkpointing)
     if trainer.chunked_logprob():
-        chunk = min(tokens, FUSED_CHUNK_ELEMENTS // model.vocab_size)
+        chunk = min(share.tokens, FUSED_CHUNK_ELEMENTS // model.vocab_size)
         logits = chunk * model.vocab_size * 2 * 2
     else:
-        logits = tokens * model.vocab_size / par.tp * 4 * 2
+        logits = share.tokens * model.vocab_size / par.tp * 4 * 2
     return TrainMemory(
         weights=weights / GB,
         grads=grads / GB,
@@ -173,13 +160,34 @@ def estimate_train(cfg: RunConfig, topo: Topology) -> TrainMemory:
     )
 
 
+def megatron_dense_share(counts: ParamCounts, kv_heads: int, tp: int) -> float:
+    """Trainable non-expert parameters on one TP rank: split by tp, except what Megatron keeps whole
+    on every rank (router, latent projections) and Q/K/V, split only as far as the KV heads go."""
+    dense = counts.dense - counts.frozen
+    split = dense - counts.replicated - counts.qkv
+    return split / tp + counts.replicated + counts.qkv / min(tp, kv_heads)
+
+
+def train_share(cfg: RunConfig, topo: Topology) -> Share:
+    """One training GPU's slice of a micro-batch, as the activation terms divide it."""
+    trainer, par = cfg.trainer, topo.train
+    sp = isinstance(trainer, MegatronTrainerConfig) and trainer.sequence_parallel
+    return Share(
+        tokens=trainer.micro_batch_size * cfg.max_seq_len / par.cp,
+        tp=par.tp,
+        sp=par.tp if sp else 1,
+        cp=par.cp,
+        expert_tp=par.expert_tp,
+        router_bytes=ROUTER_BYTES.get(trainer.router_dtype or "", 2),
+    )
+
+
 def estimate_rollout(cfg: RunConfig, topo: Topology) -> RolloutMemory:
     model, rollout = cfg.model, cfg.rollout
     tp = topo.rollout.tp
     counts = model.param_counts()
     text_only = isinstance(rollout, VLLMRolloutConfig) and rollout.language_model_only
     served = counts.total - (counts.frozen if text_only else 0)
-    kv_shards = min(tp, model.num_kv_heads)  # KV heads are replicated once tp exceeds them
     seq_len = cfg.max_seq_len
     samples = cfg.algo.num_prompts_per_step * cfg.algo.num_generations
     wanted = -(-samples // topo.rollout.engines)
@@ -187,7 +195,7 @@ def estimate_rollout(cfg: RunConfig, topo: Topology) -> RolloutMemory:
     return RolloutMemory(
         budget=rollout.gpu_memory_utilization * cfg.cluster.gpu_memory_gb,
         weights=2 * served / tp / GB,
-        kv_per_sequence=model.kv_bytes_for_sequence(seq_len) / kv_shards / GB,
+        kv_per_sequence=model.kv_bytes_for_sequence(seq_len, tp=tp) / GB,
         sequence_len=seq_len,
         wanted_sequences=wanted,
     )

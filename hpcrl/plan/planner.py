@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from hpcrl.config.cluster import Scheduler
 from hpcrl.config.compose import compose_config, conf_dir
 from hpcrl.config.schema import RunConfig
-from hpcrl.errors import ConfigError, DoesNotFitError
+from hpcrl.errors import ConfigError, DoesNotFitError, HpcrlError
 from hpcrl.plan.memory import MemoryEstimate, estimate_memory
 from hpcrl.plan.quirks import AppliedQuirk, apply_quirks
 from hpcrl.plan.topology import Topology, build_topology
@@ -46,8 +46,11 @@ class Plan:
         """Why the chosen training backend cannot run this plan yet (empty: it can)."""
         cfg, trainer = self.cfg, self.cfg.trainer
         gaps = []
-        if isinstance(trainer, MegatronTrainerConfig) and (gap := megatron_build_gap(cfg.model, trainer.tp)):
-            gaps.append(f"{gap}; the plan above is the layout it will use once it can")
+        if isinstance(trainer, MegatronTrainerConfig) and (
+            gap := megatron_build_gap(cfg.model, trainer.tp, trainer.pp, trainer.cp)
+        ):
+            missing = gap.startswith("trainer=megatron cannot build")  # else: a layout to change
+            gaps.append(f"{gap}; the plan above is the layout it will use once it can" if missing else gap)
         if (
             isinstance(trainer, MegatronTrainerConfig)
             and cfg.model.is_moe
@@ -70,10 +73,37 @@ class Plan:
             raise ConfigError("; ".join(self.backend_gaps))
 
 
+@dataclass(frozen=True)
+class ShippedLayout:
+    """A shipped recipe for the plan's model and cluster, planned on its own (``error``: why not)."""
+
+    recipe: str
+    plan: Plan | None
+    error: str = ""
+
+
+def shipped_layouts(cfg: RunConfig) -> list[ShippedLayout]:
+    """Every shipped recipe for this model and cluster, planned with this run's site keys (account,
+    image: they change no number, but a Slurm cluster refuses to compose without them)."""
+    cluster = cfg.cluster
+    site = [
+        f"cluster.{key}={value}"
+        for key in cluster.slurm.required
+        if isinstance(value := cluster.site_value(key), str) and value
+    ]
+    layouts = []
+    for recipe in matching_recipes(cfg.model.name, cluster.name):
+        try:
+            layouts.append(ShippedLayout(recipe, plan_from_overrides([f"+experiment={recipe}", *site])))
+        except HpcrlError as exc:
+            layouts.append(ShippedLayout(recipe, None, str(exc)))
+    return layouts
+
+
 def matching_recipes(model: str, cluster: str) -> list[str]:
     """Shipped experiment recipes that select this model on this cluster."""
     found = []
-    for path in sorted((conf_dir() / "experiment").glob("*.yaml")):
+    for path in sorted((conf_dir() / "experiment").glob("*.yaml"), key=lambda p: p.stem):
         text = path.read_text()
         if f"override /model: {model}\n" in text and f"override /cluster: {cluster}\n" in text:
             found.append(path.stem)

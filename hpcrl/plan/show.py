@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from hpcrl.plan.planner import Plan, matching_recipes
+from hpcrl.plan.planner import Plan, shipped_layouts
 from hpcrl.plan.topology import Placement
 from hpcrl.trainer.config import MegatronTrainerConfig
 
@@ -21,15 +21,20 @@ def show_plan(plan: Plan, console: Console, sbatch: dict[str, Any] | None = None
     Slurm clusters (the caller computes them: the plan layer does not import the launch layer)."""
     cfg = plan.cfg
     counts = cfg.model.param_counts()
+    # MTP blocks are in the checkpoint but neither trained nor served (ParamCounts.mtp)
+    mtp = f", checkpoint {_b(counts.checkpoint)} with MTP" if counts.mtp else ""
     console.print(
         f"[bold]{cfg.run.name}[/]  {cfg.algo.name.upper()} · {cfg.model.name} "
-        f"({_b(counts.total)} params, {_b(counts.active)} active) · trainer={cfg.trainer.backend} "
+        f"({_b(counts.total)} params, {_b(counts.active)} active{mtp}) · trainer={cfg.trainer.backend} "
         f"· rollout={cfg.rollout.backend} · cluster={cfg.cluster.name} ({cfg.cluster.gpu})"
     )
     console.print(_nodes(plan))
     console.print(_parallelism(plan))
     console.print(_memory(plan))
     _verdict(plan, console)
+    layouts = _layouts(plan)
+    if layouts is not None:
+        console.print(layouts)
     if plan.quirks:
         quirks = _table("Model quirks applied", "quirk", "setting", "why")
         for q in plan.quirks:
@@ -114,7 +119,7 @@ def _memory(plan: Plan) -> Table:
 
 
 def _verdict(plan: Plan, console: Console) -> None:
-    cfg, mem = plan.cfg, plan.memory
+    mem = plan.memory
     for gap in plan.backend_gaps:
         console.print(f"[yellow]cannot submit yet[/]: {gap}")
     if mem.fits:
@@ -122,8 +127,45 @@ def _verdict(plan: Plan, console: Console) -> None:
         return
     for problem in mem.problems:
         console.print(f"[red]does not fit[/]: {problem}")
-    for recipe in matching_recipes(cfg.model.name, cfg.cluster.name):
-        console.print(f"a shipped layout for this model and cluster: [bold]+experiment={recipe}[/]")
+
+
+def _layouts(plan: Plan) -> Table | None:
+    """The shipped recipes for this model and cluster side by side, each with its own per-GPU peak
+    and verdict (this plan's row marked), so that a layout that does not fit is never offered as one."""
+    cfg = plan.cfg
+    layouts = shipped_layouts(cfg)
+    if not layouts:
+        return None
+    table = _table(
+        f"Shipped layouts for {cfg.model.name} on {cfg.cluster.name}",
+        "recipe",
+        "nodes (rollout + train)",
+        "train TP x CP x PP x EP x ETP (DP)",
+        "rollout",
+        "peak GB / GPU",
+        "verdict",
+    )
+    for layout in layouts:
+        name = f"+experiment={layout.recipe}" + (" (this plan)" if layout.recipe == cfg.run.name else "")
+        if layout.plan is None:
+            table.add_row(name, "", "", "", "", f"[red]error[/]: {layout.error}")
+            continue
+        topo, mem = layout.plan.topology, layout.plan.memory
+        tr = topo.train
+        verdict = "[green]fits[/]" if mem.fits else "[red]does not fit[/]: " + "; ".join(mem.problems)
+        if layout.plan.backend_gaps:
+            verdict += " (cannot submit yet)"
+        table.add_row(
+            name,
+            f"{topo.rollout_nodes} + {topo.train_nodes}"
+            if topo.rollout_nodes
+            else f"{topo.train_nodes} colocated",
+            f"{tr.tp} x {tr.cp} x {tr.pp} x {tr.ep} x {tr.expert_tp} ({tr.dp})",
+            f"{topo.rollout.engines} x TP{topo.rollout.tp}",
+            f"{mem.train_gpu_peak:.0f} / {mem.capacity:.0f}",
+            verdict,
+        )
+    return table
 
 
 def _sbatch(plan: Plan, params: dict[str, Any]) -> Table:

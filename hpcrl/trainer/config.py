@@ -6,11 +6,12 @@ the planner's ``TrainParallel``. Names follow Megatron's short forms (tp, pp, cp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, ClassVar
 
-from hpcrl.config.checks import non_negative, positive
+from hpcrl.config.checks import divisors, non_negative, positive
 
 if TYPE_CHECKING:
     from hpcrl.config.model import ModelConfig
@@ -99,41 +100,78 @@ class FSDPTrainerConfig(TrainerConfig):
     (ZeRO-3); false keeps them until the backward: one all-gather less per layer, more memory."""
 
 
-MEGATRON_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe", "gemma3", "gemma4")
+MEGATRON_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe", "gemma3", "gemma4", "nemotron_h")
 """Model families (the catalog's ``family``) ``trainer=megatron`` builds: the keys of its family table
 (hpcrl/trainer/megatron/families/table.py), named here without torch for the planner; a test keeps
-the two equal."""
+the two equal. ``nemotron_h`` (Mamba-2 + attention + LatentMoE, trained without its MTP blocks) is
+named ahead of its family class; ``megatron_build_gap`` holds its parallelism limits."""
 
 
-def megatron_build_gap(model: ModelConfig, tp: int = 1) -> str:
-    """Why ``trainer=megatron`` cannot build this catalog model (at tensor parallel ``tp``) yet (empty:
-    it can). The backend refuses the same checkpoints by their Hugging Face fields
-    (megatron/families/gemma4.py)."""
+def megatron_build_gap(model: ModelConfig, tp: int = 1, pp: int = 1, cp: int = 1) -> str:
+    """Why ``trainer=megatron`` cannot build this catalog model at tensor / pipeline / context
+    parallel ``tp`` / ``pp`` / ``cp`` yet (empty: it can). The backend refuses the same checkpoints
+    by their Hugging Face fields (megatron/families/gemma4.py)."""
     if model.family not in MEGATRON_FAMILIES:
         return (
             f"trainer=megatron cannot build {model.name} yet (family {model.family}; the backend's "
             f"HF<->Megatron weight mapping covers {', '.join(MEGATRON_FAMILIES)})"
         )
     if model.family == "gemma4":
-        missing = [
-            what
-            for what, has in (
-                ("per-layer embeddings and KV-shared layers (E2B/E4B)", model.per_layer_embed_dim > 0),
-                ("gemma4_unified checkpoint", model.unified),
-            )
-            if has
-        ]
-        if missing:
+        return _gemma4_gap(model, tp)
+    if model.family == "nemotron_h":
+        return _nemotron_h_gap(model, tp, pp, cp)
+    return ""
+
+
+def _gemma4_gap(model: ModelConfig, tp: int) -> str:
+    missing = [
+        what
+        for what, has in (
+            ("per-layer embeddings and KV-shared layers (E2B/E4B)", model.per_layer_embed_dim > 0),
+            ("gemma4_unified checkpoint", model.unified),
+        )
+        if has
+    ]
+    if missing:
+        return (
+            f"trainer=megatron cannot build {model.name} yet (it builds Gemma 4's 31B and 26B-A4B decoders, "
+            f"not the {' or the '.join(missing)}): use trainer=fsdp, as the Gemma 4 recipes do"
+        )
+    if model.global_kv_heads and model.global_kv_heads % tp:
+        # keys double as values there: each TP rank must hold whole KV heads
+        return (
+            f"trainer.tp={tp} must divide the {model.global_kv_heads} KV heads of {model.name}'s "
+            f"global layers (model.global_kv_heads) under trainer=megatron"
+        )
+    return ""
+
+
+def _nemotron_h_gap(model: ModelConfig, tp: int, pp: int, cp: int) -> str:
+    """Megatron's hybrid stack: each TP rank runs whole Mamba heads and groups (the mixer's in_proj
+    and conv1d split per [z, x, B, C, dt] part); KV heads are split while they go round, and once TP
+    exceeds them each rank holds one KV head (TransformerConfig wants one to divide the other); the
+    layer pattern is cut into ``pp`` equal stages (no virtual pipeline: Megatron-Bridge refuses it for
+    hybrids); under CP the mixer trades the sequence split for a head split (MambaContextParallel:
+    heads over tp x cp, groups over it or repeated to it)."""
+    h, name = model.hybrid, model.name
+    for key, count in (("mamba_heads", h.mamba_heads), ("mamba_groups", h.mamba_groups)):
+        if count % tp:
+            options = ", ".join(str(d) for d in divisors(math.gcd(h.mamba_heads, h.mamba_groups)))
             return (
-                f"trainer=megatron cannot build {model.name} yet (it builds Gemma 4's 31B and 26B-A4B decoders, "
-                f"not the {' or the '.join(missing)}): use trainer=fsdp, as the Gemma 4 recipes do"
+                f"trainer.tp={tp} must divide {name}'s {count} Mamba {key[6:]} (model.hybrid.{key}): "
+                f"use trainer.tp in {options}"
             )
-        if model.global_kv_heads and model.global_kv_heads % tp:
-            # keys double as values there: each TP rank must hold whole KV heads
-            return (
-                f"trainer.tp={tp} must divide the {model.global_kv_heads} KV heads of {model.name}'s "
-                f"global layers (model.global_kv_heads) under trainer=megatron"
-            )
+    kv = model.num_kv_heads
+    if kv % tp and tp % kv:
+        return f"trainer.tp={tp} must divide {name}'s {kv} KV heads or be a multiple of them"
+    if model.num_layers % pp:
+        return f"trainer.pp={pp} must divide {name}'s {model.num_layers} layers (pipeline stages split them evenly)"
+    groups = h.mamba_groups // tp
+    if h.mamba_heads % (tp * cp) or (groups % cp and cp % groups):
+        return (
+            f"trainer.tp={tp} x trainer.cp={cp} must divide {name}'s {h.mamba_heads} Mamba heads, and "
+            f"trainer.cp must divide its {groups} Mamba groups per TP rank or be a multiple of them"
+        )
     return ""
 
 
