@@ -357,14 +357,13 @@ def test_shard_then_unshard_is_exact_and_fc1_keeps_gate_with_up(tp):
 
 def test_plan_names_a_model_the_backend_cannot_build_and_submit_refuses(tmp_path):
     site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh"]
-    plan = run_cli("plan", "+experiment=dapo-nemotron-super-5n4g-megatron", *site)
+    recipe = ["+experiment=dapo-gemma4-e2b-it-1n8g-fsdp2", "trainer=megatron"]  # per-layer embeddings
+    plan = run_cli("plan", *recipe, *site)
     assert plan.returncode == 0, plan.stderr
-    assert "cannot submit yet" in plan.stdout and "cannot build nemotron_super" in plan.stdout
-    submitted = run_cli(
-        "submit", "+experiment=dapo-nemotron-super-5n4g-megatron", f"run.output_root={tmp_path}", *site
-    )
+    assert "cannot submit yet" in plan.stdout and "cannot build gemma4_e2b" in plan.stdout
+    submitted = run_cli("submit", *recipe, f"run.output_root={tmp_path}", *site)
     assert submitted.returncode == 2
-    assert "trainer=megatron cannot build nemotron_super yet" in submitted.stderr
+    assert "trainer=megatron cannot build gemma4_e2b yet" in submitted.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted
 
 

@@ -220,7 +220,8 @@ class LatentMoELayer(MoELayer):
         self.experts = build_module(
             self.submodules.experts, self.num_local_experts, config, pg_collection=groups
         )
-        self.token_dispatcher = type(self.token_dispatcher)(
+        dispatcher: Any = type(self.token_dispatcher)  # type: ignore[has-type]  # rebuilt at latent width
+        self.token_dispatcher = dispatcher(
             self.num_local_experts, self.local_expert_indices, config=config, pg_collection=groups
         )
         self.fc1_latent_proj = ReplicatedLinear(config.hidden_size, config.moe_latent_size, config)
@@ -232,7 +233,7 @@ def _stack_class(base: type) -> type:
     """The version's hybrid stack with a torch final norm (the stock one is Transformer Engine's)."""
     from hpcrl.trainer.megatron.norms import SPNorm
 
-    class Stack(base):  # type: ignore[valid-type,misc]
+    class Stack(base):
         def __init__(self, config: Any, *args: Any, post_layer_norm: bool = True, **kwargs: Any) -> None:
             super().__init__(config, *args, post_layer_norm=False, **kwargs)
             self.post_layer_norm = post_layer_norm

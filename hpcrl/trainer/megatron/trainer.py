@@ -40,7 +40,7 @@ from hpcrl.trainer.megatron.optimizer import ShardedAdamW
 from hpcrl.trainer.megatron.pipeline import Pipeline, as_floats, fit
 from hpcrl.trainer.megatron.placement import Placement, gather_to_rank0
 from hpcrl.trainer.megatron.spec import family_of, text_config, transformer_config
-from hpcrl.trainer.megatron.weights import LanguageModel, is_expert, to_hf, to_megatron
+from hpcrl.trainer.megatron.weights import LanguageModel, is_expert
 from hpcrl.trainer.step import LossFn, Metrics, StepBatch, TrainStep
 
 
@@ -75,6 +75,7 @@ class MegatronTrainer:
         self.ps = ps
         self.tied = bool(getattr(hf, "tie_word_embeddings", False))
         self.shape = model_shape(hf, self.arch, self.par.tp)
+        self.weights = weights_hybrid.mapping(self.shape)  # HF <-> Megatron names: weights.py or the hybrid's
         config = transformer_config(hf, self.arch, t, self.par, device=device)
         self._build_models(model_dir, hf, config, experts)
         self.grads = Gradients(self.model, self.par, tied=self.tied, moe=experts > 0, device=self.device)
@@ -106,7 +107,7 @@ class MegatronTrainer:
             self.par, hf.num_hidden_layers, experts, self.arch.buffers, parts
         )
         self.lm = LanguageModel.of(load_hf_weights(model_dir))
-        full = to_megatron(self.lm.text, self.shape, self.tied)
+        full = self.weights.to_megatron(self.lm.text, self.shape, self.tied)
         self.model = build()
         if t.compile_layers() and self.device.type == "cuda":
             compile_layers(self.model, moe=experts > 0)
@@ -160,7 +161,7 @@ class MegatronTrainer:
         merged: dict[str, torch.Tensor] = {}
         for part in gather_to_rank0(mine):
             merged.update(part or {})
-        return self.lm.named(to_hf(merged, self.shape, self.tied)) if merged else {}
+        return self.lm.named(self.weights.to_hf(merged, self.shape, self.tied)) if merged else {}
 
     def state_dict(self) -> dict[str, Any]:
         """Whole model (HF names) and every rank's optimizer state, on rank 0: resume needs the same layout."""
@@ -168,7 +169,7 @@ class MegatronTrainer:
         return {"model": model, "optimizer": gather_to_rank0(self.local_optimizer().state_dict())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        full = to_megatron(LanguageModel.of(state["model"]).text, self.shape, self.tied)
+        full = self.weights.to_megatron(LanguageModel.of(state["model"]).text, self.shape, self.tied)
         self.placement.load(self.model, full)
         self.local_optimizer().load_state_dict(
             state["optimizer"][dist.get_rank() if dist.is_initialized() else 0]

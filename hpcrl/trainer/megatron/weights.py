@@ -20,8 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from hpcrl.trainer.megatron import weights_hybrid
-
 LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
 HF_LAYER_KEYS = {
     "input_layernorm.weight": "input_layernorm.weight",
@@ -55,8 +53,10 @@ STACKED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # Gemma 4: [exp
 MEGATRON_EXPERT = re.compile(
     r"^(mlp\.(?:moe\.)?experts\.local_experts\.)(\d+)\.(linear_fc1|linear_fc2)\.weight$"
 )
+MAMBA_MIXER = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias", "norm.weight")
+"""A Mamba mixer's column-parallel weights (split by heads / channels; weights_hybrid.py maps them)."""
 COLUMN = (
-    *(f"mixer.{k}" for k in weights_hybrid.MIXER if k != "out_proj.weight"),
+    *(f"mixer.{k}" for k in MAMBA_MIXER),
     "linear_qkv.weight",
     "linear_qkv.bias",
     "linear_fc1.weight",
@@ -165,8 +165,6 @@ def pad_vocab(t: torch.Tensor, shape: Shape) -> torch.Tensor:
 
 
 def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, torch.Tensor]:
-    if shape.pattern:
-        return weights_hybrid.to_megatron(hf, shape, tied)
     out: dict[str, torch.Tensor] = {}
     norms = _norm_names(shape.fused_norms)
     parts: dict[int, dict[str, torch.Tensor]] = {}  # layer -> its weights that are fused or split
@@ -249,8 +247,6 @@ def _fused_layer(
 
 
 def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, torch.Tensor]:
-    if shape.pattern:
-        return weights_hybrid.to_hf(meg, shape, tied)
     out: dict[str, torch.Tensor] = {}
     back = {v: k for k, v in shape.layer_keys.items()}
     unfused = {v: k for k, v in _norm_names(shape.fused_norms).items()}

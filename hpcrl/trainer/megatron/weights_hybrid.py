@@ -14,12 +14,12 @@ dropped by name on the way in (``MTP_PREFIX``) and absent from exports.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from types import ModuleType
 
 import torch
 
-if TYPE_CHECKING:
-    from hpcrl.trainer.megatron.weights import Shape
+from hpcrl.trainer.megatron import weights
+from hpcrl.trainer.megatron.weights import Shape, pad_vocab, qkv_fused, qkv_split
 
 MTP_PREFIX = "mtp."
 MIXER = (
@@ -57,6 +57,13 @@ MEG_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linea
 QKV = "self_attention.linear_qkv.weight"
 
 
+def mapping(shape: Shape) -> ModuleType:
+    """The module whose ``to_megatron`` / ``to_hf`` map this model's weights."""
+    import sys
+
+    return sys.modules[__name__] if shape.pattern else weights
+
+
 def partitions(shape: Shape) -> dict[str, tuple[int, ...]]:
     """Megatron names (suffixes) whose column split is per part: the Mamba in_proj and conv1d, and
     the squared-ReLU MLPs' ``linear_fc1`` (one part: no gate/up halves)."""
@@ -70,8 +77,6 @@ def partitions(shape: Shape) -> dict[str, tuple[int, ...]]:
 
 
 def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, torch.Tensor]:
-    from hpcrl.trainer.megatron.weights import pad_vocab, qkv_fused
-
     out: dict[str, torch.Tensor] = {}
     qkv: dict[int, dict[str, torch.Tensor]] = {}
     for name, t in hf.items():
@@ -107,8 +112,6 @@ def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[s
 
 
 def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, torch.Tensor]:
-    from hpcrl.trainer.megatron.weights import qkv_split
-
     out: dict[str, torch.Tensor] = {}
     for name, t in meg.items():
         if name == "embedding.word_embeddings.weight":
