@@ -32,6 +32,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import build_module
 
+from hpcrl.trainer.megatron.mamba_cp import MambaCP
+
 
 def have_mamba_kernels() -> bool:
     """Megatron's own mixer can run: mamba_ssm and causal_conv1d both import."""
@@ -148,31 +150,39 @@ class TorchMambaMixer(MegatronModule):
             input_is_parallel=True,
             skip_bias_add=True,
         )
+        cp_group = ps.get_context_parallel_group() if config.context_parallel_size > 1 else None
+        self.cp = MambaCP(cp_group, self.heads, self.groups, self.state, self.head_dim)
 
     def forward(self, hidden: torch.Tensor, **_: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        zxbcdt, _ = self.in_proj(hidden)  # [s, b, this rank's z|x|B|C|dt]
-        zxbcdt = zxbcdt.transpose(0, 1)
+        zxbcdt, _ = self.in_proj(hidden)  # [s (/cp), b, this rank's z|x|B|C|dt]
         gn = self.groups * self.state
         z, xbc, dt = zxbcdt.split([self.inner, self.inner + 2 * gn, self.heads], dim=-1)
-        length = xbc.shape[1]
-        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :length].transpose(1, 2))
-        x, b, c = xbc.split([self.inner, gn, gn], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)
-        batch = x.shape[0]
-        xh = x.reshape(batch, length, self.heads, self.head_dim)
+        # under CP: the whole sequence for this CP rank's heads (mamba_cp.py), and back after the scan
+        xbc, dt = self.cp.to_heads(xbc, dt)
+        y = self._conv_scan(xbc.transpose(0, 1), dt.transpose(0, 1))
+        y = self.cp.to_sequence(y.transpose(0, 1))
+        y = gated_rms_norm(y, z, self.norm.weight, self.group_size, self.eps)
+        return self.out_proj(y.contiguous())
+
+    def _conv_scan(self, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """[b, s, x|B|C] and [b, s, heads] of this CP rank's heads -> the scan's y [b, s, heads x
+        head_dim] (D's skip included), in the activations' dtype."""
+        cp = self.cp
+        batch, length = xbc.shape[:2]
+        xbc = F.silu(cp.conv(xbc, self.conv1d))
+        x, b, c = xbc.split([cp.inner, cp.groups * self.state, cp.groups * self.state], dim=-1)
+        dt = F.softplus(dt.float() + cp.per_head(self.dt_bias).float()).clamp(min=self.dt_min)
+        xh = x.reshape(batch, length, cp.heads, self.head_dim)
         y = ssd_scan(
             xh,
             dt,
-            -torch.exp(self.A_log.float()),
-            b.reshape(batch, length, self.groups, self.state),
-            c.reshape(batch, length, self.groups, self.state),
+            -torch.exp(cp.per_head(self.A_log).float()),
+            b.reshape(batch, length, cp.groups, self.state),
+            c.reshape(batch, length, cp.groups, self.state),
             self.chunk,
         )
-        y = y + xh.float() * self.D.float()[:, None]
-        y = gated_rms_norm(
-            y.reshape(batch, length, -1).to(x.dtype), z, self.norm.weight, self.group_size, self.eps
-        )
-        return self.out_proj(y.transpose(0, 1).contiguous())
+        y = y + xh.float() * cp.per_head(self.D).float()[:, None]
+        return y.reshape(batch, length, -1).to(x.dtype)
 
 
 class _Weight(torch.nn.Module):
