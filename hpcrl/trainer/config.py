@@ -151,8 +151,10 @@ def _nemotron_h_gap(model: ModelConfig, tp: int, pp: int, cp: int) -> str:
     and conv1d split per [z, x, B, C, dt] part); KV heads are split while they go round, and once TP
     exceeds them each rank holds one KV head (TransformerConfig wants one to divide the other); the
     layer pattern is cut into ``pp`` equal stages (no virtual pipeline: Megatron-Bridge refuses it for
-    hybrids); under CP the mixer trades the sequence split for a head split (MambaContextParallel:
-    heads over tp x cp, groups over it or repeated to it)."""
+    hybrids). Under CP the mixer trades the sequence split for a head split (megatron/mamba_cp.py, as
+    Megatron's MambaContextParallel): each CP rank scans the whole sequence for heads/(tp x cp) of the
+    heads, and takes groups/(tp x cp) of the B/C groups, or, with fewer groups per TP rank than cp, a
+    copy of the one its heads read; the gated norm runs back on the sequence split, whole groups."""
     h, name = model.hybrid, model.name
     for key, count in (("mamba_heads", h.mamba_heads), ("mamba_groups", h.mamba_groups)):
         if count % tp:
@@ -166,11 +168,17 @@ def _nemotron_h_gap(model: ModelConfig, tp: int, pp: int, cp: int) -> str:
         return f"trainer.tp={tp} must divide {name}'s {kv} KV heads or be a multiple of them"
     if model.num_layers % pp:
         return f"trainer.pp={pp} must divide {name}'s {model.num_layers} layers (pipeline stages split them evenly)"
-    groups = h.mamba_groups // tp
-    if h.mamba_heads % (tp * cp) or (groups % cp and cp % groups):
+    heads, groups = h.mamba_heads // tp, h.mamba_groups // tp
+
+    def splits(c: int) -> bool:  # whole heads per CP rank, its groups split or repeated evenly
+        return heads % c == 0 and (groups % c == 0 or c % groups == 0)
+
+    if not splits(cp):
+        options = ", ".join(str(c) for c in divisors(heads) if splits(c))
         return (
             f"trainer.tp={tp} x trainer.cp={cp} must divide {name}'s {h.mamba_heads} Mamba heads, and "
-            f"trainer.cp must divide its {groups} Mamba groups per TP rank or be a multiple of them"
+            f"trainer.cp must divide its {groups} Mamba groups per TP rank or be a multiple of them: "
+            f"use trainer.cp in {options} at trainer.tp={tp}"
         )
     return ""
 
