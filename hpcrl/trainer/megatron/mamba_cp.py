@@ -113,13 +113,13 @@ class MambaCP:
         length = xbc.shape[1]
         weight, bias = conv.weight, conv.bias
         if self.cp > 1:
-            weight, bias = self._conv_channels(weight), self._conv_channels(bias)
+            weight = self._conv_channels(weight)
+            bias = None if bias is None else self._conv_channels(bias)
         out = F.conv1d(xbc.transpose(1, 2), weight, bias, padding=conv.padding, groups=weight.shape[0])
         return out[..., :length].transpose(1, 2)
 
-    def _conv_channels(self, p: torch.Tensor | None) -> torch.Tensor | None:
-        if p is None:
-            return None
+    def _conv_channels(self, p: torch.Tensor) -> torch.Tensor:
+        """[x | B | C] rows of the TP rank -> this CP rank's x channels and its groups' B and C."""
         gn = self.groups_tp * self.state
         x, b, c = p.split([p.shape[0] - 2 * gn, gn, gn], dim=0)
         first = self.rank // self.repeat * self.groups * self.state  # this rank's first B/C channel

@@ -9,6 +9,8 @@ contained module: pure torch, autograd-safe, used only where the real pieces are
   The scan is the SSD chunked form (Mamba-2 paper, Listing 1) in fp32, with Hugging Face's and vLLM's
   dt floor (``time_step_min``): Megatron's kernels do not clamp, but the rollout engines do, and the
   trainer must score what they sample.
+  Context parallel as Megatron's MambaContextParallel (``mamba_cp.MambaCP``): the conv and the scan
+  run on whole sequences for heads/cp of this rank's heads, between two all-to-alls over the CP group.
 - ``LatentMoELayer`` is Megatron's MoELayer with the latent projections (``fc1_latent_proj``,
   ``fc2_latent_proj``) as replicated torch linears: Megatron builds them only with Transformer Engine.
 - ``hybrid_model`` builds the hybrid model under either name megatron-core gives it: ``MambaModel`` /
@@ -101,7 +103,9 @@ def gated_rms_norm(
 class TorchMambaMixer(MegatronModule):
     """Megatron's MambaMixer in torch (module docstring). Input and output [s, b, h]; under sequence
     parallel the input is this TP rank's slice of the sequence (``in_proj`` gathers it, ``out_proj``
-    reduce-scatters), heads and groups are split over TP."""
+    reduce-scatters), heads and groups are split over TP; under context parallel it is this CP rank's
+    two chunks of every sequence, and the conv + scan run on whole sequences for heads/cp of the heads
+    (``self.cp``: the exchanges and this rank's slices of conv1d, A_log, D and dt_bias)."""
 
     def __init__(
         self,
