@@ -1,0 +1,267 @@
+"""Nemotron-H in the megatron backend: HF <-> Megatron weights bit-identical through TP 1, 2 and 4 (the
+Mamba in_proj/conv1d cut part by part), the parity risks of notes/nemotron-h.md each pinned (dt floor,
+router precision, top-k renormalisation, padding side), and, under torchrun with gloo on CPU, megatron
+TP=1 = fsdp (transformers' NemotronHForCausalLM) and TP=2 (sequence parallel) / PP=2 / EP=2 / TP=2 x EP=2
+= TP=1 in log-probs, metrics, every gradient and the updated weights."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hpcrl.trainer.megatron.weights import Shape, shard, unshard
+from hpcrl.trainer.megatron.weights_hybrid import MTP_PREFIX, partitions, to_hf, to_megatron
+
+from .conftest import ROOT
+from .megatron_parity import parity_batch
+from .test_megatron import _assert_same_step, _torchrun
+
+PATTERN = "MEM*EMEM"  # Super's own layers 4..11: every kind, and 8 layers split over PP=2
+
+
+def nemotron_h_config(**overrides: object) -> object:
+    from transformers import NemotronHConfig
+
+    fields: dict[str, object] = dict(
+        vocab_size=128,
+        hidden_size=64,
+        hybrid_override_pattern=PATTERN,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=4,
+        conv_kernel=4,
+        chunk_size=8,
+        time_step_min=0.001,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_latent_size=32,
+        n_shared_experts=1,
+        moe_shared_expert_intermediate_size=64,
+        routed_scaling_factor=5.0,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        mlp_hidden_act="relu2",
+        tie_word_embeddings=False,
+        num_nextn_predict_layers=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return NemotronHConfig(**{**fields, **overrides})
+
+
+def nemotron_h_model(**overrides: object) -> torch.nn.Module:
+    """Random weights, with the parts the risks live in made to bite: a correction bias that changes
+    which experts win, and dt biases that put some heads' softplus(dt) under the 0.001 floor (their
+    skip weight D near 0, so their output is the scan's)."""
+    from transformers import NemotronHForCausalLM
+
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(nemotron_h_config(**overrides))
+    with torch.no_grad():
+        for name, t in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith("e_score_correction_bias"):
+                t.copy_(torch.randn_like(t) * 0.1)
+            elif name.endswith("dt_bias"):
+                t.copy_(torch.linspace(-12.0, 1.0, t.numel()))
+            elif name.endswith("mixer.D"):  # no skip path to drown the floored heads' (0-3) output
+                t.copy_((torch.arange(t.numel()) >= t.numel() // 2).float())
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def nemotron_h_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("nemotron_h")
+    nemotron_h_model().save_pretrained(out)
+    return out
+
+
+def _checkpoint(tmp_path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    nemotron_h_model().save_pretrained(tmp_path)
+    return load_file(tmp_path / "model.safetensors")
+
+
+def _shape() -> Shape:
+    return Shape(
+        heads=4,
+        groups=2,
+        head_dim=16,
+        vocab=128,
+        padded_vocab=128,
+        pattern=PATTERN,
+        mamba=(8 * 16, 4 * 16, 8),
+    )
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_hf_to_megatron_to_hf_is_bit_identical_through_tensor_parallel(tmp_path, tp):
+    hf = _checkpoint(tmp_path)
+    assert "backbone.layers.1.mixer.experts.7.up_proj.weight" in hf  # the checkpoint's per-expert layout
+    shape, parts = _shape(), partitions(_shape())
+    mtp = {f"{MTP_PREFIX}layers.0.eh_proj.weight": torch.ones(64, 128)}
+    meg = to_megatron({**hf, **mtp}, shape, tied=False)
+    assert not any(k.startswith(MTP_PREFIX) for k in meg)  # MTP dropped by name
+    # each kind's block norm in its slot; router weight and correction bias as Bridge names them
+    assert torch.equal(meg["decoder.layers.0.norm.weight"], hf["backbone.layers.0.norm.weight"])
+    assert torch.equal(meg["decoder.layers.3.input_layernorm.weight"], hf["backbone.layers.3.norm.weight"])
+    assert torch.equal(meg["decoder.layers.4.pre_mlp_layernorm.weight"], hf["backbone.layers.4.norm.weight"])
+    bias = hf["backbone.layers.1.mixer.gate.e_score_correction_bias"]
+    assert torch.equal(meg["decoder.layers.1.mlp.router.expert_bias"], bias) and bias.dtype == torch.float32
+    sliced = {}
+    for name, full in meg.items():
+        suffix = next((p for s, p in parts.items() if name.endswith(s)), None)
+        ranks = [shard(name, full, tp, r, suffix) for r in range(tp)]
+        sliced[name] = ranks
+        assert torch.equal(unshard(name, ranks, suffix), full), name
+    back = to_hf(
+        {
+            k: unshard(k, v, next((p for s, p in parts.items() if k.endswith(s)), None))
+            for k, v in sliced.items()
+        },
+        shape,
+        tied=False,
+    )
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+    # rank r's in_proj rows are [z_r | x_r | B_r | C_r | dt_r]: what TorchMambaMixer splits
+    w = hf["backbone.layers.0.mixer.in_proj.weight"]
+    z, x, b, c, dt = w.split([128, 128, 64, 64, 8])
+    last = sliced["decoder.layers.0.mixer.in_proj.weight"][tp - 1]
+    want = torch.cat([p.chunk(tp)[tp - 1] for p in (z, x, b, c, dt)])
+    assert torch.equal(last, want)
+    # the squared-ReLU fc1 is one part (no gate/up halves): rank 0 holds the first rows
+    fc1 = meg["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"]
+    assert torch.equal(sliced["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"][0], fc1.chunk(tp)[0])
+
+
+def _logp(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+@pytest.mark.slow
+def test_mamba_mixer_equals_transformers_and_keeps_its_dt_floor(nemotron_h_dir, tmp_path):
+    """TorchMambaMixer = transformers' mixer (outputs and input gradients) on an input where the dt
+    floor (``time_step_min``, which Hugging Face and vLLM apply and Megatron's kernels do not) moves
+    the output far beyond rounding: without the floor on both sides they agree again, and ours without
+    it no longer matches Hugging Face's with it."""
+    out = tmp_path / "mixer.pt"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "mamba_mixer_check.py"), str(nemotron_h_dir), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "MASTER_PORT": "29861"},  # one rank: its own process group, no launcher
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = torch.load(out)
+    assert r["module"] == "TorchMambaMixer"
+    for case in ("floor", "no floor"):
+        ours, hf = r[case]["ours"], r[case]["hf"]
+        scale = hf["out"].abs().max()
+        assert torch.allclose(ours["out"], hf["out"], atol=1e-5 * scale), case
+        assert torch.allclose(ours["x_grad"], hf["x_grad"], atol=1e-5 * hf["x_grad"].abs().max()), case
+    moved = (r["no floor"]["ours"]["out"] - r["floor"]["hf"]["out"]).abs().max()
+    assert moved > 1e-3 * r["floor"]["hf"]["out"].abs().max()  # the two agree to 0 where they should
+
+
+def test_router_is_sigmoid_renormalised_scaled_in_fp32_as_transformers_routes():
+    """Megatron's top-k routing with the family's fields = transformers' NemotronHTopkRouter: the bias
+    picks the experts, the unbiased sigmoid scores weigh them, renormalised over the k, times 5."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+
+    from hpcrl.trainer.config import MegatronTrainerConfig
+    from hpcrl.trainer.megatron.families.nemotron_h import NemotronH
+
+    hf = nemotron_h_config(hidden_size=8)
+    fields = NemotronH(hf).moe_fields(hf, MegatronTrainerConfig())
+    assert fields["moe_router_dtype"] == "fp32" and fields["moe_router_score_function"] == "sigmoid"
+    assert fields["moe_router_bias_update_rate"] == 0.0 and fields["moe_aux_loss_coeff"] == 0.0
+    router = NemotronHTopkRouter(hf)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(8))
+        router.e_score_correction_bias.copy_(torch.randn(8) * 0.5)
+    h = torch.randn(16, 8)
+    _, weights, idx = router(h)
+    probs, chosen = topk_routing_with_score_function(
+        h,
+        fields["moe_router_topk"],
+        scaling_factor=fields["moe_router_topk_scaling_factor"],
+        score_function="sigmoid",
+        expert_bias=router.e_score_correction_bias,
+    )
+    assert torch.equal(chosen, torch.zeros_like(chosen).scatter(1, idx, True))
+    assert torch.allclose(probs.gather(1, idx), weights, atol=1e-6)
+    # a checkpoint that does not renormalise (Megatron always does for k > 1) is refused by name
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        NemotronH(nemotron_h_config(norm_topk_prob=False))
+
+
+def test_right_padding_leaves_real_tokens_alone_left_padding_would_not():
+    """The megatron pipeline right-pads and runs without a mask (as Megatron does): trailing pads
+    cannot reach earlier tokens through causal attention, the causal conv or the scan. Left pads
+    without a mask would (they enter every state), which is why the batch is right-padded."""
+    model = nemotron_h_model()
+    ids = torch.randint(3, 120, (1, 11), generator=torch.Generator().manual_seed(2))
+    alone = _logp(model, ids)
+    right = _logp(model, torch.cat([ids, torch.zeros(1, 5, dtype=torch.long)], 1))[:, : alone.shape[1]]
+    left = _logp(model, torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1))[:, 5:]
+    assert torch.allclose(right, alone, atol=1e-6)
+    assert (left - alone).abs().max() > 1e-3
+    batch = parity_batch()
+    assert all(
+        row[: int(n)].all()
+        for row, n in zip(batch.attention_mask.bool(), batch.attention_mask.sum(1), strict=True)
+    )
+
+
+@pytest.mark.slow
+def test_nemotron_h_matches_fsdp_and_under_parallel_layouts(nemotron_h_dir, tmp_path):
+    """megatron TP=1 = fsdp, then TP=2 (sequence parallel), PP=2, EP=2 and TP=2 x EP=2 = TP=1; the
+    checkpoint round trip restores every rank's optimizer state."""
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.trainer.fsdp import checkpoint_names
+
+    mask = parity_batch().loss_mask.bool()
+    base = _torchrun(nemotron_h_dir, tmp_path / "tp1.pt", 1, 1, port=29841)
+    assert base["layout"]["experts"] == ["GroupedExperts"]
+    fsdp = _torchrun(nemotron_h_dir, tmp_path / "fsdp.pt", 1, 1, backend="fsdp", port=29842)
+    assert torch.allclose(base["logp"][mask], fsdp["logp"][mask], atol=1e-5)
+    assert base["metrics"]["grad_norm"] == pytest.approx(fsdp["metrics"]["grad_norm"], rel=1e-5)
+    hf_grads = checkpoint_names(AutoModelForCausalLM.from_pretrained(nemotron_h_dir), fsdp["grads"])
+    assert hf_grads.keys() == base["grads"].keys()
+    for name, grad in hf_grads.items():
+        assert torch.allclose(base["grads"][name], grad, atol=1e-5), name
+    assert not any("e_score_correction_bias" in k for k in base["grads"])  # a buffer: never trained
+    for i, (tp, pp, ep) in enumerate(((2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2))):
+        where = f"TP={tp} PP={pp} EP={ep}"
+        dp = max(1, ep // tp)
+        run = _torchrun(
+            nemotron_h_dir,
+            tmp_path / f"tp{tp}pp{pp}ep{ep}.pt",
+            tp,
+            pp,
+            dp=dp,
+            port=29851 + i,
+            extra=(f"trainer.ep={ep}",),
+        )
+        assert run["layout"]["sequence_parallel"] == (tp > 1), where
+        _assert_same_step(run, base, mask, where)
+        assert all(run["state_restored"]), where
