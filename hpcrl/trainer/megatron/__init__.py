@@ -2,7 +2,7 @@
 
 trainer.py    the Trainer: the StepBackend of trainer/step.py (the step skeleton and the loss are shared
               with fsdp), logprobs, export, state
-model.py      build checks, parallel state, GPTModel construction, HF weight loading
+model.py      build checks, parallel state, GPTModel (or hybrid model) construction, HF weight loading
 pipeline.py   Megatron's pipeline schedule over micro-batches, token log-probs and entropy, CP split/join
 grads.py      gradient finalize (DP/CP/expert reductions) and clipping
 placement.py  which layers, experts and TP slices of the checkpoint this rank holds
@@ -10,14 +10,16 @@ optimizer.py  AdamW sharded as Megatron's distributed optimizer (dense over DP x
 spec.py       a checkpoint's family, TransformerConfig and layer spec (Transformer Engine when installed,
               else local + torch SDPA)
 families/     the family table (table.py: how to add one), the plain GPT's hooks (base.py), one module
-              per family: qwen (Qwen2/Qwen3/Llama), qwen3_moe, gemma3, gemma4
+              per family: qwen (Qwen2/Qwen3/Llama), qwen3_moe, gemma3, gemma4, nemotron_h
 gemma.py      modules Gemma 3 and 4 share (sandwich norms, GeGLU, sliding windows, two RoPE bases,
               scaled embeddings)
+ssm.py        what the hybrid (Mamba) stack needs without mamba_ssm / Transformer Engine, and the
+              hybrid model under either megatron-core version's names
 experts.py    MoE experts as grouped GEMMs
 attention.py  torch-SDPA core attention: sliding windows, context parallel
 norms.py      the sequence-parallel RMSNorm every norm slot takes
 spec_utils.py Megatron-core layer specs of both versions' shapes
-weights.py    Hugging Face <-> Megatron weight mapping, TP/PP/EP sharding
+weights.py    Hugging Face <-> Megatron weight mapping, TP/PP/EP sharding (weights_hybrid.py: Nemotron-H's)
 compat.py     the one place that handles Megatron-core's hard CUDA calls on a CPU-only host
 """
 
