@@ -131,10 +131,16 @@ def build_model(
 
 
 def compile_layers(model: Any, moe: bool) -> None:
+    """torch.compile each decoder layer; a layer with an MoE compiles its attention only (if it has
+    one: a hybrid model's MoE layers have none): the token dispatcher calls record_stream, which
+    torch.compile cannot functionalize (every Qwen3-MoE step raised on an H200)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
     for layer in getattr(getattr(model, "decoder", None), "layers", []):
-        # An MoE layer compiles its attention only: the token dispatcher calls record_stream,
-        # which torch.compile cannot functionalize (every Qwen3-MoE step raised on an H200).
-        (layer.self_attention if moe else layer).compile()
+        if not moe or not any(isinstance(m, MoELayer) for m in layer.modules()):
+            layer.compile()
+        elif isinstance(getattr(layer, "self_attention", None), torch.nn.Module):
+            layer.self_attention.compile()
 
 
 class HiddenOutput(torch.nn.Module):

@@ -14,6 +14,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
+from torch.utils.checkpoint import checkpoint
+
 from hpcrl.trainer.config import MegatronTrainerConfig
 from hpcrl.trainer.megatron.families.base import GPTFamily
 
@@ -118,6 +121,21 @@ def pattern(hf: Any) -> str:
     return str(hf.hybrid_override_pattern)
 
 
+def recomputed(cls: type) -> type:
+    """``cls`` whose training forward keeps only its input and runs again in the backward (full
+    recompute, one layer at a time, as ``trainer.activation_checkpointing`` asks): megatron-core's
+    hybrid stack (0.16) calls its layers without recompute."""
+
+    class Recomputed(cls):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            if not (self.training and torch.is_grad_enabled()):
+                return super().forward(*args, **kwargs)
+            return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
+
+    Recomputed.__name__ = Recomputed.__qualname__ = f"Recomputed{cls.__name__}"
+    return Recomputed
+
+
 def stack_layers(hf: Any, config: Any) -> dict[str, Any]:
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt import gpt_layer_specs as specs
@@ -132,6 +150,10 @@ def stack_layers(hf: Any, config: Any) -> dict[str, Any]:
     from hpcrl.trainer.megatron.ssm import LatentMoELayer, TorchMambaMixer
 
     # MambaLayer builds its norm without the epsilon (TransformerLayer passes the config's)
+    full = config.recompute_granularity == "full"
+    mamba_layer, layer = (
+        (recomputed(MambaLayer), recomputed(TransformerLayer)) if full else (MambaLayer, TransformerLayer)
+    )
     mamba_norm = ModuleSpec(module=SPNorm, params={"eps": hf.layer_norm_epsilon})
     mixer = ModuleSpec(
         module=TorchMambaMixer,
@@ -142,17 +164,17 @@ def stack_layers(hf: Any, config: Any) -> dict[str, Any]:
     attention.submodules.core_attention = SDPAttention
     layers: dict[str, Any] = {
         "mamba_layer": ModuleSpec(
-            module=MambaLayer,
+            module=mamba_layer,
             submodules=MambaLayerSubmodules(norm=mamba_norm, mixer=mixer, mamba_bda=get_bias_dropout_add),
         ),
         "attention_layer": ModuleSpec(
-            module=TransformerLayer,
+            module=layer,
             submodules=TransformerLayerSubmodules(
                 input_layernorm=SPNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add
             ),
         ),
         "mlp_layer": ModuleSpec(
-            module=TransformerLayer,
+            module=layer,
             submodules=TransformerLayerSubmodules(
                 pre_mlp_layernorm=SPNorm, mlp=dense.mlp, mlp_bda=get_bias_dropout_add
             ),
@@ -163,7 +185,7 @@ def stack_layers(hf: Any, config: Any) -> dict[str, Any]:
         moe = with_module(copy.deepcopy(local.submodules.mlp), LatentMoELayer)
         use_grouped_experts(moe)
         layers["moe_layer"] = ModuleSpec(
-            module=TransformerLayer,
+            module=layer,
             submodules=TransformerLayerSubmodules(
                 pre_mlp_layernorm=SPNorm, mlp=moe, mlp_bda=get_bias_dropout_add
             ),
