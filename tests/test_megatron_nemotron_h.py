@@ -2,7 +2,8 @@
 Mamba in_proj/conv1d cut part by part), the parity risks of notes/nemotron-h.md each pinned (dt floor,
 router precision, top-k renormalisation, padding side), and, under torchrun with gloo on CPU, megatron
 TP=1 = fsdp (transformers' NemotronHForCausalLM) and TP=2 (sequence parallel) / PP=2 / EP=2 / TP=2 x EP=2
-= TP=1 in log-probs, metrics, every gradient and the updated weights."""
+= TP=1 in log-probs, metrics, every gradient and the updated weights (context parallel:
+tests/test_megatron_mamba_cp.py)."""
 
 from __future__ import annotations
 
