@@ -4,6 +4,10 @@ over the training ranks (NCCL on GPUs, gloo on CPU).
 The step itself (minibatches, micro-batches, the loss) is trainer/step.py's; this backend supplies
 its forward (the Hugging Face model's, through the chunked log-prob head where installed) and its
 optimizer step (the gradient norm clipped over the sharded gradients, then AdamW).
+
+MoE models take the quirks' settings: ``trainer.router_dtype=fp32`` makes each router an fp32 unit
+under bf16 compute; no load-balancing loss is ever added (``trainer.moe_aux_loss_coeff`` is 0 by the
+quirk); buffers ``trainer.freeze`` names (Nemotron-H's correction bias) stay out of refits.
 """
 
 from __future__ import annotations
@@ -97,7 +101,6 @@ class FSDPTrainer:
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        check_moe_settings(cfg)
         self.cfg, self.device = cfg, device
         backend = "nccl" if device.startswith("cuda") else "gloo"
         init_process_group(rank, world, master, backend)
@@ -264,21 +267,6 @@ def routers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The MoE routers inside ``module``: transformers names their classes ``*Router``
     (``NemotronHTopkRouter``, ``Qwen3MoeTopKRouter``, ``Gemma4TextRouter``)."""
     return [m for m in module.modules() if type(m).__name__.lower().endswith("router")]
-
-
-def check_moe_settings(cfg: RunConfig) -> None:
-    """What this backend can honour of the MoE settings the quirk sets (one-line errors)."""
-    t = cfg.trainer
-    if t.router_dtype not in (None, "fp32"):
-        raise ValueError(
-            f"trainer.router_dtype={t.router_dtype}: trainer=fsdp keeps routers in fp32 at most "
-            "(transformers computes router scores in fp32); set trainer.router_dtype=fp32"
-        )
-    if t.moe_aux_loss_coeff:
-        raise ValueError(
-            f"trainer.moe_aux_loss_coeff={t.moe_aux_loss_coeff}: trainer=fsdp adds no load-balancing "
-            "loss (the policy loss is computed from log-probs alone); set trainer.moe_aux_loss_coeff=0"
-        )
 
 
 def has_recurrent_layers(model: Any) -> bool:
