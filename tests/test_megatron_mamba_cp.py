@@ -16,9 +16,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from .megatron_parity import parity_batch
-from .test_megatron import _assert_same_step, _torchrun
-
 pytest.importorskip("megatron.core")
 
 
@@ -165,74 +162,3 @@ def test_megatron_limits_say_what_the_mixer_splits():
     gap = megatron_build_gap(super_, 8, 1, 32)
     assert gap.startswith("trainer.tp=8 x trainer.cp=32 must divide nemotron_super's 128 Mamba heads")
     assert gap.endswith("use trainer.cp in 1, 2, 4, 8, 16 at trainer.tp=8")
-
-
-# -- the whole step under torchrun ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def mamba_cp_dir(tmp_path_factory):
-    """A small random Nemotron-H (every layer kind; 8 Mamba heads in 4 groups), the correction bias
-    and dt_bias randomised so that routing and the dt floor depend on them."""
-    from transformers import NemotronHConfig, NemotronHForCausalLM
-
-    torch.manual_seed(0)
-    config = NemotronHConfig(
-        vocab_size=128,
-        hidden_size=64,
-        hybrid_override_pattern="MEM*EMEM",
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        ssm_state_size=16,
-        n_groups=4,
-        conv_kernel=4,
-        chunk_size=8,
-        mamba_hidden_act="silu",
-        use_conv_bias=True,
-        time_step_min=0.001,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        moe_latent_size=32,
-        n_shared_experts=1,
-        moe_shared_expert_intermediate_size=64,
-        routed_scaling_factor=5.0,
-        n_group=1,
-        topk_group=1,
-        norm_topk_prob=True,
-        mlp_hidden_act="relu2",
-        use_bias=False,
-        mlp_bias=False,
-        tie_word_embeddings=False,
-        num_nextn_predict_layers=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    model = NemotronHForCausalLM(config)
-    with torch.no_grad():
-        for name, t in [*model.named_buffers(), *model.named_parameters()]:
-            if name.endswith("e_score_correction_bias"):
-                t.copy_(torch.randn_like(t) * 0.1)
-            elif name.endswith("dt_bias"):
-                t.add_(torch.randn_like(t) * 0.5)
-    out = tmp_path_factory.mktemp("nemotron_h_cp")
-    model.save_pretrained(out)
-    return out
-
-
-@pytest.mark.slow
-def test_nemotron_h_context_parallel_matches_cp1(mamba_cp_dir, tmp_path):
-    """CP=2 (each rank scans whole sequences for 4 heads in 2 groups) and TP=2 x CP=2 (2 heads, 1
-    group per rank; sequence parallel) against CP=1."""
-    mask = parity_batch().loss_mask.bool()
-    ep1 = ("trainer.ep=1",)
-    base = _torchrun(mamba_cp_dir, tmp_path / "cp1.pt", 1, 1, port=29861, extra=ep1)
-    for tp, port in ((1, 29862), (2, 29863)):
-        run = _torchrun(mamba_cp_dir, tmp_path / f"tp{tp}cp2.pt", tp, 1, port=port, cp=2, extra=ep1)
-        where = f"TP={tp} CP=2"
-        assert run["layout"]["cp"] == 2 and run["layout"]["sequence_parallel"] == (tp > 1), where
-        _assert_same_step(run, base, mask, where)
-        assert all(run["state_restored"]), where

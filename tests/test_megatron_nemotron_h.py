@@ -2,8 +2,8 @@
 Mamba in_proj/conv1d cut part by part), the parity risks of notes/nemotron-h.md each pinned (dt floor,
 router precision, top-k renormalisation, padding side), and, under torchrun with gloo on CPU, megatron
 TP=1 = fsdp (transformers' NemotronHForCausalLM) and TP=2 (sequence parallel) / PP=2 / EP=2 / TP=2 x EP=2
-= TP=1 in log-probs, metrics, every gradient and the updated weights (context parallel:
-tests/test_megatron_mamba_cp.py)."""
+/ CP=2 / TP=2 x CP=2 = TP=1 in log-probs, metrics, every gradient and the updated weights (the CP
+reorders and group copies by hand: tests/test_megatron_mamba_cp.py)."""
 
 from __future__ import annotations
 
@@ -234,8 +234,8 @@ def test_right_padding_leaves_real_tokens_alone_left_padding_would_not():
 
 @pytest.mark.slow
 def test_nemotron_h_matches_fsdp_and_under_parallel_layouts(nemotron_h_dir, tmp_path):
-    """megatron TP=1 = fsdp, then TP=2 (sequence parallel), PP=2, EP=2 and TP=2 x EP=2 = TP=1; the
-    checkpoint round trip restores every rank's optimizer state."""
+    """megatron TP=1 = fsdp, then TP=2 (sequence parallel), PP=2, EP=2, TP=2 x EP=2, CP=2 and
+    TP=2 x CP=2 = TP=1; the checkpoint round trip restores every rank's optimizer state."""
     from transformers import AutoModelForCausalLM
 
     from hpcrl.trainer.fsdp import checkpoint_names
@@ -251,18 +251,22 @@ def test_nemotron_h_matches_fsdp_and_under_parallel_layouts(nemotron_h_dir, tmp_
     for name, grad in hf_grads.items():
         assert torch.allclose(base["grads"][name], grad, atol=1e-5), name
     assert not any("e_score_correction_bias" in k for k in base["grads"])  # a buffer: never trained
-    for i, (tp, pp, ep) in enumerate(((2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2))):
-        where = f"TP={tp} PP={pp} EP={ep}"
+    # CP=2: each rank scans whole sequences for 4 heads in 2 groups (mamba_cp.py); TP=2 x CP=2: 2 heads,
+    # 1 group per rank, sequence parallel
+    layouts = ((2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1), (1, 1, 1, 2), (2, 1, 1, 2))
+    for i, (tp, pp, ep, cp) in enumerate(layouts):
+        where = f"TP={tp} PP={pp} EP={ep} CP={cp}"
         dp = max(1, ep // tp)
         run = _torchrun(
             nemotron_h_dir,
-            tmp_path / f"tp{tp}pp{pp}ep{ep}.pt",
+            tmp_path / f"tp{tp}pp{pp}ep{ep}cp{cp}.pt",
             tp,
             pp,
             dp=dp,
+            cp=cp,
             port=29851 + i,
             extra=(f"trainer.ep={ep}",),
         )
-        assert run["layout"]["sequence_parallel"] == (tp > 1), where
+        assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
         _assert_same_step(run, base, mask, where)
         assert all(run["state_restored"]), where
