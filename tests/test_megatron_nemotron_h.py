@@ -181,6 +181,29 @@ def test_mamba_mixer_equals_transformers_and_keeps_its_dt_floor(nemotron_h_dir, 
     assert moved > 1e-3 * r["floor"]["hf"]["out"].abs().max()  # the two agree to 0 where they should
 
 
+def test_the_scan_calls_mamba_ssm_kernels_with_the_torch_paths_arguments():
+    """Where mamba_ssm installs (CUDA hosts with it; not here), ``mamba_scan`` hands its arguments to
+    ``mamba_chunk_scan_combined``. Fake at that edge: transformers' torch reference of the same
+    function (its signature and semantics, dt_limit included) stands in for the kernel, and must give
+    the torch path's numbers, floor and all."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
+
+    from hpcrl.trainer.megatron.ssm import MambaKernels, mamba_scan
+
+    gen = torch.Generator().manual_seed(3)
+    x, b, c = (
+        torch.randn(2, 21, 4, 8, generator=gen),
+        torch.randn(2, 21, 2, 5, generator=gen),
+        torch.randn(2, 21, 2, 5, generator=gen),
+    )
+    dt, a = torch.randn(2, 21, 4, generator=gen), -torch.rand(4, generator=gen) - 0.5
+    d, dt_bias = torch.rand(4, generator=gen), torch.tensor([-12.0, -8.0, 0.0, 1.0])
+    ours = mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 1e-3)
+    fake = MambaKernels(scan=mamba2_chunk_scan, norm=None)
+    assert torch.allclose(mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 1e-3, fake), ours, atol=1e-5)
+    assert not torch.allclose(mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 0.0, fake), ours, atol=1e-5)
+
+
 def test_router_is_sigmoid_renormalised_scaled_in_fp32_as_transformers_routes():
     """Megatron's top-k routing with the family's fields = transformers' NemotronHTopkRouter: the bias
     picks the experts, the unbiased sigmoid scores weigh them, renormalised over the k, times 5."""

@@ -8,11 +8,14 @@ contained module: pure torch, autograd-safe, used only where the real pieces are
   ``conv1d`` over [x | B | C], ``A_log``/``D``/``dt_bias`` per head, the gated group RMSNorm, ``out_proj``.
   The scan is the SSD chunked form (Mamba-2 paper, Listing 1) in fp32, with Hugging Face's and vLLM's
   dt floor (``time_step_min``): Megatron's kernels do not clamp, but the rollout engines do, and the
-  trainer must score what they sample.
+  trainer must score what they sample. Where mamba_ssm and causal_conv1d do install (a CUDA host
+  with them), the mixer keeps its parameters and math and calls mamba_ssm's fused scan and gated
+  norm with the same arguments, floor included (``KERNELS``); the conv stays torch's depthwise conv.
   Context parallel as Megatron's MambaContextParallel (``mamba_cp.MambaCP``): the conv and the scan
   run on whole sequences for heads/cp of this rank's heads, between two all-to-alls over the CP group.
 - ``LatentMoELayer`` is Megatron's MoELayer with the latent projections (``fc1_latent_proj``,
-  ``fc2_latent_proj``) as replicated torch linears: Megatron builds them only with Transformer Engine.
+  ``fc2_latent_proj``) as replicated torch linears: Megatron builds them only with Transformer Engine
+  (with it installed, families/nemotron_h.py keeps Megatron's MoELayer).
 - ``hybrid_model`` builds the hybrid model under either name megatron-core gives it: ``MambaModel`` /
   ``MambaStack`` / ``hybrid_override_pattern`` (0.16, the CPU lock) or ``HybridModel`` / ``HybridStack``
   / ``hybrid_layer_pattern`` (0.19, the GPU), with a final norm that is not Transformer Engine's.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,14 +41,55 @@ from megatron.core.transformer.spec_utils import build_module
 from hpcrl.trainer.megatron.mamba_cp import MambaCP
 
 
-def have_mamba_kernels() -> bool:
-    """Megatron's own mixer can run: mamba_ssm and causal_conv1d both import."""
+@dataclass(frozen=True)
+class MambaKernels:
+    """mamba_ssm's fused Triton scan and gated RMSNorm, where it installs (with causal_conv1d, which
+    its kernels import): the mixer calls them with the same arguments as the torch path, dt floor
+    included, so only the speed changes."""
+
+    scan: Any  # mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined
+    norm: Any  # mamba_ssm.ops.triton.layernorm_gated.rmsnorm_fn
+
+
+def mamba_kernels() -> MambaKernels | None:
     try:
         import causal_conv1d  # noqa: F401
-        import mamba_ssm  # noqa: F401
+        from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     except ImportError:
-        return False
-    return True
+        return None
+    return MambaKernels(mamba_chunk_scan_combined, rmsnorm_fn)
+
+
+KERNELS = mamba_kernels()
+"""Resolved once at import; None (every CPU host, the lent GPU) selects the torch scan and norm."""
+
+
+def kernels_for(t: torch.Tensor) -> MambaKernels | None:
+    """The fused kernels for a tensor they can run on (Triton: CUDA only), else None."""
+    return KERNELS if KERNELS is not None and t.is_cuda else None
+
+
+def mamba_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    chunk: int,
+    d: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_min: float,
+    kernels: MambaKernels | None = None,
+) -> torch.Tensor:
+    """The mixer's scan from the raw dt: softplus(dt + dt_bias) floored at ``dt_min``, the SSD scan,
+    D's skip; by mamba_ssm's ``mamba_chunk_scan_combined`` (same arguments) when ``kernels``."""
+    if kernels is not None:
+        return kernels.scan(
+            x, dt, a, b, c, chunk, D=d, dt_bias=dt_bias, dt_softplus=True, dt_limit=(dt_min, float("inf"))
+        )
+    dt = F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_min)
+    return ssd_scan(x, dt, a, b, c, chunk) + x.float() * d.float()[:, None]
 
 
 # -- the SSD scan -------------------------------------------------------------------------------------
@@ -165,7 +210,18 @@ class TorchMambaMixer(MegatronModule):
         xbc, dt = self.cp.to_heads(xbc, dt)
         y = self._conv_scan(xbc.transpose(0, 1), dt.transpose(0, 1))
         y = self.cp.to_sequence(y.transpose(0, 1))
-        y = gated_rms_norm(y, z, self.norm.weight, self.group_size, self.eps)
+        if (kernels := kernels_for(y)) is not None:
+            y = kernels.norm(
+                y,
+                self.norm.weight,
+                None,
+                z=z,
+                eps=self.eps,
+                group_size=self.group_size,
+                norm_before_gate=False,
+            )
+        else:
+            y = gated_rms_norm(y, z, self.norm.weight, self.group_size, self.eps)
         return self.out_proj(y.contiguous())
 
     def _conv_scan(self, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
@@ -175,17 +231,12 @@ class TorchMambaMixer(MegatronModule):
         batch, length = xbc.shape[:2]
         xbc = F.silu(cp.conv(xbc, self.conv1d))
         x, b, c = xbc.split([cp.inner, cp.groups * self.state, cp.groups * self.state], dim=-1)
-        dt = F.softplus(dt.float() + cp.per_head(self.dt_bias).float()).clamp(min=self.dt_min)
         xh = x.reshape(batch, length, cp.heads, self.head_dim)
-        y = ssd_scan(
-            xh,
-            dt,
-            -torch.exp(cp.per_head(self.A_log).float()),
-            b.reshape(batch, length, cp.groups, self.state),
-            c.reshape(batch, length, cp.groups, self.state),
-            self.chunk,
-        )
-        y = y + xh.float() * cp.per_head(self.D).float()[:, None]
+        a = -torch.exp(cp.per_head(self.A_log).float())
+        b = b.reshape(batch, length, cp.groups, self.state)
+        c = c.reshape(batch, length, cp.groups, self.state)
+        dt_bias, d = cp.per_head(self.dt_bias), cp.per_head(self.D)
+        y = mamba_scan(xh, dt, a, b, c, self.chunk, d, dt_bias, self.dt_min, kernels_for(xh))
         return y.reshape(batch, length, -1).to(x.dtype)
 
 

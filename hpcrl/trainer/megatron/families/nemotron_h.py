@@ -146,7 +146,7 @@ def stack_layers(hf: Any, config: Any) -> dict[str, Any]:
     from hpcrl.trainer.megatron.attention import SDPAttention
     from hpcrl.trainer.megatron.experts import use_grouped_experts
     from hpcrl.trainer.megatron.norms import SPNorm
-    from hpcrl.trainer.megatron.spec_utils import with_module
+    from hpcrl.trainer.megatron.spec_utils import have_transformer_engine, with_module
     from hpcrl.trainer.megatron.ssm import LatentMoELayer, TorchMambaMixer
 
     # MambaLayer builds its norm without the epsilon (TransformerLayer passes the config's)
@@ -182,7 +182,9 @@ def stack_layers(hf: Any, config: Any) -> dict[str, Any]:
     }
     if config.num_moe_experts:
         local = specs.get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization="RMSNorm")
-        moe = with_module(copy.deepcopy(local.submodules.mlp), LatentMoELayer)
+        moe = copy.deepcopy(local.submodules.mlp)
+        if config.moe_latent_size and not have_transformer_engine():  # else MoELayer's own TE linears
+            moe = with_module(moe, LatentMoELayer)
         use_grouped_experts(moe)
         layers["moe_layer"] = ModuleSpec(
             module=layer,
