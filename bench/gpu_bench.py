@@ -92,7 +92,7 @@ DEVICE = os.environ.get("HPCRL_BENCH_DEVICE", "cuda")
 
 def make_model_dir(cfg) -> Path:
     """Random weights in the catalog model's shape: Qwen2 (default), Gemma 3 (text), Gemma 4's dense
-    decoder or Qwen3-MoE."""
+    decoder, Qwen3-MoE or Nemotron-H."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
@@ -134,6 +134,16 @@ def make_model_dir(cfg) -> Path:
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, head_dim=m.head_dim, num_experts=m.num_experts,
                                                    num_experts_per_tok=m.experts_per_token,
                                                    moe_intermediate_size=m.moe_ffn_hidden_size, norm_topk_prob=True))  # fmt: skip
+    elif m.family == "nemotron_h":  # hpcrl's tiny-model builder at the catalog's widths, Super's chunk
+        from unittest import mock
+
+        from hpcrl.run import tiny_model
+
+        with (
+            mock.patch.dict(tiny_model.NEMOTRON_H_FIXED, chunk_size=128),
+            torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+        ):  # random init of billions of parameters: on the GPU when there is one
+            model = tiny_model.build_model(m, seed=0)
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     out = Path(tempfile.mkdtemp()) / f"{m.name}-random"
@@ -146,10 +156,11 @@ def make_model_dir(cfg) -> Path:
 
 def train_flops_per_token(cfg, seq: int) -> float:
     """6N + 12 L h s, N the parameters a token passes through (an MoE's active ones; a VLM's frozen
-    towers, absent from the text-only benchmark model, left out)."""
+    towers, absent from the text-only benchmark model, left out), L the attention layers (all of
+    them, but for a hybrid model's Mamba and MoE layers)."""
     m = cfg.model
     counts = m.param_counts()
-    return 6 * (counts.active - counts.frozen) + 12 * m.num_layers * m.hidden_size * seq
+    return 6 * (counts.active - counts.frozen) + 12 * m.attention_layers * m.hidden_size * seq
 
 
 def bench_train_baseline(model_dir: Path, batch: int, seq: int) -> dict:
