@@ -53,7 +53,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     master = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', 29500)}"
-    cfg = compose_config(["model=tiny", "trainer=megatron", "trainer.moe_aux_loss_coeff=0"])
+    cfg = compose_config(
+        ["model=tiny", "trainer=megatron", "trainer.moe_aux_loss_coeff=0", "trainer.router_dtype=fp32"]
+    )
     trainer = make_trainer(model_dir, cfg, 0, 1, master, "cpu")
     experts = trainer.model.decoder.layers[0].mlp.experts
     gen = torch.Generator().manual_seed(0)
@@ -69,8 +71,22 @@ def main() -> None:
         ("plain bf16", "plain", True),
     ):
         result[name] = run(experts, kernel, x, counts, probs, bf16)
+    result["router"] = router_under_autocast(trainer.model.decoder.layers[0].mlp.router, x)
     torch.save(result, out)
     torch.distributed.destroy_process_group()
+
+
+def router_under_autocast(router: torch.nn.Module, x: torch.Tensor) -> dict:
+    """The fp32 router's gating under bf16 autocast: its logits' dtype, and its weight gradient."""
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = router.gating(x.to(torch.bfloat16))
+    logits.float().sum().backward()
+    return {
+        "module": type(router).__name__,
+        "dtype": str(logits.dtype),
+        "weight_grad": router.weight.grad is not None,
+    }
 
 
 if __name__ == "__main__":

@@ -652,6 +652,8 @@ def test_grouped_experts_equal_megatrons_loop_and_autocast_per_expert(qwen3_moe_
     assert done.returncode == 0, done.stderr[-3000:]
     r = torch.load(out)
     assert r["module"] == "GroupedExperts"
+    # the fp32 router (MoE quirk) really gates in fp32 under autocast, and its backward runs
+    assert r["router"] == {"module": "Fp32Router", "dtype": "torch.float32", "weight_grad": True}
 
     def same(a: dict, b: dict, atol: float) -> None:
         assert a["dtype"] == b["dtype"]

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.router import TopKRouter
 
 from hpcrl.trainer.megatron.spec_utils import submodules_of, with_module
 
@@ -56,7 +57,9 @@ class GroupedExperts(SequentialMLP):
             a = cfg.activation_func(gate) * up
         else:  # Nemotron-H: squared ReLU, no gate
             a = cfg.activation_func(h)
-        a = (a * permuted_probs.unsqueeze(-1)).to(a.dtype)  # as Megatron's MLP applies per_token_scale
+        # as Megatron's MLP applies per_token_scale; in the GEMM's dtype (under CUDA autocast squared
+        # ReLU's pow comes out fp32)
+        a = (a * permuted_probs.unsqueeze(-1)).to(dtype)
         return _grouped_mm(a, w2.transpose(1, 2), ends), None
 
 
@@ -73,3 +76,24 @@ def use_grouped_experts(mlp: Any) -> None:
     subs = submodules_of(mlp)
     if getattr(subs, "experts", None) is not None:
         subs.experts = with_module(subs.experts, GroupedExperts)
+
+
+class Fp32Router(TopKRouter):
+    """Megatron's top-k router with its gating GEMM really in ``moe_router_dtype`` (fp32, the MoE
+    quirk): without Transformer Engine megatron-core computes it with torch.mm inside an autograd
+    Function, which CUDA autocast turns bf16; the backward then mixed bf16 and fp32 ("expected mat1
+    and mat2 to have the same dtype", one H200, megatron-core 0.19.2). Outside autocast the logits
+    are fp32 and so is their gradient."""
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        if self.config.moe_router_dtype is None:
+            return super().gating(input)
+        with torch.autocast(input.device.type, enabled=False):
+            return super().gating(input)
+
+
+def use_fp32_router(mlp: Any) -> None:
+    """Fp32Router in the router slot of an MoE layer's spec, in place (none: the spec is kept)."""
+    subs = submodules_of(mlp)
+    if getattr(subs, "router", None) is not None:
+        subs.router = Fp32Router

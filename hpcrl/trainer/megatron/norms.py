@@ -21,8 +21,10 @@ class SPNorm(torch.nn.RMSNorm):
     in_fp32 = False
     """Gemma 4: ``x * w`` computed in fp32, as Hugging Face does (the zero-centred norms always are)."""
 
-    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
-        super().__init__(hidden_size, eps=eps)
+    def __init__(self, config: Any, hidden_size: int, eps: float | None = None, **_: Any) -> None:
+        # eps: what the caller passes (TransformerLayer, the blocks, 0.19's MambaLayer), else the
+        # config's (0.16's MambaLayer passes none)
+        super().__init__(hidden_size, eps=config.layernorm_epsilon if eps is None else eps)
         self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
         self.zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
 

@@ -83,9 +83,10 @@ def layer_spec(config: Any, fam: GPTFamily) -> Any:
     else:
         assert attention.q_layernorm is IdentityOp
     if experts:
-        from hpcrl.trainer.megatron.experts import use_grouped_experts
+        from hpcrl.trainer.megatron.experts import use_fp32_router, use_grouped_experts
 
         use_grouped_experts(layer.mlp)
+        use_fp32_router(layer.mlp)
     spec = fam.adapt_spec(spec)
     return TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=fam.norm

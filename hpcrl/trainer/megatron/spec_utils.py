@@ -22,14 +22,14 @@ def submodules_of(spec: Any) -> Any:
     return spec.submodules if hasattr(spec, "submodules") else spec.keywords.get("submodules")
 
 
-def build(spec: Any, **kwargs: Any) -> Any:
+def build(spec: Any, *args: Any, **kwargs: Any) -> Any:
     """The module a spec of either shape describes: a 0.16 ``ModuleSpec`` through Megatron's
     ``build_module``, a 0.19 ``functools.partial`` called (0.19's build_module cannot take one)."""
     if isinstance(spec, functools.partial):
-        return spec(**kwargs)
+        return spec(*args, **kwargs)
     from megatron.core.transformer.spec_utils import build_module
 
-    return build_module(spec, **kwargs)
+    return build_module(spec, *args, **kwargs)
 
 
 def with_module(spec: Any, module: type) -> Any:

@@ -36,9 +36,9 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.spec_utils import build_module
 
 from hpcrl.trainer.megatron.mamba_cp import MambaCP
+from hpcrl.trainer.megatron.spec_utils import build
 
 
 @dataclass(frozen=True)
@@ -282,9 +282,8 @@ class LatentMoELayer(MoELayer):
         plain.moe_latent_size = None
         super().__init__(plain, submodules, layer_number, groups, **kw)
         self.config = config
-        self.experts = build_module(
-            self.submodules.experts, self.num_local_experts, config, pg_collection=groups
-        )
+        # the experts' spec in either megatron-core shape (0.19: a partial)
+        self.experts = build(self.submodules.experts, self.num_local_experts, config, pg_collection=groups)
         dispatcher: Any = type(self.token_dispatcher)  # type: ignore[has-type]  # rebuilt at latent width
         self.token_dispatcher = dispatcher(
             self.num_local_experts, self.local_expert_indices, config=config, pg_collection=groups

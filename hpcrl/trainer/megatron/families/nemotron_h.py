@@ -144,7 +144,7 @@ def stack_layers(hf: Any, config: Any) -> dict[str, Any]:
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
     from hpcrl.trainer.megatron.attention import SDPAttention
-    from hpcrl.trainer.megatron.experts import use_grouped_experts
+    from hpcrl.trainer.megatron.experts import use_fp32_router, use_grouped_experts
     from hpcrl.trainer.megatron.norms import SPNorm
     from hpcrl.trainer.megatron.spec_utils import have_transformer_engine, with_module
     from hpcrl.trainer.megatron.ssm import LatentMoELayer, TorchMambaMixer
@@ -154,7 +154,6 @@ def stack_layers(hf: Any, config: Any) -> dict[str, Any]:
     mamba_layer, layer = (
         (recomputed(MambaLayer), recomputed(TransformerLayer)) if full else (MambaLayer, TransformerLayer)
     )
-    mamba_norm = ModuleSpec(module=SPNorm, params={"eps": hf.layer_norm_epsilon})
     mixer = ModuleSpec(
         module=TorchMambaMixer,
         params={"chunk_size": hf.chunk_size, "conv_kernel": hf.conv_kernel, "dt_min": hf.time_step_min},
@@ -165,7 +164,7 @@ def stack_layers(hf: Any, config: Any) -> dict[str, Any]:
     layers: dict[str, Any] = {
         "mamba_layer": ModuleSpec(
             module=mamba_layer,
-            submodules=MambaLayerSubmodules(norm=mamba_norm, mixer=mixer, mamba_bda=get_bias_dropout_add),
+            submodules=MambaLayerSubmodules(norm=SPNorm, mixer=mixer, mamba_bda=get_bias_dropout_add),
         ),
         "attention_layer": ModuleSpec(
             module=layer,
@@ -186,6 +185,7 @@ def stack_layers(hf: Any, config: Any) -> dict[str, Any]:
         if config.moe_latent_size and not have_transformer_engine():  # else MoELayer's own TE linears
             moe = with_module(moe, LatentMoELayer)
         use_grouped_experts(moe)
+        use_fp32_router(moe)
         layers["moe_layer"] = ModuleSpec(
             module=layer,
             submodules=TransformerLayerSubmodules(
