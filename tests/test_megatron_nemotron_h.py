@@ -25,41 +25,13 @@ PATTERN = "MEM*EMEM"  # Super's own layers 4..11: every kind, and 8 layers split
 
 
 def nemotron_h_config(**overrides: object) -> object:
+    """tests/tiny_checkpoints.py's Nemotron-H (Super's kinds at a width TP/CP/EP 2 split), all kinds."""
     from transformers import NemotronHConfig
 
-    fields: dict[str, object] = dict(
-        vocab_size=128,
-        hidden_size=64,
-        hybrid_override_pattern=PATTERN,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        ssm_state_size=16,
-        n_groups=4,
-        conv_kernel=4,
-        chunk_size=8,
-        time_step_min=0.001,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        moe_latent_size=32,
-        n_shared_experts=1,
-        moe_shared_expert_intermediate_size=64,
-        routed_scaling_factor=5.0,
-        n_group=1,
-        topk_group=1,
-        norm_topk_prob=True,
-        mlp_hidden_act="relu2",
-        tie_word_embeddings=False,
-        num_nextn_predict_layers=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    return NemotronHConfig(**{**fields, **overrides})
+    from .tiny_checkpoints import NEMOTRON_H
+
+    fields = {**NEMOTRON_H, "hybrid_override_pattern": PATTERN, "moe_latent_size": 32, "time_step_min": 0.001}
+    return NemotronHConfig(**{**fields, "tie_word_embeddings": False, **overrides})
 
 
 def nemotron_h_model(**overrides: object) -> torch.nn.Module:
