@@ -82,9 +82,11 @@ class ShippedLayout:
     error: str = ""
 
 
-def shipped_layouts(cfg: RunConfig) -> list[ShippedLayout]:
+def shipped_layouts(current: Plan) -> list[ShippedLayout]:
     """Every shipped recipe for this model and cluster, planned with this run's site keys (account,
-    image: they change no number, but a Slurm cluster refuses to compose without them)."""
+    image: they change no number, but a Slurm cluster refuses to compose without them); the recipe
+    this plan was made from is this plan, not composed again."""
+    cfg = current.cfg
     cluster = cfg.cluster
     site = [
         f"cluster.{key}={value}"
@@ -93,6 +95,9 @@ def shipped_layouts(cfg: RunConfig) -> list[ShippedLayout]:
     ]
     layouts = []
     for recipe in matching_recipes(cfg.model.name, cluster.name):
+        if recipe == cfg.run.name:
+            layouts.append(ShippedLayout(recipe, current))
+            continue
         try:
             layouts.append(ShippedLayout(recipe, plan_from_overrides([f"+experiment={recipe}", *site])))
         except HpcrlError as exc:

@@ -133,7 +133,7 @@ def _layouts(plan: Plan) -> Table | None:
     """The shipped recipes for this model and cluster side by side, each with its own per-GPU peak
     and verdict (this plan's row marked), so that a layout that does not fit is never offered as one."""
     cfg = plan.cfg
-    layouts = shipped_layouts(cfg)
+    layouts = shipped_layouts(plan)
     if not layouts:
         return None
     table = _table(

@@ -103,8 +103,8 @@ class FSDPTrainerConfig(TrainerConfig):
 MEGATRON_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe", "gemma3", "gemma4", "nemotron_h")
 """Model families (the catalog's ``family``) ``trainer=megatron`` builds: the keys of its family table
 (hpcrl/trainer/megatron/families/table.py), named here without torch for the planner; a test keeps
-the two equal. ``nemotron_h`` (Mamba-2 + attention + LatentMoE, trained without its MTP blocks) is
-named ahead of its family class; ``megatron_build_gap`` holds its parallelism limits."""
+the two equal. ``nemotron_h`` (Mamba-2 + attention + LatentMoE) trains without its MTP blocks;
+``megatron_build_gap`` holds its parallelism limits."""
 
 
 def megatron_build_gap(model: ModelConfig, tp: int = 1, pp: int = 1, cp: int = 1) -> str:
@@ -146,6 +146,12 @@ def _gemma4_gap(model: ModelConfig, tp: int) -> str:
     return ""
 
 
+def mamba_cp_splits(heads: int, groups: int, cp: int) -> bool:
+    """Whether context parallel ``cp`` splits one TP rank's Mamba ``heads`` and ``groups`` as the
+    mixer does (megatron/mamba_cp.py): whole heads per CP rank, groups split or repeated evenly."""
+    return heads % cp == 0 and (groups % cp == 0 or cp % groups == 0)
+
+
 def _nemotron_h_gap(model: ModelConfig, tp: int, pp: int, cp: int) -> str:
     """Megatron's hybrid stack: each TP rank runs whole Mamba heads and groups (the mixer's in_proj
     and conv1d split per [z, x, B, C, dt] part); KV heads are split while they go round, and once TP
@@ -169,12 +175,8 @@ def _nemotron_h_gap(model: ModelConfig, tp: int, pp: int, cp: int) -> str:
     if model.num_layers % pp:
         return f"trainer.pp={pp} must divide {name}'s {model.num_layers} layers (pipeline stages split them evenly)"
     heads, groups = h.mamba_heads // tp, h.mamba_groups // tp
-
-    def splits(c: int) -> bool:  # whole heads per CP rank, its groups split or repeated evenly
-        return heads % c == 0 and (groups % c == 0 or c % groups == 0)
-
-    if not splits(cp):
-        options = ", ".join(str(c) for c in divisors(heads) if splits(c))
+    if not mamba_cp_splits(heads, groups, cp):
+        options = ", ".join(str(c) for c in divisors(heads) if mamba_cp_splits(heads, groups, c))
         return (
             f"trainer.tp={tp} x trainer.cp={cp} must divide {name}'s {h.mamba_heads} Mamba heads, and "
             f"trainer.cp must divide its {groups} Mamba groups per TP rank or be a multiple of them: "

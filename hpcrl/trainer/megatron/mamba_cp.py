@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hpcrl.trainer.config import mamba_cp_splits
+
 
 def gather_order(cp: int) -> list[int]:
     """The global chunks in the order CP ranks hold them: rank r contributes chunks r, 2·cp-1-r."""
@@ -54,7 +56,7 @@ class MambaCP:
         self.group = group
         self.cp = group.size() if group is not None else 1
         self.rank = group.rank() if group is not None else 0
-        if heads % self.cp or (groups % self.cp and self.cp % groups):
+        if not mamba_cp_splits(heads, groups, self.cp):  # the planner's rule (megatron_build_gap)
             raise ValueError(
                 f"trainer.cp={self.cp} must divide this TP rank's {heads} Mamba heads, and divide its "
                 f"{groups} Mamba groups or be a multiple of them"

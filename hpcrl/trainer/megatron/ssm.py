@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -264,8 +265,8 @@ class ReplicatedLinear(torch.nn.Linear):
 
 class LatentMoELayer(MoELayer):
     """Megatron's MoELayer with its latent projections built here (module docstring). The parent is
-    built without the latent width (its Transformer-Engine-only branch is skipped); the experts and
-    the token dispatcher, which work at the latent width, are then built again with it."""
+    built without the latent width (its Transformer-Engine-only branch is skipped) and without experts;
+    the experts are then built at the latent width, and the token dispatcher again with it."""
 
     def __init__(
         self,
@@ -278,10 +279,11 @@ class LatentMoELayer(MoELayer):
         from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
         groups = pg_collection if pg_collection is not None else get_default_pg_collection()
-        plain = copy.copy(config)
+        plain, placeholder = copy.copy(config), copy.copy(submodules)
         plain.moe_latent_size = None
-        super().__init__(plain, submodules, layer_number, groups, **kw)
-        self.config = config
+        placeholder.experts = IdentityOp  # built once below, at the latent width (a whole layer's worth)
+        super().__init__(plain, placeholder, layer_number, groups, **kw)
+        self.config, self.submodules = config, submodules
         # the experts' spec in either megatron-core shape (0.19: a partial)
         self.experts = build(self.submodules.experts, self.num_local_experts, config, pg_collection=groups)
         dispatcher: Any = type(self.token_dispatcher)  # type: ignore[has-type]  # rebuilt at latent width

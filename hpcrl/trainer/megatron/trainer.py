@@ -26,7 +26,7 @@ from hpcrl.trainer.base import freeze
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import MegatronTrainerConfig
 from hpcrl.trainer.fsdp import init_process_group
-from hpcrl.trainer.megatron import compat, weights_hybrid
+from hpcrl.trainer.megatron import compat, weights, weights_hybrid
 from hpcrl.trainer.megatron.grads import Gradients
 from hpcrl.trainer.megatron.model import (
     build_model,
@@ -75,7 +75,8 @@ class MegatronTrainer:
         self.ps = ps
         self.tied = bool(getattr(hf, "tie_word_embeddings", False))
         self.shape = model_shape(hf, self.arch, self.par.tp)
-        self.weights = weights_hybrid.mapping(self.shape)  # HF <-> Megatron names: weights.py or the hybrid's
+        # HF <-> Megatron names: a hybrid model's own mapping, or the GPT families'
+        self.weights = weights_hybrid if self.shape.pattern else weights
         config = transformer_config(hf, self.arch, t, self.par, device=device)
         self._build_models(model_dir, hf, config, experts)
         self.grads = Gradients(self.model, self.par, tied=self.tied, moe=experts > 0, device=self.device)

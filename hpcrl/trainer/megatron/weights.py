@@ -199,8 +199,7 @@ def qkv_fused(
     group; k; v] for each group (no v: keys double as values)."""
     g, d, per = att.groups, att.head_dim, heads // att.groups
     kv = [k.reshape(g, d, -1)] + ([v.reshape(g, d, -1)] if v is not None else [])
-    fused = torch.cat([q.reshape(g, per * d, -1), *kv], dim=1).reshape(-1, q.shape[-1] if q.dim() > 1 else 1)
-    return fused.squeeze(-1) if q.dim() == 1 else fused
+    return torch.cat([q.reshape(g, per * d, -1), *kv], dim=1).reshape(-1, *q.shape[1:])
 
 
 def qkv_split(t: torch.Tensor, att: LayerAttention, heads: int) -> list[torch.Tensor]:
@@ -208,9 +207,7 @@ def qkv_split(t: torch.Tensor, att: LayerAttention, heads: int) -> list[torch.Te
     g, d, per = att.groups, att.head_dim, heads // att.groups
     sizes = [per * d, d, d] if att.values else [per * d, d]
     parts = t.reshape(g, sum(sizes), -1).split(sizes, dim=1)
-    return [
-        p.reshape(-1, p.shape[-1]).squeeze(-1) if t.dim() == 1 else p.reshape(-1, p.shape[-1]) for p in parts
-    ]
+    return [p.reshape(-1, *t.shape[1:]) for p in parts]
 
 
 def _fused_layer(

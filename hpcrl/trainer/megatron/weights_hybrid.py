@@ -14,11 +14,9 @@ dropped by name on the way in (``MTP_PREFIX``) and absent from exports.
 from __future__ import annotations
 
 import re
-from types import ModuleType
 
 import torch
 
-from hpcrl.trainer.megatron import weights
 from hpcrl.trainer.megatron.weights import Shape, pad_vocab, qkv_fused, qkv_split
 
 MTP_PREFIX = "mtp."
@@ -55,13 +53,6 @@ HF_LAYER = re.compile(r"^backbone\.layers\.(\d+)\.(.+)$")
 HF_EXPERT = re.compile(r"^mixer\.experts\.(\d+)\.(up|down)_proj\.weight$")
 MEG_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 QKV = "self_attention.linear_qkv.weight"
-
-
-def mapping(shape: Shape) -> ModuleType:
-    """The module whose ``to_megatron`` / ``to_hf`` map this model's weights."""
-    import sys
-
-    return sys.modules[__name__] if shape.pattern else weights
 
 
 def partitions(shape: Shape) -> dict[str, tuple[int, ...]]:

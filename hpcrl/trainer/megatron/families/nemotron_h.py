@@ -12,6 +12,7 @@ correction bias (Megatron's ``expert_bias``) loaded and never updated.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -121,6 +122,7 @@ def pattern(hf: Any) -> str:
     return str(hf.hybrid_override_pattern)
 
 
+@functools.cache  # one class per layer class: every build (policy, reference) shares it
 def recomputed(cls: type) -> type:
     """``cls`` whose training forward keeps only its input and runs again in the backward (full
     recompute, one layer at a time, as ``trainer.activation_checkpointing`` asks): megatron-core's
