@@ -258,3 +258,15 @@ def test_recipe_learns_from_an_empty_cache(tmp_path, monkeypatch):
     assert (run_dir / "checkpoints" / "step_000010" / "state.pt").exists()
     state = torch.load(run_dir / "checkpoints" / "step_000010" / "state.pt", weights_only=False)
     assert sum(k.endswith(BIAS) for k in state["trainer"]["model"]) == 3
+
+
+def test_a_local_model_of_a_family_hpcrl_cannot_build_is_refused_before_any_job():
+    """``hf_id: local/...`` means hpcrl builds the network: the config check knows the families its
+    builder has (kept equal to run/tiny_model.py's BUILDERS) and refuses others in one line."""
+    from hpcrl.config.model import TINY_FAMILIES
+    from hpcrl.run.tiny_model import BUILDERS
+
+    assert set(TINY_FAMILIES) == set(BUILDERS)
+    refused = run_cli("plan", "model=gemma3_1b", "model.hf_id=local/x")
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert "model.hf_id='local/x'" in refused.stderr and "qwen2, nemotron_h" in refused.stderr

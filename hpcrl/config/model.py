@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from hpcrl.config.checks import MISSING, non_negative, positive
 from hpcrl.errors import ConfigError
 
+LOCAL_PREFIX = "local/"
+"""``model.hf_id`` of catalog entries hpcrl builds itself (run/tiny_model.py) instead of downloading."""
+TINY_FAMILIES = ("qwen2", "nemotron_h")
+"""The families it builds (the keys of run/tiny_model.py's ``BUILDERS``; a test keeps them equal)."""
+
 
 @dataclass
 class HybridLayers:
@@ -120,6 +125,13 @@ class ModelConfig:
     Counted (``ParamCounts.mtp``), not trained: the recipes run with Megatron's ``mtp_num_layers 0``."""
 
     def check(self) -> None:
+        if self.hf_id.startswith(LOCAL_PREFIX) and self.family not in TINY_FAMILIES:
+            # refused here, before a job: the tiny builder (run/tiny_model.py) has no such network
+            raise ConfigError(
+                f"model.hf_id={self.hf_id!r} asks hpcrl to build the model, and it builds families "
+                f"{', '.join(TINY_FAMILIES)} only (model.family={self.family!r}): pick one of those or "
+                "point model.hf_id at a checkpoint"
+            )
         for key in (
             "num_layers",
             "hidden_size",

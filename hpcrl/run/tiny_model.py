@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hpcrl.config.model import ModelConfig
+from hpcrl.config.model import LOCAL_PREFIX, ModelConfig
 from hpcrl.data.synthetic import Problem, synthetic_split
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -306,4 +306,4 @@ def ensure_tiny_model(
 
 def is_tiny(model_cfg: ModelConfig) -> bool:
     """Catalog entries hpcrl builds itself (``hf_id: local/...``) rather than downloads."""
-    return model_cfg.hf_id.startswith("local/")
+    return model_cfg.hf_id.startswith(LOCAL_PREFIX)
