@@ -125,13 +125,7 @@ class ModelConfig:
     Counted (``ParamCounts.mtp``), not trained: the recipes run with Megatron's ``mtp_num_layers 0``."""
 
     def check(self) -> None:
-        if self.hf_id.startswith(LOCAL_PREFIX) and self.family not in TINY_FAMILIES:
-            # refused here, before a job: the tiny builder (run/tiny_model.py) has no such network
-            raise ConfigError(
-                f"model.hf_id={self.hf_id!r} asks hpcrl to build the model, and it builds families "
-                f"{', '.join(TINY_FAMILIES)} only (model.family={self.family!r}): pick one of those or "
-                "point model.hf_id at a checkpoint"
-            )
+        self._check_buildable_here()
         for key in (
             "num_layers",
             "hidden_size",
@@ -187,6 +181,15 @@ class ModelConfig:
                     f"model.hybrid.pattern={h.pattern!r} has {counts['M']} M, {counts['*']} *, "
                     f"{counts['E']} E, {counts['-']} -: set model.hybrid.mamba/attention/moe/mlp to match"
                 )
+
+    def _check_buildable_here(self) -> None:
+        """Refused before a job: the tiny builder (run/tiny_model.py) has no network of this family."""
+        if self.hf_id.startswith(LOCAL_PREFIX) and self.family not in TINY_FAMILIES:
+            raise ConfigError(
+                f"model.hf_id={self.hf_id!r} asks hpcrl to build the model, and it builds families "
+                f"{', '.join(TINY_FAMILIES)} only (model.family={self.family!r}): pick one of those or "
+                "point model.hf_id at a checkpoint"
+            )
 
     @property
     def is_moe(self) -> bool:
