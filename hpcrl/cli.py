@@ -118,6 +118,17 @@ JOBS: dict[str, tuple[str, Options]] = {
 """Commands about submitted jobs and their run directories (all take ``--root``)."""
 
 
+def _add_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", type=Path, help="a step_NNNNNN/ directory, or a run (its best checkpoint)")
+    p.add_argument("--out", type=Path, required=True, help="the Hugging Face model directory to write")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights' dtype (default bf16)")
+
+
+TOOLS: dict[str, tuple[str, Options]] = {
+    "export": ("write a checkpoint as a Hugging Face model directory (streamed; no GPU needed)", _add_export),
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpcrl",
@@ -136,6 +147,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--root", type=Path, default=Path("runs"), help="run.output_root of the runs (default: runs)"
         )
+    for name, (text, tool_options) in TOOLS.items():
+        tool_options(sub.add_parser(name, help=text, description=text))
     return parser
 
 
@@ -289,29 +302,15 @@ def _debug_root(args: argparse.Namespace) -> Path:
 
 def cmd_run(args: argparse.Namespace) -> int:
     import os
-    import socket
-    import subprocess
 
-    from hpcrl.launch.debug import check_fits_allocation, driver_argv, held, node_hosts, run_here
-    from hpcrl.plan.planner import plan_from_overrides
+    from hpcrl.launch.debug import run_in_session
 
     job_id = args.job or os.environ.get("SLURM_JOB_ID")
     if not job_id:
         raise HpcrlError(
             "which debug session? pass --job JOB (or run inside its allocation: `hpcrl attach JOB`)"
         )
-    root = _debug_root(args)
-    plan = plan_from_overrides(args.overrides)
-    plan.require_fit()
-    plan.require_buildable()
-    job, meta = held(job_id, root)
-    check_fits_allocation(plan, job_id, meta)
-    head = node_hosts(job.run_dir, 1)[0]
-    if args.here or socket.gethostname() == head:
-        run_dir = run_here(plan, job)
-        print(f"run dir {run_dir}")
-        return 0
-    return subprocess.call(driver_argv(job_id, meta, head, root, list(args.overrides)))
+    return run_in_session(job_id, _debug_root(args), list(args.overrides), here=args.here)
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
@@ -336,13 +335,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from hpcrl.launch import lifecycle
 
     if args.sweep is not None:
-        from hpcrl.launch.sweep import summary
+        from hpcrl.launch.sweep import print_summary
 
-        print(f"{'point':>5}  {'job':>8}  {'state':<12} {'overrides':40s}  latest")
-        for row in summary(args.sweep):
-            print(
-                f"{row['point']:>5}  {row['job_id']:>8}  {row['state']:<12} {' '.join(row['overrides']):40s}  {row['metric']}"
-            )
+        print_summary(args.sweep)
         return 0
 
     jobs = lifecycle.recent(args.root)
@@ -377,6 +372,13 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from hpcrl.run.export import export
+
+    export(args.checkpoint, args.out, args.dtype)
+    return 0
+
+
 COMMANDS = {
     "plan": cmd_plan,
     "render": cmd_render,
@@ -389,6 +391,7 @@ COMMANDS = {
     "debug": cmd_debug,
     "run": cmd_run,
     "attach": cmd_attach,
+    "export": cmd_export,
 }
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ HPCRL_PARITY_DUMP_S prints every thread's stack and exits after that many second
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -37,6 +38,13 @@ def parity_batch() -> TrainBatch:
     return build_batch(prompts, comps, logps, adv, [1.0] * 7, pad_id=0)
 
 
+def after_checkpoint(batch: TrainBatch) -> TrainBatch:
+    """The step after a checkpoint trains on the advantages turned round: with the first step's Adam
+    state its update is ~5% of the learning rate, with a fresh state the whole rate (the same batch
+    twice would give the same update either way)."""
+    return dataclasses.replace(batch, advantages=-batch.advantages)
+
+
 def overrides(tp: int, pp: int, backend: str = "megatron") -> list[str]:
     # fp32 everywhere: on GPUs too (HPCRL_PARITY_DEVICE=cuda), so ranks can be compared closely
     extra = os.environ.get("HPCRL_PARITY_OVERRIDES", "").split()
@@ -58,21 +66,18 @@ def _full(grad: Any) -> torch.Tensor:
     return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
 
 
-def _state_round_trip(trainer: Any, local: Any, out: Path, rank: int, world: int) -> bool:
-    """Checkpoint as the loop does (rank 0 writes what ``state_dict`` gathered), wipe this rank's
-    optimizer state, load the file on every rank: True when each rank got its own state back."""
-    state = trainer.state_dict()
-    path = out.with_suffix(".state.pt")
-    if rank == 0:
-        torch.save(state, path)
-    if world > 1:
-        torch.distributed.barrier()
+def _state_round_trip(trainer: Any, local: Any, out: Path) -> bool:
+    """Checkpoint as the loop does (every rank writes its pieces into ``<out>.ckpt``), wipe this
+    rank's optimizer state, load it back: True when each rank got its own state back."""
+    path = str(out.with_suffix(".ckpt"))
+    trainer.save_checkpoint(path, async_save=True)
+    trainer.finish_checkpoint()
     before = [v.clone() for st in local.state.values() for v in st.values() if torch.is_tensor(v)]
     for st in local.state.values():
         for v in st.values():
             if torch.is_tensor(v):
                 v.zero_()
-    trainer.load_state_dict(torch.load(path, weights_only=False))
+    trainer.load_checkpoint(path)
     after = [v for st in local.state.values() for v in st.values() if torch.is_tensor(v)]
     return len(before) == len(after) > 0 and all(
         torch.equal(a, b) for a, b in zip(before, after, strict=True)
@@ -95,6 +100,11 @@ def main() -> None:
     device = os.environ.get("HPCRL_PARITY_DEVICE", "cpu")
     trainer: Any = make_trainer(model_dir, cfg, rank, world, master, device)
     batch = parity_batch()
+    resume = os.environ.get("HPCRL_PARITY_RESUME")  # a checkpoint of another layout: load, then step
+    if resume:
+        trainer.load_checkpoint(resume)
+        batch = after_checkpoint(batch)
+    loaded = {k: v.clone() for k, v in trainer.export_weights().items()} if resume else {}  # TP=1: views
     ref = trainer.logprobs(batch, reference=True)
     metrics = trainer.train_step(batch, ref)
     grads = (
@@ -108,7 +118,11 @@ def main() -> None:
     held = sum(
         v.numel() for st in local.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()
     )
-    restored = backend != "megatron" or _state_round_trip(trainer, local, out, rank, world)
+    restored = _state_round_trip(trainer, local, out)
+    after = {}
+    if os.environ.get("HPCRL_PARITY_SECOND_STEP"):  # the step after the checkpoint, for a resume to repeat
+        trainer.train_step(after_checkpoint(batch), ref)
+        after = trainer.export_weights()
     per_rank: list[Any] = [None] * world
     if world > 1:
         torch.distributed.all_gather_object(per_rank, (held, restored))
@@ -143,6 +157,8 @@ def main() -> None:
                 "state_restored": [r for _, r in per_rank],
                 "layout": layout,
                 "weights": {k: v.cpu() for k, v in weights.items()},
+                "loaded": {k: v.cpu() for k, v in loaded.items()},
+                "second_step": {k: v.cpu() for k, v in after.items()},
             },
             out,
         )

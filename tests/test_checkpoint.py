@@ -1,35 +1,102 @@
-"""Checkpoints: atomic writes, keep-top-k by metric, the latest kept for resume."""
+"""Checkpoints (the driver's side): commit only once every rank has written, keep-top-k by metric,
+the latest kept for resume, model.json checked before a resume. The ranks' own shards are tested
+with real trainers (tests/test_megatron.py, tests/test_trainer.py, tests/test_shards.py)."""
 
 from __future__ import annotations
 
-from hpcrl.run.checkpoint import CheckpointManager, load_state
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcrl.run.checkpoint import CheckpointManager, check_resumable, load_loop_state
+
+
+class FakeShards:
+    """Stands in for the trainer ranks: 'writes' a shard file; ``finish`` can fail like a dead rank."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.calls = fail, []
+
+    def save_checkpoint(self, path: str, async_save: bool) -> float:
+        self.calls.append(("save", async_save))
+        Path(path).mkdir()
+        (Path(path) / "__0_0.distcp").write_bytes(b"shard")
+        return 0.0
+
+    def finish_checkpoint(self) -> float:
+        self.calls.append(("finish",))
+        if self.fail:
+            raise RuntimeError("trainer rank 1 died")
+        return 0.0
+
+
+def save(mgr, step, metrics, shards=None, async_save=False):
+    return mgr.save(step, shards or FakeShards(), {"step": step}, metrics, async_save)
 
 
 def test_keep_top_k_plus_latest(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_top_k=2, metric="val/accuracy", higher_is_better=True)
     for step, acc in [(10, 0.5), (20, 0.9), (30, 0.7), (40, 0.2)]:
-        mgr.save(step, {"step": step}, {"val/accuracy": acc})
+        save(mgr, step, {"val/accuracy": acc})
     steps = sorted(c.step for c in mgr.list())
     assert steps == [20, 30, 40]  # the two best (20, 30) and the latest (40)
     assert mgr.best().step == 20
     assert mgr.latest().step == 40
-    assert load_state(mgr.latest())["step"] == 40
+    assert load_loop_state(mgr.latest())["step"] == 40
 
 
 def test_lower_is_better(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_top_k=1, metric="loss", higher_is_better=False)
     for step, loss in [(1, 0.3), (2, 0.1), (3, 0.2)]:
-        mgr.save(step, {}, {"loss": loss})
+        save(mgr, step, {"loss": loss})
     assert sorted(c.step for c in mgr.list()) == [2, 3]
 
 
-def test_interrupted_write_is_never_resumed(tmp_path):
+def test_an_async_save_counts_only_once_every_rank_has_written(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_top_k=3, metric="m", higher_is_better=True)
-    mgr.save(1, {"step": 1}, {"m": 1.0})
-    # a kill during the write of step 2 leaves only the temporary directory behind
-    partial = tmp_path / "step_000002.tmp"
-    partial.mkdir()
-    (partial / "state.pt").write_bytes(b"truncated")
-    assert mgr.latest().step == 1
-    mgr.save(3, {"step": 3}, {"m": 0.5})  # the next save clears the leftover
-    assert not partial.exists() and mgr.latest().step == 3
+    save(mgr, 1, {"m": 1.0})
+    shards = FakeShards()
+    save(mgr, 2, {"m": 2.0}, shards, async_save=True)
+    assert shards.calls == [("save", True)]
+    assert mgr.latest().step == 1  # step 2 is still being written: a resume now takes step 1
+    assert (tmp_path / "step_000002.tmp" / "loop.pt").exists()
+    mgr.settle(shards)
+    assert shards.calls[-1] == ("finish",) and mgr.latest().step == 2
+    assert not (tmp_path / "step_000002.tmp").exists()
+    meta = json.loads((mgr.latest().path / "meta.json").read_text())
+    assert meta["step"] == 2 and meta["metric"] == 2.0
+
+
+def test_a_rank_that_fails_its_write_leaves_nothing_resume_would_take(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_top_k=3, metric="m", higher_is_better=True)
+    save(mgr, 1, {"m": 1.0})
+    dead = FakeShards(fail=True)
+    save(mgr, 2, {"m": 2.0}, dead, async_save=True)
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        mgr.settle(dead)
+    assert mgr.latest().step == 1 and [c.step for c in mgr.list()] == [1]
+    save(mgr, 3, {"m": 0.5})  # the next save clears the leftover
+    assert not (tmp_path / "step_000002.tmp").exists() and mgr.latest().step == 3
+
+
+def test_model_json_and_the_model_files_travel_with_each_checkpoint(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights stay where they are")
+    about = {"model": "tiny", "backend": "fsdp", "layout": {"world": 2}}
+    mgr = CheckpointManager(tmp_path / "ckpt", 3, "m", True, about=about, model_dir=model)
+    save(mgr, 5, {"m": 1.0})
+    info = mgr.latest()
+    assert info.about() == about
+    assert sorted(p.name for p in (info.path / "hf").iterdir()) == ["config.json", "tokenizer.json"]
+    assert check_resumable(info, about) == ""
+    note = check_resumable(info, {**about, "layout": {"world": 1}})
+    assert note == "resharding step_000005: written by {'world': 2}, loaded as {'world': 1}"
+    with pytest.raises(ValueError) as other:
+        check_resumable(info, {**about, "backend": "megatron"})
+    assert "model=tiny trainer=fsdp; this run is model=tiny trainer=megatron" in str(other.value)
+    assert torch.load(info.path / "loop.pt")["step"] == 5

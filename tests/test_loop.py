@@ -21,7 +21,7 @@ from hpcrl.rewards.pool import Task
 from hpcrl.rewards.verifiers import Outcome
 from hpcrl.rollout.base import Completion, SamplingSettings
 from hpcrl.run import loop
-from hpcrl.run.checkpoint import CheckpointManager, load_state
+from hpcrl.run.checkpoint import CheckpointManager, load_loop_state
 from hpcrl.run.preempt import REQUEST, Preempted
 from hpcrl.trainer.batch import TrainBatch
 
@@ -85,9 +85,16 @@ class FakeActors:
     def sync_weights(self) -> None:
         self.calls.append(("sync_weights",))
 
-    def state_dict(self) -> dict[str, Any]:
-        self.calls.append(("state_dict",))
-        return {"weights": torch.tensor([float(self.steps)])}
+    def save_checkpoint(self, path: str, async_save: bool) -> float:
+        """Writes the 'shards' (the step count) into ``path``, as trainer ranks write theirs."""
+        self.calls.append(("save_checkpoint", async_save))
+        Path(path).mkdir()
+        torch.save(torch.tensor([float(self.steps)]), Path(path) / "weights.pt")
+        return 0.5
+
+    def finish_checkpoint(self) -> float:
+        self.calls.append(("finish_checkpoint",))
+        return 0.25
 
 
 class FakeScorer:
@@ -146,10 +153,12 @@ def test_dynamic_sampling_validation_and_checkpoints_in_order(tmp_path: Path) ->
         *step_ops,  # step 1: no validation (period 2), no checkpoint
         *step_ops,
         val,
-        ("state_dict",),  # step 2: validation and checkpoint are due
+        ("save_checkpoint", True),  # step 2: validation and checkpoint are due; written during step 3
         *step_ops,
         val,
-        ("state_dict",),  # step 3: the last step validates and saves
+        ("finish_checkpoint",),  # step 2's shards are on disk: committed
+        ("save_checkpoint", False),  # step 3: the last step validates and saves, before the run ends
+        ("finish_checkpoint",),
     ]
     # the first round's groups all agree (no signal) and are dropped: each batch is the second round's
     for batch, prompts in zip(actors.batches, actors.prompts[1::2], strict=True):
@@ -170,9 +179,13 @@ def test_dynamic_sampling_validation_and_checkpoints_in_order(tmp_path: Path) ->
     assert metrics[1]["train/accuracy"] == pytest.approx(9 / 12)  # 6 of round 1 + 3 of round 2
     assert "val/accuracy" not in metrics[1] and metrics[2]["val/accuracy"] == 0.5
     assert [c.step for c in ckpt.list()] == [2, 3]
-    state = load_state(ckpt.latest())
+    state = load_loop_state(ckpt.latest())
     assert state["step"] == 3 and state["stream"] == {"epoch": 1, "offset": 8}  # 6 steps x 3 prompts of 10
-    assert state["trainer"]["weights"].item() == 3.0
+    assert "trainer" not in state  # the ranks' shards are theirs: the driver holds loop state only
+    assert torch.load(ckpt.latest().path / "trainer" / "weights.pt").item() == 3.0
+    assert torch.load(ckpt.list()[0].path / "trainer" / "weights.pt").item() == 2.0
+    blocked = {step: m["time/checkpoint_blocked"] for step, m in metrics.items() if step}
+    assert blocked == {1: 0.0, 2: 0.5, 3: 0.25 + 0.5 + 0.25}  # step 3: waits for step 2's, saves its own
     assert last["train/loss"] == 0.25
     assert said[-1].startswith("step   3/3")
 
@@ -205,12 +218,13 @@ def test_preemption_saves_the_step_then_resume_continues_the_same_stream(tmp_pat
         run(cfg, first, tmp_path / "cut")
     assert stopped.value.step == 2 and REQUEST.step == 2
     ops = [c[0] for c in first.calls]
-    assert ops[-3:] == ["sync_weights", "validate", "state_dict"]  # saved after step 2, nothing after
+    assert ops[-3:] == ["validate", "save_checkpoint", "finish_checkpoint"]  # step 2 saved and on disk
+    assert first.calls[-2] == ("save_checkpoint", False)  # the stop's save is not left in the background
     ckpt = CheckpointManager(tmp_path / "cut" / "ckpt", 5, "val/accuracy", True)
     assert [c.step for c in ckpt.list()] == [2]  # period 10: only the stop saved
 
     REQUEST.reset()
-    state = load_state(ckpt.latest())
+    state = load_loop_state(ckpt.latest())
     stream = PromptStream(EXAMPLES, seed=cfg.run.seed)
     stream.restore(state["stream"])
     resumed = FakeActors(["mixed"])

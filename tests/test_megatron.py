@@ -8,6 +8,7 @@ Face's padding_idx row)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -377,7 +378,10 @@ def _torchrun(
     dp: int = 1,
     cp: int = 1,
     extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> dict:
+    """One parity run (tests/megatron_parity.py); ``env``: its HPCRL_PARITY_* switches (a second
+    step after the checkpoint, or a resume from one)."""
     cmd = [
         sys.executable,
         "-m",
@@ -394,6 +398,7 @@ def _torchrun(
     env = {
         **os.environ,
         "HPCRL_PARITY_OVERRIDES": " ".join((f"trainer.cp={cp}", *extra) if backend == "megatron" else ()),
+        **(env or {}),
     }
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -437,7 +442,9 @@ def test_tensor_and_pipeline_parallel_match_tp1_and_tp1_matches_fsdp(tiny_dir, t
     ):
         where = f"TP={tp} PP={pp} CP={cp} DP={dp}"
         port = 29641 + tp * 10 + pp + dp * 3 + cp * 5
-        run = _torchrun(tiny_dir, tmp_path / f"tp{tp}pp{pp}cp{cp}dp{dp}.pt", tp, pp, port=port, dp=dp, cp=cp)
+        name = f"tp{tp}pp{pp}cp{cp}dp{dp}"
+        second = SECOND if name in RESHARDED else None
+        run = _torchrun(tiny_dir, tmp_path / f"{name}.pt", tp, pp, port=port, dp=dp, cp=cp, env=second)
         # the layout Megatron really ran: sequence parallel with TP (the default), context parallel
         assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
         assert run["state_restored"] == [True] * (tp * pp * cp * dp), where  # checkpoint -> resume, per rank
@@ -447,6 +454,34 @@ def test_tensor_and_pipeline_parallel_match_tp1_and_tp1_matches_fsdp(tiny_dir, t
             assert sum(run["optimizer_numel"]) == state_elements, where
             assert max(run["optimizer_numel"]) < 0.75 * state_elements, (where, run["optimizer_numel"])
         _assert_same_step(run, base, mask, where)
+    for i, name in enumerate(RESHARDED):
+        _assert_resumes_resharded(tiny_dir, tmp_path, name, port=29701 + i)
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_of_two_ranks_resumes_on_one(tiny_dir, tmp_path):
+    two = _torchrun(tiny_dir, tmp_path / "fsdp2.pt", 1, 1, backend="fsdp", port=29711, dp=2, env=SECOND)
+    assert two["state_restored"] == [True, True]  # each rank wrote and read back its own shards
+    _assert_resumes_resharded(tiny_dir, tmp_path, "fsdp2", port=29712, backend="fsdp")
+
+
+SECOND = {"HPCRL_PARITY_SECOND_STEP": "1"}
+RESHARDED = ("tp2pp2cp1dp1", "tp1pp1cp1dp2")
+"""Layouts whose checkpoint (taken after the first step) a TP=1 run resumes from."""
+
+
+def _assert_resumes_resharded(
+    model_dir: Path, tmp_path: Path, name: str, port: int, backend: str = "megatron"
+) -> None:
+    """A TP=1 run resumed from ``name``'s checkpoint holds its weights, and its next step equals the
+    second step ``name`` took: the Adam state came along (resumed without it, weights-only, the
+    step differed by 1.6e-6 from TP2's; with it by 3.7e-9)."""
+    saved = torch.load(tmp_path / f"{name}.pt")
+    resume = {"HPCRL_PARITY_RESUME": str(tmp_path / f"{name}.ckpt")}
+    run = _torchrun(model_dir, tmp_path / f"{name}-as-tp1.pt", 1, 1, backend, port=port, env=resume)
+    for key, weight in saved["weights"].items():
+        assert torch.equal(run["loaded"][key], weight), (name, key)
+        assert torch.allclose(run["weights"][key], saved["second_step"][key], atol=5e-8, rtol=0), (name, key)
 
 
 @pytest.fixture(scope="module")
@@ -564,6 +599,31 @@ def qwen3_moe_dir(tmp_path_factory):
     return out
 
 
+def assert_exports_to(
+    weights: dict[str, torch.Tensor], trainer_dir: Path, model_dir: Path, backend: str = "megatron"
+) -> None:
+    """``hpcrl export`` of a parity run's checkpoint (every rank's pieces) loads in transformers with
+    exactly the trained ``weights``, under the source checkpoint's names and no others."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.run.export import write_export
+
+    out = trainer_dir.with_suffix(".hf")
+    about = {"backend": backend, "source": str(model_dir)}
+    write_export(trainer_dir, about, model_dir, out, "fp32", log=lambda _: None)
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as src:
+        source_names = set(src.keys())
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == source_names
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    from hpcrl.trainer.fsdp import checkpoint_names
+
+    state = checkpoint_names(exported, exported.state_dict())
+    for name, value in weights.items():
+        assert torch.equal(state[name], value), name
+
+
 @pytest.mark.slow
 def test_qwen3_moe_matches_fsdp_and_expert_parallel_matches_one_rank(qwen3_moe_dir, tmp_path):
     """Router and experts mapped from the checkpoint; EP=2 (tokens exchanged by all-to-all over gloo)
@@ -581,6 +641,7 @@ def test_qwen3_moe_matches_fsdp_and_expert_parallel_matches_one_rank(qwen3_moe_d
 
     from hpcrl.trainer.fsdp import checkpoint_names
 
+    assert_exports_to(fsdp["weights"], tmp_path / "fsdp.ckpt", qwen3_moe_dir, backend="fsdp")
     hf_grads = checkpoint_names(AutoModelForCausalLM.from_pretrained(qwen3_moe_dir), fsdp["grads"])
     assert hf_grads.keys() == base["grads"].keys()
     for name, grad in hf_grads.items():
@@ -625,6 +686,10 @@ def test_qwen3_moe_matches_fsdp_and_expert_parallel_matches_one_rank(qwen3_moe_d
         )
         _assert_same_step(run, base, mask, where)
         assert all(run["state_restored"]), where
+        if (tp, ep, etp, dp) == (2, 2, 2, 2):  # this layout's checkpoint exports to the trained weights
+            assert_exports_to(
+                run["weights"], tmp_path / f"tp{tp}ep{ep}pp{pp}dp{dp}cp{cp}etp{etp}.ckpt", qwen3_moe_dir
+            )
         if tp == 1:  # Adam's state split, never repeated: dense over DP x CP, experts by EP, ETP, expert DP
             assert sum(run["optimizer_numel"]) == sum(base["optimizer_numel"]), (
                 where,

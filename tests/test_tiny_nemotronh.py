@@ -127,7 +127,7 @@ def batch():
     return build_batch(prompts, comps, lps, advantages=[1.0, -1.0, 0.5, -0.5], keep=[1, 1, 1, 1], pad_id=0)
 
 
-def test_fsdp_step_trains_the_model_but_not_the_correction_bias(nh_dir):
+def test_fsdp_step_trains_the_model_but_not_the_correction_bias(nh_dir, tmp_path):
     """One step: the loss is finite, every parameter (router weights included) moves, the fp32
     correction bias stays bit-exact and out of the refit, and checkpoints keep it."""
     from safetensors.torch import load_file
@@ -149,9 +149,15 @@ def test_fsdp_step_trains_the_model_but_not_the_correction_bias(nh_dir):
     for name, value in biases(trainer.model).items():
         assert value.dtype == torch.float32 and torch.equal(value, bias_before[name]), name
         assert torch.equal(value, on_disk[name.replace("model.", "backbone.", 1)])
-    state = trainer.state_dict()
-    saved = {k: v for k, v in state["model"].items() if k.endswith(BIAS)}
-    assert len(saved) == 3 and all(v.dtype == torch.float32 for v in saved.values())
+    trainer.save_checkpoint(str(tmp_path / "ckpt"), async_save=False)  # the frozen biases are in it
+    saved = {k: m for k, m in checkpoint_keys(tmp_path / "ckpt").items() if k.endswith(BIAS)}
+    assert len(saved) == 3 and all(m.properties.dtype == torch.float32 for m in saved.values())
+
+
+def checkpoint_keys(path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
 def test_a_left_padded_training_batch_is_refused_for_mamba_layers(nh_dir):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
@@ -61,15 +59,13 @@ def test_update_follows_the_advantage_sign(tiny_dir):
     assert metrics["gen_kl_error"] > 0  # rollout logprobs were fake (-1.0): the metric sees the mismatch
 
 
-def test_state_dict_round_trip_and_tied_head(tiny_dir):
+def test_checkpoint_round_trip_and_tied_head(tiny_dir, tmp_path):
     a = trainer(tiny_dir)
     a.train_step(batch(), None)
-    buffer = io.BytesIO()  # through bytes, as a checkpoint on disk would be
-    torch.save(a.state_dict(), buffer)
-    buffer.seek(0)
-    state = torch.load(buffer, weights_only=False)
+    a.save_checkpoint(str(tmp_path / "ckpt"), async_save=True)
+    a.finish_checkpoint()
     b = trainer(tiny_dir)
-    b.load_state_dict(state)
+    b.load_checkpoint(str(tmp_path / "ckpt"))
     wa, wb = a.export_weights(), b.export_weights()
     assert set(wa) == set(wb) and "lm_head.weight" in wa
     assert torch.equal(wa["lm_head.weight"], wa["model.embed_tokens.weight"])

@@ -39,6 +39,12 @@ class CheckpointConfig:
     higher_is_better: bool = True
     dir: str | None = None
     """None: ``<run dir>/checkpoints``."""
+    async_save: bool = True
+    """Trainer ranks copy their shards to host memory and write them while the next step runs (the
+    last step's and a preemption's save are written before the run goes on)."""
+    resume_weights_only: bool = False
+    """Resume the weights but start the optimizer afresh: for a checkpoint whose optimizer state this
+    layout cannot take."""
 
 
 @dataclass

@@ -126,3 +126,22 @@ def run_here(plan: Plan, job: lifecycle.JobInfo) -> Path:
     print(f"hpcrl: driver on {socket.gethostname()} against job {job.job_id}'s Ray cluster", flush=True)
     run_loop(plan, run_dir, connect, slurm=True)
     return run_dir
+
+
+def run_in_session(job_id: str, root: Path, overrides: list[str], *, here: bool) -> int:
+    """``hpcrl run``: the driver on the held session's head node (from elsewhere: through srun)."""
+    import subprocess
+
+    from hpcrl.plan.planner import plan_from_overrides
+
+    plan = plan_from_overrides(overrides)
+    plan.require_fit()
+    plan.require_buildable()
+    job, meta = held(job_id, root)
+    check_fits_allocation(plan, job_id, meta)
+    head = node_hosts(job.run_dir, 1)[0]
+    if here or socket.gethostname() == head:
+        run_dir = run_here(plan, job)
+        print(f"run dir {run_dir}")
+        return 0
+    return subprocess.call(driver_argv(job_id, meta, head, root, overrides))

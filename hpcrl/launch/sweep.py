@@ -112,3 +112,11 @@ def submit_multirun(overrides: list[str]) -> int:
         print(f"{row['point']:>5}  {row['job_id']:>8}  {' '.join(row['overrides']):40s}  {row['run_dir']}")
     print(f"follow with: hpcrl ls --sweep {sweep_dir}")
     return 0
+
+
+def print_summary(sweep_dir: Path) -> None:
+    """``hpcrl ls --sweep DIR``: one line a point."""
+    print(f"{'point':>5}  {'job':>8}  {'state':<12} {'overrides':40s}  latest")
+    for row in summary(sweep_dir):
+        overrides = " ".join(row["overrides"])
+        print(f"{row['point']:>5}  {row['job_id']:>8}  {row['state']:<12} {overrides:40s}  {row['metric']}")

@@ -96,11 +96,14 @@ class TrainerActor:
         sent = self.sender.send(weights) if self.rank == 0 else 0
         return {"export_s": exported - start, "broadcast_s": time.perf_counter() - exported, "bytes": sent}
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.trainer.state_dict()
+    def save_checkpoint(self, path: str, async_save: bool) -> float:
+        return float(self.trainer.save_checkpoint(path, async_save))
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer.load_state_dict(state)
+    def finish_checkpoint(self) -> float:
+        return float(self.trainer.finish_checkpoint())
+
+    def load_checkpoint(self, path: str, weights_only: bool) -> None:
+        self.trainer.load_checkpoint(path, weights_only)
 
 
 class RolloutActor:

@@ -1,8 +1,17 @@
-"""Checkpoints: written atomically, kept by a validation metric, found again on resume.
+"""Checkpoints: every trainer rank writes its own shards; the driver writes the loop state and commits
+the directory once every rank has finished. No model or optimizer tensor passes through the driver.
 
-A checkpoint is a directory ``step_NNNNNN`` holding ``state.pt`` and ``meta.json``. It is written
-under a temporary name and renamed into place as the last act, so a kill mid-write leaves only a
-``.tmp`` directory that resume ignores (and the next save removes).
+    checkpoints/step_000010.tmp/   being written: resume never reads it, the next save removes it
+    checkpoints/step_000010/       committed (renamed into place as the last act):
+        trainer/      torch.distributed.checkpoint shards: one __<rank>_0.distcp a trainer rank,
+                      and .metadata (where each chunk of each tensor lies)
+        loop.pt       the driver's loop state: step, prompt-stream position, RNG states
+        model.json    the model, backend and layout that wrote it (resume and export check it)
+        hf/           the model's config, generation config and tokenizer (export copies them)
+        meta.json     step and metrics (with the rename, the commit marker)
+
+Saves may be async (``checkpoint.async_save``): the ranks copy their state to host memory and write
+it in the background while the next step runs; ``settle`` waits for them and commits.
 """
 
 from __future__ import annotations
@@ -12,9 +21,24 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
+"""What a Hugging Face directory holds besides weights: copied into ``hf/`` of every checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -23,19 +47,64 @@ class CheckpointInfo:
     step: int
     metric: float | None
 
+    def about(self) -> dict[str, Any]:
+        """model.json: what wrote it (empty for a checkpoint without one)."""
+        path = self.path / "model.json"
+        return dict(json.loads(path.read_text())) if path.exists() else {}
+
+
+class Shards(Protocol):
+    """What a checkpoint asks of the trainer ranks (``Fleet``; a recording fake in the tests)."""
+
+    def save_checkpoint(self, path: str, async_save: bool) -> float: ...
+    def finish_checkpoint(self) -> float: ...
+
 
 class CheckpointManager:
-    def __init__(self, root: Path, keep_top_k: int, metric: str, higher_is_better: bool) -> None:
+    def __init__(
+        self,
+        root: Path,
+        keep_top_k: int,
+        metric: str,
+        higher_is_better: bool,
+        about: dict[str, Any] | None = None,
+        model_dir: Path | None = None,
+    ) -> None:
+        """``about``: written as model.json; ``model_dir``: the model whose HF_FILES go into hf/."""
         self.root, self.keep, self.metric, self.higher = root, keep_top_k, metric, higher_is_better
+        self.about, self.model_dir = about or {}, model_dir
+        self.pending: tuple[int, Path, dict[str, float]] | None = None
         root.mkdir(parents=True, exist_ok=True)
 
-    def save(self, step: int, state: dict[str, Any], metrics: dict[str, float]) -> Path:
+    def save(
+        self,
+        step: int,
+        shards: Shards,
+        loop_state: dict[str, Any],
+        metrics: dict[str, float],
+        async_save: bool,
+    ) -> float:
+        """Start checkpoint ``step``: the ranks write their shards (async: in the background) and the
+        driver its loop state; committed now (sync) or by ``settle``. Seconds the caller was blocked."""
+        blocked = self.settle(shards)
         for stale in self.root.glob("*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
-        final = self.root / f"step_{step:06d}"
         tmp = self.root / f"step_{step:06d}.tmp"
         tmp.mkdir(parents=True)
-        torch.save(state, tmp / "state.pt")
+        blocked += shards.save_checkpoint(str(tmp / "trainer"), async_save)
+        torch.save(loop_state, tmp / "loop.pt")
+        (tmp / "model.json").write_text(json.dumps(self.about, indent=1))
+        self._copy_hf_files(tmp / "hf")
+        self.pending = (step, tmp, metrics)
+        return blocked + (0.0 if async_save else self.settle(shards))
+
+    def settle(self, shards: Shards) -> float:
+        """Wait for the checkpoint in flight (if any) and commit it; the seconds waited."""
+        if self.pending is None:
+            return 0.0
+        waited = shards.finish_checkpoint()  # raises if a rank failed: the checkpoint stays .tmp
+        step, tmp, metrics = self.pending
+        self.pending = None
         meta = {
             "step": step,
             "metric_name": self.metric,
@@ -43,11 +112,18 @@ class CheckpointManager:
             "metrics": metrics,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        final = self.root / f"step_{step:06d}"
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         self._prune()
-        return final
+        return waited
+
+    def _copy_hf_files(self, out: Path) -> None:
+        out.mkdir()
+        for name in HF_FILES:
+            if self.model_dir is not None and (self.model_dir / name).exists():
+                shutil.copy2(self.model_dir / name, out / name)
 
     def list(self) -> list[CheckpointInfo]:
         out = []
@@ -82,5 +158,22 @@ class CheckpointManager:
                 shutil.rmtree(c.path, ignore_errors=True)
 
 
-def load_state(info: CheckpointInfo) -> dict[str, Any]:
-    return dict(torch.load(info.path / "state.pt", weights_only=False))
+def load_loop_state(info: CheckpointInfo) -> dict[str, Any]:
+    return dict(torch.load(info.path / "loop.pt", weights_only=False))
+
+
+def check_resumable(info: CheckpointInfo, now: dict[str, Any]) -> str:
+    """'' when this run can resume ``info`` as it was written, else a line saying how the layout
+    changes (the shards are resharded on load). Raises with one line naming both sides when the
+    checkpoint is of another model or backend (no format maps those)."""
+    was = info.about()
+    for key in ("model", "backend"):
+        if was.get(key) != now.get(key):
+            raise ValueError(
+                f"checkpoint {info.path} was written for model={was.get('model')} trainer={was.get('backend')}; "
+                f"this run is model={now.get('model')} trainer={now.get('backend')}: point checkpoint.dir "
+                "elsewhere (or run.dir to a new run directory) to start fresh"
+            )
+    if was.get("layout") != now.get("layout"):
+        return f"resharding {info.path.name}: written by {was.get('layout')}, loaded as {now.get('layout')}"
+    return ""

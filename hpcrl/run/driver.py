@@ -113,6 +113,8 @@ class _Run:
     val: list[Any]
     ckpt: Any
     logger: Any
+    weights_only: bool
+    """``checkpoint.resume_weights_only``."""
 
 
 def _prepare(plan: Plan, run_dir: Path) -> _Run:
@@ -120,7 +122,7 @@ def _prepare(plan: Plan, run_dir: Path) -> _Run:
     import torch
 
     from hpcrl.data.loader import PromptStream, load_examples
-    from hpcrl.run.checkpoint import CheckpointManager
+    from hpcrl.run.checkpoint import CheckpointManager, check_resumable
     from hpcrl.run.metrics import MetricsLogger
     from hpcrl.run.rundir import config_yaml
 
@@ -136,10 +138,16 @@ def _prepare(plan: Plan, run_dir: Path) -> _Run:
         cfg.checkpoint.keep_top_k,
         cfg.checkpoint.metric,
         cfg.checkpoint.higher_is_better,
+        about=checkpoint_about(plan, model_dir),
+        model_dir=model_dir,
     )
     stream = PromptStream(train_ex, cfg.run.seed)
     logger = MetricsLogger(run_dir, cfg.logger, cfg.run.name, {"config": config_yaml(cfg)})
-    return _Run(model_dir, encode, pad_id, stream, val_ex, ckpt, logger)
+    latest = ckpt.latest()  # checked before any actor starts: a mismatch costs no GPU time
+    if latest is not None and (note := check_resumable(latest, ckpt.about)):
+        say(note)
+    weights_only = cfg.checkpoint.resume_weights_only
+    return _Run(model_dir, encode, pad_id, stream, val_ex, ckpt, logger, weights_only)
 
 
 def _start_actors(plan: Plan, model_dir: Path, scratch: Path, run_dir: Path, *, slurm: bool) -> Any:
@@ -157,17 +165,33 @@ def _start_actors(plan: Plan, model_dir: Path, scratch: Path, run_dir: Path, *, 
     return actors
 
 
+def checkpoint_about(plan: Plan, model_dir: Path) -> dict[str, Any]:
+    """model.json of this run's checkpoints: what resume compares and export reads."""
+    cfg, par = plan.cfg, plan.topology.train
+    layout = {"world": par.world}
+    if cfg.trainer.backend == "megatron":
+        layout |= {"tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep, "expert_tp": par.expert_tp}
+    return {
+        "model": cfg.model.name,
+        "family": cfg.model.family,
+        "backend": cfg.trainer.backend,
+        "layout": layout,
+        "source": str(model_dir),
+    }
+
+
 def _resume(actors: Any, run: _Run) -> int:
-    """Restore the latest checkpoint, if any (weights to the engines too); the step it was taken after."""
+    """Restore the latest checkpoint, if any (weights to the engines too); the step it was taken after.
+    The trainer ranks read their shards themselves (resharded when this layout is another)."""
     import torch
 
-    from hpcrl.run.checkpoint import load_state
+    from hpcrl.run.checkpoint import load_loop_state
 
     latest = run.ckpt.latest()
     if latest is None:
         return 0
-    state = load_state(latest)
-    actors.load_state_dict(state["trainer"])
+    state = load_loop_state(latest)
+    actors.load_checkpoint(str(latest.path / "trainer"), run.weights_only)
     run.stream.restore(state["stream"])
     random.setstate(state["rng"]["python"])
     torch.set_rng_state(state["rng"]["torch"])
@@ -188,3 +212,5 @@ def summarize(run_dir: Path, ckpt: Any, started: float) -> None:
     print(f"  metrics      {run_dir / 'metrics.jsonl'}", file=sys.stdout)
     print(f"  tensorboard  tensorboard --logdir {run_dir / 'tensorboard'}", file=sys.stdout)
     print(f"  checkpoints  {ckpt.root}" + (f" (best: {best.path.name})" if best else ""), file=sys.stdout)
+    if best is not None:
+        print(f"  export       hpcrl export {best.path} --out {run_dir / 'hf'}", file=sys.stdout)

@@ -202,15 +202,24 @@ class Fleet:
             ) from exc
         self.weight_group_ready = True
 
-    def state_dict(self) -> dict[str, Any]:
+    # -- checkpoints: each trainer rank writes and reads its own shards; nothing passes through here
+    def save_checkpoint(self, path: str, async_save: bool) -> float:
+        """Every rank's shards into ``path`` (async: staged, then written in the background); the
+        seconds the slowest rank blocked."""
         import ray
 
-        return dict(ray.get([t.state_dict.remote() for t in self.trainers])[0])
+        return max(ray.get([t.save_checkpoint.remote(path, async_save) for t in self.trainers]))
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def finish_checkpoint(self) -> float:
+        """Wait until every rank has written its shards; the seconds the slowest waited."""
         import ray
 
-        ray.get([t.load_state_dict.remote(state) for t in self.trainers])
+        return max(ray.get([t.finish_checkpoint.remote() for t in self.trainers]))
+
+    def load_checkpoint(self, path: str, weights_only: bool) -> None:
+        import ray
+
+        ray.get([t.load_checkpoint.remote(path, weights_only) for t in self.trainers])
 
 
 def choose_weight_sync(requested: str, *, on_cpu: bool, split: bool) -> tuple[str, str]:

@@ -87,7 +87,8 @@ class Actors(Protocol):
     def ref_logprobs(self, batch: TrainBatch) -> Any: ...
     def train_step(self, batch: TrainBatch, ref: Any) -> dict[str, float]: ...
     def sync_weights(self) -> None: ...
-    def state_dict(self) -> dict[str, Any]: ...
+    def save_checkpoint(self, path: str, async_save: bool) -> float: ...
+    def finish_checkpoint(self) -> float: ...
 
 
 def generate_and_score(
@@ -235,12 +236,16 @@ def train(
         say(f"step   0/{algo.max_steps} | val {last['val/accuracy']:.3f} (before training)")
     for step in range(start_step + 1, algo.max_steps + 1):
         metrics = one_step(cfg, actors, pool, encode, pad_id, stream, val, step)
+        blocked = ckpt.settle(actors)  # the previous step's async save: written while this one ran
         due = cfg.checkpoint.enabled and (step % cfg.checkpoint.period == 0 or step == algo.max_steps)
         # Read once: the save and the stop below must agree (a signal landing between two reads
         # would stop the run without its checkpoint). A later signal is taken at the next step.
         stop = REQUEST.asked
-        if due or stop:  # stop: Slurm's warning signal came during this step
-            ckpt.save(step, run_state(actors, stream, step), metrics)
+        if due or stop:  # stop: Slurm's warning signal came during this step; the save must finish
+            last_one = stop or step == algo.max_steps
+            async_save = cfg.checkpoint.async_save and not last_one
+            blocked += ckpt.save(step, actors, run_state(stream, step), metrics, async_save)
+        metrics["time/checkpoint_blocked"] = blocked
         logger.log(step, metrics)
         say(console_line(step, algo.max_steps, metrics))
         last = {**last, **metrics}
@@ -285,10 +290,10 @@ def one_step(
     return metrics
 
 
-def run_state(actors: Actors, stream: PromptStream, step: int) -> dict[str, Any]:
-    """What a resume needs: the trainer's state, the prompt stream's position, the step, the RNGs."""
+def run_state(stream: PromptStream, step: int) -> dict[str, Any]:
+    """The driver's part of a checkpoint (the trainer ranks write theirs): the prompt stream's
+    position, the step, the RNGs."""
     return {
-        "trainer": actors.state_dict(),
         "stream": stream.state(),
         "step": step,
         "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},

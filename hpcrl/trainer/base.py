@@ -4,7 +4,7 @@ is step.py's."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -28,11 +28,19 @@ class Trainer(Protocol):
         """Full (gathered) weights under Hugging Face names, for the rollout engines."""
         ...
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model + optimizer state for checkpoints."""
+    def save_checkpoint(self, path: str, async_save: bool) -> float:
+        """This rank's weights and optimizer state into the checkpoint directory ``path`` (shared by
+        every rank; trainer/shards.py); async: copied to host memory, written in the background.
+        Returns the seconds the call blocked."""
         ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def finish_checkpoint(self) -> float:
+        """Wait for this rank's async save to be on disk; the seconds waited."""
+        ...
+
+    def load_checkpoint(self, path: str, weights_only: bool = False) -> None:
+        """Weights (and optimizer state) from a checkpoint this backend wrote under any layout."""
+        ...
 
 
 def freeze(model: torch.nn.Module, names: list[str]) -> None:

@@ -24,6 +24,7 @@ from hpcrl.trainer.base import freeze
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import Precision
 from hpcrl.trainer.logprob_head import LogprobHead, install_logprob_head
+from hpcrl.trainer.shards import ShardWriter
 from hpcrl.trainer.step import LossFn, Metrics, StepBatch, TrainStep
 
 
@@ -124,6 +125,7 @@ class FSDPTrainer:
             fused=device.startswith("cuda") or None,  # one kernel per step instead of ~10 per tensor list
         )
         self.step = TrainStep.from_config(cfg)
+        self.writer = ShardWriter()
         self._right_padded = True
         """Whether this step's batch is right-padded (``token_logprobs``), checked once per step."""
 
@@ -196,23 +198,36 @@ class FSDPTrainer:
     def _tied(self) -> bool:
         return bool(getattr(self.model.config, "tie_word_embeddings", False))
 
-    def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    # -- checkpoints: every rank writes its own shards (trainer/shards.py) ------------------------------
+    def _state(self, optimizer: bool) -> dict[str, Any]:
+        """torch's sharded state dict: this rank's DTensor shards of the weights (and of the Adam
+        state, keyed by parameter name), the views DCP writes from and loads into."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=opts)
-        return {"model": model_state, "optimizer": optim_state}
+        if not optimizer:
+            return {"model": get_model_state_dict(self.model)}
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    def save_checkpoint(self, path: str, async_save: bool) -> float:
+        """This rank's shards into the DCP checkpoint at ``path``; the seconds this call blocked."""
+        return self.writer.save(self._state(optimizer=True), path, async_save)
 
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=StateDictOptions(full_state_dict=True),
-        )
+    def finish_checkpoint(self) -> float:
+        return self.writer.wait()
+
+    def load_checkpoint(self, path: str, weights_only: bool = False) -> None:
+        """Weights (and Adam state) from a checkpoint written by any number of fsdp ranks."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        state = self._state(optimizer=not weights_only)
+        self.writer.load(state, path)
+        if weights_only:
+            set_model_state_dict(self.model, state["model"])
+        else:
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
 
 
 def shard_model(model: Any, cfg: RunConfig, device: str, world: int) -> Any:

@@ -49,17 +49,3 @@ class ShardedAdamW:
     def state(self) -> dict[Any, Any]:
         """This rank's Adam state, every part together (parameter -> its state)."""
         return {p: st for opt in self.local() for p, st in opt.state.items()}
-
-    def state_dict(self) -> list[dict[str, Any]]:
-        return [opt.state_dict() for opt in self.local()]
-
-    def load_state_dict(self, state: list[dict[str, Any]] | dict[str, Any]) -> None:
-        if isinstance(state, dict):  # written before the state was split into parts: one plain AdamW
-            state = [state]
-        if len(state) != len(self.parts):
-            raise ValueError(
-                f"checkpoint holds {len(state)} optimizer parts, this layout has {len(self.parts)}: "
-                "resume with the trainer.* parallel sizes the checkpoint was written with"
-            )
-        for opt, st in zip(self.local(), state, strict=True):
-            opt.load_state_dict(st)

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hpcrl.config.schema import RunConfig
 from hpcrl.plan.topology import TrainParallel
@@ -39,8 +38,10 @@ from hpcrl.trainer.megatron.model import (
 from hpcrl.trainer.megatron.optimizer import ShardedAdamW
 from hpcrl.trainer.megatron.pipeline import Pipeline, as_floats, fit
 from hpcrl.trainer.megatron.placement import Placement, gather_to_rank0
+from hpcrl.trainer.megatron.sharded import Pieces, model_pieces, optimizer_pieces, restorable
 from hpcrl.trainer.megatron.spec import family_of, text_config, transformer_config
 from hpcrl.trainer.megatron.weights import LanguageModel, is_expert
+from hpcrl.trainer.shards import ShardWriter, init_optimizer_state
 from hpcrl.trainer.step import LossFn, Metrics, StepBatch, TrainStep
 
 
@@ -82,6 +83,7 @@ class MegatronTrainer:
         self.grads = Gradients(self.model, self.par, tied=self.tied, moe=experts > 0, device=self.device)
         self.optimizer = self._make_optimizer()
         self.step = TrainStep.from_config(cfg)
+        self.writer = ShardWriter()
 
     def _build_models(self, model_dir: Path, hf: Any, config: Any, experts: int) -> None:
         """This rank's part of the policy (trainable but for ``trainer.freeze``) and of the frozen
@@ -164,17 +166,28 @@ class MegatronTrainer:
             merged.update(part or {})
         return self.lm.named(self.weights.to_hf(merged, self.shape, self.tied)) if merged else {}
 
-    def state_dict(self) -> dict[str, Any]:
-        """Whole model (HF names) and every rank's optimizer state, on rank 0: resume needs the same layout."""
-        model = self.export_weights()
-        return {"model": model, "optimizer": gather_to_rank0(self.local_optimizer().state_dict())}
+    # -- checkpoints: every rank writes its own pieces (trainer/shards.py, megatron/sharded.py) ------
+    def _pieces(self, optimizer: bool) -> dict[str, Any]:
+        pieces = Pieces(self.placement, self.shape.vocab, self.tied)
+        state = model_pieces(pieces, self.placement.loaded(self.model))
+        if optimizer:
+            local = self.optimizer.local()
+            for opt in local:
+                init_optimizer_state(opt)  # a load fills the state: it must exist
+            state |= optimizer_pieces(pieces, self.model, local)
+        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        full = self.weights.to_megatron(LanguageModel.of(state["model"]).text, self.shape, self.tied)
-        self.placement.load(self.model, full)
-        self.local_optimizer().load_state_dict(
-            state["optimizer"][dist.get_rank() if dist.is_initialized() else 0]
-        )
+    def save_checkpoint(self, path: str, async_save: bool) -> float:
+        """This rank's weights and Adam state into the DCP checkpoint at ``path``; seconds blocked."""
+        return self.writer.save(self._pieces(optimizer=True), path, async_save)
+
+    def finish_checkpoint(self) -> float:
+        return self.writer.wait()
+
+    def load_checkpoint(self, path: str, weights_only: bool = False) -> None:
+        """Weights (and Adam state) from a checkpoint of any TP/PP/EP/DP layout of this model."""
+        state = self._pieces(optimizer=not weights_only)
+        self.writer.load(restorable(state, path), path)
 
     def data_rank(self) -> tuple[int, int]:
         return self.ps.get_data_parallel_rank(), self.par.dp
