@@ -231,7 +231,7 @@ def write_sharded(
 
 def _name_shards(out: Path, shards: list[list[str]], total: int) -> int:
     n = len(shards)
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for i, names in enumerate(shards):
         final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         (out / f".part-{i:05d}.safetensors").replace(out / final)
