@@ -479,6 +479,7 @@ def _assert_resumes_resharded(
     saved = torch.load(tmp_path / f"{name}.pt")
     resume = {"HPCRL_PARITY_RESUME": str(tmp_path / f"{name}.ckpt")}
     run = _torchrun(model_dir, tmp_path / f"{name}-as-tp1.pt", 1, 1, backend, port=port, env=resume)
+    assert_exports_to(saved["weights"], tmp_path / f"{name}.ckpt", model_dir, backend)  # a tied model
     for key, weight in saved["weights"].items():
         assert torch.equal(run["loaded"][key], weight), (name, key)
         assert torch.allclose(run["weights"][key], saved["second_step"][key], atol=5e-8, rtol=0), (name, key)
