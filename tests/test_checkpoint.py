@@ -100,3 +100,41 @@ def test_model_json_and_the_model_files_travel_with_each_checkpoint(tmp_path):
         check_resumable(info, {**about, "backend": "megatron"})
     assert "model=tiny trainer=fsdp; this run is model=tiny trainer=megatron" in str(other.value)
     assert torch.load(info.path / "loop.pt")["step"] == 5
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_to_resume(tiny_dir, tmp_path):
+    """Real processes: rank 1 of two is SIGKILLed while writing its shard of step 2 (async save);
+    torchrun tears the run down; a new run resumes step 1's weights, on both ranks."""
+    import subprocess
+    import sys
+
+    from hpcrl.trainer.fsdp import free_port
+
+    from .conftest import ROOT
+
+    def torchrun(mode: str) -> subprocess.CompletedProcess[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+        ]
+        cmd += [str(ROOT / "tests" / "checkpoint_kill.py"), str(tiny_dir), str(tmp_path), mode]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+    died = torchrun("die")
+    assert died.returncode != 0 and "Signal 9 (SIGKILL)" in died.stderr, died.stderr[-3000:]
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_000001", "step_000002.tmp"]
+    assert (root / "step_000002.tmp" / "trainer" / "__1_0.distcp").read_bytes() == b"half a shard"
+    assert CheckpointManager(root, 3, "m", True).latest().step == 1
+    resumed = torchrun("resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got = torch.load(tmp_path / "resumed.pt")
+    step1, step2 = torch.load(tmp_path / "step1.pt"), torch.load(tmp_path / "step2.pt")
+    assert got["step"] == 1
+    assert any(not torch.equal(step1[k], step2[k]) for k in step1)  # step 2 moved the weights
+    for name, value in step1.items():
+        assert torch.equal(got["weights"][name], value), name
