@@ -2,7 +2,8 @@
 
 trainer.py    the Trainer: the StepBackend of trainer/step.py (the step skeleton and the loss are shared
               with fsdp), logprobs, export, state
-model.py      build checks, parallel state, GPTModel (or hybrid model) construction, HF weight loading
+model.py      build checks, parallel state, GPTModel (or hybrid model) construction
+load.py       this rank's part of the HF checkpoint, streamed in layer by layer (its stage, experts, TP slices)
 pipeline.py   Megatron's pipeline schedule over micro-batches, token log-probs and entropy, CP split/join
 grads.py      gradient finalize (DP/CP/expert reductions) and clipping
 placement.py  which layers, experts and TP slices of the checkpoint this rank holds

@@ -1,6 +1,6 @@
 """The Megatron model for a Hugging Face checkpoint: whether this backend can build it
 (``check_buildable``), Megatron's parallel groups, the GPTModel of this rank's pipeline stage with its
-family's pieces (``build_model``), and the checkpoint's weights (``load_hf_weights``, ``model_shape``).
+family's pieces (``build_model``), and the checkpoint's shape in Megatron's terms (``model_shape``).
 
 At TP=1 the model can return its final hidden states instead of logits (``HiddenOutput``): the loss
 then reads log-probs from them in chunks (trainer/logprob_head.py).
@@ -9,7 +9,6 @@ then reads log-probs from them in chunks (trainer/logprob_head.py).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,18 +51,6 @@ def init_parallel(par: TrainParallel, moe: bool, seed: int) -> None:
             expert_tensor_parallel_size=par.expert_tp if moe else None,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def load_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(f))
-    return out
 
 
 def model_shape(hf: Any, fam: GPTFamily, tp: int) -> Shape:

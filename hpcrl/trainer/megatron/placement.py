@@ -2,13 +2,15 @@
 stage's layers (a layer offset), its expert-parallel rank's experts (an expert offset) and its
 tensor-parallel slices (the dense TP group, or expert TP for an expert's weights).
 
-``Placement.load`` fills a rank's model from full Megatron-named weights; ``gather_tp`` gathers a
+``Placement.load`` fills a rank's model from full Megatron-named weights (the model directory's
+checkpoint streams in through load.py instead, already cut, into ``fill``); ``gather_tp`` gathers a
 stage's parameters (or gradients) back over TP under global names, and ``gather_to_rank0`` collects
 every rank's part on global rank 0.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,30 +72,37 @@ class Placement:
         buffers = [(n, b) for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in self.buffers]
         return [*model.named_parameters(), *buffers]
 
+    def targets(self, model: Any) -> dict[str, torch.Tensor]:
+        """What the checkpoint fills, by global Megatron name."""
+        return {self.global_name(name): t for name, t in self.loaded(model)}
+
     def load(self, model: Any, full: dict[str, torch.Tensor]) -> None:
         """Every parameter from ``full``; the checkpoint buffers too where ``full`` has them (a training
         checkpoint holds the trained weights only: the buffers stay as the model directory had them)."""
-        with torch.no_grad():
-            for name, param in self.loaded(model):
-                key = self.global_name(name)
-                if key not in full:
-                    if not isinstance(param, torch.nn.Parameter):
-                        continue
-                    raise KeyError(f"checkpoint has no weight for Megatron parameter {key}")
-                tp, rank, _ = self.tp_of(name)
-                param.copy_(shard(key, full[key], tp, rank, self.parts_of(key)).to(param.dtype))
+        targets, filled = self.targets(model), set()
+        for key in targets.keys() & full.keys():  # one at a time: a cut may be a copy (fc1's halves)
+            tp, rank, _ = self.tp_of(key)
+            filled |= fill(targets, {key: shard(key, full[key], tp, rank, self.parts_of(key))})
+        self.check_filled(model, filled)
+
+    def check_filled(self, model: Any, filled: set[str]) -> None:
+        """Raise for a parameter that got no weight (a buffer keeps its value)."""
+        for key, param in self.targets(model).items():
+            if key not in filled and isinstance(param, torch.nn.Parameter):
+                raise KeyError(f"checkpoint has no weight for Megatron parameter {key}")
 
     def check_every_weight_used(
-        self, model: Any, full: dict[str, torch.Tensor], tied: bool, model_type: str
+        self, model: Any, names: Collection[str], tied: bool, model_type: str
     ) -> None:
-        """Every checkpoint weight must land in some rank's model: one left over means the layer
-        spec lacks a part of the architecture (a Q/K norm, say) and the model would silently differ."""
-        used = {self.global_name(name) for name, _ in self.loaded(model)}
+        """Every checkpoint weight (``names``: the whole checkpoint's, in Megatron names) must land in
+        some rank's model: one left over means the layer spec lacks a part of the architecture (a Q/K
+        norm, say) and the model would silently differ."""
+        used = set(self.targets(model))
         every: list[Any] = [used]
         if dist.get_world_size() > 1:
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, used)
-        left = set(full) - set().union(*every) - ({"output_layer.weight"} if tied else set())
+        left = set(names) - set().union(*every) - ({"output_layer.weight"} if tied else set())
         if left:
             raise ValueError(
                 f"trainer=megatron built a {model_type} model with no place for {len(left)} "
@@ -117,6 +126,18 @@ class Placement:
                 parts = [data]
             out[self.global_name(name)] = unshard(name, parts, self.parts_of(name)).cpu()
         return out
+
+
+def fill(targets: dict[str, torch.Tensor], shards: dict[str, torch.Tensor]) -> set[str]:
+    """Copy this rank's slices (global Megatron name -> the slice, cut already) into ``targets``
+    (``Placement.targets``); the names filled."""
+    filled = set()
+    with torch.no_grad():
+        for key, t in shards.items():
+            if key in targets:
+                targets[key].copy_(t.to(targets[key].dtype))
+                filled.add(key)
+    return filled
 
 
 def gather_to_rank0(local: Any) -> list[Any]:

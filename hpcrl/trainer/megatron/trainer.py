@@ -6,7 +6,8 @@ Data: ranks of one data-parallel group see the same shard. The step's micro-batc
 Megatron's forward/backward schedule (pipeline.py); gradients are then reduced as Megatron's DDP
 would and clipped over the model-parallel group (grads.py), and AdamW steps (its state sharded as
 Megatron's distributed optimizer: optimizer.py). Building the model is model.py's; which part of it
-this rank holds, and moving weights in and out, placement.py's. A vision-language checkpoint trains
+this rank holds, and moving weights in and out, placement.py's (the checkpoint streams in through
+load.py: each rank reads only its part). A vision-language checkpoint trains
 its text decoder (weights.LanguageModel).
 """
 
@@ -25,14 +26,15 @@ from hpcrl.trainer.base import freeze
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import MegatronTrainerConfig
 from hpcrl.trainer.fsdp import init_process_group
+from hpcrl.trainer.hf_checkpoint import HFCheckpoint
 from hpcrl.trainer.megatron import compat, weights, weights_hybrid
 from hpcrl.trainer.megatron.grads import Gradients
+from hpcrl.trainer.megatron.load import stream_checkpoint
 from hpcrl.trainer.megatron.model import (
     build_model,
     check_buildable,
     compile_layers,
     init_parallel,
-    load_hf_weights,
     model_shape,
 )
 from hpcrl.trainer.megatron.optimizer import ShardedAdamW
@@ -109,19 +111,20 @@ class MegatronTrainer:
         self.placement = Placement.of_this_rank(
             self.par, hf.num_hidden_layers, experts, self.arch.buffers, parts
         )
-        self.lm = LanguageModel.of(load_hf_weights(model_dir))
-        full = self.weights.to_megatron(self.lm.text, self.shape, self.tied)
         self.model = build()
         if t.compile_layers() and self.device.type == "cuda":
             compile_layers(self.model, moe=experts > 0)
-        self.placement.load(self.model, full)
-        self.placement.check_every_weight_used(self.model, full, self.tied, hf.model_type)
         # The frozen reference policy for the KL term (a second model: Megatron modules hold process
-        # groups, which cannot be deep-copied).
-        self.ref = None
-        if self.cfg.algo.kl_coef > 0:
-            self.ref = build().eval().requires_grad_(False)
-            self.placement.load(self.ref, full)
+        # groups, which cannot be deep-copied), filled in the same pass over the checkpoint.
+        self.ref = build().eval().requires_grad_(False) if self.cfg.algo.kl_coef > 0 else None
+        with HFCheckpoint(model_dir) as ckpt:
+            # names and shapes only: export_weights names the text decoder's weights as the checkpoint does
+            self.lm = LanguageModel.of({n: ckpt.meta(n) for n in ckpt.names()})
+            models = [m for m in (self.model, self.ref) if m is not None]
+            every = stream_checkpoint(
+                ckpt, self.lm, self.weights, self.shape, self.tied, self.placement, models
+            )
+        self.placement.check_every_weight_used(self.model, every, self.tied, hf.model_type)
         freeze(self.model, t.freeze)
 
     def _make_optimizer(self) -> ShardedAdamW:

@@ -118,7 +118,8 @@ names."""
 
 @dataclass(frozen=True)
 class LanguageModel:
-    """A checkpoint's text decoder under causal-LM names (``model.*``, ``lm_head.weight``).
+    """A checkpoint's text decoder under causal-LM names (``model.*``, ``lm_head.weight``); ``text``
+    may hold meta tensors (the loader builds it from the file headers: names and shapes only).
 
     For a vision-language checkpoint, ``prefix`` and ``head`` give the weights the checkpoint's own
     names back on export (what the rollout engines load and the fsdp backend exports), and
@@ -144,10 +145,13 @@ class LanguageModel:
         """Causal-LM names (``to_hf``'s) -> this checkpoint's."""
         if self.prefix == "model.":
             return hf
-        return {
-            self.head if k == "lm_head.weight" else self.prefix + k.removeprefix("model."): v
-            for k, v in hf.items()
-        }
+        return {self.source(k): v for k, v in hf.items()}
+
+    def source(self, name: str) -> str:
+        """The checkpoint's own name of the causal-LM name ``name``."""
+        if self.prefix == "model.":
+            return name
+        return self.head if name == "lm_head.weight" else self.prefix + name.removeprefix("model.")
 
 
 def _norm_names(fused: bool) -> dict[str, str]:

@@ -75,8 +75,11 @@ def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[s
             continue
         if name == "backbone.embeddings.weight":
             out["embedding.word_embeddings.weight"] = pad_vocab(t, shape)
+            if tied:  # here, not after the loop: the loader converts one weight (or layer) at a time
+                out["output_layer.weight"] = out["embedding.word_embeddings.weight"]
         elif name == "lm_head.weight":
-            out["output_layer.weight"] = pad_vocab(t, shape)
+            if not tied:
+                out["output_layer.weight"] = pad_vocab(t, shape)
         elif name == "backbone.norm_f.weight":
             out["decoder.final_norm.weight"] = t
         elif m := HF_LAYER.match(name):
@@ -97,8 +100,6 @@ def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[s
             raise KeyError(f"no Megatron name for Hugging Face weight {name!r}")
     for i, p in qkv.items():
         out[f"decoder.layers.{i}.{QKV}"] = qkv_fused(p["q"], p["k"], p["v"], shape.attention(i), shape.heads)
-    if tied:
-        out["output_layer.weight"] = out["embedding.word_embeddings.weight"]
     return out
 
 
