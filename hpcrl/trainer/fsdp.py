@@ -218,15 +218,27 @@ class FSDPTrainer:
 
     def load_checkpoint(self, path: str, weights_only: bool = False) -> None:
         """Weights (and Adam state) from a checkpoint written by any number of fsdp ranks."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_state_dict,
+        )
 
         state = self._state(optimizer=not weights_only)
         self.writer.load(state, path)
+        # not strict: dcp.load has already failed on any key the checkpoint lacks; what strict would
+        # add is a refusal of parameters that never had Adam state (a VLM's vision tower, trainable
+        # but outside every text-only forward, so never stepped)
+        opts = StateDictOptions(strict=False)
         if weights_only:
-            set_model_state_dict(self.model, state["model"])
+            set_model_state_dict(self.model, state["model"], options=opts)
         else:
             set_state_dict(
-                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=opts,
             )
 
 

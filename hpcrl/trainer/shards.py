@@ -31,20 +31,27 @@ class ShardWriter:
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.pending: Future[Any] | None = None
         self._thread: ThreadPoolExecutor | None = None
+        self._staging: dict[str, torch.Tensor] = {}
+        """Host copies of this rank's state, kept from one async save to the next (pinned for GPU
+        tensors): the first save allocates them, later ones only copy (measured on one H200: fresh
+        pageable copies ran at 1.2 GB/s)."""
 
     def save(self, state: dict[str, Any], path: str, async_save: bool) -> float:
         """Write ``state`` under ``path``; the seconds this call blocked (a previous async save
         still writing is waited for first: one save in flight).
 
         Async: the state is copied to host memory here (the step after this one changes the
-        weights in place) and written by a background thread. torch's own ``dcp.async_save``
-        stager could not copy DTensors made from local slices (torch 2.13: "invalid python storage")."""
+        weights in place) and written by a background thread; the host copy (the size of this
+        rank's shards) stays allocated for the next save. torch's own ``dcp.async_save`` stager
+        could not copy DTensors made from local slices (torch 2.13: "invalid python storage")."""
         import torch.distributed.checkpoint as dcp
 
         start = time.perf_counter()
         self.wait()
         if async_save:
-            staged = staged_copy(state)
+            staged = staged_copy(state, self._staging)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the copies were issued non-blocking
             self._thread = self._thread or ThreadPoolExecutor(1, thread_name_prefix="hpcrl-ckpt")
             self.pending = self._thread.submit(dcp.save, staged, checkpoint_id=path, process_group=self.group)
         else:
@@ -69,22 +76,42 @@ class ShardWriter:
         dcp.load(state, checkpoint_id=path, process_group=self.group)
 
 
-def staged_copy(x: Any) -> Any:
-    """``x`` with every tensor copied to host memory (DTensors keep their mesh and placement)."""
+def staged_copy(x: Any, buffers: dict[str, torch.Tensor], key: str = "") -> Any:
+    """``x`` with every tensor copied into host ``buffers`` (reused when shape and dtype match;
+    DTensors keep their mesh and placement). GPU copies are issued non-blocking: synchronise after."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(x, DTensor):
-        local = x.to_local().detach().to("cpu", copy=True)
+        local = _stage(x.to_local(), buffers, key)
         return DTensor.from_local(
             local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
         )
     if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu", copy=True)
+        return _stage(x, buffers, key)
     if isinstance(x, dict):
-        return {k: staged_copy(v) for k, v in x.items()}
+        return {k: staged_copy(v, buffers, f"{key}/{k}") for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return type(x)(staged_copy(v) for v in x)
+        return type(x)(staged_copy(v, buffers, f"{key}/{i}") for i, v in enumerate(x))
     return x
+
+
+def _stage(t: torch.Tensor, buffers: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    buf = buffers.get(key)
+    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+        buf = buffers[key] = _host_buffer(t)
+    buf.copy_(t.detach(), non_blocking=buf.is_pinned())
+    return buf
+
+
+def _host_buffer(t: torch.Tensor) -> torch.Tensor:
+    """Pinned for a GPU tensor (full-speed DMA); pageable where the driver refuses more pinned
+    memory (seen on an H200 host: "NVRM: failed to allocate page table" past ~50 GB pinned)."""
+    if t.is_cuda:
+        try:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        except RuntimeError:
+            pass
+    return torch.empty(t.shape, dtype=t.dtype)
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
