@@ -8,6 +8,9 @@ Every loader reads through this so that no rank ever reads more than the slices 
 from __future__ import annotations
 
 import json
+import math
+import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,8 @@ class HFCheckpoint:
         for fname, handle in self._files.items():
             for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 self._where[name] = fname
+        self._fds = {f.name: os.open(f, os.O_RDONLY) for f in files}
+        self._offsets = {f.name: _data_offsets(f) for f in files}
 
     def __enter__(self) -> HFCheckpoint:
         return self
@@ -41,6 +46,9 @@ class HFCheckpoint:
 
     def close(self) -> None:
         self._files.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -66,16 +74,33 @@ class HFCheckpoint:
 
     def get(self, name: str) -> torch.Tensor:
         """The whole tensor."""
-        self._slice(name)  # a missing name raises naming the directory
-        return self._files[self._where[name]].get_tensor(name)
+        return self._pread(name, slice(None))
 
     def read(self, name: str, rows: slice | None = None, dim: int = 0) -> torch.Tensor:
-        """The tensor, or only ``rows`` of it along ``dim`` (0 or 1): safetensors reads just those bytes
-        for dim 0, and just the needed row segments for dim 1."""
-        if rows is None:
-            return self.get(name)
+        """The tensor, or only ``rows`` of it along ``dim`` (0 or 1): just those bytes are read for
+        dim 0, and just the needed row segments for dim 1."""
+        if rows is None or dim == 0:
+            return self._pread(name, rows or slice(None))
+        return self._slice(name)[:, rows]
+
+    def _pread(self, name: str, rows: slice) -> torch.Tensor:
+        """Rows ``rows`` (dim 0, step 1) read with positional reads into fresh memory. Not through the
+        memory map: the mapped pages a read touches stay in the process's resident set until the file
+        is closed, which would count every tensor read so far against the rank a second time."""
         sl = self._slice(name)
-        return sl[rows] if dim == 0 else sl[:, rows]
+        shape, dtype = list(sl.get_shape()), sl.get_dtype()
+        row_bytes = _DTYPE_BYTES[dtype] * math.prod(shape[1:])
+        start, stop, _ = rows.indices(shape[0]) if shape else (0, 1, 1)
+        stop = max(start, stop)
+        buf = bytearray((stop - start) * row_bytes)
+        fname = self._where[name]
+        os.preadv(self._fds[fname], [buf], self._offsets[fname][name] + start * row_bytes)
+        out = (
+            torch.frombuffer(buf, dtype=_TORCH_DTYPES[dtype])
+            if buf
+            else torch.empty(0, dtype=_TORCH_DTYPES[dtype])
+        )
+        return out.reshape([stop - start, *shape[1:]] if shape else [])
 
 
 _DTYPE_BYTES = {
@@ -90,6 +115,29 @@ _DTYPE_BYTES = {
     "U8": 1,
     "BOOL": 1,
 }
+
+
+_TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _data_offsets(path: Path) -> dict[str, int]:
+    """Each tensor's first byte in a safetensors file: an 8-byte little-endian header length, the
+    JSON header (``data_offsets`` relative to the data after it), then the data."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return {k: 8 + size + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
 
 
 def index_of(model_dir: Path) -> dict[str, str] | None:
