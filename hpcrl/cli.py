@@ -202,8 +202,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
         return submit_multirun(args.overrides)
     plan = plan_from_overrides(args.overrides)
+    plan.require_buildable()  # first: a model the backend cannot build is refused whatever it needs
     plan.require_fit()
-    plan.require_buildable()
     if plan.cfg.cluster.scheduler is Scheduler.local:
         from hpcrl.launch.local import run_local
         from hpcrl.run.preempt import EXIT_PREEMPTED, Preempted
@@ -302,8 +302,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     root = _debug_root(args)
     plan = plan_from_overrides(args.overrides)
+    plan.require_buildable()  # first: a model the backend cannot build is refused whatever it needs
     plan.require_fit()
-    plan.require_buildable()
     job, meta = held(job_id, root)
     check_fits_allocation(plan, job_id, meta)
     head = node_hosts(job.run_dir, 1)[0]
