@@ -215,8 +215,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
         return submit_multirun(args.overrides)
     plan = plan_from_overrides(args.overrides)
+    plan.require_buildable()  # first: a model the backend cannot build is refused whatever it needs
     plan.require_fit()
-    plan.require_buildable()
     if plan.cfg.cluster.scheduler is Scheduler.local:
         from hpcrl.launch.local import run_local
         from hpcrl.run.preempt import EXIT_PREEMPTED, Preempted

@@ -6,7 +6,7 @@ import pytest
 
 from hpcrl.plan.topology import Placement
 
-from .conftest import SITE, plan
+from .conftest import ROOT, SITE, plan
 
 GB = 1e9
 
@@ -107,3 +107,38 @@ def test_kv_capacity_counts_sequences():
     r = p.memory.rollout
     assert r.weights == pytest.approx(2 * p.cfg.model.param_counts().total / 4 / GB)
     assert r.sequences_that_fit == int((r.budget - r.weights - 2.0) // r.kv_per_sequence)
+
+
+def test_the_reference_policy_is_counted_as_the_trainer_holds_it():
+    """fsdp: fp32, sharded over the training world like the policy; megatron: fp32, split by TP/PP
+    only (a copy per data-parallel rank); nothing without a KL term."""
+    base = ("model=qwen2_1p5b", "cluster=h100", *SITE, "data=openmathinstruct2")
+    params = 1_543_569_408
+    fsdp, none = plan(*base, "algo.kl_coef=0.01"), plan(*base, "algo.kl_coef=0")
+    assert fsdp.memory.train.reference == pytest.approx(4 * params / fsdp.topology.train.world / GB)
+    assert none.memory.train.reference == 0
+    assert fsdp.memory.train.peak - none.memory.train.peak == pytest.approx(fsdp.memory.train.reference)
+    mega = plan(*base, "trainer=megatron", "trainer.tp=2", "algo.kl_coef=0.01")
+    assert mega.memory.train.reference == pytest.approx(4 * params / 2 / GB)
+
+
+def test_start_up_holds_the_shards_and_one_layer_not_the_gradients():
+    m = plan("model=qwen2_1p5b", "cluster=h100", *SITE, "data=openmathinstruct2", "algo.kl_coef=0.01").memory
+    t = m.train
+    assert t.startup == pytest.approx(t.weights - t.gathered + t.reference + t.loading + t.overhead)
+    assert 0 < t.loading < t.weights and t.startup < t.resident
+
+
+RECIPES = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_shipped_recipe_starts_and_trains_within_its_gpus(recipe):
+    p = plan(f"+experiment={recipe}", *SITE)
+    m, t = p.memory, p.memory.train
+    numbers = (
+        f"{recipe}: start-up {t.startup:.1f} GB, training peak {m.train_gpu_peak:.1f} GB (reference "
+        f"{t.reference:.1f} GB) per GPU of {m.capacity:.0f} GB"
+    )
+    assert t.startup <= m.capacity and m.train_gpu_peak <= m.capacity, numbers
+    assert (t.reference > 0) == (p.cfg.algo.kl_coef > 0), numbers

@@ -9,6 +9,12 @@ from one that cannot, before an allocation is spent finding out. Sources of each
 - logits: fp32 logits and their gradient over the tensor-parallel vocabulary shard; with the chunked
   log-prob head (``trainer.fused_logprob``: fsdp, or megatron at tp=1) only one chunk of bf16 logits
   and its gradient exist at a time (``trainer/logprob_head.py``);
+- the frozen reference policy (``algo.kl_coef > 0``): held as the trainer holds it, in fp32 (both
+  backends build it with fp32 parameters), sharded like the policy: over the training world under
+  fsdp (``trainer/fsdp.py``), by TP/PP/EP under megatron (a whole copy per data-parallel rank);
+- start-up: the rank's shards (policy and reference) plus one layer's full tensors as they are read
+  from the checkpoint (``trainer/hf_load.py`` converts a fused MoE tensor from one whole layer), no
+  gathered layers and no optimizer state yet;
 - vLLM: ``gpu_memory_utilization`` of the GPU is taken while generating (weights/tp + KV cache).
 """
 
@@ -36,11 +42,22 @@ class TrainMemory:
     activations: float
     logits: float
     overhead: float = RUNTIME_OVERHEAD_GB
+    reference: float = 0.0
+    """The frozen reference policy's share (``algo.kl_coef > 0``), resident for the whole run."""
+    gathered: float = 0.0
+    """The part of ``weights`` that is unsharded layer copies gathered for compute (fsdp)."""
+    loading: float = 0.0
+    """One layer's full tensors, read from the checkpoint at start-up."""
 
     @property
     def resident(self) -> float:
         """What stays on the GPU between training steps (the rollout phase shares the GPU with it)."""
-        return self.weights + self.grads + self.optimizer + self.overhead
+        return self.weights + self.reference + self.grads + self.optimizer + self.overhead
+
+    @property
+    def startup(self) -> float:
+        """Peak while the models are loaded: the shards, one layer being read, no gradients or Adam state."""
+        return self.weights - self.gathered + self.reference + self.loading + self.overhead
 
     @property
     def peak(self) -> float:
@@ -100,6 +117,8 @@ class MemoryEstimate:
                 )
         elif self.train.peak > cap:
             found.append(f"training needs {self.train.peak:.0f} GB per GPU of {cap:.0f} GB")
+        if self.train.startup > cap:
+            found.append(f"loading the models needs {self.train.startup:.0f} GB per GPU of {cap:.0f} GB")
         if self.rollout.sequences_that_fit < 1:
             found.append(
                 f"a rollout engine's share ({self.rollout.budget:.0f} GB) cannot hold its weights "
@@ -125,11 +144,14 @@ def estimate_train(cfg: RunConfig, topo: Topology) -> TrainMemory:
     model, trainer, par = cfg.model, cfg.trainer, topo.train
     counts = model.param_counts()
     weight_bytes = 4 if trainer.precision is Precision.float32 else 2
+    layer = (counts.total - counts.embedding - counts.frozen) / model.num_layers
+    gathered = 0.0
     if isinstance(trainer, MegatronTrainerConfig):
         dense_shard = megatron_dense_share(counts, model.num_kv_heads, par.tp) / par.pp
         expert_shard = counts.expert / (par.ep * par.expert_tp * par.pp)
         frozen_shard = counts.frozen / (par.tp * par.pp)
         weights = weight_bytes * (dense_shard + expert_shard + frozen_shard)
+        reference = 4 * (dense_shard + expert_shard + frozen_shard)
         grads = 4 * (dense_shard + expert_shard)
         dense_opt_group = par.dp * par.cp if trainer.distributed_optimizer else 1
         expert_opt_group = par.expert_dp if trainer.distributed_optimizer else 1
@@ -140,8 +162,9 @@ def estimate_train(cfg: RunConfig, topo: Topology) -> TrainMemory:
         # FSDP2 shards everything over the training world; TP/EP only change which rank holds what.
         trainable = (counts.dense - frozen + counts.expert) / par.world
         weights = 4 * trainable + 2 * frozen / par.world
-        layer = (counts.total - counts.embedding - frozen) / model.num_layers / par.tp
-        weights += 2 * 2 * layer  # unsharded bf16 copies of the current and the prefetched layer
+        gathered = 2 * 2 * layer / par.tp  # unsharded bf16 copies of the current and the prefetched layer
+        weights += gathered
+        reference = 4 * counts.total / par.world
         grads = 4 * trainable
         optimizer = 8 * trainable  # fp32 Adam m + v (the fp32 master weights are `weights`)
     share = train_share(cfg, topo)
@@ -157,6 +180,9 @@ def estimate_train(cfg: RunConfig, topo: Topology) -> TrainMemory:
         optimizer=optimizer / GB,
         activations=activations / GB,
         logits=logits / GB,
+        reference=reference / GB if cfg.algo.kl_coef > 0 else 0.0,
+        gathered=gathered / GB,
+        loading=4 * layer / GB,  # fp32 at most (the tensors are cast as they are copied in)
     )
 
 

@@ -100,12 +100,14 @@ def _memory(plan: Plan) -> Table:
     t = mem.train
     for name, value in (
         ("train: weights", t.weights),
+        ("train: reference policy (kl_coef > 0)", t.reference),
         ("train: gradients", t.grads),
         ("train: optimizer", t.optimizer),
         ("train: activations", t.activations),
         ("train: logits", t.logits),
         ("train: runtime overhead", t.overhead),
         ("train: peak", t.peak),
+        ("train: start-up peak (shards + one layer read)", t.startup),
     ):
         table.add_row(name, f"{value:.1f}")
     r = mem.rollout

@@ -5,6 +5,9 @@ The step itself (minibatches, micro-batches, the loss) is trainer/step.py's; thi
 its forward (the Hugging Face model's, through the chunked log-prob head where installed) and its
 optimizer step (the gradient norm clipped over the sharded gradients, then AdamW).
 
+The model is built on the meta device and sharded before it has storage; each rank then reads only
+its rows of every checkpoint tensor (trainer/hf_load.py), so no rank ever holds the whole model.
+
 MoE models take the quirks' settings: ``trainer.router_dtype=fp32`` makes each router an fp32 unit
 under bf16 compute; no load-balancing loss is ever added (``trainer.moe_aux_loss_coeff`` is 0 by the
 quirk); buffers ``trainer.freeze`` names (Nemotron-H's correction bias) stay out of refits.
@@ -12,7 +15,6 @@ quirk); buffers ``trainer.freeze`` names (Nemotron-H's correction bias) stay out
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from hpcrl.config.schema import RunConfig
 from hpcrl.trainer.base import freeze
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import Precision
+from hpcrl.trainer.hf_load import load_sharded, meta_model
 from hpcrl.trainer.logprob_head import LogprobHead, install_logprob_head
 from hpcrl.trainer.shards import ShardWriter
 from hpcrl.trainer.step import LossFn, Metrics, StepBatch, TrainStep
@@ -100,23 +103,25 @@ class FSDPTrainer:
         master: str = "127.0.0.1:29517",
         device: str = "cpu",
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.cfg, self.device = cfg, device
         backend = "nccl" if device.startswith("cuda") else "gloo"
         init_process_group(rank, world, master, backend)
         torch.manual_seed(cfg.run.seed + rank)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-        if cfg.trainer.chunked_logprob():
-            install_logprob_head(model)  # before the reference copy and sharding: both see the new head
-        # The frozen reference policy for the KL term: a copy taken before any update.
-        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+        model = self._empty_model(model_dir)
         freeze(model, cfg.trainer.freeze)
         self.unsent = frozen_buffers(model, cfg.trainer.freeze)
         """Buffers ``trainer.freeze`` names (Nemotron-H's router correction bias): they never change,
         engines read them from the checkpoint, so refits leave them out; checkpoints keep them."""
         self.recurrent = has_recurrent_layers(model)
         self.model = shard_model(model, cfg, device, world)
+        self.ref = None
+        """The frozen reference policy for the KL term (``algo.kl_coef > 0``): a second model sharded
+        exactly like the policy (same units, same mixed precision), filled in the policy's loading
+        pass from the same checkpoint reads — never a whole copy on any rank."""
+        if cfg.algo.kl_coef > 0:
+            ref = self._empty_model(model_dir).eval().requires_grad_(False)
+            self.ref = shard_model(ref, cfg, device, world)
+        load_sharded([m for m in (self.model, self.ref) if m is not None], model_dir, device)
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=cfg.algo.lr,
@@ -128,6 +133,13 @@ class FSDPTrainer:
         self.writer = ShardWriter()
         self._right_padded = True
         """Whether this step's batch is right-padded (``token_logprobs``), checked once per step."""
+
+    def _empty_model(self, model_dir: Path) -> Any:
+        """The checkpoint's model on the meta device, with everything that precedes sharding."""
+        model = meta_model(model_dir)
+        if self.cfg.trainer.chunked_logprob():
+            install_logprob_head(model)
+        return model
 
     def data_rank(self) -> tuple[int, int]:
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
