@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,6 +53,14 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def model_cache(tmp_path_factory):
+    """One ``HPCRL_CACHE`` for the session's end-to-end runs: the first run that needs the
+    warm-started tiny model builds it there, the later ones reuse it (a test of the build from an
+    empty cache takes it only while it is still empty)."""
+    return tmp_path_factory.mktemp("hpcrl_cache")
+
+
+@pytest.fixture(scope="session")
 def slurm_cluster():
     """A real 3-node Slurm cluster (namespace nodes) for the whole session; torn down at the end."""
     tool = ROOT / "tools" / "slurm-cluster"
@@ -64,3 +76,125 @@ def slurm_cluster():
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = old
+
+
+# -- one torchrun per world size, shared by the test modules that build trainers -----------------------
+@dataclass(frozen=True)
+class TorchrunCase:
+    """One case of tests/recipe_build.py: a trainer built on a session checkpoint (``checkpoint``, made
+    by ``make`` on first use) from ``overrides`` at ``world`` ranks. ``record``: what rank 0 writes back:
+    "build" (the step's metrics and the layout the ranks ran), "parity" (what tests/megatron_parity.py
+    saves: log-probs, metrics, full gradients and weights, each rank's optimizer state after a
+    checkpoint round trip, the layout) or "mixer" (tests/mamba_mixer_check.py's comparison).
+    ``plan``: apply the planner's quirks first, as a job does. ``last``: a case expected to fail."""
+
+    id: str
+    module: str
+    world: int
+    backend: str
+    overrides: tuple[str, ...]
+    checkpoint: str
+    make: Callable[[Path], object]
+    record: str = "build"
+    plan: bool = True
+    last: bool = False
+
+
+TORCHRUN_CASES: dict[str, TorchrunCase] = {}
+"""Registered by the test modules at import, so that each world size's torchrun serves them all."""
+
+
+def register_torchrun_case(case: TorchrunCase) -> TorchrunCase:
+    assert TORCHRUN_CASES.setdefault(case.id, case) == case, f"two torchrun cases named {case.id}"
+    return case
+
+
+def _case_order(case: TorchrunCase) -> tuple:
+    # fsdp's cases before Megatron's (whose CPU shims patch torch for the whole process), a case
+    # expected to fail last
+    return (case.world, case.backend != "fsdp", case.last, case.id)
+
+
+class TorchrunCases:
+    """A registered case's result: on first use, every pending case of its world size (of the modules
+    this session runs) in one torchrun; a case that ended a run gets its output as ``error`` and the
+    cases after it run again without it."""
+
+    def __init__(self, root: Path, modules: set[str]) -> None:
+        self.root, self.modules = root, modules
+        self.results: dict[str, dict[str, Any]] = {}
+
+    def checkpoint(self, name: str) -> Path:
+        path = self.root / "checkpoints" / name
+        if not path.exists():
+            next(c for c in TORCHRUN_CASES.values() if c.checkpoint == name).make(path)
+        return path
+
+    def result(self, case_id: str) -> dict[str, Any]:
+        if case_id not in self.results:
+            world = TORCHRUN_CASES[case_id].world
+            todo = sorted(
+                (
+                    c
+                    for c in TORCHRUN_CASES.values()
+                    if c.world == world
+                    and c.id not in self.results
+                    and (c.module in self.modules or c.id == case_id)
+                ),
+                key=_case_order,
+            )
+            while todo:
+                done, error = self._torchrun(todo)
+                self.results |= done
+                todo = [c for c in todo if c.id not in self.results]
+                if todo:
+                    self.results[todo.pop(0).id] = {"error": error or "no result written"}
+        return self.results[case_id]
+
+    def _torchrun(self, cases: list[TorchrunCase]) -> tuple[dict[str, dict[str, Any]], str]:
+        import torch
+
+        from hpcrl.trainer.fsdp import free_port
+
+        out = self.root / f"run{len(list(self.root.glob('run*')))}"
+        out.mkdir()
+        spec = [
+            {
+                "id": c.id,
+                "model_dir": str(self.checkpoint(c.checkpoint)),
+                "overrides": list(c.overrides),
+                "record": c.record,
+                "plan": c.plan,
+            }
+            for c in cases
+        ]
+        (out / "cases.json").write_text(json.dumps(spec))
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cases[0].world}"]
+        cmd += [f"--master_port={free_port()}", str(ROOT / "tests" / "recipe_build.py")]
+        cmd += [str(out / "cases.json"), str(out)]
+        try:  # a hung case ends the run on its own (recipe_build.py's per-case watchdog)
+            done = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=300 + 300 * len(cases),
+                cwd=ROOT,
+                env=dict(os.environ),
+            )
+            error = "" if done.returncode == 0 else (done.stdout + done.stderr)[-6000:]
+        except subprocess.TimeoutExpired as exc:
+            error = f"torchrun timed out after {exc.timeout} s"
+        results = {}
+        for c in cases:
+            if (path := out / f"{c.id}.json").exists():
+                results[c.id] = json.loads(path.read_text())
+            elif (path := out / f"{c.id}.pt").exists():
+                results[c.id] = torch.load(path)
+        return results, error
+
+
+@pytest.fixture(scope="session")
+def torchrun_cases(request, tmp_path_factory):
+    """The registered torchrun cases' results (tests/recipe_build.py), one torchrun per world size."""
+    modules = {item.module.__name__ for item in request.session.items if getattr(item, "module", None)}
+    return TorchrunCases(tmp_path_factory.mktemp("torchrun"), modules)

@@ -1,8 +1,11 @@
-"""One rank (plain python, MASTER_PORT set): the megatron backend's Mamba-2 mixer (ssm.TorchMambaMixer, inside the
-Megatron model built from MODEL_DIR) and transformers' NemotronHMamba2Mixer of the same checkpoint on
-the same large input (large, so that the dt floor moves the output well above rounding), with the floor
-(``time_step_min``) and without it (Megatron's kernels' (0, inf)): outputs and input gradients go to
-argv[2] for tests/test_megatron_nemotron_h.py to compare.
+"""The megatron backend's Mamba-2 mixer (ssm.TorchMambaMixer, inside the Megatron model built from
+MODEL_DIR) and transformers' NemotronHMamba2Mixer of the same checkpoint on the same large input
+(large, so that the dt floor moves the output well above rounding), with the floor (``time_step_min``)
+and without it (Megatron's kernels' (0, inf)): outputs and input gradients, for
+tests/test_megatron_nemotron_h.py to compare.
+
+``mixer_check`` runs as a case of tests/recipe_build.py (the session's one-rank torchrun); on its
+own, one rank in plain python (MASTER_PORT set), it saves the comparison to OUT:
 
     MASTER_PORT=29861 python tests/mamba_mixer_check.py MODEL_DIR OUT
 """
@@ -12,10 +15,13 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from hpcrl.config.compose import compose_config
+
+OVERRIDES = ["model=tiny", "trainer=megatron", "trainer.precision=float32"]
 
 
 def run(mixer: torch.nn.Module, x: torch.Tensor, megatron: bool) -> dict[str, torch.Tensor]:
@@ -25,16 +31,11 @@ def run(mixer: torch.nn.Module, x: torch.Tensor, megatron: bool) -> dict[str, to
     return {"out": out.detach(), "x_grad": x.grad.clone()}
 
 
-def main() -> None:
+def mixer_check(trainer: Any, model_dir: Path) -> dict[str, Any]:
+    """Layer 0's mixer of a megatron trainer built from ``model_dir`` against transformers' of it."""
     from transformers import AutoModelForCausalLM
 
-    from hpcrl.trainer import make_trainer
-
-    model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
-    torch.set_num_threads(1)
-    master = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', 29500)}"
-    cfg = compose_config(["model=tiny", "trainer=megatron", "trainer.precision=float32"])
-    ours = make_trainer(model_dir, cfg, 0, 1, master, "cpu").model.decoder.layers[0].mixer
+    ours = trainer.model.decoder.layers[0].mixer
     theirs = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).model.layers[0].mixer
     x = torch.randn(2, 19, theirs.hidden_size, generator=torch.Generator().manual_seed(0)) * 30
     result = {
@@ -43,7 +44,17 @@ def main() -> None:
     }
     ours.dt_min, theirs.time_step_limit = 0.0, (0.0, float("inf"))
     result["no floor"] = {"ours": run(ours, x, True), "hf": run(theirs, x, False)}
-    torch.save(result, out)
+    return result
+
+
+def main() -> None:
+    from hpcrl.trainer import make_trainer
+
+    model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+    torch.set_num_threads(1)
+    master = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', 29500)}"
+    trainer = make_trainer(model_dir, compose_config(OVERRIDES), 0, 1, master, "cpu")
+    torch.save(mixer_check(trainer, model_dir), out)
     torch.distributed.destroy_process_group()
 
 

@@ -1,13 +1,20 @@
-"""Build a recipe's training backend on a tiny checkpoint and run one step on the parity batch, case
-after case, under torchrun (gloo, CPU); rank 0 writes OUT/<id>.json: the step's metrics and the
-layout the ranks really ran (Megatron's process groups, or fsdp's world).
+"""Build a training backend on a tiny checkpoint and run one step on the parity batch, case after
+case, under torchrun (gloo, CPU). What rank 0 writes depends on the case's ``record``:
+
+- "build" (tests/test_recipes_build.py): OUT/<id>.json, the step's metrics and the layout the ranks
+  really ran (Megatron's process groups, or fsdp's world);
+- "parity" (tests/test_megatron_nemotron_h.py): OUT/<id>.pt, what tests/megatron_parity.py saves for
+  one layout (log-probs, metrics, full gradients and updated weights in HF names, each rank's
+  optimizer state after a checkpoint round trip, the layout as built);
+- "mixer": OUT/<id>.pt, tests/mamba_mixer_check.py's comparison of the Mamba-2 mixers.
 
     python -m torch.distributed.run --nproc_per_node N tests/recipe_build.py CASES.json OUT
 
-CASES.json lists {"id", "model_dir", "overrides"} cases of one backend at world size N. They share
-the processes (torch, transformers and Megatron imported once); Megatron's parallel state is torn
-down between cases. A case that fails or hangs (HPCRL_RECIPE_CASE_S, default 240 s: every stack is
-printed) ends the run; the caller finds it as the first case without a result.
+CASES.json lists {"id", "model_dir", "overrides", "record", "plan"} cases at world size N (fsdp's
+before Megatron's); "plan": apply the planner's quirks to the config first, as a job does. They
+share the processes (torch, transformers and Megatron imported once); Megatron's parallel state is
+torn down between cases. A case that fails or hangs (HPCRL_RECIPE_CASE_S, default 240 s: every stack
+is printed) ends the run; the caller finds it as the first case without a result.
 """
 
 from __future__ import annotations
@@ -23,29 +30,82 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron_parity import parity_batch  # beside this script (sys.path[0])
+from mamba_mixer_check import mixer_check  # beside this script (sys.path[0])
+from megatron_parity import _full, _state_round_trip, parity_batch
 
 from hpcrl.config.compose import compose_config
 from hpcrl.plan.planner import make_plan
 
 
-def run_case(case: dict[str, Any], rank: int, world: int, master: str) -> dict[str, Any]:
+def run_case(case: dict[str, Any], rank: int, world: int, master: str, out: Path) -> dict[str, Any]:
     from hpcrl.trainer import make_trainer
 
     cfg = compose_config(case["overrides"])
-    make_plan(cfg)  # the model's quirks, applied in place as the job's resolved config has them
+    if case.get("plan", True):
+        make_plan(cfg)  # the model's quirks, applied in place as the job's resolved config has them
     trainer: Any = make_trainer(Path(case["model_dir"]), cfg, rank, world, master, "cpu")
-    batch = parity_batch()
-    ref = trainer.logprobs(batch, reference=True) if cfg.algo.kl_coef > 0 else None
-    metrics = trainer.train_step(batch, ref)
-    layout = ran_layout(trainer, world)
+    record = case.get("record", "build")
+    if record == "mixer":
+        result = mixer_check(trainer, Path(case["model_dir"]))
+    elif record == "parity":
+        result = parity_step(trainer, cfg.trainer.backend, world, out / f"{case['id']}.pt")
+    else:
+        batch = parity_batch()
+        ref = trainer.logprobs(batch, reference=True) if cfg.algo.kl_coef > 0 else None
+        metrics = trainer.train_step(batch, ref)
+        result = {"metrics": metrics, "layout": ran_layout(trainer, world)}
     del trainer
     gc.collect()
     if cfg.trainer.backend == "megatron":
         from megatron.core import parallel_state as ps
 
         ps.destroy_model_parallel()
-    return {"metrics": metrics, "layout": layout}
+    return result
+
+
+def parity_step(trainer: Any, backend: str, world: int, out: Path) -> dict[str, Any]:
+    """tests/megatron_parity.py's run of one layout (no resume, no second step): one step on the
+    parity batch with a reference pass; rank 0's copy of the full gradients and weights."""
+    batch = parity_batch()
+    ref = trainer.logprobs(batch, reference=True)
+    metrics = trainer.train_step(batch, ref)
+    grads = (
+        trainer.export_weights(grads=True)
+        if backend == "megatron"
+        else {n: _full(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None}
+    )
+    weights = trainer.export_weights()
+    local = trainer.local_optimizer() if backend == "megatron" else trainer.optimizer
+    held = sum(
+        v.numel() for st in local.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()
+    )
+    restored = _state_round_trip(trainer, local, out)
+    per_rank: list[Any] = [None] * world
+    if world > 1:
+        dist.all_gather_object(per_rank, (held, restored))
+    else:
+        per_rank = [(held, restored)]
+    layout = {}
+    if backend == "megatron":
+        mc = trainer.model.config
+        layout = {
+            "sequence_parallel": mc.sequence_parallel,
+            "cp": mc.context_parallel_size,
+            "qk_norms": sum("q_layernorm" in n for n, _ in trainer.model.named_parameters()),
+            "expert_tp": mc.expert_tensor_parallel_size,
+            "experts": sorted(
+                {type(m).__name__ for n, m in trainer.model.named_modules() if n.endswith(".experts")}
+            ),
+        }
+    return {
+        "logp": ref.cpu(),
+        "metrics": metrics,
+        "grads": {k: v.cpu() for k, v in grads.items()},
+        "optimizer_numel": [h for h, _ in per_rank],
+        "state_restored": [r for _, r in per_rank],
+        "layout": layout,
+        "weights": {k: v.cpu() for k, v in weights.items()},
+    }
 
 
 def ran_layout(trainer: Any, world: int) -> dict[str, Any]:
@@ -72,12 +132,14 @@ def main() -> None:
     for case in cases:
         faulthandler.dump_traceback_later(float(os.environ.get("HPCRL_RECIPE_CASE_S", 240)), exit=True)
         started = time.perf_counter()
-        result = run_case(case, rank, world, master)
+        result = run_case(case, rank, world, master, out)
         dist.barrier()  # every rank stepped: only then does the case count as built
         faulthandler.cancel_dump_traceback_later()
         result["seconds"] = round(time.perf_counter() - started, 1)
-        if rank == 0:
+        if rank == 0 and case.get("record", "build") == "build":
             (out / f"{case['id']}.json").write_text(json.dumps(result))
+        elif rank == 0:
+            torch.save(result, out / f"{case['id']}.pt")
     dist.barrier()
     dist.destroy_process_group()
 

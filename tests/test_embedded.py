@@ -1,6 +1,8 @@
 """The embedded default end to end (`hpcrl submit` with no cluster), and exact resume.
 
-Real parts only: local Ray, the vLLM CPU engine, math-verify workers, the FSDP2 trainer.
+Real parts only: local Ray, the vLLM CPU engine, math-verify workers, the FSDP2 trainer. The first
+run builds the warm-started tiny model from an empty cache (the session's ``model_cache``); the
+others reuse it.
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ def submit(tmp_path, cache, *overrides):
             os.environ["HPCRL_CACHE"] = env_cache
 
 
-def test_embedded_default_learns(tmp_path):
-    """From an empty model cache: the tiny model is built, trained with GRPO, and validation rises."""
-    result = submit(tmp_path / "runs", tmp_path / "cache")
+def test_embedded_default_learns(tmp_path, model_cache):
+    """From an empty model cache: the tiny model is built, trained with GRPO, and validation rises.
+    The session's cache while it is empty (the later runs reuse the model), else one of its own."""
+    cache = model_cache if not any(model_cache.iterdir()) else tmp_path / "cache"
+    result = submit(tmp_path / "runs", cache)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "tiny model ready in" in result.stdout  # built by this run
     (run_dir,) = (tmp_path / "runs").iterdir()
     rows = metrics(run_dir)
     val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
@@ -54,15 +59,17 @@ def test_embedded_default_learns(tmp_path):
         "train/entropy",
     } <= set(last)
     assert list((run_dir / "tensorboard").iterdir())
-    assert (run_dir / "checkpoints" / "step_000030" / "state.pt").exists()
+    assert (run_dir / "checkpoints" / "step_000030" / "meta.json").exists()  # committed
     assert "validation accuracy" in result.stdout and str(run_dir / "metrics.jsonl") in result.stdout
 
 
-def test_warning_signal_saves_the_current_step_and_resume_continues_the_same_trajectory(tmp_path):
+def test_warning_signal_saves_the_current_step_and_resume_continues_the_same_trajectory(
+    tmp_path, model_cache
+):
     """SIGUSR2 (Slurm's time-limit/preemption warning) mid-run: the run checkpoints the step it
     is in — although no checkpoint is due — and stops with exit code 75; running again with the same
     run.dir resumes there, and steps after it equal an uninterrupted run's."""
-    cache = tmp_path / "cache"
+    cache = model_cache
     small = [
         "algo.num_prompts_per_step=16",
         "algo.val_period=100",
@@ -107,12 +114,12 @@ def test_warning_signal_saves_the_current_step_and_resume_continues_the_same_tra
         assert b[step]["train/reward"] == a[step]["train/reward"]
 
 
-def test_megatron_backend_runs_the_loop_and_feeds_the_engine_exact_weights(tmp_path):
+def test_megatron_backend_runs_the_loop_and_feeds_the_engine_exact_weights(tmp_path, model_cache):
     """trainer=megatron in the real loop: vLLM reloads the exported (HF-named) weights after every step,
     here through Ray's object store (the other runs of this file broadcast them over gloo)."""
     result = submit(
         tmp_path / "runs",
-        tmp_path / "cache",
+        model_cache,
         "trainer=megatron",
         "algo.max_steps=6",
         "algo.val_period=3",
@@ -126,15 +133,15 @@ def test_megatron_backend_runs_the_loop_and_feeds_the_engine_exact_weights(tmp_p
     assert all(r["train/gen_kl_error"] < 1e-4 for r in rows if "train/gen_kl_error" in r)
     val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
     assert val[-1] > val[0], val
-    assert (run_dir / "checkpoints" / "step_000006" / "state.pt").exists()
+    assert (run_dir / "checkpoints" / "step_000006" / "meta.json").exists()  # committed
 
 
-def test_dapo_runs_the_loop_with_dynamic_sampling_and_overlong_shaping(tmp_path):
+def test_dapo_runs_the_loop_with_dynamic_sampling_and_overlong_shaping(tmp_path, model_cache):
     """algo=dapo over the embedded default: groups whose rewards are all equal are dropped and more
     prompts are sampled (up to the round limit); the overlong penalty and clip-higher are in the loss."""
     result = submit(
         tmp_path / "runs",
-        tmp_path / "cache",
+        model_cache,
         "algo=dapo",
         "algo.overlong_buffer=2",
         "algo.lr=3e-4",

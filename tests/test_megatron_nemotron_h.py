@@ -3,13 +3,15 @@ Mamba in_proj/conv1d cut part by part), the parity risks of notes/nemotron-h.md 
 router precision, top-k renormalisation, padding side), and, under torchrun with gloo on CPU, megatron
 TP=1 = fsdp (transformers' NemotronHForCausalLM) and TP=2 (sequence parallel) / PP=2 / EP=2 / TP=2 x EP=2
 / CP=2 / TP=2 x CP=2 = TP=1 in log-probs, metrics, every gradient and the updated weights (the CP
-reorders and group copies by hand: tests/test_megatron_mamba_cp.py)."""
+reorders and group copies by hand: tests/test_megatron_mamba_cp.py). The torchrun layouts and the
+mixer check are cases of the session's one torchrun per world size (tests/conftest.py's
+torchrun_cases, shared with tests/test_recipes_build.py)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -17,9 +19,11 @@ import torch
 from hpcrl.trainer.megatron.weights import Shape, shard, unshard
 from hpcrl.trainer.megatron.weights_hybrid import MTP_PREFIX, partitions, to_hf, to_megatron
 
-from .conftest import ROOT
+from .conftest import TorchrunCase, register_torchrun_case
+from .mamba_mixer_check import OVERRIDES as MIXER_OVERRIDES
+from .megatron_parity import overrides as parity_overrides
 from .megatron_parity import parity_batch
-from .test_megatron import _assert_same_step, _torchrun
+from .test_megatron import _assert_same_step
 
 PATTERN = "MEM*EMEM"  # Super's own layers 4..11: every kind, and 8 layers split over PP=2
 
@@ -53,11 +57,56 @@ def nemotron_h_model(**overrides: object) -> torch.nn.Module:
     return model.eval()
 
 
-@pytest.fixture(scope="module")
-def nemotron_h_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("nemotron_h")
+CHECKPOINT = "nemotron_h_parity"
+LAYOUTS = ((2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1), (1, 1, 1, 2), (2, 1, 1, 2))
+"""TP, PP, EP, CP: each against TP=1 (EP=2 alone over DP=2 ranks)."""
+
+
+def _save_model(out: Path) -> None:
     nemotron_h_model().save_pretrained(out)
-    return out
+
+
+def _parity_case(name: str, tp: int, pp: int, backend: str = "megatron", **kw: int) -> TorchrunCase:
+    """tests/megatron_parity.py's run of a layout (its overrides; cp and ep as test_megatron's
+    ``_torchrun`` passes them) as a case of the session's torchrun of its world size."""
+    cp, ep = kw.get("cp", 1), kw.get("ep")
+    extra = (f"trainer.cp={cp}", *([f"trainer.ep={ep}"] if ep else [])) if backend == "megatron" else ()
+    with mock.patch.dict(os.environ, {"HPCRL_PARITY_OVERRIDES": " ".join(extra)}):
+        cfg = tuple(parity_overrides(tp, pp, backend))
+    world = tp * pp * cp * max(1, (ep or 1) // tp)
+    return register_torchrun_case(
+        TorchrunCase(
+            f"nemotron_h-parity-{name}",
+            __name__,
+            world,
+            backend,
+            cfg,
+            CHECKPOINT,
+            _save_model,
+            "parity",
+            False,
+        )
+    )
+
+
+BASE, FSDP = _parity_case("tp1", 1, 1), _parity_case("fsdp", 1, 1, backend="fsdp")
+PARALLEL = {
+    (tp, pp, ep, cp): _parity_case(f"tp{tp}pp{pp}ep{ep}cp{cp}", tp, pp, cp=cp, ep=ep)
+    for tp, pp, ep, cp in LAYOUTS
+}
+MIXER = register_torchrun_case(
+    TorchrunCase(
+        "nemotron_h-mixer",
+        __name__,
+        1,
+        "megatron",
+        tuple(MIXER_OVERRIDES),
+        CHECKPOINT,
+        _save_model,
+        "mixer",
+        False,
+    )
+)
 
 
 def _checkpoint(tmp_path) -> dict[str, torch.Tensor]:
@@ -127,22 +176,13 @@ def _logp(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None =
 
 
 @pytest.mark.slow
-def test_mamba_mixer_equals_transformers_and_keeps_its_dt_floor(nemotron_h_dir, tmp_path):
+def test_mamba_mixer_equals_transformers_and_keeps_its_dt_floor(torchrun_cases):
     """TorchMambaMixer = transformers' mixer (outputs and input gradients) on an input where the dt
     floor (``time_step_min``, which Hugging Face and vLLM apply and Megatron's kernels do not) moves
     the output far beyond rounding: without the floor on both sides they agree again, and ours without
-    it no longer matches Hugging Face's with it."""
-    out = tmp_path / "mixer.pt"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "mamba_mixer_check.py"), str(nemotron_h_dir), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={**os.environ, "MASTER_PORT": "29861"},  # one rank: its own process group, no launcher
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    r = torch.load(out)
+    it no longer matches Hugging Face's with it (tests/mamba_mixer_check.py, in the one-rank torchrun)."""
+    r = torchrun_cases.result(MIXER.id)
+    assert "error" not in r, r["error"]
     assert r["module"] == "TorchMambaMixer"
     for case in ("floor", "no floor"):
         ours, hf = r[case]["ours"], r[case]["hf"]
@@ -228,7 +268,7 @@ def test_right_padding_leaves_real_tokens_alone_left_padding_would_not():
 
 
 @pytest.mark.slow
-def test_nemotron_h_matches_fsdp_and_under_parallel_layouts(nemotron_h_dir, tmp_path):
+def test_nemotron_h_matches_fsdp_and_under_parallel_layouts(torchrun_cases):
     """megatron TP=1 = fsdp, then TP=2 (sequence parallel), PP=2, EP=2, TP=2 x EP=2, CP=2 and
     TP=2 x CP=2 = TP=1; the checkpoint round trip restores every rank's optimizer state."""
     from transformers import AutoModelForCausalLM
@@ -236,32 +276,23 @@ def test_nemotron_h_matches_fsdp_and_under_parallel_layouts(nemotron_h_dir, tmp_
     from hpcrl.trainer.fsdp import checkpoint_names
 
     mask = parity_batch().loss_mask.bool()
-    base = _torchrun(nemotron_h_dir, tmp_path / "tp1.pt", 1, 1, port=29841)
+    runs = {case.id: torchrun_cases.result(case.id) for case in (BASE, FSDP, *PARALLEL.values())}
+    assert not [(k, r["error"]) for k, r in runs.items() if "error" in r]
+    base, fsdp = runs[BASE.id], runs[FSDP.id]
     assert base["layout"]["experts"] == ["GroupedExperts"]
-    fsdp = _torchrun(nemotron_h_dir, tmp_path / "fsdp.pt", 1, 1, backend="fsdp", port=29842)
     assert torch.allclose(base["logp"][mask], fsdp["logp"][mask], atol=1e-5)
     assert base["metrics"]["grad_norm"] == pytest.approx(fsdp["metrics"]["grad_norm"], rel=1e-5)
-    hf_grads = checkpoint_names(AutoModelForCausalLM.from_pretrained(nemotron_h_dir), fsdp["grads"])
+    model = AutoModelForCausalLM.from_pretrained(torchrun_cases.checkpoint(CHECKPOINT))
+    hf_grads = checkpoint_names(model, fsdp["grads"])
     assert hf_grads.keys() == base["grads"].keys()
     for name, grad in hf_grads.items():
         assert torch.allclose(base["grads"][name], grad, atol=1e-5), name
     assert not any("e_score_correction_bias" in k for k in base["grads"])  # a buffer: never trained
     # CP=2: each rank scans whole sequences for 4 heads in 2 groups (mamba_cp.py); TP=2 x CP=2: 2 heads,
     # 1 group per rank, sequence parallel
-    layouts = ((2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1), (1, 1, 1, 2), (2, 1, 1, 2))
-    for i, (tp, pp, ep, cp) in enumerate(layouts):
+    for (tp, pp, ep, cp), case in PARALLEL.items():
         where = f"TP={tp} PP={pp} EP={ep} CP={cp}"
-        dp = max(1, ep // tp)
-        run = _torchrun(
-            nemotron_h_dir,
-            tmp_path / f"tp{tp}pp{pp}ep{ep}cp{cp}.pt",
-            tp,
-            pp,
-            dp=dp,
-            cp=cp,
-            port=29851 + i,
-            extra=(f"trainer.ep={ep}",),
-        )
+        run = runs[case.id]
         assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
         _assert_same_step(run, base, mask, where)
         assert all(run["state_restored"]), where

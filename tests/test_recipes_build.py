@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
@@ -40,7 +37,7 @@ from hpcrl.plan.planner import Plan, plan_from_overrides
 from hpcrl.plan.topology import TrainParallel
 from hpcrl.trainer.config import MegatronTrainerConfig
 
-from .conftest import ROOT, run_cli
+from .conftest import TorchrunCase, register_torchrun_case, run_cli
 from .tiny_checkpoints import Kinds, kinds_of, save_tiny
 
 SITE = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh"]
@@ -164,83 +161,37 @@ def _known_gap(case: Case) -> str:
 
 
 ORDER = sorted(CASES, key=lambda c: (_group(c), c.backend != "fsdp", bool(_known_gap(c)), c.name()))
-"""One torchrun per world size; in it fsdp's cases before Megatron's (whose CPU shims patch torch for
-the whole process), a case expected to fail last."""
+"""One torchrun per world size (tests/conftest.py's torchrun_cases runs them in this order)."""
 
 
 def _file_name(text: str) -> str:
     return re.sub(r"[^\w.-]", "_", text)
 
 
-def _torchrun(cases: list[Case], root: Path) -> tuple[dict[Case, dict], str]:
-    """Run ``cases`` (one world size) in one torchrun: the results it wrote, and its
-    output's tail when it failed."""
-    from hpcrl.trainer.fsdp import free_port
-
-    out = root / f"run{len(list(root.glob('run*')))}"
-    out.mkdir()
-    spec = []
-    for case in cases:
-        ckpt = root / "checkpoints" / _file_name(case.kinds.label())
-        if not ckpt.exists():
-            save_tiny(case.kinds, ckpt)
-        spec.append(
-            {
-                "id": _file_name(case.name()),
-                "model_dir": str(ckpt),
-                "overrides": overrides(case, CASES[case][0]),
-            }
+def _torchrun_case(case: Case) -> TorchrunCase:
+    """The case as one of the session's torchrun cases (tests/conftest.py): the world size's run
+    serves this module and tests/test_megatron_nemotron_h.py's parity layouts alike."""
+    return register_torchrun_case(
+        TorchrunCase(
+            id=_file_name(case.name()),
+            module=__name__,
+            world=case.layout.world,
+            backend=case.backend,
+            overrides=tuple(overrides(case, CASES[case][0])),
+            checkpoint=_file_name(case.kinds.label()),
+            make=lambda out, kinds=case.kinds: save_tiny(kinds, out),
+            last=bool(_known_gap(case)),
         )
-    (out / "cases.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cases[0].layout.world}"]
-    cmd += [
-        f"--master_port={free_port()}",
-        str(ROOT / "tests" / "recipe_build.py"),
-        str(out / "cases.json"),
-        str(out),
-    ]
-    try:
-        done = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=dict(os.environ)
-        )
-        error = "" if done.returncode == 0 else (done.stdout + done.stderr)[-6000:]
-    except subprocess.TimeoutExpired as exc:
-        error = f"torchrun timed out after {exc.timeout} s"
-    results = {}
-    for case, item in zip(cases, spec, strict=True):
-        if (path := out / f"{item['id']}.json").exists():
-            results[case] = json.loads(path.read_text())
-    return results, error
+    )
 
 
-def run_group(group: list[Case], root: Path) -> dict[Case, dict]:
-    """Every case of ``group`` run; a case that ended a run gets its output as ``error`` and the
-    cases after it run again without it."""
-    results: dict[Case, dict] = {}
-    todo = list(group)
-    while todo:
-        done, error = _torchrun(todo, root)
-        results |= done
-        todo = [c for c in todo if c not in results]
-        if todo:
-            results[todo.pop(0)] = {"error": error or "no result written"}
-    return results
+TORCHRUN = {case: _torchrun_case(case) for case in ORDER}
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(torchrun_cases):
     """A case's result, all cases of its world size run on first use."""
-    root = tmp_path_factory.mktemp("recipes")
-    results: dict[Case, dict] = {}
-
-    def result(case: Case) -> dict:
-        if case not in results:
-            results.update(
-                run_group([c for c in ORDER if _group(c) == _group(case) and c not in results], root)
-            )
-        return results[case]
-
-    return result
+    return lambda case: torchrun_cases.result(TORCHRUN[case].id)
 
 
 def _param(case: Case) -> Any:
