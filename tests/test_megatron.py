@@ -995,6 +995,8 @@ def test_gemma4_moe_block_matches_fsdp_and_under_expert_tensor_pipeline_and_cont
     )
     for name, grad in fsdp["grads"].items():
         assert torch.allclose(base["grads"][name], grad, atol=1e-5), name
+    assert_exports_to(base["weights"], tmp_path / "tp1.ckpt", gemma4_moe_dir)  # experts stacked back
+    assert_exports_to(fsdp["weights"], tmp_path / "fsdp.ckpt", gemma4_moe_dir, backend="fsdp")
     for tp, pp, cp, ep in ((1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 1), (1, 1, 2, 1)):
         where = f"gemma4 MoE TP={tp} PP={pp} CP={cp} EP={ep}"
         # EP is carved out of the TP x DP ranks: DP = EP where TP x EP ranks run

@@ -23,7 +23,7 @@ from .conftest import TorchrunCase, register_torchrun_case
 from .mamba_mixer_check import OVERRIDES as MIXER_OVERRIDES
 from .megatron_parity import overrides as parity_overrides
 from .megatron_parity import parity_batch
-from .test_megatron import _assert_same_step
+from .test_megatron import _assert_same_step, assert_exports_to
 
 PATTERN = "MEM*EMEM"  # Super's own layers 4..11: every kind, and 8 layers split over PP=2
 
@@ -288,6 +288,12 @@ def test_nemotron_h_matches_fsdp_and_under_parallel_layouts(torchrun_cases):
     for name, grad in hf_grads.items():
         assert torch.allclose(base["grads"][name], grad, atol=1e-5), name
     assert not any("e_score_correction_bias" in k for k in base["grads"])  # a buffer: never trained
+    # checkpoints of both backends (and of TP=2 x EP=2) export to the trained weights, the frozen
+    # correction biases included (the source's names, no others)
+    source = torchrun_cases.checkpoint(CHECKPOINT)
+    for case, backend in ((BASE, "megatron"), (FSDP, "fsdp"), (PARALLEL[(2, 1, 2, 1)], "megatron")):
+        ckpt = next(torchrun_cases.root.glob(f"run*/{case.id}.ckpt"))
+        assert_exports_to(runs[case.id]["weights"], ckpt, source, backend)
     # CP=2: each rank scans whole sequences for 4 heads in 2 groups (mamba_cp.py); TP=2 x CP=2: 2 heads,
     # 1 group per rank, sequence parallel
     for (tp, pp, ep, cp), case in PARALLEL.items():
