@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpcrl.errors import HpcrlError
 from hpcrl.run.checkpoint import CheckpointManager, check_resumable, load_loop_state
 
 
@@ -96,9 +97,12 @@ def test_model_json_and_the_model_files_travel_with_each_checkpoint(tmp_path):
     assert check_resumable(info, about) == ""
     note = check_resumable(info, {**about, "layout": {"world": 1}})
     assert note == "resharding step_000005: written by {'world': 2}, loaded as {'world': 1}"
-    with pytest.raises(ValueError) as other:
+    with pytest.raises(HpcrlError) as other:
         check_resumable(info, {**about, "backend": "megatron"})
     assert "model=tiny trainer=fsdp; this run is model=tiny trainer=megatron" in str(other.value)
+    (info.path / "model.json").unlink()  # as an older hpcrl wrote them
+    with pytest.raises(HpcrlError, match="older hpcrl"):
+        check_resumable(info, about)
     assert torch.load(info.path / "loop.pt")["step"] == 5
 
 

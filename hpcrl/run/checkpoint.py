@@ -25,6 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
+from hpcrl.errors import HpcrlError
+
 HF_FILES = (
     "config.json",
     "generation_config.json",
@@ -166,10 +168,15 @@ def check_resumable(info: CheckpointInfo, now: dict[str, Any]) -> str:
     """'' when this run can resume ``info`` as it was written, else a line saying how the layout
     changes (the shards are resharded on load). Raises with one line naming both sides when the
     checkpoint is of another model or backend (no format maps those)."""
+    if not (info.path / "model.json").exists():
+        raise HpcrlError(
+            f"checkpoint {info.path} was written by an older hpcrl (one gathered state.pt, no per-rank "
+            "shards) and cannot be resumed: point checkpoint.dir or run.dir elsewhere to start fresh"
+        )
     was = info.about()
     for key in ("model", "backend"):
         if was.get(key) != now.get(key):
-            raise ValueError(
+            raise HpcrlError(
                 f"checkpoint {info.path} was written for model={was.get('model')} trainer={was.get('backend')}; "
                 f"this run is model={now.get('model')} trainer={now.get('backend')}: point checkpoint.dir "
                 "elsewhere (or run.dir to a new run directory) to start fresh"
