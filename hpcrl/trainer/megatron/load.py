@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -30,29 +31,35 @@ HF_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 MEG_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
-def stream_checkpoint(
-    ckpt: HFCheckpoint,
-    lm: LanguageModel,
-    mapping: ModuleType,
-    shape: Shape,
-    tied: bool,
-    placement: Placement,
-    models: list[Any],
-) -> set[str]:
-    """Fill ``models`` (this rank's policy and reference: the same placement) from ``ckpt``, whose text
-    decoder ``lm`` names (meta tensors); ``mapping``: weights or weights_hybrid. Raises for a parameter
-    left without a weight; returns the whole checkpoint's Megatron names (for
-    ``Placement.check_every_weight_used``)."""
+@dataclass(frozen=True)
+class Source:
+    """The checkpoint being loaded and how its names map: ``lm`` names its text decoder (meta
+    tensors), ``mapping`` is weights or weights_hybrid for ``shape``."""
+
+    ckpt: HFCheckpoint
+    lm: LanguageModel
+    mapping: ModuleType
+    shape: Shape
+    tied: bool
+
+    def to_megatron(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(self.mapping.to_megatron(hf, self.shape, self.tied))
+
+
+def stream_checkpoint(source: Source, placement: Placement, models: list[Any]) -> set[str]:
+    """Fill ``models`` (this rank's policy and reference: the same placement) from ``source``, a unit
+    (layer) at a time. Raises for a parameter left without a weight; returns the whole checkpoint's
+    Megatron names (for ``Placement.check_every_weight_used``)."""
     targets = [placement.targets(m) for m in models]
     filled: list[set[str]] = [set() for _ in models]
     every: set[str] = set()
-    for unit in units(lm.text):
-        meta = mapping.to_megatron({n: lm.text[n] for n in unit}, shape, tied)
+    for unit in units(source.lm.text):
+        meta = source.to_megatron({n: source.lm.text[n] for n in unit})
         every |= meta.keys()
         need = [k for k in meta if k in targets[0]]
         if not need:  # another stage's layer, or a weight dropped by name (Nemotron-H's MTP)
             continue
-        shards = _read_unit(ckpt, lm, mapping, shape, tied, placement, unit, meta, need)
+        shards = _read_unit(source, placement, unit, meta, need)
         for t, done in zip(targets, filled, strict=True):
             done |= fill(t, shards)
         del shards  # before the next unit's are read
@@ -71,18 +78,11 @@ def units(text: dict[str, Any]) -> list[list[str]]:
 
 
 def _read_unit(
-    ckpt: HFCheckpoint,
-    lm: LanguageModel,
-    mapping: ModuleType,
-    shape: Shape,
-    tied: bool,
-    placement: Placement,
-    unit: list[str],
-    meta: dict[str, torch.Tensor],
-    need: list[str],
+    source: Source, placement: Placement, unit: list[str], meta: dict[str, torch.Tensor], need: list[str]
 ) -> dict[str, torch.Tensor]:
     """This rank's slices of the Megatron weights ``need`` of one unit (``meta``: the unit converted on
     meta tensors)."""
+    ckpt, lm = source.ckpt, source.lm
     by_id = {id(lm.text[n]): n for n in unit}
     direct = {k: by_id[id(meta[k])] for k in need if id(meta[k]) in by_id}
     out = {k: _read_slice(ckpt, lm.source(n), k, placement) for k, n in direct.items()}
@@ -97,7 +97,7 @@ def _read_unit(
             for n in unit
             if (e := HF_EXPERT.search(n)) is None or int(e.group(1)) in experts
         }
-        full = mapping.to_megatron(inputs, shape, tied)
+        full = source.to_megatron(inputs)
         for k in fused:
             tp, rank, _ = placement.tp_of(k)
             out[k] = shard(k, full[k], tp, rank, placement.parts_of(k))

@@ -29,7 +29,7 @@ from hpcrl.trainer.fsdp import init_process_group
 from hpcrl.trainer.hf_checkpoint import HFCheckpoint
 from hpcrl.trainer.megatron import compat, weights, weights_hybrid
 from hpcrl.trainer.megatron.grads import Gradients
-from hpcrl.trainer.megatron.load import stream_checkpoint
+from hpcrl.trainer.megatron.load import Source, stream_checkpoint
 from hpcrl.trainer.megatron.model import (
     build_model,
     check_buildable,
@@ -121,9 +121,8 @@ class MegatronTrainer:
             # names and shapes only: export_weights names the text decoder's weights as the checkpoint does
             self.lm = LanguageModel.of({n: ckpt.meta(n) for n in ckpt.names()})
             models = [m for m in (self.model, self.ref) if m is not None]
-            every = stream_checkpoint(
-                ckpt, self.lm, self.weights, self.shape, self.tied, self.placement, models
-            )
+            source = Source(ckpt, self.lm, self.weights, self.shape, self.tied)
+            every = stream_checkpoint(source, self.placement, models)
         self.placement.check_every_weight_used(self.model, every, self.tied, hf.model_type)
         freeze(self.model, t.freeze)
 
