@@ -41,6 +41,10 @@ def test_a_run_directory_exports_its_best_checkpoint(tmp_path):
         (d / "meta.json").write_text(json.dumps({"step": step, "metric": metric}))
     (tmp_path / "checkpoints" / "step_000004.tmp").mkdir()  # being written: never chosen
     assert resolve(tmp_path).name == "step_000002"
+    for d in (tmp_path / "checkpoints").glob("step_00000[123]"):  # a loss: lower is better
+        meta = json.loads((d / "meta.json").read_text())
+        (d / "meta.json").write_text(json.dumps({**meta, "higher_is_better": False}))
+    assert resolve(tmp_path).name == "step_000001"
     assert resolve(tmp_path / "checkpoints" / "step_000003").name == "step_000003"
     assert main(["export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
 

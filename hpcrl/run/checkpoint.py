@@ -48,6 +48,14 @@ class CheckpointInfo:
     path: Path
     step: int
     metric: float | None
+    higher_is_better: bool = True
+    """How ``metric`` ranks (meta.json; checkpoints written before it was recorded: higher)."""
+
+    @property
+    def score(self) -> float:
+        """Larger is better, whichever way the metric ranks; no metric ranks last."""
+        value = float(self.metric) if self.metric is not None else float("-inf")
+        return value if self.higher_is_better else -value
 
     def about(self) -> dict[str, Any]:
         """model.json: what wrote it (empty for a checkpoint without one)."""
@@ -128,13 +136,7 @@ class CheckpointManager:
                 shutil.copy2(self.model_dir / name, out / name)
 
     def list(self) -> list[CheckpointInfo]:
-        out = []
-        for path in sorted(self.root.glob("step_*")):
-            if path.suffix == ".tmp" or not (path / "meta.json").exists():
-                continue
-            meta = json.loads((path / "meta.json").read_text())
-            out.append(CheckpointInfo(path, int(meta["step"]), meta.get("metric")))
-        return out
+        return committed(self.root)
 
     def latest(self) -> CheckpointInfo | None:
         found = self.list()
@@ -158,6 +160,29 @@ class CheckpointManager:
         for c in found:
             if c.path not in keep:
                 shutil.rmtree(c.path, ignore_errors=True)
+
+
+def committed(root: Path) -> list[CheckpointInfo]:
+    """The committed checkpoints under ``root`` (meta.json present, not .tmp), in step order."""
+    out = []
+    for path in sorted(root.glob("step_*")):
+        if path.suffix == ".tmp" or not (path / "meta.json").exists():
+            continue
+        meta = json.loads((path / "meta.json").read_text())
+        higher = bool(meta.get("higher_is_better", True))
+        out.append(CheckpointInfo(path, int(meta["step"]), meta.get("metric"), higher))
+    return out
+
+
+def best_or_latest(root: Path) -> CheckpointInfo | None:
+    """The best committed checkpoint by its recorded metric and direction, else the latest."""
+    found = committed(root)
+    scored = [c for c in found if c.metric is not None]
+    if scored:
+        return max(
+            scored, key=lambda c: float(c.metric or 0) if c.higher_is_better else -float(c.metric or 0)
+        )
+    return found[-1] if found else None
 
 
 def load_loop_state(info: CheckpointInfo) -> dict[str, Any]:

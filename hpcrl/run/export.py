@@ -30,16 +30,16 @@ LAYER = re.compile(r"layers\.(\d+)\.")
 
 def resolve(path: Path) -> Path:
     """A step directory as given; a run directory or its checkpoints/ directory: its best checkpoint
-    (by the run's metric), else its latest."""
+    (by the run's metric and direction), else its latest."""
+    from hpcrl.run.checkpoint import best_or_latest
+
     if (path / "meta.json").exists():
         return path
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    steps = sorted(p for p in root.glob("step_*") if p.suffix != ".tmp" and (p / "meta.json").exists())
-    if not steps:
+    found = best_or_latest(root)
+    if found is None:
         raise HpcrlError(f"{path}: no committed checkpoint there (a step_NNNNNN/ directory with meta.json)")
-    metas = [(json.loads((p / "meta.json").read_text()), p) for p in steps]
-    scored = [(m["metric"], m["step"], p) for m, p in metas if m.get("metric") is not None]
-    return max(scored)[2] if scored else steps[-1]
+    return found.path
 
 
 def export(checkpoint: Path, out: Path, dtype: str = "bf16", log: Callable[[str], None] = print) -> Path:
