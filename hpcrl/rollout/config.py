@@ -62,6 +62,10 @@ class VLLMRolloutConfig(RolloutConfig):
     dtype: str = "bfloat16"
     kv_cache_memory_gb: float | None = None
     """Fixed KV-cache size (needed on CPU, where vLLM sizes memory from one NUMA node)."""
+    sleep: bool | None = None
+    """Colocated GPUs: the engine sleeps while the trainer trains (its KV cache and weights released,
+    woken before generation), so the two peaks no longer add up. None: on for colocated GPU runs, off
+    otherwise (the planner decides; vLLM on CPU has no sleep mode)."""
 
     def check(self) -> None:
         super().check()
