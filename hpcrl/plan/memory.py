@@ -15,7 +15,13 @@ from one that cannot, before an allocation is spent finding out. Sources of each
 - start-up: the rank's shards (policy and reference) plus one layer's full tensors as they are read
   from the checkpoint (``trainer/hf_load.py`` converts a fused MoE tensor from one whole layer), no
   gathered layers and no optimizer state yet;
-- vLLM: ``gpu_memory_utilization`` of the GPU is taken while generating (weights/tp + KV cache).
+- vLLM: ``gpu_memory_utilization`` of the GPU is taken while generating (weights/tp + KV cache);
+- colocated with ``rollout.sleep`` (vLLM sleep level 2): the engine releases its weights and KV cache
+  while the trainer trains, wakes its weights for the refit (written through two buckets of
+  ``rollout.weight_sync_bucket_mb``), then its KV cache to generate; the GPU's peak is the largest of
+  the three phases, not training plus the engine's share. The trainer keeps its weights, gradients
+  and optimizer state resident throughout (neither backend offloads; gradients are freed only at the
+  next step's ``zero_grad``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,14 @@ from hpcrl.trainer.config import FUSED_CHUNK_ELEMENTS, FSDPTrainerConfig, Megatr
 GB = 1e9
 RUNTIME_OVERHEAD_GB = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
 ENGINE_OVERHEAD_GB = 2.0  # vLLM activations and sampler workspace outside the KV cache
+ENGINE_ASLEEP_GB = 2.0
+"""What a vLLM engine still holds on its GPU asleep at level 2: its CUDA context (~0.5 GB), the
+CUDA-graph pools and the allocator's cached blocks, which sleep mode does not release (vLLM reports
+1-3 GB "still in use" after sleeping)."""
+MIB = 2**20
+DTYPE_BYTES = {"float32": 4, "float": 4}
+"""Bytes per engine weight by ``rollout.dtype``; every other dtype vLLM takes (bfloat16, float16,
+half, auto from a bf16 checkpoint) is 2."""
 
 
 @dataclass(frozen=True)
@@ -86,17 +100,56 @@ class RolloutMemory:
 
 
 @dataclass(frozen=True)
+class ColocatedPeaks:
+    """One colocated GPU (trainer rank and engine taking turns), phase by phase, in GB."""
+
+    sleep: bool
+    """``rollout.sleep`` as resolved: the engine sleeps while the trainer trains."""
+    train: float
+    """Training. Sleep on: the trainer's peak + the sleeping engine's residue (``ENGINE_ASLEEP_GB``).
+    Sleep off: the trainer's peak alone, as before sleep existed."""
+    refit: float
+    """Weights to the engine. Sleep on: the trainer's resident state + the woken engine weights + two
+    weight-sync buckets + the residue. Sleep off: the same as ``generate`` (the refit happens inside
+    the awake engine's share)."""
+    generate: float
+    """Generating: the trainer's resident state + the engine's whole share (weights, KV cache)."""
+    buckets: float = 0.0
+    """The two weight-sync buckets of the refit (counted with sleep on only)."""
+
+    @property
+    def peak(self) -> float:
+        return max(self.train, self.refit, self.generate)
+
+
+def colocated_peaks(
+    train: TrainMemory, rollout: RolloutMemory, *, sleep: bool, bucket_mb: int
+) -> ColocatedPeaks:
+    generate = train.resident + rollout.budget
+    if not sleep:
+        return ColocatedPeaks(sleep=False, train=train.peak, refit=generate, generate=generate)
+    buckets = 2 * bucket_mb * MIB / GB
+    return ColocatedPeaks(
+        sleep=True,
+        train=train.peak + ENGINE_ASLEEP_GB,
+        refit=train.resident + rollout.weights + buckets + ENGINE_ASLEEP_GB,
+        generate=generate,
+        buckets=buckets,
+    )
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
     capacity: float
     placement: Placement
     train: TrainMemory
     rollout: RolloutMemory
+    colocated: ColocatedPeaks | None = None
+    """The phases of a shared GPU (None: split, the engines have GPUs of their own)."""
 
     @property
     def train_gpu_peak(self) -> float:
-        if self.placement is Placement.COLOCATED:
-            return max(self.train.peak, self.train.resident + self.rollout.budget)
-        return self.train.peak
+        return self.colocated.peak if self.colocated is not None else self.train.peak
 
     @property
     def rollout_gpu_peak(self) -> float:
@@ -106,15 +159,8 @@ class MemoryEstimate:
     def problems(self) -> list[str]:
         found = []
         cap = self.capacity
-        if self.placement is Placement.COLOCATED:
-            if self.train.peak > cap:
-                found.append(f"training alone needs {self.train.peak:.0f} GB per GPU of {cap:.0f} GB")
-            if self.train.resident + self.rollout.budget > cap:
-                found.append(
-                    f"colocated rollout needs the training state ({self.train.resident:.0f} GB) plus vLLM's "
-                    f"share ({self.rollout.budget:.0f} GB) = {self.train.resident + self.rollout.budget:.0f} GB "
-                    f"per GPU of {cap:.0f} GB"
-                )
+        if self.colocated is not None:
+            found += self.colocated_problems(self.colocated)
         elif self.train.peak > cap:
             found.append(f"training needs {self.train.peak:.0f} GB per GPU of {cap:.0f} GB")
         if self.train.startup > cap:
@@ -126,18 +172,43 @@ class MemoryEstimate:
             )
         return found
 
+    def colocated_problems(self, phases: ColocatedPeaks) -> list[str]:
+        t, r, cap = self.train, self.rollout, self.capacity
+        per_gpu = f"per GPU of {cap:.0f} GB"
+        found = []
+        if phases.train > cap and phases.sleep:
+            found.append(
+                f"training beside the sleeping engine needs {t.peak:.0f} + {ENGINE_ASLEEP_GB:.0f} GB "
+                f"= {phases.train:.0f} GB {per_gpu}"
+            )
+        elif phases.train > cap:
+            found.append(f"training alone needs {phases.train:.0f} GB {per_gpu}")
+        if phases.sleep and phases.refit > cap:
+            found.append(
+                f"the refit needs the training state ({t.resident:.0f} GB) plus the engine's weights "
+                f"({r.weights:.0f} GB), two weight-sync buckets ({phases.buckets:.1f} GB) and the sleeping "
+                f"engine's residue ({ENGINE_ASLEEP_GB:.0f} GB) = {phases.refit:.0f} GB {per_gpu}"
+            )
+        if phases.generate > cap:
+            found.append(
+                f"colocated rollout needs the training state ({t.resident:.0f} GB) plus vLLM's "
+                f"share ({r.budget:.0f} GB) = {phases.generate:.0f} GB {per_gpu}"
+            )
+        return found
+
     @property
     def fits(self) -> bool:
         return not self.problems
 
 
 def estimate_memory(cfg: RunConfig, topo: Topology) -> MemoryEstimate:
-    return MemoryEstimate(
-        capacity=cfg.cluster.gpu_memory_gb,
-        placement=topo.placement,
-        train=estimate_train(cfg, topo),
-        rollout=estimate_rollout(cfg, topo),
-    )
+    """The estimate of ``cfg`` as the planner resolved it (``rollout.sleep`` None counts as off)."""
+    train, rollout = estimate_train(cfg, topo), estimate_rollout(cfg, topo)
+    phases = None
+    if topo.placement is Placement.COLOCATED:
+        sleep = isinstance(cfg.rollout, VLLMRolloutConfig) and cfg.rollout.sleep is True
+        phases = colocated_peaks(train, rollout, sleep=sleep, bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+    return MemoryEstimate(cfg.cluster.gpu_memory_gb, topo.placement, train, rollout, phases)
 
 
 def estimate_train(cfg: RunConfig, topo: Topology) -> TrainMemory:
@@ -214,13 +285,14 @@ def estimate_rollout(cfg: RunConfig, topo: Topology) -> RolloutMemory:
     counts = model.param_counts()
     text_only = isinstance(rollout, VLLMRolloutConfig) and rollout.language_model_only
     served = counts.total - (counts.frozen if text_only else 0)
+    weight_bytes = DTYPE_BYTES.get(rollout.dtype, 2) if isinstance(rollout, VLLMRolloutConfig) else 2
     seq_len = cfg.max_seq_len
     samples = cfg.algo.num_prompts_per_step * cfg.algo.num_generations
     wanted = -(-samples // topo.rollout.engines)
     wanted = min(wanted, rollout.max_num_seqs)
     return RolloutMemory(
         budget=rollout.gpu_memory_utilization * cfg.cluster.gpu_memory_gb,
-        weights=2 * served / tp / GB,
+        weights=weight_bytes * served / tp / GB,
         kv_per_sequence=model.kv_bytes_for_sequence(seq_len, tp=tp) / GB,
         sequence_len=seq_len,
         wanted_sequences=wanted,

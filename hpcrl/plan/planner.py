@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcrl.config.cluster import Scheduler
+from hpcrl.config.cluster import ClusterConfig, Scheduler
 from hpcrl.config.compose import compose_config, conf_dir
 from hpcrl.config.schema import RunConfig
 from hpcrl.errors import ConfigError, DoesNotFitError, HpcrlError
 from hpcrl.plan.memory import MemoryEstimate, estimate_memory
 from hpcrl.plan.quirks import AppliedQuirk, apply_quirks
-from hpcrl.plan.topology import Topology, build_topology
+from hpcrl.plan.topology import Placement, Topology, build_topology
+from hpcrl.rollout.config import VLLMRolloutConfig
 from hpcrl.trainer.config import (
     MEGATRON_FAMILIES,
     FSDPTrainerConfig,
@@ -20,11 +21,24 @@ from hpcrl.trainer.config import (
 
 
 @dataclass(frozen=True)
+class SleepChoice:
+    """``rollout.sleep`` as the planner resolved it into the config, and why."""
+
+    value: bool
+    explicit: bool
+    """Set by the user (True) or decided by the planner from None (False)."""
+    reason: str
+    """Why it is what it is, for ``hpcrl plan``."""
+
+
+@dataclass(frozen=True)
 class Plan:
     cfg: RunConfig
     topology: Topology
     memory: MemoryEstimate
     quirks: tuple[AppliedQuirk, ...]
+    sleep: SleepChoice | None
+    """None: the rollout backend has no sleep mode (rollout=hf)."""
 
     def require_fit(self) -> None:
         if not self.memory.fits:
@@ -134,11 +148,50 @@ def make_plan(cfg: RunConfig) -> Plan:
         rollout_tp=cfg.rollout.tp,
     )
     check_model_parallel(cfg)
-    return Plan(cfg=cfg, topology=topo, memory=estimate_memory(cfg, topo), quirks=tuple(quirks))
+    sleep = resolve_sleep(cfg, topo.placement)
+    return Plan(cfg, topo, estimate_memory(cfg, topo), tuple(quirks), sleep)
 
 
 def plan_from_overrides(overrides: list[str]) -> Plan:
     return make_plan(compose_config(overrides))
+
+
+def on_gpus(cluster: ClusterConfig) -> bool:
+    """Whether the run's devices are GPUs, as the cluster says: ``cluster.gpu`` names a GPU model, or
+    ``cpu`` (cluster=local and the namespace test cluster; a local run on a GPU machine names its GPU
+    with ``cluster.gpu=...``)."""
+    return cluster.gpu.strip().lower() != "cpu"
+
+
+def sleep_blocker(cfg: RunConfig, placement: Placement) -> str:
+    """Why the engines cannot sleep while the trainer trains ("": they can)."""
+    if placement is Placement.SPLIT:
+        return "placement is split: the engines have GPUs of their own"
+    if not on_gpus(cfg.cluster):
+        return f"cluster '{cfg.cluster.name}' runs on cpu, where vLLM has no sleep mode"
+    return ""
+
+
+SLEEP_ON = "the vllm engines share the trainer's GPUs: they sleep while it trains"
+SLEEP_OFF = "the vllm engines stay awake, holding their share while the trainer trains"
+
+
+def resolve_sleep(cfg: RunConfig, placement: Placement) -> SleepChoice | None:
+    """Set ``rollout.sleep`` in place (the engine is built from the resolved config): None is on exactly
+    for vllm engines colocated with the trainer on GPUs; an explicit true where it cannot apply is an error."""
+    rollout = cfg.rollout
+    if not isinstance(rollout, VLLMRolloutConfig):
+        return None
+    blocker = sleep_blocker(cfg, placement)
+    explicit = rollout.sleep is not None
+    if rollout.sleep is None:
+        rollout.sleep = not blocker
+    elif rollout.sleep and blocker:
+        # colocated on cpu: the machine may have a GPU the cluster config does not name
+        gpu = "" if placement is Placement.SPLIT else ", or name this machine's GPU (e.g. cluster.gpu=H200)"
+        raise ConfigError(f"rollout.sleep=true needs colocated GPUs ({blocker}); drop it{gpu}")
+    reason = blocker or (SLEEP_ON if rollout.sleep else SLEEP_OFF)
+    return SleepChoice(rollout.sleep, explicit=explicit, reason=reason)
 
 
 def check_cluster_layout(cfg: RunConfig) -> None:

@@ -8,7 +8,6 @@ from rich.console import Console
 from rich.table import Table
 
 from hpcrl.plan.planner import Plan, shipped_layouts
-from hpcrl.plan.topology import Placement
 from hpcrl.trainer.config import MegatronTrainerConfig
 
 
@@ -31,6 +30,9 @@ def show_plan(plan: Plan, console: Console, sbatch: dict[str, Any] | None = None
     console.print(_nodes(plan))
     console.print(_parallelism(plan))
     console.print(_memory(plan))
+    if plan.sleep is not None:
+        how = "explicit" if plan.sleep.explicit else "auto"
+        console.print(f"rollout.sleep={str(plan.sleep.value).lower()} ({how}: {plan.sleep.reason})")
     _verdict(plan, console)
     layouts = _layouts(plan)
     if layouts is not None:
@@ -115,9 +117,23 @@ def _memory(plan: Plan) -> Table:
     table.add_row("rollout: weights (per GPU)", f"{r.weights:.1f}")
     table.add_row(f"rollout: KV per {r.sequence_len}-token sequence", f"{r.kv_per_sequence:.3f}")
     table.add_row("rollout: sequences in KV (fit / wanted)", f"{r.sequences_that_fit} / {r.wanted_sequences}")
-    if plan.topology.placement is Placement.COLOCATED:
-        table.add_row("colocated peak (train state + engine share)", f"{mem.train_gpu_peak:.1f}")
+    for name, value in _colocated_rows(plan):
+        table.add_row(name, f"{value:.1f}")
     return table
+
+
+def _colocated_rows(plan: Plan) -> list[tuple[str, float]]:
+    phases = plan.memory.colocated
+    if phases is None:
+        return []
+    if not phases.sleep:
+        return [("colocated peak (sleep off: train state + engine share)", phases.peak)]
+    return [
+        ("colocated peak (sleep on: max of train / refit / generate)", phases.peak),
+        ("  train: training peak + engine asleep", phases.train),
+        ("  refit: train state + engine weights + 2 buckets", phases.refit),
+        ("  generate: train state + engine share", phases.generate),
+    ]
 
 
 def _verdict(plan: Plan, console: Console) -> None:
