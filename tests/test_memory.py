@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from rich.console import Console
 
+from hpcrl.errors import ConfigError
+from hpcrl.plan.planner import SLEEP_ON
+from hpcrl.plan.show import show_plan
 from hpcrl.plan.topology import Placement
 
 from .conftest import ROOT, SITE, plan
@@ -142,3 +146,183 @@ def test_every_shipped_recipe_starts_and_trains_within_its_gpus(recipe):
     )
     assert t.startup <= m.capacity and m.train_gpu_peak <= m.capacity, numbers
     assert (t.reference > 0) == (p.cfg.algo.kl_coef > 0), numbers
+    if p.sleep is not None:  # vllm: asleep while training exactly on colocated GPUs
+        assert p.sleep.value == (p.memory.colocated is not None and p.cfg.cluster.gpu != "cpu"), numbers
+
+
+# rollout.sleep: the planner's resolution and the colocated peak phase by phase
+
+QWEN_TP2 = (
+    "model=qwen2_1p5b",
+    "trainer=megatron",
+    "trainer.tp=2",
+    "cluster=h100",
+    *SITE,
+    "data=openmathinstruct2",
+)
+
+
+def qwen_tp2_hand_computed(
+    gpu_memory_gb: float = 80, utilization: float = 0.6, bucket_mb: int = 512
+) -> dict[str, float]:
+    """The colocated phases of QWEN_TP2 (8 H100s, dp=4, one bf16 engine per GPU at rollout.tp=1),
+    from the parameter count alone (the terms as test_qwen2_1p5b_megatron_tp2_hand_computed has them)."""
+    params = 1_543_569_408
+    shard = params / 2
+    # bf16 weights 2 + fp32 grads 4 + Adam 12 over dp=4 + fp32 reference 4 (kl_coef 0.01), + 4 GB overhead
+    resident = (2 + 4 + 12 / 4 + 4) * shard / GB + 4.0
+    tokens, h, layers = 2048, 1536, 28
+    activations = (2 * h * tokens * layers / 2 + 34 * h * tokens / 2) / GB
+    logits = tokens * 151936 / 2 * 8 / GB
+    engine_weights = 2 * params / GB
+    buckets = 2 * bucket_mb * 2**20 / GB  # two buckets of rollout.weight_sync_bucket_mb
+    asleep = 2.0  # ENGINE_ASLEEP_GB
+    return {
+        "resident": resident,
+        "train_peak": resident + activations + logits,
+        "sleep_train": resident + activations + logits + asleep,
+        "sleep_refit": resident + engine_weights + buckets + asleep,
+        "generate": resident + utilization * gpu_memory_gb,
+    }
+
+
+def test_sleep_on_colocated_peak_is_the_largest_phase_hand_computed():
+    want = qwen_tp2_hand_computed(utilization=0.1, bucket_mb=2048)
+    p = plan(*QWEN_TP2, "rollout.gpu_memory_utilization=0.1", "rollout.weight_sync_bucket_mb=2048")
+    phases = p.memory.colocated
+    assert phases is not None and phases.sleep
+    assert phases.train == pytest.approx(want["sleep_train"])  # 17.4
+    assert phases.refit == pytest.approx(want["sleep_refit"])  # 23.4
+    assert phases.generate == pytest.approx(want["generate"])  # 22.0
+    assert phases.buckets == pytest.approx(2 * 2048 * 2**20 / GB)
+    # a small engine share and large buckets: the refit (weights woken, buckets in flight) is the peak
+    assert p.memory.train_gpu_peak == pytest.approx(want["sleep_refit"])
+    assert p.memory.fits
+
+
+def test_sleep_on_and_off_at_the_default_share_hand_computed():
+    """At vLLM's default share, generation (train state + engine share) is the peak either way: 62 GB."""
+    want = qwen_tp2_hand_computed()
+    on, off = plan(*QWEN_TP2), plan(*QWEN_TP2, "rollout.sleep=false")
+    assert on.memory.colocated is not None and on.memory.colocated.sleep
+    assert on.memory.train_gpu_peak == pytest.approx(
+        max(want["sleep_train"], want["sleep_refit"], want["generate"])
+    )
+    assert on.memory.train_gpu_peak == pytest.approx(want["generate"])
+    assert off.memory.colocated is not None and not off.memory.colocated.sleep
+    assert off.memory.train_gpu_peak == pytest.approx(want["resident"] + 0.6 * 80)  # train state + share
+    assert off.memory.colocated.train == pytest.approx(want["train_peak"])  # as before: no residue added
+
+
+def test_sleep_on_problems_name_the_phase_that_does_not_fit():
+    # 23 GB GPUs: training (17.4) and generation (20.9) fit, the refit with 4 GB buckets (27.7) does not
+    want = qwen_tp2_hand_computed(gpu_memory_gb=23, utilization=0.3, bucket_mb=4096)
+    overrides = ("rollout.gpu_memory_utilization=0.3", "rollout.weight_sync_bucket_mb=4096")
+    p = plan(*QWEN_TP2, *overrides, "cluster.gpu_memory_gb=23")
+    assert want["sleep_train"] < 23 and want["generate"] < 23 < want["sleep_refit"]
+    problems = p.memory.problems
+    refit = [x for x in problems if x.startswith("the refit needs")]
+    assert refit == [
+        "the refit needs the training state (14 GB) plus the engine's weights (3 GB), two weight-sync "
+        "buckets (8.6 GB) and the sleeping engine's residue (2 GB) = 28 GB per GPU of 23 GB"
+    ]
+    assert problems == refit  # nothing else: training and generation fit
+
+
+def test_sleep_auto_is_on_for_vllm_colocated_on_gpus():
+    p = plan(*QWEN_TP2)
+    assert p.topology.placement is Placement.COLOCATED
+    assert p.cfg.rollout.sleep is True  # resolved in the config the engine is built from
+    assert (p.sleep.value, p.sleep.explicit) == (True, False)
+    assert p.sleep.reason == SLEEP_ON
+
+
+def test_sleep_auto_is_off_on_split_placement():
+    p = plan("+experiment=dapo-nemotron-super-5n4g-megatron", *SITE)
+    assert p.cfg.rollout.sleep is False and p.memory.colocated is None
+    assert (p.sleep.value, p.sleep.explicit) == (False, False)
+    assert p.sleep.reason == "placement is split: the engines have GPUs of their own"
+
+
+def test_sleep_auto_is_off_for_the_default_local_cpu_run():
+    p = plan()
+    assert p.cfg.cluster.gpu == "cpu" and p.cfg.rollout.backend == "vllm"
+    assert p.cfg.rollout.sleep is False
+    assert p.memory.colocated is not None and not p.memory.colocated.sleep
+    assert p.sleep.reason == "cluster 'local' runs on cpu, where vLLM has no sleep mode"
+    # the same machine with its GPU named: on GPUs, so on
+    assert plan("cluster.gpu=H200").cfg.rollout.sleep is True
+
+
+def test_sleep_has_nothing_to_resolve_for_hf_rollout():
+    p = plan(*QWEN_TP2, "rollout=hf")
+    assert p.sleep is None and not hasattr(p.cfg.rollout, "sleep")
+    assert p.memory.colocated is not None and not p.memory.colocated.sleep
+
+
+def test_sleep_explicit_values_are_kept_where_they_apply():
+    on, off = plan(*QWEN_TP2, "rollout.sleep=true"), plan(*QWEN_TP2, "rollout.sleep=false")
+    assert (on.sleep.value, on.sleep.explicit, on.cfg.rollout.sleep) == (True, True, True)
+    assert (off.sleep.value, off.sleep.explicit, off.cfg.rollout.sleep) == (False, True, False)
+    assert off.sleep.reason == "the vllm engines stay awake, holding their share while the trainer trains"
+    split = plan("+experiment=dapo-nemotron-super-5n4g-megatron", *SITE, "rollout.sleep=false")
+    assert (split.sleep.value, split.sleep.explicit) == (False, True)
+
+
+def test_sleep_true_on_split_is_a_config_error_naming_the_key():
+    with pytest.raises(ConfigError) as err:
+        plan("+experiment=dapo-nemotron-super-5n4g-megatron", *SITE, "rollout.sleep=true")
+    assert str(err.value) == (
+        "rollout.sleep=true needs colocated GPUs (placement is split: the engines have GPUs of their own); "
+        "drop it"
+    )
+
+
+def test_sleep_true_on_cpu_is_a_config_error_naming_the_key_and_the_fix():
+    with pytest.raises(ConfigError) as err:
+        plan("rollout.sleep=true")
+    assert str(err.value) == (
+        "rollout.sleep=true needs colocated GPUs (cluster 'local' runs on cpu, where vLLM has no sleep "
+        "mode); drop it, or name this machine's GPU (e.g. cluster.gpu=H200)"
+    )
+
+
+def test_sleep_true_on_split_is_one_line_through_the_cli(cli):
+    result = cli("plan", "+experiment=grpo-tiny-2n1g-fsdp-split", "rollout.sleep=true")
+    assert result.returncode == 2, result.stdout[-1000:]
+    assert result.stderr.strip().splitlines() == [
+        "hpcrl: error: rollout.sleep=true needs colocated GPUs (placement is split: the engines have GPUs "
+        "of their own); drop it"
+    ]
+
+
+def memory_row(text: str, item: str) -> str:
+    """The GB cell of the memory table's row ``item``."""
+    rows = [line.split("│") for line in text.splitlines() if line.startswith(f"│ {item} ")]
+    assert len(rows) == 1, f"no single row {item!r} in:\n{text}"
+    return rows[0][2].strip()
+
+
+def plan_text(*overrides: str) -> str:
+    console = Console(record=True, width=200)
+    show_plan(plan(*overrides), console)
+    return console.export_text()
+
+
+def test_plan_output_shows_the_phases_and_the_resolved_sleep():
+    want = qwen_tp2_hand_computed()
+    text = plan_text(*QWEN_TP2)
+    assert (
+        memory_row(text, "colocated peak (sleep on: max of train / refit / generate)")
+        == f"{want['generate']:.1f}"
+    )
+    assert memory_row(text, "  train: training peak + engine asleep") == f"{want['sleep_train']:.1f}"
+    assert (
+        memory_row(text, "  refit: train state + engine weights + 2 buckets") == f"{want['sleep_refit']:.1f}"
+    )
+    assert memory_row(text, "  generate: train state + engine share") == f"{want['generate']:.1f}"
+    assert f"rollout.sleep=true (auto: {SLEEP_ON})\n" in text
+    off = plan_text(*QWEN_TP2, "rollout.sleep=false")
+    assert "colocated peak (sleep off: train state + engine share)" in off and "refit:" not in off
+    assert "rollout.sleep=false (explicit: the vllm engines stay awake" in off
+    assert "rollout.sleep" not in plan_text(*QWEN_TP2, "rollout=hf")
