@@ -316,9 +316,12 @@ def test_plan_output_shows_the_phases_and_the_resolved_sleep():
         memory_row(text, "colocated peak (sleep on: max of train / refit / generate)")
         == f"{want['generate']:.1f}"
     )
-    assert memory_row(text, "  train: training peak + engine asleep") == f"{want['sleep_train']:.1f}"
     assert (
-        memory_row(text, "  refit: train state + engine weights + 2 buckets") == f"{want['sleep_refit']:.1f}"
+        memory_row(text, "  train: training peak + sleeping engine's residue") == f"{want['sleep_train']:.1f}"
+    )
+    assert (
+        memory_row(text, "  refit: train state + engine weights + 2 buckets + residue")
+        == f"{want['sleep_refit']:.1f}"
     )
     assert memory_row(text, "  generate: train state + engine share") == f"{want['generate']:.1f}"
     assert f"rollout.sleep=true (auto: {SLEEP_ON})\n" in text

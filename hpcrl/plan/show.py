@@ -130,8 +130,8 @@ def _colocated_rows(plan: Plan) -> list[tuple[str, float]]:
         return [("colocated peak (sleep off: train state + engine share)", phases.peak)]
     return [
         ("colocated peak (sleep on: max of train / refit / generate)", phases.peak),
-        ("  train: training peak + engine asleep", phases.train),
-        ("  refit: train state + engine weights + 2 buckets", phases.refit),
+        ("  train: training peak + sleeping engine's residue", phases.train),
+        ("  refit: train state + engine weights + 2 buckets + residue", phases.refit),
         ("  generate: train state + engine share", phases.generate),
     ]
 
