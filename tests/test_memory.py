@@ -201,7 +201,8 @@ def test_sleep_on_colocated_peak_is_the_largest_phase_hand_computed():
 
 
 def test_sleep_on_and_off_at_the_default_share_hand_computed():
-    """At vLLM's default share, generation (train state + engine share) is the peak either way: 62 GB."""
+    """Sleep on: generation (train state + engine share, 62 GB) is the peak. Sleep off: the awake
+    engine keeps its share through training, so training plus the share is (63.4 GB)."""
     want = qwen_tp2_hand_computed()
     on, off = plan(*QWEN_TP2), plan(*QWEN_TP2, "rollout.sleep=false")
     assert on.memory.colocated is not None and on.memory.colocated.sleep
@@ -210,8 +211,9 @@ def test_sleep_on_and_off_at_the_default_share_hand_computed():
     )
     assert on.memory.train_gpu_peak == pytest.approx(want["generate"])
     assert off.memory.colocated is not None and not off.memory.colocated.sleep
-    assert off.memory.train_gpu_peak == pytest.approx(want["resident"] + 0.6 * 80)  # train state + share
-    assert off.memory.colocated.train == pytest.approx(want["train_peak"])  # as before: no residue added
+    assert off.memory.colocated.train == pytest.approx(want["train_peak"] + 0.6 * 80)
+    assert off.memory.train_gpu_peak == pytest.approx(want["train_peak"] + 0.6 * 80)
+    assert on.memory.train_gpu_peak < off.memory.train_gpu_peak  # what sleeping buys
 
 
 def test_sleep_on_problems_name_the_phase_that_does_not_fit():
@@ -326,6 +328,6 @@ def test_plan_output_shows_the_phases_and_the_resolved_sleep():
     assert memory_row(text, "  generate: train state + engine share") == f"{want['generate']:.1f}"
     assert f"rollout.sleep=true (auto: {SLEEP_ON})\n" in text
     off = plan_text(*QWEN_TP2, "rollout.sleep=false")
-    assert "colocated peak (sleep off: train state + engine share)" in off and "refit:" not in off
+    assert "colocated peak (sleep off: training peak + engine share)" in off and "refit:" not in off
     assert "rollout.sleep=false (explicit: the vllm engines stay awake" in off
     assert "rollout.sleep" not in plan_text(*QWEN_TP2, "rollout=hf")

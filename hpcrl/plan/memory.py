@@ -127,7 +127,10 @@ def colocated_peaks(
 ) -> ColocatedPeaks:
     generate = train.resident + rollout.budget
     if not sleep:
-        return ColocatedPeaks(sleep=False, train=train.peak, refit=generate, generate=generate)
+        # awake, the engine keeps its whole share allocated while the trainer trains
+        return ColocatedPeaks(
+            sleep=False, train=train.peak + rollout.budget, refit=generate, generate=generate
+        )
     buckets = 2 * bucket_mb * MIB / GB
     return ColocatedPeaks(
         sleep=True,

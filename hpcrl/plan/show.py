@@ -127,7 +127,7 @@ def _colocated_rows(plan: Plan) -> list[tuple[str, float]]:
     if phases is None:
         return []
     if not phases.sleep:
-        return [("colocated peak (sleep off: train state + engine share)", phases.peak)]
+        return [("colocated peak (sleep off: training peak + engine share)", phases.peak)]
     return [
         ("colocated peak (sleep on: max of train / refit / generate)", phases.peak),
         ("  train: training peak + sleeping engine's residue", phases.train),
