@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -180,24 +181,36 @@ class HFEngine:
     ranks = 1
     """Ranks this engine takes in the weight group (one process)."""
 
-    def join_weight_group(
-        self,
-        master: str,
-        rank_base: int,
-        world: int,
-        metas: list[Any],
-        bucket_numel: int,
-        local_ip: str,
-        backend: str,
-    ) -> None:
-        from hpcrl.sync.broadcast import join_as_receiver
+    def join_weight_group(self, wire: dict[str, Any], rank_base: int, local_ip: str) -> None:
+        from hpcrl.sync.broadcast import WeightLayout, join_as_receiver
 
-        self._receiver = join_as_receiver(
-            backend, master, rank_base, world, metas, bucket_numel, self.weight_dtype, self.device, local_ip
-        )
+        layout = WeightLayout.from_wire(wire)
+        self._receiver = join_as_receiver(layout, rank_base, self.device, local_ip)
 
     def receive_weights(self) -> None:
-        self.load_weights(dict(self._receiver.receive()))
+        for bucket in self._receiver.receive_buckets():  # one bucket at a time beside the model
+            self.load_weights(bucket)
+
+    def load_ipc(self, args: Any, entries: list[Any]) -> None:
+        """One bucket from the trainer on this GPU (CUDA IPC): copied into the model, then let go."""
+        import torch
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        args = list(args)
+        args[6] = torch.cuda.current_device()  # storage_device: the same GPU, maybe numbered otherwise here
+        buf = rebuild_cuda_tensor(*args)
+        self.load_weights({n: buf[o : o + math.prod(s)].view(tuple(s)) for n, s, o in entries})
+        torch.cuda.synchronize()
+        del buf
+
+    def finish_refit(self) -> None:
+        """Nothing cached across generations."""
+
+    def sleep(self) -> None:
+        """The hf engine has no sleep mode."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """The hf engine has no sleep mode."""
 
     def load_weights(self, weights: dict[str, Any]) -> None:
         """Weights arrive in checkpoint names (both trainers export those); this model may hold some

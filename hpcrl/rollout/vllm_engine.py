@@ -20,27 +20,15 @@ from hpcrl.rollout.config import VLLMRolloutConfig
 class WeightReloader:
     """vLLM worker extension (named by ``worker_extension_cls``): runs inside each vLLM worker."""
 
-    def hpcrl_join_weight_group(
-        self,
-        master: str,
-        rank_base: int,
-        world: int,
-        metas: list[Any],
-        bucket_numel: int,
-        dtype: str,
-        local_ip: str,
-        backend: str,
-    ) -> int:
-        """Join the trainer's weight group as rank ``rank_base`` + this worker's rank in the engine."""
+    def hpcrl_join_weight_group(self, wire: dict[str, Any], rank_base: int, local_ip: str) -> int:
+        """Join every sending trainer rank's weight group as rank ``rank_base`` + this worker's rank."""
         import torch
 
-        from hpcrl.sync.broadcast import join_as_receiver
+        from hpcrl.sync.broadcast import WeightLayout, join_as_receiver
 
         rank = rank_base + int(getattr(self, "rank", 0))
         device = getattr(self, "device", None) or torch.device("cpu")
-        self._hpcrl_receiver = join_as_receiver(
-            backend, master, rank, world, metas, bucket_numel, dtype, device, local_ip
-        )
+        self._hpcrl_receiver = join_as_receiver(WeightLayout.from_wire(wire), rank, device, local_ip)
         return rank
 
     def hpcrl_receive_weights(self) -> int:
@@ -48,7 +36,7 @@ class WeightReloader:
         self.model_runner.reload_weights(  # type: ignore[attr-defined]
             weights_iterator=self._hpcrl_receiver.receive(), is_checkpoint_format=True
         )
-        return len(self._hpcrl_receiver.buckets)
+        return self._hpcrl_receiver.buckets
 
     def hpcrl_reload_weights(self, payload: bytes) -> int:
         from safetensors.torch import load
@@ -137,23 +125,14 @@ class VLLMEngine:
             groups.append(group)
         return groups
 
-    def join_weight_group(
-        self,
-        master: str,
-        rank_base: int,
-        world: int,
-        metas: list[Any],
-        bucket_numel: int,
-        local_ip: str,
-        backend: str,
-    ) -> None:
-        self.llm.collective_rpc(
-            "hpcrl_join_weight_group",
-            args=(master, rank_base, world, metas, bucket_numel, self.weight_dtype, local_ip, backend),
-        )
+    def join_weight_group(self, wire: dict[str, Any], rank_base: int, local_ip: str) -> None:
+        self.llm.collective_rpc("hpcrl_join_weight_group", args=(wire, rank_base, local_ip))
 
     def receive_weights(self) -> None:
         self.llm.collective_rpc("hpcrl_receive_weights")
+
+    def finish_refit(self) -> None:
+        """After the last bucket: KV computed with the old weights must not be reused."""
         self.llm.reset_prefix_cache()
 
     def load_weights(self, weights: dict[str, Any]) -> None:

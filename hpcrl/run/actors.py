@@ -64,14 +64,10 @@ class TrainerActor:
     def train_step(self, batch: Any, ref_logp: Any) -> dict[str, float]:
         return self.trainer.train_step(batch, ref_logp)
 
-    def export_weights(self) -> dict[str, Any]:
-        return self.trainer.export_weights()
-
-    # -- weight broadcast to the engines (hpcrl.sync.broadcast); rank 0 is the sender ----------------
+    # -- weights to the engines (hpcrl/run/refit.py): streamed, bucket by bucket -------------------
     def weight_metas(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Names and shapes of the exported weights (a collective: every rank calls it; rank 0 answers)."""
-        weights = self.trainer.export_weights()
-        return [(name, tuple(t.shape)) for name, t in weights.items()] if self.rank == 0 else []
+        """The tensors this rank sends (names and shapes from parameter metadata)."""
+        return self.trainer.weight_metas()
 
     def weight_endpoint(self) -> str:
         from hpcrl.trainer.fsdp import free_port
@@ -79,22 +75,53 @@ class TrainerActor:
         ip = ray_node_ip()
         return f"{ip}:{free_port(ip)}"
 
-    def join_weight_group(
-        self, master: str, world: int, metas: list[Any], bucket_numel: int, dtype: str, backend: str
-    ) -> None:
-        from hpcrl.sync.broadcast import join_as_sender
+    def join_weight_group(self, wire: dict[str, Any]) -> None:
+        """Every rank: the sources open their group with the engines; all keep the wire dtype (the
+        gathers run in it on every rank)."""
+        from hpcrl.sync.broadcast import WeightLayout, dtype_of, join_as_sender
 
-        self.sender = join_as_sender(backend, master, world, metas, bucket_numel, dtype, self.device)
+        layout = WeightLayout.from_wire(wire)
+        self.wire_dtype = dtype_of(layout.dtype)
+        if layout.masters and layout.source_index(self.rank) is not None:  # a broadcast's source
+            self.sender = join_as_sender(layout, self.rank, self.device)
 
     def send_weights(self) -> dict[str, float]:
-        """Export (every rank) and broadcast (rank 0): seconds of each part and the bytes sent."""
-        import time
+        """Stream into the broadcast (a source) or only help gather (the other ranks)."""
+        sender = getattr(self, "sender", None)
+        return self._stream(sender.packer() if sender else None, self.wire_dtype)
 
-        start = time.perf_counter()
-        weights = self.trainer.export_weights()
-        exported = time.perf_counter()
-        sent = self.sender.send(weights) if self.rank == 0 else 0
-        return {"export_s": exported - start, "broadcast_s": time.perf_counter() - exported, "bytes": sent}
+    def send_weights_via(self, engines: list[Any], via: str, wire: dict[str, Any]) -> dict[str, float]:
+        """Stream into CUDA IPC handles for the engine on this GPU (``ipc``: every rank feeds its
+        own) or into Ray's object store for every engine (``object_store``: the sources)."""
+        from hpcrl.sync.broadcast import WeightLayout, dtype_of
+        from hpcrl.sync.packer import BucketPacker, ipc_emit, store_emit
+
+        layout = WeightLayout.from_wire(wire)
+        index = 0 if via == "ipc" else layout.source_index(self.rank)
+        dtype = dtype_of(layout.dtype)
+        if index is None or not engines:
+            return self._stream(None, dtype)
+        emit = ipc_emit(engines[0]) if via == "ipc" else store_emit(engines)
+        return self._stream(BucketPacker(layout.buckets(index), dtype, self._device(), emit), dtype)
+
+    def _stream(self, packer: Any, dtype: Any) -> dict[str, float]:
+        """``packer`` None: this rank sends nothing but takes part in the gathers (in ``dtype``)."""
+        from dataclasses import asdict
+
+        import torch
+
+        from hpcrl.sync.packer import PackStats
+
+        self.trainer.stream_weights(packer, dtype)
+        stats = packer.finish() if packer is not None else PackStats()
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # buffers shared by IPC go back to the allocator
+        return {k: float(v) for k, v in asdict(stats).items()}
+
+    def _device(self) -> Any:
+        import torch
+
+        return next(self.trainer.model.parameters()).device if self.trainer else torch.device("cpu")
 
     def save_checkpoint(self, path: str, async_save: bool) -> float:
         return float(self.trainer.save_checkpoint(path, async_save))
@@ -148,21 +175,21 @@ class RolloutActor:
         self.engine.load_weights(weights)
         return True
 
+    def load_ipc(self, args: Any, entries: list[Any]) -> bool:
+        self.engine.load_ipc(args, entries)
+        return True
+
+    def finish_refit(self) -> bool:
+        """After the last bucket: caches computed with the old weights are dropped."""
+        self.engine.finish_refit()
+        return True
+
     def weight_ranks(self) -> tuple[int, str, str]:
         """(ranks this engine takes in the weight group, the dtype it wants, this node's address)."""
         return self.engine.ranks, self.engine.weight_dtype, ray_node_ip()
 
-    def join_weight_group(
-        self,
-        master: str,
-        rank_base: int,
-        world: int,
-        metas: list[Any],
-        bucket_numel: int,
-        local_ip: str,
-        backend: str,
-    ) -> None:
-        self.engine.join_weight_group(master, rank_base, world, metas, bucket_numel, local_ip, backend)
+    def join_weight_group(self, wire: dict[str, Any], rank_base: int, local_ip: str) -> None:
+        self.engine.join_weight_group(wire, rank_base, local_ip)
 
     def receive_weights(self) -> bool:
         self.engine.receive_weights()

@@ -14,6 +14,7 @@ from hpcrl.plan.planner import Plan
 from hpcrl.plan.topology import Placement
 from hpcrl.rollout.base import Completion, SamplingSettings
 from hpcrl.run.actors import ROLLOUT_RESOURCE, TRAIN_RESOURCE, RolloutActor, TrainerActor
+from hpcrl.run.refit import Refit, choose_refit
 from hpcrl.trainer.batch import TrainBatch
 
 
@@ -23,11 +24,7 @@ class Fleet:
     engines: list[Any]
     placement: list[dict[str, Any]] = field(default_factory=list)
     data_ranks: list[tuple[int, int]] = field(default_factory=list)
-    weight_sync: str = "collective"
-    bucket_mb: int = 512
-    backend: str = "gloo"
-    weight_group_ready: bool = False
-    last_sync: dict[str, float] = field(default_factory=dict)
+    refit: Refit = field(default_factory=lambda: Refit("broadcast", "gloo", 512))
 
     @classmethod
     def start(cls, plan: Plan, model_dir: Path, scratch: Path, *, device: str, gpu_resources: bool) -> Fleet:
@@ -67,15 +64,10 @@ class Fleet:
         ray.get(setups)
         where = ray.get([a.where.remote() for a in trainers + engines])  # surface start-up errors here
         split = topo.placement is Placement.SPLIT and gpu_resources
-        mode, backend = choose_weight_sync(cfg.rollout.weight_sync, on_cpu=on_cpu, split=split)
-        return cls(
-            trainers,
-            engines,
-            where,
-            weight_sync=mode,
-            bucket_mb=cfg.rollout.weight_sync_bucket_mb,
-            backend=backend,
-        )
+        # IPC: every trainer rank feeds the single-GPU engine on its own GPU the whole model
+        ipc = len(engines) == len(trainers) and tp == 1 and (cfg.trainer.backend == "fsdp" or world == 1)
+        mode, backend = choose_refit(cfg.rollout.weight_sync, on_cpu=on_cpu, split=split, ipc=ipc)
+        return cls(trainers, engines, where, refit=Refit(mode, backend, cfg.rollout.weight_sync_bucket_mb))
 
     def describe(self) -> str:
         """One line: which role runs where, e.g. ``train x1 on node2; rollout x1 on node1``."""
@@ -149,58 +141,8 @@ class Fleet:
         return dict(results[0])
 
     def sync_weights(self) -> None:
-        """New weights from the trainer to every engine (``rollout.weight_sync``)."""
-        import ray
-
-        if self.weight_sync == "object_store":
-            weights = [t.export_weights.remote() for t in self.trainers]  # collective: every rank takes part
-            ray.get([e.load_weights.remote(weights[0]) for e in self.engines])
-            return
-        if not self.weight_group_ready:
-            self._form_weight_group()
-        parts = ray.get(
-            [t.send_weights.remote() for t in self.trainers]
-            + [e.receive_weights.remote() for e in self.engines]
-        )
-        self.last_sync = dict(parts[0])
-
-    def _form_weight_group(self) -> None:
-        """Trainer rank 0 (rank 0 of the group) and every engine worker (ranks 1..) agree on the
-        weights' names and shapes and open the group they broadcast over."""
-        import ray
-
-        from hpcrl.sync.broadcast import dtype_of
-
-        metas = next(m for m in ray.get([t.weight_metas.remote() for t in self.trainers]) if m)
-        master = ray.get(self.trainers[0].weight_endpoint.remote())
-        engines = ray.get([e.weight_ranks.remote() for e in self.engines])
-        dtypes = {dtype for _, dtype, _ in engines}
-        if len(dtypes) != 1:
-            raise RuntimeError(f"rollout engines hold weights in different dtypes: {sorted(dtypes)}")
-        world = 1 + sum(ranks for ranks, _, _ in engines)
-        # Buckets in elements of the wire dtype; every end derives the same plan from the same numbers.
-        (dtype,) = dtypes
-        bucket_numel = self.bucket_mb * 2**20 // dtype_of(dtype).itemsize
-        joins = [
-            self.trainers[0].join_weight_group.remote(master, world, metas, bucket_numel, dtype, self.backend)
-        ]
-        rank_base = 1
-        for engine, (ranks, _, ip) in zip(self.engines, engines, strict=True):
-            joins.append(
-                engine.join_weight_group.remote(
-                    master, rank_base, world, metas, bucket_numel, ip, self.backend
-                )
-            )
-            rank_base += ranks
-        try:
-            ray.get(joins)
-        except Exception as exc:  # a rendezvous that fails says why, and what to do about it
-            raise RuntimeError(
-                f"weight sync: trainer rank 0 ({master}) and the {len(self.engines)} rollout engine(s) could "
-                f"not form their {self.backend} group: {str(exc).splitlines()[-1]}. If the rollout nodes "
-                "cannot reach the train nodes directly, set rollout.weight_sync=object_store"
-            ) from exc
-        self.weight_group_ready = True
+        """New weights from the trainer ranks to every engine, streamed (run/refit.py)."""
+        self.refit.run(self.trainers, self.engines)
 
     # -- checkpoints: each trainer rank writes and reads its own shards; nothing passes through here
     def save_checkpoint(self, path: str, async_save: bool) -> float:
@@ -220,20 +162,6 @@ class Fleet:
         import ray
 
         ray.get([t.load_checkpoint.remote(path, weights_only) for t in self.trainers])
-
-
-def choose_weight_sync(requested: str, *, on_cpu: bool, split: bool) -> tuple[str, str]:
-    """(mode, process-group backend) for ``rollout.weight_sync``.
-
-    On CPUs the broadcast runs over gloo. On GPUs it runs over NCCL only when trainer and engines hold
-    different GPUs (split placement): when they share GPUs (colocated, or a local run on one GPU) two
-    ranks of the group would sit on one device, which NCCL refuses, so those runs go through the object
-    store (CUDA IPC handles would be the fast path there; not written yet)."""
-    if requested != "collective":
-        return requested, "gloo"
-    if on_cpu:
-        return "collective", "gloo"
-    return ("collective", "nccl") if split else ("object_store", "nccl")
 
 
 def _interleave(parts: list[Any]) -> Any:

@@ -1,19 +1,21 @@
-"""Trainer -> rollout engine weight broadcast over a process group of its own.
+"""Trainer -> rollout engine weight broadcast over process groups of their own.
 
-After every step trainer rank 0 broadcasts the full weights (Hugging Face names) to every rollout
-engine process: NCCL between GPUs, gloo on CPUs. The group is built directly from a ``TCPStore`` — never
-through ``init_process_group`` — so it lives beside the trainer's own group and vLLM's, which each
-own their process's default group.
+After every step each *sending* trainer rank broadcasts its part of the weights (Hugging Face names)
+to every rollout engine worker: fsdp's rank 0 (each tensor gathered over data parallel as its bucket
+is packed), or under Megatron each pipeline stage's first rank its stage's layers and each
+expert-parallel rank's first rank its experts — so no rank ever holds the whole model. Each sender
+has a group of its own with the engine workers (NCCL between GPUs, gloo on CPUs): the stages send
+without funnelling through one rank. The groups are built directly from a ``TCPStore`` — never
+through ``init_process_group`` — so they live beside the trainer's own group and vLLM's.
 
-Tensors travel in a few large flat buckets of one dtype each (``plan_buckets``): one collective per
-bucket instead of one per tensor, and the sender casts to the dtype the engines run in (bf16 on GPUs),
-so half the bytes of fp32 master weights cross the wire. Names and shapes are agreed once, when the
-group is formed (``TensorMeta`` via Ray); each sync then moves raw bytes only. The receiver hands the
-engine an iterator that receives bucket after bucket, so at most one bucket is in flight beside the
-engine's own weights.
+Tensors travel in flat buckets of the engines' dtype (``plan_buckets``), packed by sync/packer.py
+while the previous bucket is on the wire. What every member must agree on — who sends which tensors,
+in which order, dtype and bucket size, and where each group meets — is one value, ``WeightLayout``,
+formed once (names and shapes from parameter metadata); each sync then moves raw bytes only. The
+receiver hands the engine an iterator that receives bucket after bucket, sender after sender.
 
-The other way, ``rollout.weight_sync=object_store``, ships the weights as safetensors bytes through
-Ray's object store (slower; needs no connectivity between trainer and engines beyond Ray's).
+The other ways: ``rollout.weight_sync=object_store`` ships the same buckets through Ray's object
+store; colocated GPUs hand the engine CUDA IPC handles of the buckets (run/fleet.py decides).
 """
 
 from __future__ import annotations
@@ -25,50 +27,9 @@ from typing import Any
 
 import torch
 
+from hpcrl.sync.packer import Bucket, BucketPacker, TensorMeta, plan_buckets
+
 GROUP_PREFIX = "hpcrl-weights"
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    name: str
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """Consecutive tensors sent as one flat buffer: (meta, offset) pairs and the total length."""
-
-    entries: tuple[tuple[TensorMeta, int], ...]
-    numel: int
-
-
-def plan_buckets(metas: list[TensorMeta], bucket_numel: int) -> list[Bucket]:
-    """Pack tensors in order into buckets of at most ``bucket_numel`` elements; a tensor larger
-    than that gets a bucket of its own. Sender and receivers compute the same plan from the same
-    metas, so only data crosses the wire."""
-    buckets: list[Bucket] = []
-    entries: list[tuple[TensorMeta, int]] = []
-    used = 0
-    for meta in metas:
-        if entries and used + meta.numel > bucket_numel:
-            buckets.append(Bucket(tuple(entries), used))
-            entries, used = [], 0
-        entries.append((meta, used))
-        used += meta.numel
-    if entries:
-        buckets.append(Bucket(tuple(entries), used))
-    return buckets
-
-
-def metas_of(weights: dict[str, torch.Tensor]) -> list[TensorMeta]:
-    return [TensorMeta(name, tuple(t.shape)) for name, t in weights.items()]
 
 
 @dataclass
@@ -78,11 +39,15 @@ class WeightGroup:
     """Kept alive with the group: rank 0's store serves the others for as long as the group lives."""
 
     def broadcast(self, buf: torch.Tensor) -> None:
+        self.broadcast_async(buf).wait()
+
+    def broadcast_async(self, buf: torch.Tensor) -> Any:
+        """From rank 0; the work to ``wait`` on (the buffer must live until then)."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([buf], opts).wait()
+        return self.pg.broadcast([buf], opts)
 
     def barrier(self, device: torch.device) -> None:
         """Every rank has reached this point (an all-reduce: a broadcast does not hold its root, which
@@ -122,74 +87,154 @@ def new_group(
 
 @dataclass
 class WeightSender:
-    """Trainer rank 0's end: rank 0 of the weight group."""
+    """A sending trainer rank's end: rank 0 of its own group."""
 
     group: WeightGroup
     buckets: list[Bucket]
     dtype: torch.dtype
     device: torch.device
 
+    def packer(self) -> BucketPacker:
+        """A sink for one stream (``Trainer.stream_weights``): each full bucket is broadcast while
+        the next is packed; ``finish()`` waits for the last and returns the stream's costs."""
+        return BucketPacker(self.buckets, self.dtype, self.device, self._emit)
+
+    def _emit(self, buf: torch.Tensor, bucket: Bucket) -> Any:
+        return self.group.broadcast_async(buf)
+
     def send(self, weights: dict[str, torch.Tensor]) -> int:
-        """Broadcast ``weights`` (the names and shapes agreed at set-up); returns the bytes sent."""
-        sent = 0
+        """Broadcast ``weights`` whole (tests; small models); returns the bytes sent."""
+        packer = self.packer()
         for bucket in self.buckets:
-            buf = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
-            for meta, offset in bucket.entries:
-                src = weights[meta.name]
-                if tuple(src.shape) != meta.shape:
-                    raise ValueError(f"weight {meta.name}: shape {tuple(src.shape)}, agreed {meta.shape}")
-                buf[offset : offset + meta.numel].copy_(src.reshape(-1), non_blocking=True)
-            self.group.broadcast(buf)
-            sent += buf.numel() * buf.element_size()
-        return sent
+            for meta, _ in bucket.entries:
+                if meta.name not in weights:
+                    raise ValueError(f"weight {meta.name}: missing from what was sent")
+                packer.put(meta.name, weights[meta.name])
+        return packer.finish().bytes
 
 
 @dataclass
 class WeightReceiver:
-    """An engine worker's end (ranks 1..N of the weight group)."""
+    """An engine worker's end (ranks 1..N of every source's group)."""
 
-    group: WeightGroup
-    buckets: list[Bucket]
+    groups: list[WeightGroup]
+    plans: list[list[Bucket]]
     dtype: torch.dtype
     device: torch.device
 
+    @property
+    def buckets(self) -> int:
+        return sum(len(p) for p in self.plans)
+
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (name, tensor) as buckets arrive. Consume it to the end: every bucket is a
-        collective that the sender and all other receivers take part in."""
-        for bucket in self.buckets:
-            buf = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
-            self.group.broadcast(buf)
-            for meta, offset in bucket.entries:
-                yield meta.name, buf[offset : offset + meta.numel].view(meta.shape)
+        """Yield (name, tensor) as buckets arrive, source after source. Consume it to the end: every
+        bucket is a collective that its sender and all other receivers take part in."""
+        for bucket in self.receive_buckets():
+            yield from bucket.items()
+
+    def receive_buckets(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Bucket after bucket: views into one received buffer each."""
+        for group, plan in zip(self.groups, self.plans, strict=True):
+            for bucket in plan:
+                buf = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+                group.broadcast(buf)
+                yield {m.name: buf[o : o + m.numel].view(m.shape) for m, o in bucket.entries}
 
 
-def _buckets(metas: list[Any], bucket_numel: int) -> list[Bucket]:
-    """The bucket plan from metas as they travel through Ray/RPC: (name, shape) pairs, shapes maybe lists."""
-    return plan_buckets([TensorMeta(str(n), tuple(int(d) for d in s)) for n, s in metas], bucket_numel)
+@dataclass(frozen=True)
+class WeightLayout:
+    """What the senders and every engine worker agree on before the first sync."""
+
+    sources: tuple[tuple[int, tuple[TensorMeta, ...]], ...]
+    """(trainer rank, the tensors it sends in order), in the order the engines receive them."""
+    dtype: str
+    bucket_numel: int
+    backend: str = "gloo"
+    masters: tuple[str, ...] = ()
+    """host:port of each source's group (its store lives on the source's node)."""
+    engine_ranks: int = 0
+    """Engine workers in every group (ranks 1..engine_ranks; the source is rank 0)."""
+
+    @classmethod
+    def of(
+        cls, per_rank: list[list[tuple[str, tuple[int, ...]]]], dtype: str, bucket_numel: int
+    ) -> WeightLayout:
+        """From every trainer rank's ``weight_metas`` (rank order); a name sent by two ranks is a bug."""
+        sources: list[tuple[int, tuple[TensorMeta, ...]]] = []
+        seen: set[str] = set()
+        for rank, metas in enumerate(per_rank):
+            if metas:
+                typed = tuple(TensorMeta(str(n), tuple(int(d) for d in s)) for n, s in metas)
+                twice = seen & {m.name for m in typed}
+                if twice:
+                    raise ValueError(f"weights sent by two trainer ranks: {sorted(twice)[:3]}")
+                seen |= {m.name for m in typed}
+                sources.append((rank, typed))
+        return cls(tuple(sources), dtype, bucket_numel)
+
+    def buckets(self, index: int) -> list[Bucket]:
+        return plan_buckets(list(self.sources[index][1]), self.bucket_numel)
+
+    @property
+    def numel(self) -> int:
+        return sum(m.numel for _, metas in self.sources for m in metas)
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for _, metas in self.sources for m in metas]
+
+    @property
+    def world(self) -> int:
+        return 1 + self.engine_ranks
+
+    def source_index(self, rank: int) -> int | None:
+        return next((i for i, (r, _) in enumerate(self.sources) if r == rank), None)
+
+    def wire(self) -> dict[str, Any]:
+        """Plain types (Ray and vLLM's RPC carry it)."""
+        return {
+            "sources": [[r, [[m.name, list(m.shape)] for m in metas]] for r, metas in self.sources],
+            "dtype": self.dtype,
+            "bucket_numel": self.bucket_numel,
+            "backend": self.backend,
+            "masters": list(self.masters),
+            "engine_ranks": self.engine_ranks,
+        }
+
+    @classmethod
+    def from_wire(cls, w: dict[str, Any]) -> WeightLayout:
+        sources = tuple(
+            (int(r), tuple(TensorMeta(str(n), tuple(int(d) for d in s)) for n, s in metas))
+            for r, metas in w["sources"]
+        )
+        return cls(
+            sources,
+            str(w["dtype"]),
+            int(w["bucket_numel"]),
+            str(w["backend"]),
+            tuple(w["masters"]),
+            int(w["engine_ranks"]),
+        )
 
 
-def join_as_sender(
-    backend: str, master: str, world: int, metas: list[Any], bucket_numel: int, dtype: str, device: Any
-) -> WeightSender:
-    """Rank 0 (trainer rank 0): hosts the group's store at ``master`` and sends from there."""
-    group = new_group(backend, master, 0, world, local_ip=master.rsplit(":", 1)[0])
-    return WeightSender(group, _buckets(metas, bucket_numel), dtype_of(dtype), torch.device(device))
+def join_as_sender(layout: WeightLayout, rank: int, device: Any) -> WeightSender:
+    """Trainer rank ``rank`` (a source): hosts its group's store and sends from there."""
+    index = layout.source_index(rank)
+    if index is None:
+        raise ValueError(f"trainer rank {rank} sends no weights")
+    master = layout.masters[index]
+    group = new_group(layout.backend, master, 0, layout.world, local_ip=master.rsplit(":", 1)[0])
+    return WeightSender(group, layout.buckets(index), dtype_of(layout.dtype), torch.device(device))
 
 
-def join_as_receiver(
-    backend: str,
-    master: str,
-    rank: int,
-    world: int,
-    metas: list[Any],
-    bucket_numel: int,
-    dtype: str,
-    device: Any,
-    local_ip: str,
-) -> WeightReceiver:
-    """An engine worker at ``rank`` (1..world-1), its gloo traffic leaving from ``local_ip``."""
-    group = new_group(backend, master, rank, world, local_ip=local_ip)
-    return WeightReceiver(group, _buckets(metas, bucket_numel), dtype_of(dtype), torch.device(device))
+def join_as_receiver(layout: WeightLayout, rank: int, device: Any, local_ip: str) -> WeightReceiver:
+    """An engine worker at ``rank`` (1..engine_ranks) of every source's group, its gloo traffic
+    leaving from ``local_ip``."""
+    groups = [
+        new_group(layout.backend, master, rank, layout.world, local_ip=local_ip) for master in layout.masters
+    ]
+    plans = [layout.buckets(i) for i in range(len(layout.sources))]
+    return WeightReceiver(groups, plans, dtype_of(layout.dtype), torch.device(device))
 
 
 def dtype_of(name: str) -> torch.dtype:

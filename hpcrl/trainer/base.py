@@ -4,6 +4,7 @@ is step.py's."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
@@ -24,8 +25,22 @@ class Trainer(Protocol):
         """One optimizer step per minibatch over ``batch``; returns loss/KL/grad-norm/entropy metrics."""
         ...
 
+    def weight_metas(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The Hugging Face tensors (name, full shape) this rank sends the engines, in the order
+        ``stream_weights`` puts them; empty on a rank that only helps gather. From parameter
+        metadata: nothing is gathered."""
+        ...
+
+    def stream_weights(self, sink: WeightSink | None, dtype: torch.dtype) -> None:
+        """Every weight the engines load, one gathered tensor at a time in ``dtype``, into ``sink``
+        (None: this rank sends nothing and only takes part in the gathers). A collective: every rank
+        calls it, in the same dtype. No rank holds more than the tensor being gathered beside what
+        the sink keeps."""
+        ...
+
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """Full (gathered) weights under Hugging Face names, for the rollout engines."""
+        """Full weights under Hugging Face names on rank 0: for tests and small models only (the
+        engines get theirs through ``stream_weights``)."""
         ...
 
     def save_checkpoint(self, path: str, async_save: bool) -> float:
@@ -41,6 +56,42 @@ class Trainer(Protocol):
     def load_checkpoint(self, path: str, weights_only: bool = False) -> None:
         """Weights (and optimizer state) from a checkpoint this backend wrote under any layout."""
         ...
+
+
+class WeightSink(Protocol):
+    """Where ``stream_weights`` puts the gathered tensors (hpcrl/sync/packer.py packs them into the
+    buckets the engines receive)."""
+
+    def scratch(self, numel: int) -> AbstractContextManager[None]:
+        """The caller is about to hold ``numel`` elements (in the sink's dtype) of its own while it
+        gathers and converts one tensor: the sink makes room first (waits for a bucket in flight)."""
+        ...
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        """The next tensor of the agreed order (``weight_metas``); copied out before this returns."""
+        ...
+
+
+class CollectSink:
+    """A sink that keeps what it is given (``export_weights``; tests): the whole model, by design."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def scratch(self, numel: int) -> AbstractContextManager[None]:
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        self.weights[name] = tensor.clone()
+
+
+def numel_of(shape: tuple[int, ...] | torch.Size) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def freeze(model: torch.nn.Module, names: list[str]) -> None:

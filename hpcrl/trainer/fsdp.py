@@ -15,6 +15,7 @@ quirk); buffers ``trainer.freeze`` names (Nemotron-H's correction bias) stay out
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.config.schema import RunConfig
-from hpcrl.trainer.base import freeze
+from hpcrl.trainer.base import CollectSink, WeightSink, freeze, numel_of
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import Precision
 from hpcrl.trainer.hf_load import load_sharded, meta_model
@@ -191,21 +192,44 @@ class FSDPTrainer:
         self.optimizer.step()
         return norm
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """Full weights in HF names. A tied lm_head is sent explicitly: vLLM's in-place reload does
-        not re-tie it, so without it the engine kept the old output embedding."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    # -- weights to the engines: one tensor at a time (sync/packer.py packs them) ------------------
+    def _sent(self) -> list[tuple[str, torch.Tensor]]:
+        """(state-dict name, this rank's sharded tensor) of everything the engines load, in order;
+        a tied lm_head as the embedding it is (vLLM's in-place reload does not re-tie it)."""
+        state = self.model.state_dict()
+        sent = [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor) and k not in self.unsent]
+        if self._tied() and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+            sent.append(("lm_head.weight", state["model.embed_tokens.weight"]))
+        return sent
 
-        # Gathered on the GPU when the weights are broadcast from there (NCCL); through host memory
-        # when they go through Ray's object store or the run is on CPUs.
-        on_device = self.cfg.rollout.weight_sync == "collective" and str(self.device).startswith("cuda")
-        state = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_device)
-        )
-        weights = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and k not in self.unsent}
-        if self._tied() and "model.embed_tokens.weight" in weights:
-            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-        return checkpoint_names(self.model, weights)
+    def weight_metas(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Rank 0 sends everything (each tensor gathered over data parallel when its turn comes)."""
+        if dist.get_rank() != 0:
+            return []
+        metas: list[tuple[str, tuple[int, ...]]] = []
+        for name, t in self._sent():
+            shaped = {name: torch.empty(t.shape, device="meta")}  # the global shape of a DTensor
+            metas += [(n, tuple(v.shape)) for n, v in checkpoint_names(self.model, shaped).items()]
+        return metas
+
+    def stream_weights(self, sink: WeightSink | None, dtype: torch.dtype) -> None:
+        """Every rank gathers each tensor whole (an all-gather), so any rank may send: rank 0 to a
+        broadcast, every rank to the engine on its own GPU (CUDA IPC)."""
+        world = dist.get_world_size()
+        for name, t in self._sent():
+            n = numel_of(t.shape)
+            with sink.scratch(n + n // world) if sink else nullcontext():
+                full = _gathered(t, dtype)  # cast first: half the bytes cross the wire
+                if sink:
+                    for hf_name, part in checkpoint_names(self.model, {name: full}).items():
+                        sink.put(hf_name, part)
+                del full
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight the engines get, on rank 0 (tests; small models)."""
+        sink = CollectSink()
+        self.stream_weights(sink, next(self.model.parameters()).dtype)
+        return sink.weights
 
     def _tied(self) -> bool:
         return bool(getattr(self.model.config, "tie_word_embeddings", False))
@@ -316,6 +340,14 @@ def has_recurrent_layers(model: Any) -> bool:
 def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
     width = max(p.shape[1] for p in parts)
     return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts], dim=0)
+
+
+def _gathered(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole of a (possibly sharded) tensor in ``dtype``, on every rank of its mesh."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach().to(dtype)
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -22,7 +22,7 @@ import torch
 
 from hpcrl.config.schema import RunConfig
 from hpcrl.plan.topology import TrainParallel
-from hpcrl.trainer.base import freeze
+from hpcrl.trainer.base import WeightSink, freeze
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import MegatronTrainerConfig
 from hpcrl.trainer.fsdp import init_process_group
@@ -42,6 +42,7 @@ from hpcrl.trainer.megatron.pipeline import Pipeline, as_floats, fit
 from hpcrl.trainer.megatron.placement import Placement, gather_to_rank0
 from hpcrl.trainer.megatron.sharded import Pieces, model_pieces, optimizer_pieces, restorable
 from hpcrl.trainer.megatron.spec import family_of, text_config, transformer_config
+from hpcrl.trainer.megatron.stream import WeightStream
 from hpcrl.trainer.megatron.weights import LanguageModel, is_expert
 from hpcrl.trainer.shards import ShardWriter, init_optimizer_state
 from hpcrl.trainer.step import LossFn, Metrics, StepBatch, TrainStep
@@ -149,9 +150,17 @@ class MegatronTrainer:
         return self.optimizer
 
     # -- weights -----------------------------------------------------------------------------------
+    def weight_metas(self) -> list[tuple[str, tuple[int, ...]]]:
+        """What this rank sends the engines (stream.py: each stage's and expert rank's first rank)."""
+        return WeightStream(self).metas()
+
+    def stream_weights(self, sink: WeightSink | None, dtype: torch.dtype) -> None:
+        WeightStream(self).stream(sink, dtype)
+
     def export_weights(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Full weights (or the last step's gradients) in HF names on global rank 0 (empty elsewhere):
-        TP gathered, stages merged."""
+        TP gathered, stages merged. For tests and small models: the whole model on one rank (the
+        engines get theirs through ``stream_weights``)."""
         local = self.placement.gather_tp(self.model, grads)  # collective over TP: every rank takes part
         ps = self.ps
         first = (

@@ -247,7 +247,11 @@ def _fused_layer(
     return out
 
 
-def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, torch.Tensor]:
+def to_hf(
+    meg: dict[str, torch.Tensor], shape: Shape, tied: bool, contiguous: bool = True
+) -> dict[str, torch.Tensor]:
+    """Megatron names -> Hugging Face names; ``contiguous=False`` leaves views where it can (the
+    weight stream copies them straight into its buckets)."""
     out: dict[str, torch.Tensor] = {}
     back = {v: k for k, v in shape.layer_keys.items()}
     unfused = {v: k for k, v in _norm_names(shape.fused_norms).items()}
@@ -292,7 +296,7 @@ def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, t
             out[f"{pre}.{hf_name}"] = torch.stack([t for _, t in sorted(fcs[fc].items())])
     if tied and "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return {k: v.contiguous() for k, v in out.items()}
+    return {k: v.contiguous() for k, v in out.items()} if contiguous else out
 
 
 def is_expert(name: str) -> bool:

@@ -103,7 +103,9 @@ def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[s
     return out
 
 
-def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, torch.Tensor]:
+def to_hf(
+    meg: dict[str, torch.Tensor], shape: Shape, tied: bool, contiguous: bool = True
+) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, t in meg.items():
         if name == "embedding.word_embeddings.weight":
@@ -130,6 +132,6 @@ def to_hf(meg: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, t
                 raise KeyError(f"no Hugging Face name for Megatron weight {name!r}")
         else:
             raise KeyError(f"no Hugging Face name for Megatron weight {name!r}")
-    if tied:
+    if tied and "backbone.embeddings.weight" in out:
         out["lm_head.weight"] = out["backbone.embeddings.weight"]
-    return {k: v.contiguous() for k, v in out.items()}
+    return {k: v.contiguous() for k, v in out.items()} if contiguous else out

@@ -1,0 +1,118 @@
+"""New weights from the trainer ranks to the rollout engines after a step: the driver's side.
+
+Three ways, one stream: each sending trainer rank runs ``Trainer.stream_weights`` into a bucket
+packer (sync/packer.py) whose full buckets go
+
+- ``broadcast``: over a process group of its own with every engine worker (sync/broadcast.py; NCCL
+  between GPUs of different actors, gloo on CPUs);
+- ``ipc``: colocated GPUs — to the engine on the same GPU as CUDA IPC handles of the bucket (no host
+  copy, no serialisation); each trainer rank feeds the engine that shares its GPU;
+- ``object_store``: through Ray's object store (host copies; works wherever Ray does).
+
+The layout (who sends which tensors, in which buckets) is agreed once, from parameter metadata; each
+refit then reports its phases: export (gather and pack on the senders), send (waiting on the wire),
+receive and load (the engines'), cache reset.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpcrl.sync.broadcast import WeightLayout, dtype_of
+
+MODES = ("broadcast", "ipc", "object_store")
+
+
+@dataclass
+class Refit:
+    mode: str
+    backend: str
+    bucket_mb: int
+    layout: WeightLayout | None = None
+    last: dict[str, float] = field(default_factory=dict)
+    """The last refit's phases (seconds) and bytes."""
+
+    def run(self, trainers: list[Any], engines: list[Any]) -> dict[str, float]:
+        import ray
+
+        start = time.perf_counter()
+        if self.layout is None:
+            self.layout = self._agree(trainers, engines)
+        wire = self.layout.wire()
+        if self.mode == "broadcast":
+            sends = [t.send_weights.remote() for t in trainers]
+            receives = [e.receive_weights.remote() for e in engines]
+            senders, _ = ray.get(sends), ray.get(receives)
+        elif self.mode == "ipc":
+            senders = ray.get(
+                [t.send_weights_via.remote([e], "ipc", wire) for t, e in zip(trainers, engines, strict=True)]
+            )
+        else:
+            senders = ray.get([t.send_weights_via.remote(engines, "object_store", wire) for t in trainers])
+        sent = time.perf_counter()
+        ray.get([e.finish_refit.remote() for e in engines])
+        done = time.perf_counter()
+        self.last = {
+            "export_s": max(s["pack_s"] for s in senders),
+            "send_s": max(s["wait_s"] for s in senders),
+            "reset_s": done - sent,
+            "total_s": done - start,
+            "bytes": float(sum(s["bytes"] for s in senders)),
+            "peak_bucket_fraction": max(s["peak_numel"] for s in senders) / max(1, self.layout.bucket_numel),
+        }
+        return self.last
+
+    def _agree(self, trainers: list[Any], engines: list[Any]) -> WeightLayout:
+        """Every rank's metas -> the layout; for a broadcast, each source's group formed with every
+        engine worker."""
+        import ray
+
+        engine_info = ray.get([e.weight_ranks.remote() for e in engines])
+        dtypes = {dtype for _, dtype, _ in engine_info}
+        if len(dtypes) != 1:
+            raise RuntimeError(f"rollout engines hold weights in different dtypes: {sorted(dtypes)}")
+        (dtype,) = dtypes
+        # Buckets in elements of the wire dtype; every end derives the same plan from the same numbers.
+        bucket_numel = self.bucket_mb * 2**20 // dtype_of(dtype).itemsize
+        layout = WeightLayout.of(ray.get([t.weight_metas.remote() for t in trainers]), dtype, bucket_numel)
+        if self.mode != "broadcast":
+            ray.get([t.join_weight_group.remote(layout.wire()) for t in trainers])  # the wire dtype
+            return layout
+        masters = tuple(ray.get([trainers[r].weight_endpoint.remote() for r, _ in layout.sources]))
+        ranks = sum(n for n, _, _ in engine_info)
+        layout = WeightLayout(layout.sources, dtype, bucket_numel, self.backend, masters, ranks)
+        wire = layout.wire()
+        joins = [t.join_weight_group.remote(wire) for t in trainers]
+        base = 1
+        for engine, (n, _, ip) in zip(engines, engine_info, strict=True):
+            joins.append(engine.join_weight_group.remote(wire, base, ip))
+            base += n
+        try:
+            ray.get(joins)
+        except Exception as exc:  # a rendezvous that fails says why, and what to do about it
+            raise RuntimeError(
+                f"weight sync: the trainer's {len(masters)} sending rank(s) ({', '.join(masters)}) and the "
+                f"{len(engines)} rollout engine(s) could not form their {self.backend} groups: "
+                f"{str(exc).splitlines()[-1]}. If the rollout nodes cannot reach the train nodes "
+                "directly, set rollout.weight_sync=object_store"
+            ) from exc
+        return layout
+
+
+def choose_refit(requested: str, *, on_cpu: bool, split: bool, ipc: bool) -> tuple[str, str]:
+    """(mode, process-group backend) for ``rollout.weight_sync``.
+
+    ``collective`` on CPUs: a gloo broadcast. On GPUs: an NCCL broadcast when trainer and engines hold
+    different GPUs (split placement); when they share them (colocated, or a local run on one GPU) two
+    ranks of a group would sit on one device, which NCCL refuses, so each trainer rank hands the
+    engine on its own GPU CUDA IPC handles (``ipc``: one single-GPU engine per trainer rank, and every
+    rank able to stream the whole model — fsdp, or a single rank); else the object store."""
+    if requested != "collective":
+        return requested, "gloo"
+    if on_cpu:
+        return "broadcast", "gloo"
+    if split:
+        return "broadcast", "nccl"
+    return ("ipc", "nccl") if ipc else ("object_store", "nccl")
