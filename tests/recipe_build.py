@@ -6,7 +6,9 @@ case, under torchrun (gloo, CPU). What rank 0 writes depends on the case's ``rec
 - "parity" (tests/test_megatron_nemotron_h.py): OUT/<id>.pt, what tests/megatron_parity.py saves for
   one layout (log-probs, metrics, full gradients and updated weights in HF names, each rank's
   optimizer state after a checkpoint round trip, the layout as built);
-- "mixer": OUT/<id>.pt, tests/mamba_mixer_check.py's comparison of the Mamba-2 mixers.
+- "mixer": OUT/<id>.pt, tests/mamba_mixer_check.py's comparison of the Mamba-2 mixers;
+- "stream": OUT/<id>.pt, tests/weight_stream_check.py's measured weight stream (each sender's peak
+  memory, what a receiver process got).
 
     python -m torch.distributed.run --nproc_per_node N tests/recipe_build.py CASES.json OUT
 
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 from mamba_mixer_check import mixer_check  # beside this script (sys.path[0])
 from megatron_parity import _full, _state_round_trip, parity_batch
+from weight_stream_check import stream_check
 
 from hpcrl.config.compose import compose_config
 from hpcrl.plan.planner import make_plan
@@ -47,6 +50,8 @@ def run_case(case: dict[str, Any], rank: int, world: int, master: str, out: Path
     record = case.get("record", "build")
     if record == "mixer":
         result = mixer_check(trainer, Path(case["model_dir"]))
+    elif record == "stream":
+        result = stream_check(trainer, Path(case["model_dir"]), out / case["id"])
     elif record == "parity":
         result = parity_step(trainer, cfg.trainer.backend, world, out / f"{case['id']}.pt")
     else:

@@ -347,7 +347,14 @@ def _gathered(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     t = t.detach().to(dtype)
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        return t
+    group = t.device_mesh.get_group()
+    if dist.get_backend(group) == "gloo":
+        # Lockstep: a sender waiting on its broadcast would otherwise let the other ranks run ahead,
+        # and gloo buffers their early shards in heap memory no one counts.
+        dist.barrier(group=group)
+    return t.full_tensor()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

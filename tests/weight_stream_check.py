@@ -1,0 +1,119 @@
+"""The weight stream at work, measured (tests/test_weight_stream.py; tests/recipe_build.py's "stream"
+record): every trainer rank streams its weights into a real gloo broadcast to a receiver process
+(an engine worker's end, ``python tests/weight_stream_check.py receive ...``), four times. On the last three
+streams each sending rank's peak memory above what it held before is read from the kernel (VmHWM,
+reset through /proc/self/clear_refs) — measured, not counted — beside the packer's own count; the
+median of three measured streams is the figure (one in a few spikes higher on gloo: ``extra_max``).
+The receiver checks every name, shape and value against the model directory's checkpoint.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+BUCKET_MB = 8
+DTYPE = "bfloat16"
+ROOT = Path(__file__).resolve().parents[1]
+M_MMAP_THRESHOLD = -3  # glibc mallopt
+PASSES = 4
+
+
+def _status(key: str) -> int:
+    """A /proc/self/status figure in bytes (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def stream_check(trainer: Any, model_dir: Path, out: Path) -> dict[str, Any]:
+    from hpcrl.sync.broadcast import WeightLayout, dtype_of, join_as_sender
+    from hpcrl.trainer.fsdp import free_port
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    metas = trainer.weight_metas()
+    per_rank: list[Any] = [None] * world
+    dist.all_gather_object(per_rank, (metas, f"127.0.0.1:{free_port()}" if metas else ""))
+    bucket_numel = BUCKET_MB * 2**20 // dtype_of(DTYPE).itemsize
+    layout = WeightLayout.of([m for m, _ in per_rank], DTYPE, bucket_numel)
+    masters = tuple(a for m, a in per_rank if m)
+    layout = WeightLayout(layout.sources, DTYPE, bucket_numel, "gloo", masters, engine_ranks=1)
+    receiver = None
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "layout.json").write_text(json.dumps(layout.wire()))
+        cmd = [
+            sys.executable,
+            __file__,
+            "receive",
+            str(out / "layout.json"),
+            str(model_dir),
+            str(out / "received.json"),
+        ]
+        receiver = subprocess.Popen(cmd, cwd=ROOT)
+    sender = join_as_sender(layout, rank, "cpu") if metas else None
+    mine: list[dict[str, Any]] = []
+    # Large blocks straight from mmap and back on free (glibc would otherwise raise its threshold and
+    # keep freed buffers in the heap), so the resident size follows what is really held.
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 16)
+    for _ in range(PASSES):  # the first warms up (gloo's buffers, first-touch pages); the rest are measured
+        gc.collect()
+        libc.malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        before = _status("VmRSS")
+        packer = sender.packer() if sender else None
+        trainer.stream_weights(packer, dtype_of(DTYPE))
+        stats = packer.finish() if packer else None
+        mine.append({"extra": _status("VmHWM") - before, "counted": stats.peak_numel * 2 if stats else 0})
+    every: list[Any] = [None] * world
+    dist.all_gather_object(
+        every, {"sends": bool(metas), **mine[-1], "buckets": stats.buckets if stats else 0}
+    )
+    result: dict[str, Any] = {"ranks": every, "bucket_bytes": BUCKET_MB * 2**20}
+    if receiver is not None:
+        assert receiver.wait(timeout=300) == 0, "the receiver failed"
+        result["received"] = json.loads((out / "received.json").read_text())
+    return result
+
+
+def receive(layout_path: Path, model_dir: Path, out: Path) -> None:
+    """The engine worker's end: join every sender's group, receive every stream, check the last."""
+    from safetensors import safe_open
+
+    from hpcrl.sync.broadcast import WeightLayout, join_as_receiver
+
+    layout = WeightLayout.from_wire(json.loads(layout_path.read_text()))
+    receiver = join_as_receiver(layout, 1, "cpu", "127.0.0.1")
+    for _ in range(PASSES):
+        got = {name: t.clone() for name, t in receiver.receive()}
+    files = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(f, "pt") as h:
+            files |= {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
+    differ = [n for n, t in got.items() if n in files and not torch.equal(t, files[n].to(t.dtype))]
+    out.write_text(
+        json.dumps(
+            {
+                "names": sorted(got),
+                "checkpoint": sorted(files),
+                "differ": differ,
+                "buckets": receiver.buckets,
+                "bytes": sum(t.numel() * t.element_size() for t in got.values()),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "receive":
+        receive(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
