@@ -82,8 +82,12 @@ class FakeActors:
             REQUEST.ask()  # as the USR2 handler would, in the middle of the step
         return {"loss": 0.25, "grad_norm": 1.0}
 
-    def sync_weights(self) -> None:
+    def sleep_engines(self) -> None:
+        self.calls.append(("sleep_engines",))
+
+    def sync_weights(self) -> dict[str, float]:
         self.calls.append(("sync_weights",))
+        return {"total_s": 0.5}
 
     def save_checkpoint(self, path: str, async_save: bool) -> float:
         """Writes the 'shards' (the step count) into ``path``, as trainer ranks write theirs."""
@@ -145,7 +149,8 @@ def test_dynamic_sampling_validation_and_checkpoints_in_order(tmp_path: Path) ->
     actors = FakeActors(["right", "mixed"] * 3)
     last, ckpt, logger, said = run(cfg, actors, tmp_path)
 
-    step_ops = [("generate", 3, 2), ("generate", 3, 2), ("ref_logprobs", 6), ("train_step", 6, True)]
+    step_ops = [("generate", 3, 2), ("generate", 3, 2), ("sleep_engines",), ("ref_logprobs", 6)]
+    step_ops.append(("train_step", 6, True))  # the engines sleep after generating, before training
     step_ops.append(("sync_weights",))
     val = ("validate", 4, 1)
     assert actors.calls == [
@@ -199,8 +204,8 @@ def test_without_dynamic_sampling_or_kl_every_group_trains(tmp_path: Path) -> No
     assert (
         ops
         == ["validate"]
-        + ["generate", "train_step", "sync_weights"]
-        + ["generate", "train_step", "sync_weights", "validate"] * 2
+        + ["generate", "sleep_engines", "train_step", "sync_weights"]
+        + ["generate", "sleep_engines", "train_step", "sync_weights", "validate"] * 2
     )
     first = actors.batches[0]  # all-right groups stay in, with zero advantage
     assert len(first) == 6 and first.advantages.abs().max().item() == 0.0

@@ -179,6 +179,14 @@ class RolloutActor:
         self.engine.load_ipc(args, entries)
         return True
 
+    def sleep(self) -> bool:
+        self.engine.sleep()
+        return True
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        self.engine.wake_up(tags)
+        return True
+
     def finish_refit(self) -> bool:
         """After the last bucket: caches computed with the old weights are dropped."""
         self.engine.finish_refit()

@@ -25,6 +25,9 @@ class Fleet:
     placement: list[dict[str, Any]] = field(default_factory=list)
     data_ranks: list[tuple[int, int]] = field(default_factory=list)
     refit: Refit = field(default_factory=lambda: Refit("broadcast", "gloo", 512))
+    sleep: bool = False
+    """``rollout.sleep`` as the planner resolved it."""
+    asleep: bool = False
 
     @classmethod
     def start(cls, plan: Plan, model_dir: Path, scratch: Path, *, device: str, gpu_resources: bool) -> Fleet:
@@ -67,7 +70,8 @@ class Fleet:
         # IPC: every trainer rank feeds the single-GPU engine on its own GPU the whole model
         ipc = len(engines) == len(trainers) and tp == 1 and (cfg.trainer.backend == "fsdp" or world == 1)
         mode, backend = choose_refit(cfg.rollout.weight_sync, on_cpu=on_cpu, split=split, ipc=ipc)
-        return cls(trainers, engines, where, refit=Refit(mode, backend, cfg.rollout.weight_sync_bucket_mb))
+        refit = Refit(mode, backend, cfg.rollout.weight_sync_bucket_mb)
+        return cls(trainers, engines, where, refit=refit, sleep=bool(getattr(cfg.rollout, "sleep", False)))
 
     def describe(self) -> str:
         """One line: which role runs where, e.g. ``train x1 on node2; rollout x1 on node1``."""
@@ -140,9 +144,34 @@ class Fleet:
         )
         return dict(results[0])
 
-    def sync_weights(self) -> None:
-        """New weights from the trainer ranks to every engine, streamed (run/refit.py)."""
+    def sleep_engines(self) -> None:
+        """``rollout.sleep``: the engines release their KV cache and weights while the trainer trains."""
+        import ray
+
+        if self.sleep and not self.asleep:
+            ray.get([e.sleep.remote() for e in self.engines])
+            self.asleep = True
+
+    def sync_weights(self) -> dict[str, float]:
+        """New weights from the trainer ranks to every engine, streamed (run/refit.py); sleeping
+        engines wake their weights first and their KV cache after (the refit's buckets and the KV
+        cache are never resident together)."""
+        import time
+
+        import ray
+
+        start, wake_s = time.perf_counter(), 0.0
+        if self.asleep:
+            ray.get([e.wake_up.remote(["weights"]) for e in self.engines])
+            wake_s = time.perf_counter() - start
         self.refit.run(self.trainers, self.engines)
+        if self.asleep:
+            kv = time.perf_counter()
+            ray.get([e.wake_up.remote(["kv_cache"]) for e in self.engines])
+            wake_s += time.perf_counter() - kv
+            self.asleep = False
+        self.refit.last["wake_s"] = wake_s
+        return dict(self.refit.last)
 
     # -- checkpoints: each trainer rank writes and reads its own shards; nothing passes through here
     def save_checkpoint(self, path: str, async_save: bool) -> float:

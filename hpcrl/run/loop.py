@@ -86,7 +86,8 @@ class Actors(Protocol):
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]: ...
     def ref_logprobs(self, batch: TrainBatch) -> Any: ...
     def train_step(self, batch: TrainBatch, ref: Any) -> dict[str, float]: ...
-    def sync_weights(self) -> None: ...
+    def sleep_engines(self) -> None: ...
+    def sync_weights(self) -> dict[str, float]: ...
     def save_checkpoint(self, path: str, async_save: bool) -> float: ...
     def finish_checkpoint(self) -> float: ...
 
@@ -273,13 +274,15 @@ def one_step(
     timer, t0 = Timer(), time.perf_counter()
     with timer("rollout"):
         scored, shaped, metrics = collect(cfg, actors, pool, encode, stream, step)
+    actors.sleep_engines()  # rollout.sleep: colocated engines free their GPU memory for training
     batch = make_batch(cfg, scored, shaped, encode, pad_id)
     with timer("ref_logprobs"):
         ref = actors.ref_logprobs(batch) if algo.kl_coef > 0 else None
     with timer("train"):
         metrics.update({f"train/{k}": v for k, v in actors.train_step(batch, ref).items()})
     with timer("weight_sync"):
-        actors.sync_weights()
+        # asleep: wakes the engines' weights, refits, wakes their KV cache; the refit's phases
+        metrics.update({f"refit/{k}": v for k, v in actors.sync_weights().items()})
     metrics["train/reward"] = float(shaped.mean())
     if step % algo.val_period == 0 or step == algo.max_steps:
         with timer("validation"):
