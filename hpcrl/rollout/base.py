@@ -34,6 +34,31 @@ class RolloutEngine(Protocol):
         """Replace the engine's weights in place (HF parameter names); caches from old weights are dropped."""
         ...
 
+    # Colocated GPUs: the engine sleeps while the trainer trains. The loop calls sleep() after
+    # generating and, before the next generation, wake_up(["weights"]), the refit, wake_up(["kv_cache"]).
+    # Engines without a sleep mode (and engines with it off) return at once.
+    def sleep(self) -> None:
+        """Release the KV cache and the weights (the next refit sends every weight)."""
+        ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back the memory of ``tags`` ("weights", "kv_cache"; None: both)."""
+        ...
+
+    # Colocated GPUs: buckets arrive as CUDA IPC handles from the trainer process on the same GPU.
+    def load_ipc(
+        self, args: tuple[Any, ...] | list[tuple[Any, ...]], entries: list[tuple[str, tuple[int, ...], int]]
+    ) -> None:
+        """Load one bucket: ``args`` = ``torch.multiprocessing.reductions.reduce_tensor(buf)[1]`` of a 1-D
+        CUDA buffer in ``weight_dtype`` (a list, one per engine rank, when the engine has several),
+        ``entries`` = (HF name, shape, element offset) of each tensor in it. Returns once the buffer may
+        be reused."""
+        ...
+
+    def finish_refit(self) -> None:
+        """After the last bucket: drop caches computed with the old weights."""
+        ...
+
     # The broadcast path (hpcrl.sync.broadcast): join the trainer's weight group once, then take part in
     # one broadcast per step. ``ranks``: how many ranks of the group the engine's workers take.
     ranks: int

