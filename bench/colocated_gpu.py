@@ -132,7 +132,7 @@ def main() -> int:
 
     # -- one colocated GRPO step ----------------------------------------------------------------------
     from hpcrl.algo.advantages import group_advantages
-    from hpcrl.rewards.verifiers import math_verify
+    from hpcrl.rewards.verifiers import exact_match  # math-verify is not on the device
 
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, cfg.model.vocab_size, (args.prompt_len,), generator=gen).tolist()
@@ -141,7 +141,7 @@ def main() -> int:
     groups = ph.run("generate", lambda: engine.generate(prompts, settings))
     tokens = sum(len(c.token_ids) for g in groups for c in g)
     result["generate_tok_s"] = tokens / ph.rows["generate"]["s"]
-    rewards = ph.run("rewards", lambda: torch.tensor([[math_verify(c.text, "4").reward for c in g] for g in groups]))
+    rewards = ph.run("rewards", lambda: torch.tensor([[exact_match(c.text, "4").reward for c in g] for g in groups]))
     adv = group_advantages(rewards + torch.rand(rewards.shape, generator=gen) * 1e-3)  # random text: jitter
     flat = [(prompts[i], c) for i, g in enumerate(groups) for c in g]
     batch = build_batch([p for p, _ in flat], [c.token_ids for _, c in flat], [c.logprobs for _, c in flat],
