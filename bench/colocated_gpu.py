@@ -57,15 +57,21 @@ class Phases:
 def refit_ipc(trainer, engine, layout) -> dict:  # type: ignore[no-untyped-def]
     from hpcrl.sync.packer import BucketPacker
 
-    class Done:
+    from concurrent.futures import ThreadPoolExecutor
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    pool = ThreadPoolExecutor(1)  # as a Ray call is: the next bucket packs while the engine loads
+
+    class Loading:
+        def __init__(self, future) -> None:  # type: ignore[no-untyped-def]
+            self.future = future
+
         def wait(self) -> None:
-            return None
+            self.future.result()
 
     def emit(buf, bucket):  # type: ignore[no-untyped-def]
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        engine.load_ipc(reduce_tensor(buf)[1], [(m.name, m.shape, o) for m, o in bucket.entries])
-        return Done()
+        entries = [(m.name, m.shape, o) for m, o in bucket.entries]
+        return Loading(pool.submit(engine.load_ipc, reduce_tensor(buf)[1], entries))
 
     packer = BucketPacker(layout.buckets(0), torch.bfloat16, torch.device("cuda"), emit)
     trainer.stream_weights(packer, torch.bfloat16)
