@@ -55,10 +55,11 @@ class Phases:
 
 
 def refit_ipc(trainer, engine, layout) -> dict:  # type: ignore[no-untyped-def]
-    from hpcrl.sync.packer import BucketPacker
-
     from concurrent.futures import ThreadPoolExecutor
+
     from torch.multiprocessing.reductions import reduce_tensor
+
+    from hpcrl.sync.packer import BucketPacker
 
     pool = ThreadPoolExecutor(1)  # as a Ray call is: the next bucket packs while the engine loads
 
