@@ -187,9 +187,12 @@ class HFEngine:
         layout = WeightLayout.from_wire(wire)
         self._receiver = join_as_receiver(layout, rank_base, self.device, local_ip)
 
-    def receive_weights(self) -> None:
-        for bucket in self._receiver.receive_buckets():  # one bucket at a time beside the model
-            self.load_weights(bucket)
+    def receive_weights(self) -> dict[str, float]:
+        def load() -> None:
+            for bucket in self._receiver.receive_buckets():  # one bucket at a time beside the model
+                self.load_weights(bucket)
+
+        return self._receiver.timed(load)
 
     def load_ipc(self, args: Any, entries: list[Any]) -> None:
         """One bucket from the trainer on this GPU (CUDA IPC): copied into the model, then let go."""

@@ -52,10 +52,11 @@ class WeightReloader:
         self._hpcrl_receiver = join_as_receiver(WeightLayout.from_wire(wire), rank, device, local_ip)
         return rank
 
-    def hpcrl_receive_weights(self) -> int:
-        """Take part in one broadcast; weights load bucket by bucket as they arrive."""
-        vllm_compat.load_weights(self, self._hpcrl_receiver.receive())
-        return self._hpcrl_receiver.buckets
+    def hpcrl_receive_weights(self) -> dict[str, float]:
+        """Take part in one broadcast; weights load bucket by bucket as they arrive. The seconds on
+        the wire and in the load."""
+        receiver = self._hpcrl_receiver
+        return receiver.timed(lambda: vllm_compat.load_weights(self, receiver.receive()))
 
     def hpcrl_reload_weights(self, payload: bytes) -> int:
         from safetensors.torch import load
@@ -189,8 +190,10 @@ class VLLMEngine:
     def join_weight_group(self, wire: dict[str, Any], rank_base: int, local_ip: str) -> None:
         self.llm.collective_rpc("hpcrl_join_weight_group", args=(wire, rank_base, local_ip))
 
-    def receive_weights(self) -> None:
-        self.llm.collective_rpc("hpcrl_receive_weights")
+    def receive_weights(self) -> dict[str, float]:
+        """One broadcast; the slowest worker's seconds on the wire and in the load."""
+        parts = self.llm.collective_rpc("hpcrl_receive_weights")
+        return max(parts, key=lambda p: p["receive_s"] + p["load_s"])
 
     def load_weights(self, weights: dict[str, Any]) -> None:
         from safetensors.torch import save

@@ -199,6 +199,5 @@ class RolloutActor:
     def join_weight_group(self, wire: dict[str, Any], rank_base: int, local_ip: str) -> None:
         self.engine.join_weight_group(wire, rank_base, local_ip)
 
-    def receive_weights(self) -> bool:
-        self.engine.receive_weights()
-        return True
+    def receive_weights(self) -> dict[str, float]:
+        return dict(self.engine.receive_weights())

@@ -37,14 +37,16 @@ class Refit:
     def run(self, trainers: list[Any], engines: list[Any]) -> dict[str, float]:
         import ray
 
-        start = time.perf_counter()
+        start, phases = time.perf_counter(), {}
         if self.layout is None:
             self.layout = self._agree(trainers, engines)
         wire = self.layout.wire()
         if self.mode == "broadcast":
             sends = [t.send_weights.remote() for t in trainers]
             receives = [e.receive_weights.remote() for e in engines]
-            senders, _ = ray.get(sends), ray.get(receives)
+            senders, engines_got = ray.get(sends), ray.get(receives)
+            for key in ("receive_s", "load_s"):
+                phases[key] = max(e[key] for e in engines_got)
         elif self.mode == "ipc":
             senders = ray.get(
                 [t.send_weights_via.remote([e], "ipc", wire) for t, e in zip(trainers, engines, strict=True)]
@@ -61,6 +63,7 @@ class Refit:
             "total_s": done - start,
             "bytes": float(sum(s["bytes"] for s in senders)),
             "peak_bucket_fraction": max(s["peak_numel"] for s in senders) / max(1, self.layout.bucket_numel),
+            **phases,
         }
         return self.last
 

@@ -21,7 +21,8 @@ store; colocated GPUs hand the engine CUDA IPC handles of the buckets (run/fleet
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,8 @@ class WeightReceiver:
     plans: list[list[Bucket]]
     dtype: torch.dtype
     device: torch.device
+    receive_s: float = 0.0
+    """Seconds spent in the broadcasts of the last ``timed`` receive."""
 
     @property
     def buckets(self) -> int:
@@ -132,12 +135,21 @@ class WeightReceiver:
         for bucket in self.receive_buckets():
             yield from bucket.items()
 
+    def timed(self, load: Callable[[], object]) -> dict[str, float]:
+        """Run ``load`` (which consumes ``receive``): seconds on the wire vs in the engine's load."""
+        self.receive_s, start = 0.0, time.perf_counter()
+        load()
+        total = time.perf_counter() - start
+        return {"receive_s": self.receive_s, "load_s": total - self.receive_s, "buckets": float(self.buckets)}
+
     def receive_buckets(self) -> Iterator[dict[str, torch.Tensor]]:
         """Bucket after bucket: views into one received buffer each."""
         for group, plan in zip(self.groups, self.plans, strict=True):
             for bucket in plan:
                 buf = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+                start = time.perf_counter()
                 group.broadcast(buf)
+                self.receive_s += time.perf_counter() - start
                 yield {m.name: buf[o : o + m.numel].view(m.shape) for m, o in bucket.entries}
 
 
