@@ -119,7 +119,9 @@ def main() -> int:
                     "plan_gb": {"train": col.train, "refit": col.refit, "generate": col.generate} if col else {}}  # fmt: skip
     model_dir = make_model_dir(cfg)
     ph = Phases()
-    trainer = ph.run("trainer start", lambda: FSDPTrainer(model_dir, cfg, device="cuda", master=f"127.0.0.1:{free_port()}"))
+    trainer = ph.run(
+        "trainer start", lambda: FSDPTrainer(model_dir, cfg, device="cuda", master=f"127.0.0.1:{free_port()}")
+    )
     engine = ph.run("engine start", lambda: VLLMEngine(model_dir, cfg.rollout, seed=0, on_cpu=False,
                                                        max_model_len=args.prompt_len + args.gen + 8,
                                                        scratch=Path("/tmp/hpcrl-colocated")))  # fmt: skip
@@ -132,8 +134,10 @@ def main() -> int:
     times = [ph.rows[f"refit ipc #{i}"]["s"] for i in range(args.refits)]
     result["refit_ipc"] = {"median_s": statistics.median(times), "all_s": times, **ipc[-1]}
     if not args.skip_old:
+
         def old() -> None:
             engine.load_weights({k: v.to(torch.bfloat16) for k, v in trainer.export_weights().items()})
+
         ph.run("refit safetensors (today)", old)
         result["refit_safetensors_s"] = ph.rows["refit safetensors (today)"]["s"]
 
@@ -148,7 +152,9 @@ def main() -> int:
     groups = ph.run("generate", lambda: engine.generate(prompts, settings))
     tokens = sum(len(c.token_ids) for g in groups for c in g)
     result["generate_tok_s"] = tokens / ph.rows["generate"]["s"]
-    rewards = ph.run("rewards", lambda: torch.tensor([[exact_match(c.text, "4").reward for c in g] for g in groups]))
+    rewards = ph.run(
+        "rewards", lambda: torch.tensor([[exact_match(c.text, "4").reward for c in g] for g in groups])
+    )
     adv = group_advantages(rewards + torch.rand(rewards.shape, generator=gen) * 1e-3)  # random text: jitter
     flat = [(prompts[i], c) for i, g in enumerate(groups) for c in g]
     batch = build_batch([p for p, _ in flat], [c.token_ids for _, c in flat], [c.logprobs for _, c in flat],
@@ -159,7 +165,9 @@ def main() -> int:
     result["step_refit"] = ph.run("refit ipc (step)", lambda: refit_ipc(trainer, engine, layout))
     ph.run("wake kv cache", lambda: engine.wake_up(["kv_cache"]))
     again = ph.run("generate again", lambda: engine.generate(prompts, settings))
-    result["generate_again_tok_s"] = sum(len(c.token_ids) for g in again for c in g) / ph.rows["generate again"]["s"]
+    result["generate_again_tok_s"] = (
+        sum(len(c.token_ids) for g in again for c in g) / ph.rows["generate again"]["s"]
+    )
     result["phases"] = ph.rows
     step = ["generate", "rewards", "sleep", "train step", "wake weights", "refit ipc (step)", "wake kv cache"]
     result["step_s"] = sum(ph.rows[k]["s"] for k in step)
