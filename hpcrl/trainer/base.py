@@ -68,15 +68,17 @@ class WeightSink(Protocol):
         ...
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
-        """The next tensor of the agreed order (``weight_metas``); copied out before this returns."""
+        """The next tensor of the agreed order (``weight_metas``), in the stream's dtype or one the
+        sink casts from as it copies (a single rank skips the cast); copied out before this returns."""
         ...
 
 
 class CollectSink:
     """A sink that keeps what it is given (``export_weights``; tests): the whole model, by design."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
         self.weights: dict[str, torch.Tensor] = {}
+        self.dtype = dtype
 
     def scratch(self, numel: int) -> AbstractContextManager[None]:
         from contextlib import nullcontext
@@ -84,7 +86,7 @@ class CollectSink:
         return nullcontext()
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
-        self.weights[name] = tensor.clone()
+        self.weights[name] = tensor.to(self.dtype, copy=True) if self.dtype else tensor.clone()
 
 
 def numel_of(shape: tuple[int, ...] | torch.Size) -> int:

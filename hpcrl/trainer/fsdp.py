@@ -132,6 +132,8 @@ class FSDPTrainer:
         )
         self.step = TrainStep.from_config(cfg)
         self.writer = ShardWriter()
+        self._conversions: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+        """State-dict name -> the checkpoint tensors it becomes (``_hf_metas``)."""
         self._right_padded = True
         """Whether this step's batch is right-padded (``token_logprobs``), checked once per step."""
 
@@ -206,11 +208,16 @@ class FSDPTrainer:
         """Rank 0 sends everything (each tensor gathered over data parallel when its turn comes)."""
         if dist.get_rank() != 0:
             return []
-        metas: list[tuple[str, tuple[int, ...]]] = []
-        for name, t in self._sent():
-            shaped = {name: torch.empty(t.shape, device="meta")}  # the global shape of a DTensor
-            metas += [(n, tuple(v.shape)) for n, v in checkpoint_names(self.model, shaped).items()]
-        return metas
+        return [m for name, t in self._sent() for m in self._hf_metas(name, t.shape)]
+
+    def _hf_metas(self, name: str, shape: torch.Size) -> list[tuple[str, tuple[int, ...]]]:
+        """The checkpoint tensors one state-dict tensor becomes (transformers' conversion on a meta
+        tensor of its global shape); remembered, so plain tensors skip the conversion when streamed."""
+        if name not in self._conversions:
+            shaped = {name: torch.empty(shape, device="meta")}
+            got = [(n, tuple(v.shape)) for n, v in checkpoint_names(self.model, shaped).items()]
+            self._conversions[name] = got
+        return self._conversions[name]
 
     def stream_weights(self, sink: WeightSink | None, dtype: torch.dtype) -> None:
         """Every rank gathers each tensor whole (an all-gather), so any rank may send: rank 0 to a
@@ -221,14 +228,17 @@ class FSDPTrainer:
             with sink.scratch(n + n // world) if sink else nullcontext():
                 full = _gathered(t, dtype)  # cast first: half the bytes cross the wire
                 if sink:
-                    for hf_name, part in checkpoint_names(self.model, {name: full}).items():
+                    plain = self._hf_metas(name, t.shape) == [(name, tuple(t.shape))]
+                    converted = {name: full} if plain else checkpoint_names(self.model, {name: full})
+                    for hf_name, part in converted.items():
                         sink.put(hf_name, part)
                 del full
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Every weight the engines get, on rank 0 (tests; small models)."""
-        sink = CollectSink()
-        self.stream_weights(sink, next(self.model.parameters()).dtype)
+        dtype = next(self.model.parameters()).dtype
+        sink = CollectSink(dtype)
+        self.stream_weights(sink, dtype)
         return sink.weights
 
     def _tied(self) -> bool:
@@ -343,18 +353,20 @@ def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _gathered(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The whole of a (possibly sharded) tensor in ``dtype``, on every rank of its mesh."""
+    """The whole of a (possibly sharded) tensor, on every rank of its mesh: gathered in ``dtype``
+    (on one rank, as it is: the sink casts as it copies)."""
     from torch.distributed.tensor import DTensor
 
-    t = t.detach().to(dtype)
     if not isinstance(t, DTensor):
-        return t
+        return t.detach()  # the sink casts as it copies
+    if t.device_mesh.size() == 1:
+        return t.to_local().detach()
     group = t.device_mesh.get_group()
     if dist.get_backend(group) == "gloo":
         # Lockstep: a sender waiting on its broadcast would otherwise let the other ranks run ahead,
         # and gloo buffers their early shards in heap memory no one counts.
         dist.barrier(group=group)
-    return t.full_tensor()
+    return t.detach().to(dtype).full_tensor()  # type: ignore[attr-defined]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
