@@ -130,9 +130,22 @@ def main() -> int:
     result["weights_gb"] = layout.numel * 2 / 1e9
 
     # -- refit: IPC (median of several) beside today's path ---------------------------------------------
+    probe = [[5 + i, 17, 42, 99, 7 + i] for i in range(8)]
+    greedy = SamplingSettings(n=1, temperature=0.0, top_p=1.0, max_tokens=16, seed=0)
+
+    def answers():  # type: ignore[no-untyped-def]
+        return [(g[0].token_ids, g[0].logprobs) for g in engine.generate(probe, greedy)]
+
+    before = answers()
     ipc = [ph.run(f"refit ipc #{i}", lambda: refit_ipc(trainer, engine, layout)) for i in range(args.refits)]
     times = [ph.rows[f"refit ipc #{i}"]["s"] for i in range(args.refits)]
     result["refit_ipc"] = {"median_s": statistics.median(times), "all_s": times, **ipc[-1]}
+    after = answers()  # the same weights went in: the same greedy tokens must come out
+    result["refit_same_greedy_tokens"] = [a[0] for a in after] == [b[0] for b in before]
+    result["refit_max_logprob_diff"] = max(
+        abs(x - y) for a, b in zip(after, before) for x, y in zip(a[1], b[1])
+    )
+    print("refit keeps greedy answers:", result["refit_same_greedy_tokens"], result["refit_max_logprob_diff"])
     if not args.skip_old:
 
         def old() -> None:
