@@ -143,7 +143,7 @@ def main() -> int:
     after = answers()  # the same weights went in: the same greedy tokens must come out
     result["refit_same_greedy_tokens"] = [a[0] for a in after] == [b[0] for b in before]
     result["refit_max_logprob_diff"] = max(
-        abs(x - y) for a, b in zip(after, before) for x, y in zip(a[1], b[1])
+        abs(x - y) for a, b in zip(after, before, strict=True) for x, y in zip(a[1], b[1], strict=False)
     )
     print("refit keeps greedy answers:", result["refit_same_greedy_tokens"], result["refit_max_logprob_diff"])
     if not args.skip_old:
