@@ -191,12 +191,8 @@ def main() -> int:
         if hf:
             rows["hf engine (static cache + compiled; baseline)"] = hf
 
-    import vllm
+    from hpcrl.rollout.vllm_engine import VLLMEngine  # imports no vllm: the engine sets its env first
 
-    from hpcrl.rollout.vllm_engine import VLLMEngine
-
-    res["vllm"] = vllm.__version__
-    res["env"] = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
     cfg = compose_config([*OVERRIDES, "rollout=vllm", f"rollout.max_num_seqs={B}", "rollout.sleep=true",
                           "rollout.load_format=auto"])  # fmt: skip
 
@@ -214,6 +210,9 @@ def main() -> int:
     engine = part("vllm engine start", start)
     if engine is None:
         return report(res, roof)
+    import vllm
+
+    res["vllm"] = vllm.__version__
     res["env"] = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
 
     def engine_config() -> dict:
