@@ -126,17 +126,22 @@ def load_weights(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
         runner.model.load_weights(weights=iter(weights))
 
 
-def ipc_views(
-    args: tuple[Any, ...], entries: list[tuple[str, tuple[int, ...], int]], device: int
-) -> Iterator:
-    """The named views of a bucket another process on this GPU shared (``reduce_tensor(buf)[1]``);
-    ``device`` replaces the sender's device index, which can differ for the same GPU."""
+def bucket_views(buf: Any, entries: list[tuple[str, tuple[int, ...], int]]) -> Iterator[tuple[str, Any]]:
+    """(name, view) of each tensor packed in the 1-D ``buf`` at (name, shape, element offset)."""
     from math import prod
 
+    for name, shape, offset in entries:
+        yield name, buf[offset : offset + prod(shape)].view(shape)
+
+
+def ipc_views(
+    args: tuple[Any, ...], entries: list[tuple[str, tuple[int, ...], int]], device: int
+) -> Iterator[tuple[str, Any]]:
+    """The named views of a bucket another process on this GPU shared (``reduce_tensor(buf)[1]``);
+    ``device`` replaces the sender's device index, which can differ for the same GPU. The rebuilt
+    buffer lives as long as the generator."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     rebuilt = list(args)
     rebuilt[6] = device  # (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, ...)
-    buf = rebuild_cuda_tensor(*rebuilt)
-    for name, shape, offset in entries:
-        yield name, buf[offset : offset + prod(shape)].view(shape)
+    yield from bucket_views(rebuild_cuda_tensor(*rebuilt), entries)
