@@ -163,3 +163,11 @@ def test_composition_cache_skips_hydra_and_any_edit_invalidates_it(tmp_path):
 )
 def test_layer_compilation_default_depends_on_backend_and_tp(overrides, compiled):
     assert compose(*overrides).trainer.compile_layers() is compiled
+
+
+def test_engine_logprobs_off_refuses_an_is_correction_that_needs_them():
+    from hpcrl.errors import ConfigError
+
+    assert compose("rollout.logprobs=false").rollout.logprobs is False  # fine without IS correction
+    with pytest.raises(ConfigError, match=r"^rollout.logprobs=false leaves algo.is_correction=tis"):
+        compose("rollout.logprobs=false", "algo.is_correction=tis")

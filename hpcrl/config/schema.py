@@ -90,6 +90,11 @@ class RunConfig:
             raise ConfigError(
                 f"layout.rollout_nodes={self.layout.rollout_nodes} must be >= 0 (0 = colocated)"
             )
+        if not getattr(self.rollout, "logprobs", True) and self.algo.is_correction.value != "none":
+            raise ConfigError(
+                f"rollout.logprobs=false leaves algo.is_correction={self.algo.is_correction.value} without "
+                "the engine's log-probs: set rollout.logprobs=true or algo.is_correction=none"
+            )
         positive("checkpoint.period", self.checkpoint.period)
         positive("checkpoint.keep_top_k", self.checkpoint.keep_top_k)
         if self.logger.wandb_mode not in ("offline", "online", "disabled"):
