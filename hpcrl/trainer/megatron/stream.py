@@ -79,9 +79,7 @@ class WeightStream:
                 continue
             shaped = {}
             for name, p in unit:
-                tp, _, _ = self.t.placement.tp_of(name)
-                n = tp if tp > 1 and is_split(name) else 1
-                parts = [torch.empty(p.shape, device="meta")] * n
+                parts = [torch.empty(p.shape, device="meta")] * self._width(name)
                 shaped[self.t.placement.global_name(name)] = unshard(
                     name, parts, self.t.placement.parts_of(name)
                 )
