@@ -116,6 +116,9 @@ def test_every_sender_holds_at_most_two_buckets_and_the_engine_gets_the_checkpoi
         assert counted <= 2 * bucket  # the packer's own count of what it and the trainer hold
         if name in MEASURED:
             # slack: 1/8 bucket for the heap's small blocks (under glibc's mmap threshold; not trimmed)
-            assert measured <= 2 * bucket + bucket // 8, f"rank {r} held {measured / 2**20:.1f} MiB extra"
+            worst = ranks[r]["extra_max"] / 2**20
+            assert measured <= 2 * bucket + bucket // 8, (
+                f"rank {r} held {measured / 2**20:.1f} MiB extra (median of 3 streams; worst {worst:.1f})"
+            )
     # every checkpoint tensor arrived once, bit-exact in bf16 (an untied model: no extra head)
     assert got["names"] == got["checkpoint"] and got["differ"] == []
