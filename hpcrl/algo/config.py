@@ -68,6 +68,11 @@ class AlgoConfig:
     """Optimizer steps per rollout batch."""
     val_period: int = 10
     val_at_start: bool = True
+    max_staleness: int = 0
+    """Policy versions a training sample may lag the trainer. 0: on-policy (generate, then train).
+    N >= 1: the engines generate step s + N's batch while the trainers train step s, and take new
+    weights between batches (1 = veRL's one-step-off); every sample is then exactly N versions old
+    (``hpcrl/run/overlap.py``). Needs ``algo.is_correction`` against the engine's log-probs."""
 
     def check(self) -> None:
         for key in (
@@ -82,6 +87,7 @@ class AlgoConfig:
         ):
             positive(f"algo.{key}", getattr(self, key))
         non_negative("algo.kl_coef", self.kl_coef)
+        non_negative("algo.max_staleness", self.max_staleness)
         in_range("algo.eps_low", self.eps_low, 0.0, 1.0)
         in_range("algo.eps_high", self.eps_high, 0.0, 10.0)
         non_negative("algo.overlong_buffer", self.overlong_buffer)

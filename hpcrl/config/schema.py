@@ -95,6 +95,12 @@ class RunConfig:
                 f"rollout.logprobs=false leaves algo.is_correction={self.algo.is_correction.value} without "
                 "the engine's log-probs: set rollout.logprobs=true or algo.is_correction=none"
             )
+        if self.algo.max_staleness and self.algo.is_correction.value == "none":
+            raise ConfigError(
+                f"algo.max_staleness={self.algo.max_staleness} trains on samples of older policies, which "
+                "needs an importance correction against the engine's log-probs: set algo.is_correction=tis "
+                "(or icepop), or algo.max_staleness=0"
+            )
         positive("checkpoint.period", self.checkpoint.period)
         positive("checkpoint.keep_top_k", self.checkpoint.keep_top_k)
         if self.logger.wandb_mode not in ("offline", "online", "disabled"):

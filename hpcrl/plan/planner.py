@@ -167,6 +167,8 @@ def sleep_blocker(cfg: RunConfig, placement: Placement) -> str:
     """Why the engines cannot sleep while the trainer trains ("": they can)."""
     if placement is Placement.SPLIT:
         return "placement is split: the engines have GPUs of their own"
+    if cfg.algo.max_staleness:
+        return f"algo.max_staleness={cfg.algo.max_staleness}: the engines generate while the trainer trains"
     if not on_gpus(cfg.cluster):
         return f"cluster '{cfg.cluster.name}' runs on cpu, where vLLM has no sleep mode"
     return ""

@@ -14,6 +14,9 @@ class Completion:
     text: str
     truncated: bool
     """True when generation hit max_new_tokens instead of ending with EOS."""
+    versions: tuple[int, int] = (0, 0)
+    """The first and last policy version whose weights generated its tokens (optimizer steps behind
+    them): stamped by the loop, equal unless weights changed while it was generated."""
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
     try:
         connect(scratch)
         actors = _start_actors(plan, run.model_dir, scratch, run_dir, slurm=slurm)
-        start_step = _resume(actors, run)
+        start_step, restored = _resume(actors, run, cfg.algo.max_staleness)
         with RewardPool(cfg.data.verifier, cfg.rewards) as pool:
             say(
                 f"ready after {time.perf_counter() - started:.0f}s ({len(pool.slots)} reward processes); "
@@ -89,6 +89,7 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
                 run.logger,
                 say,
                 start_step,
+                restored,
             )
     finally:
         run.logger.close()
@@ -180,24 +181,30 @@ def checkpoint_about(plan: Plan, model_dir: Path) -> dict[str, Any]:
     }
 
 
-def _resume(actors: Any, run: _Run) -> int:
-    """Restore the latest checkpoint, if any (weights to the engines too); the step it was taken after.
-    The trainer ranks read their shards themselves (resharded when this layout is another)."""
+def _resume(actors: Any, run: _Run, lag: int) -> tuple[int, list[Any]]:
+    """Restore the latest checkpoint, if any (weights to the engines too); the step it was taken after
+    and the generated batches it kept (``algo.max_staleness`` > 0: ``run/overlap.py``). The trainer
+    ranks read their shards themselves (resharded when this layout is another)."""
     import torch
 
     from hpcrl.run.checkpoint import load_loop_state
 
     latest = run.ckpt.latest()
     if latest is None:
-        return 0
+        return 0, []
     state = load_loop_state(latest)
     actors.load_checkpoint(str(latest.path / "trainer"), run.weights_only)
     run.stream.restore(state["stream"])
     random.setstate(state["rng"]["python"])
     torch.set_rng_state(state["rng"]["torch"])
     actors.sync_weights()
-    say(f"resumed from {latest.path} (step {state['step']})")
-    return int(state["step"])
+    step = int(state["step"])
+    kept = [r for r in state.get("rollouts", []) if r.step <= step + lag]
+    if len(kept) < len(state.get("rollouts", [])):
+        # their prompts were taken from the stream: those steps train on the next prompts instead
+        say(f"algo.max_staleness={lag}: {len(state['rollouts']) - len(kept)} generated batches dropped")
+    say(f"resumed from {latest.path} (step {step})" + (f", {len(kept)} generated batches" if kept else ""))
+    return step, kept
 
 
 def summarize(run_dir: Path, ckpt: Any, started: float) -> None:

@@ -227,9 +227,17 @@ def train(
     logger: Any,
     say: Callable[[str], None],
     start_step: int = 0,
+    restored: list[Any] | None = None,
 ) -> dict[str, float]:
-    """Steps ``start_step + 1 .. algo.max_steps``; returns the last value of every metric."""
+    """Steps ``start_step + 1 .. algo.max_steps``; returns the last value of every metric.
+    ``algo.max_staleness`` > 0 overlaps generation with training (``run/overlap.py``; ``restored``:
+    the generated batches its checkpoint kept)."""
     algo = cfg.algo
+    if algo.max_staleness:
+        from hpcrl.run.overlap import train_overlapped
+
+        args = (cfg, actors, pool, encode, pad_id, stream, val, ckpt, logger, say)
+        return train_overlapped(*args, start_step=start_step, restored=restored)
     last: dict[str, float] = {}
     if start_step == 0 and algo.val_at_start:
         last = validate(cfg, actors, pool, encode, val)

@@ -1,0 +1,199 @@
+"""Rollout and training overlap: ``algo.max_staleness`` = N >= 1 (0 is ``loop.train``'s on-policy loop).
+
+Fixed-lag pipelining, veRL's one-step-off generalised to N: the batch trained at step j is generated
+by the policy of step max(0, j - 1 - N), so once the pipeline is full every sample is exactly N
+policy versions old, never more. A fixed lag keeps a run reproducible for a fixed seed (which weights
+generate which batch does not depend on timing) and lets it resume exactly. While the trainers run
+step s, the engines generate batch s + N; after step s:
+
+    wait for batch s + N              (generated while step s trained)
+    weights of step s -> engines      (the engines are idle: no update lands inside a batch)
+    validate / checkpoint when due    (the checkpoint holds batches s+1 .. s+N: samples of older
+                                       policies that no checkpointed weights could regenerate)
+    start batch s + N + 1 (policy s)  in the background, then train step s + 1 on batch s + 1
+
+The trainer scores the batch under its current policy (the "old" log-probs of the PPO ratio) and the
+importance correction (``algo.is_correction``) weighs that against the engine's log-probs, the
+behaviour policy: decoupled PPO as AReaL writes it. Each sample carries the version that generated it;
+``async/staleness`` and ``async/version_span`` are logged, ``train/gen_kl_error`` is the mismatch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hpcrl.config.schema import RunConfig
+from hpcrl.data.loader import Example, PromptStream
+from hpcrl.rollout.base import Completion
+from hpcrl.run.metrics import console_line
+from hpcrl.run.preempt import REQUEST, Preempted
+
+
+@dataclass
+class Rollouts:
+    """One step's batch as the engines made it, stamped with the policy that made it."""
+
+    step: int
+    """The step that trains on it."""
+    version: int
+    """The policy that generated it: the number of optimizer steps behind those weights."""
+    scored: Any
+    """``loop.Scored``: prompts, completions, raw rewards, outcomes."""
+    shaped: torch.Tensor
+    metrics: dict[str, float]
+    seconds: float
+    """Generation and scoring, in the background."""
+
+
+class Pipeline:
+    """Batches in flight or waiting, by step. One producer thread: the engines take one batch at a
+    time, and the reward pool serves one caller at a time."""
+
+    def __init__(self, produce: Callable[[int], tuple[Any, torch.Tensor, dict[str, float]]]) -> None:
+        self.produce = produce
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="hpcrl-rollout")
+        self.batches: dict[int, Future[Rollouts]] = {}
+
+    def start(self, step: int, version: int) -> None:
+        self.batches[step] = self.pool.submit(self._make, step, version)
+
+    def _make(self, step: int, version: int) -> Rollouts:
+        t0 = time.perf_counter()
+        scored, shaped, metrics = self.produce(step)
+        for group in scored.groups:
+            for c in group:
+                c.versions = (version, version)
+        return Rollouts(step, version, scored, shaped, metrics, time.perf_counter() - t0)
+
+    def restore(self, saved: list[Rollouts]) -> None:
+        for r in saved:
+            done: Future[Rollouts] = Future()
+            done.set_result(r)
+            self.batches[r.step] = done
+
+    def last_step(self, default: int) -> int:
+        return max(self.batches, default=default)
+
+    def take(self, step: int) -> Rollouts:
+        return self.batches.pop(step).result()
+
+    def settle(self) -> list[Rollouts]:
+        """Wait for every batch started; all of them, in step order (what a checkpoint keeps)."""
+        return [self.batches[s].result() for s in sorted(self.batches)]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def staleness_metrics(groups: list[list[Completion]], trainer_version: int) -> dict[str, float]:
+    """How far behind the trainer the batch's samples are, in optimizer steps (the oldest token's
+    policy), and how many versions the batch spans. Weights never change inside a batch here, so the
+    span is 0; it is logged so that runs with in-flight updates compare on the same curves."""
+    first = [c.versions[0] for g in groups for c in g]
+    latest = [c.versions[1] for g in groups for c in g]
+    if not first:
+        return {}
+    return {
+        "async/staleness": float(trainer_version - min(first)),
+        "async/staleness_mean": float(trainer_version - sum(first) / len(first)),
+        "async/version_span": float(max(latest) - min(first)),
+    }
+
+
+def train_overlapped(
+    cfg: RunConfig,
+    actors: Any,
+    pool: Any,
+    encode: Callable[[str], list[int]],
+    pad_id: int,
+    stream: PromptStream,
+    val: list[Example],
+    ckpt: Any,
+    logger: Any,
+    say: Callable[[str], None],
+    start_step: int = 0,
+    restored: list[Rollouts] | None = None,
+) -> dict[str, float]:
+    """``loop.train`` with generation one (or N) steps ahead of training; same arguments, plus the
+    batches a checkpoint restored."""
+    from hpcrl.run import loop
+
+    algo, lag = cfg.algo, cfg.algo.max_staleness
+    last: dict[str, float] = {}
+    if start_step == 0 and algo.val_at_start:
+        last = loop.validate(cfg, actors, pool, encode, val)
+        logger.log(0, last)
+        say(f"step   0/{algo.max_steps} | val {last['val/accuracy']:.3f} (before training)")
+    pipe = Pipeline(lambda j: loop.collect(cfg, actors, pool, encode, stream, j))
+    pipe.restore(restored or [])
+    try:
+        # fill the pipeline: every batch up to start + 1 + N comes from the weights the engines hold now
+        for j in range(pipe.last_step(start_step) + 1, min(start_step + 1 + lag, algo.max_steps) + 1):
+            pipe.start(j, version=start_step)
+        for step in range(start_step + 1, algo.max_steps + 1):
+            metrics = overlapped_step(cfg, actors, pool, encode, pad_id, val, pipe, step)
+            blocked = ckpt.settle(actors)
+            due = cfg.checkpoint.enabled and (step % cfg.checkpoint.period == 0 or step == algo.max_steps)
+            stop = REQUEST.asked  # read once: the save and the stop must agree (see loop.train)
+            if due or stop:
+                last_one = stop or step == algo.max_steps
+                state = {**loop.run_state(stream, step), "rollouts": pipe.settle()}
+                blocked += ckpt.save(step, actors, state, metrics, cfg.checkpoint.async_save and not last_one)
+            metrics["time/checkpoint_blocked"] = blocked
+            if not stop and step + 1 + lag <= algo.max_steps:
+                pipe.start(step + 1 + lag, version=step)  # after the save: its prompts are not in it
+            logger.log(step, metrics)
+            say(console_line(step, algo.max_steps, metrics))
+            last = {**last, **metrics}
+            if stop:
+                REQUEST.done(step)
+                if step < algo.max_steps:
+                    say(f"stopping after step {step} on the scheduler's warning signal: checkpoint saved")
+                    raise Preempted(step)
+    finally:
+        pipe.close()
+    return last
+
+
+def overlapped_step(
+    cfg: RunConfig,
+    actors: Any,
+    pool: Any,
+    encode: Callable[[str], list[int]],
+    pad_id: int,
+    val: list[Example],
+    pipe: Pipeline,
+    step: int,
+) -> dict[str, float]:
+    """Train on batch ``step`` while the next is generated, then hand the engines the new weights."""
+    from hpcrl.run import loop
+
+    algo = cfg.algo
+    timer, t0 = loop.Timer(), time.perf_counter()
+    with timer("rollout"):  # the part of generation the trainers wait for
+        got = pipe.take(step)
+    metrics = {**got.metrics, **staleness_metrics(got.scored.groups, step - 1)}
+    batch = loop.make_batch(cfg, got.scored, got.shaped, encode, pad_id)
+    with timer("ref_logprobs"):
+        ref = actors.ref_logprobs(batch) if algo.kl_coef > 0 else None
+    with timer("train"):
+        metrics.update({f"train/{k}": v for k, v in actors.train_step(batch, ref).items()})
+    with timer("rollout_after_train"):  # generation outlasting the train step: the engines are the limit
+        pipe.settle()
+    with timer("weight_sync"):
+        metrics.update({f"refit/{k}": v for k, v in actors.sync_weights().items()})
+    metrics["train/reward"] = float(got.shaped.mean())
+    if step % algo.val_period == 0 or step == algo.max_steps:
+        with timer("validation"):
+            metrics.update(loop.validate(cfg, actors, pool, encode, val))
+    metrics.update(timer.times)
+    metrics["time/generate"] = got.seconds
+    metrics["time/step"] = time.perf_counter() - t0
+    metrics["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(got.seconds, 1e-9)
+    return metrics
