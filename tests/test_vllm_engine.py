@@ -162,6 +162,23 @@ def test_logprobs_off_gives_the_same_tokens_and_no_logprobs(engine):
     assert all(len(c.logprobs) == len(c.token_ids) for g in with_lps for c in g)
 
 
+def test_streamed_groups_are_the_batch_groups_handed_over_as_they_finish(engine):
+    """generate_stream: every prompt's group exactly once, equal to generate's with the same seed, in
+    more than one hand-over when the lengths differ (short answers are scored before long ones end)."""
+    prompts = [*PROMPTS, *PROMPTS]
+    settings = SamplingSettings(n=2, temperature=1.0, top_p=1.0, max_tokens=24, seed=3)
+    whole = engine.generate(prompts, settings)
+    parts = list(engine.generate_stream(prompts, settings))
+    got = [i for part in parts for i, _ in part]
+    assert sorted(got) == list(range(len(prompts)))
+    streamed = dict(pair for part in parts for pair in part)
+    for i, group in enumerate(whole):
+        assert [c.token_ids for c in streamed[i]] == [c.token_ids for c in group]
+        assert [c.logprobs for c in streamed[i]] == [c.logprobs for c in group]
+    lengths = {max(len(c.token_ids) for c in g) for g in whole}
+    assert len(parts) > 1 or len(lengths) == 1, (len(parts), lengths)
+
+
 def test_sleep_and_wake_are_no_ops_on_cpu(engine, hf_model):
     assert not engine.sleeps  # rollout.sleep=true, but vLLM on CPU has no sleep mode
     start = time.perf_counter()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,9 +136,38 @@ class VLLMEngine:
         self.weight_dtype = "float32" if on_cpu else cfg.dtype
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
 
-        params = SamplingParams(
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], self._params(settings), use_tqdm=False
+        )
+        return self._groups(outputs)
+
+    def generate_stream(
+        self, prompts: list[list[int]], settings: SamplingSettings
+    ) -> Iterator[list[tuple[int, list[Completion]]]]:
+        """``generate``, handing over each prompt's group (index, its n completions) as soon as its
+        samples are done, so the loop scores them while the rest generate. The same requests with
+        the same seeds as ``generate``: the same completions."""
+        from vllm import TokensPrompt
+
+        # The outputs name their requests by LLM's counter (enqueue returns the engine's internal ids)
+        base = getattr(getattr(self.llm, "request_counter", None), "counter", None)
+        if not hasattr(self.llm, "enqueue") or not isinstance(base, int):  # older vLLM: all at once
+            yield list(enumerate(self.generate(prompts, settings)))
+            return
+        params = self._params(settings)
+        self.llm.enqueue([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        engine = self.llm.llm_engine
+        while engine.has_unfinished_requests():
+            done = [out for out in engine.step() if out.finished]
+            if done:
+                yield [(int(o.request_id) - base, g) for o, g in zip(done, self._groups(done), strict=True)]
+
+    def _params(self, settings: SamplingSettings) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
             n=settings.n,
             temperature=settings.temperature,
             top_p=settings.top_p,
@@ -146,9 +176,9 @@ class VLLMEngine:
             stop_token_ids=self.stop_token_ids or None,
             **vllm_compat.sampling_kwargs(self.logprobs),
         )
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-        )
+
+    def _groups(self, outputs: list[Any]) -> list[list[Completion]]:
+        """Each request's completions; every text decoded in one ``batch_decode`` call."""
         ids = [list(c.token_ids) for out in outputs for c in out.outputs]
         texts = iter(self.tokenizer.batch_decode(ids, skip_special_tokens=True))
         groups = []
