@@ -21,6 +21,7 @@ PLAIN = [
     ["+cluster=gb200", "+model=nemotron_super"],
     ["cluster=h200", "model=qwen2_1p5b", "trainer=megatron", "trainer.tp=2", "algo=dapo", "algo.lr=3e-6"],
     ["rollout=hf", "rollout.max_new_tokens=64", "algo.kl_type=k1", "algo.is_correction=none"],
+    ["algo=drgrpo", "algo.policy_loss=gspo", "algo.loss_agg=sequence"],
     ["+experiment=dapo-nemotron-super-5n4g-megatron", "cluster=b200", "layout.train_nodes=2"],
     ["+experiment=grpo-tiny-1n1g-fsdp", "+cluster.env.NCCL_DEBUG=INFO", "run.name=my-run.v2"],
     ["cluster=gb200", "cluster.slurm.time=08:00:00", "cluster.container.image=nvcr.io/nv/rl:v0.4"],

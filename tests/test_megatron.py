@@ -379,9 +379,10 @@ def _torchrun(
     cp: int = 1,
     extra: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    algo: tuple[str, ...] = (),
 ) -> dict:
     """One parity run (tests/megatron_parity.py); ``env``: its HPCRL_PARITY_* switches (a second
-    step after the checkpoint, or a resume from one)."""
+    step after the checkpoint, or a resume from one); ``algo``: overrides for either backend."""
     cmd = [
         sys.executable,
         "-m",
@@ -397,7 +398,9 @@ def _torchrun(
     ]
     env = {
         **os.environ,
-        "HPCRL_PARITY_OVERRIDES": " ".join((f"trainer.cp={cp}", *extra) if backend == "megatron" else ()),
+        "HPCRL_PARITY_OVERRIDES": " ".join(
+            ((f"trainer.cp={cp}", *extra) if backend == "megatron" else ()) + algo
+        ),
         **(env or {}),
     }
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
@@ -456,6 +459,33 @@ def test_tensor_and_pipeline_parallel_match_tp1_and_tp1_matches_fsdp(tiny_dir, t
         _assert_same_step(run, base, mask, where)
     for i, name in enumerate(RESHARDED):
         _assert_resumes_resharded(tiny_dir, tmp_path, name, port=29701 + i)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ("algo.policy_loss=gspo", "algo.loss_agg=sequence", "algo.num_minibatches=2"),
+        ("algo=drgrpo", "algo.policy_loss=cispo", "algo.eps_low=1", "algo.num_minibatches=2"),
+    ],
+    ids=["gspo", "cispo-drgrpo"],
+)
+def test_loss_variants_step_alike_under_megatron_and_fsdp(tiny_dir, tmp_path, variant):
+    """The loss variants through both backends' shared step, two optimizer steps (the second
+    against the old policy's log-probs) and a sequence-level aggregation: the parity batch's 7 rows
+    leave megatron a padded last micro-batch, which must not count as a sequence."""
+    mask = parity_batch().loss_mask.bool()
+    fsdp = _torchrun(tiny_dir, tmp_path / "fsdp.pt", 1, 1, backend="fsdp", port=29721, algo=variant)
+    run = _torchrun(tiny_dir, tmp_path / "tp1.pt", 1, 1, port=29723, algo=variant)
+    assert torch.allclose(run["logp"][mask], fsdp["logp"][mask], atol=1e-5)
+    for key in ("loss", "policy_loss", "kl", "clip_fraction", "grad_norm"):
+        assert run["metrics"][key] == pytest.approx(fsdp["metrics"][key], rel=1e-4, abs=1e-6), key
+    # the second minibatch's gradients, and the weights after both steps (fsdp's tied head aside)
+    for name, grad in fsdp["grads"].items():
+        ours = run["grads"][name if name in run["grads"] else "model.embed_tokens.weight"]
+        assert torch.allclose(ours, grad, atol=1e-5), name
+    for name, weight in fsdp["weights"].items():
+        assert torch.allclose(run["weights"][name], weight, atol=1e-6), name
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hpcrl.algo.config import LossAgg
-from hpcrl.algo.losses import PolicyLoss, gen_kl_error
+from hpcrl.algo.losses import CISPOLoss, GSPOLoss, PolicyLoss, gen_kl_error
 from hpcrl.trainer.batch import TrainBatch, build_batch
 from hpcrl.trainer.step import LossFn, Metrics, StepBatch, Totals, TrainStep
 
@@ -106,6 +106,70 @@ def test_token_shares_give_the_whole_minibatch_loss_and_gradient(size):
     assert metrics["kl"] == pytest.approx(float(whole.kl), abs=1e-7)
     expected = gen_kl_error(table.detach(), b.rollout_logp, b.loss_mask)
     assert metrics["gen_kl_error"] == pytest.approx(float(expected), abs=1e-7)
+
+
+class StaleBackend(FakeBackend):
+    """The old policy differs from the current one (as after earlier optimizer steps), and
+    ``micro_batches`` pads the last run with zero-mask rows, as megatron's pipeline does."""
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
+        self.events.append("logprobs")
+        gen = torch.Generator().manual_seed(1)
+        shift = 0.3 * torch.randn(self.table.shape, generator=gen, dtype=torch.float64)
+        return (self.table.detach() + shift)[batch.input_ids[:, 0]]
+
+    def micro_batches(self, part: StepBatch, size: int) -> list[StepBatch]:
+        runs = super().micro_batches(part, size)
+        extra = size - len(runs[-1])
+        if extra:
+            pad = runs[-1].select(torch.zeros(extra, dtype=torch.long))
+            pad.data.loss_mask.zero_()
+            last = runs[-1]
+            runs[-1] = StepBatch(
+                TrainBatch(
+                    *(torch.cat([a, b]) for a, b in zip(_fields(last.data), _fields(pad.data), strict=True))
+                ),
+                torch.cat([last.old_logp, pad.old_logp]) if last.old_logp is not None else None,
+                None,
+            )
+        return runs
+
+
+def _fields(b: TrainBatch) -> tuple[torch.Tensor, ...]:
+    return (b.input_ids, b.attention_mask, b.loss_mask, b.advantages, b.rollout_logp)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.parametrize(
+    "loss",
+    [
+        PolicyLoss(loss_agg=LossAgg.sequence),
+        GSPOLoss(eps_low=0.1, eps_high=0.1, loss_agg=LossAgg.sequence),
+        GSPOLoss(loss_agg=LossAgg.token),
+        CISPOLoss(eps_low=1.0, eps_high=0.1),
+        PolicyLoss(loss_agg=LossAgg.sequence_sum_norm, sum_norm=4.0),
+    ],
+    ids=["ppo-sequence", "gspo-sequence", "gspo-token", "cispo", "drgrpo"],
+)
+def test_every_variant_accumulates_to_each_minibatch(loss, size):
+    """With a stale old policy, a filtered sample and padding rows in the last micro-batch, each
+    minibatch's accumulated gradient and loss are those of ``loss`` called once on its rows: the
+    step weighs micro-batches by the loss's own units (sequences for a sequence-level loss)."""
+    b = numbered(batch())
+    b.loss_mask[1] = 0  # a filtered sample: no loss tokens, not a sequence of the mean
+    backend = StaleBackend(b)
+    metrics = TrainStep(loss, minibatches=2, micro_batch_size=size)(backend, b, None, "cpu")
+    old = backend.logprobs(b)
+    assert (old - backend.table.detach()).abs().max() > 0.1  # the ratios are not all 1
+    losses = []
+    for k, rows in enumerate(torch.arange(len(b)).chunk(2)):
+        table = backend.table.detach().clone().requires_grad_()
+        part = b.select(rows)
+        whole = loss(table[rows], old[rows], None, part.rollout_logp, part.advantages, part.loss_mask)
+        whole.loss.backward()
+        assert torch.allclose(backend.grads[k], table.grad, atol=1e-12), k
+        losses.append(float(whole.loss.detach()))
+    assert metrics["loss"] == pytest.approx(sum(losses) / 2, abs=1e-7)
 
 
 def test_old_policy_mismatch_is_the_whole_batch_mean_with_several_minibatches():

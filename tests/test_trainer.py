@@ -46,8 +46,20 @@ def test_micro_batching_matches_one_big_batch(tiny_dir):
     )  # a wrong accumulation differs by ~lr (1e-3)
 
 
-def test_update_follows_the_advantage_sign(tiny_dir):
-    t = trainer(tiny_dir, "algo.lr=3e-3")
+@pytest.mark.parametrize(
+    "variant",
+    [
+        [],
+        # the loss variants through the same step; two minibatches, so the second trains against
+        # the old policy's log-probs (ratios not 1)
+        ["algo.policy_loss=gspo", "algo.loss_agg=sequence", "algo.num_minibatches=2"],
+        ["algo.policy_loss=cispo", "algo.eps_low=1", "algo.num_minibatches=2"],
+        ["algo=drgrpo"],
+    ],
+    ids=["ppo", "gspo", "cispo", "drgrpo"],
+)
+def test_update_follows_the_advantage_sign(tiny_dir, variant):
+    t = trainer(tiny_dir, "algo.lr=3e-3", *variant)
     b = batch()
     before = (t.logprobs(b) * b.loss_mask).sum(1)
     for _ in range(3):

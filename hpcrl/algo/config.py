@@ -15,9 +15,16 @@ class KLType(StrEnum):
     k3 = "k3"
 
 
+class PolicyLossType(StrEnum):
+    ppo = "ppo"  # per-token ratio, clipped (GRPO, DAPO)
+    gspo = "gspo"  # one ratio per sequence, the geometric mean of its tokens' ratios, clipped (GSPO)
+    cispo = "cispo"  # per-token ratio truncated as a stop-gradient weight on log pi; no token dropped (CISPO)
+
+
 class LossAgg(StrEnum):
     token = "token"  # every generated token weighs the same (DAPO)
-    sequence = "sequence"  # mean over each sequence's tokens, then over sequences (GRPO paper)
+    sequence = "sequence"  # mean over each sequence's tokens, then over sequences (GRPO paper, GSPO)
+    sequence_sum_norm = "sequence_sum_norm"  # each sequence's token sum / rollout.max_new_tokens (Dr. GRPO)
 
 
 class Baseline(StrEnum):
@@ -36,7 +43,7 @@ class AlgoConfig:
     """The defaults are GRPO's (``conf/algo/grpo.yaml`` only names it); DAPO changes a few of them."""
 
     name: str = MISSING
-    """The algorithm as plans name it (grpo, dapo): set by the ``algo`` group option."""
+    """The algorithm as plans name it (grpo, dapo, gspo, drgrpo): set by the ``algo`` group option."""
     num_prompts_per_step: int = 32
     num_generations: int = 16
     """Samples per prompt: one GRPO group."""
@@ -49,9 +56,25 @@ class AlgoConfig:
     """Upper ratio clip; DAPO's clip-higher uses 0.28."""
     dual_clip: float | None = None
     """Dual-clip bound c (> 1) for negative advantages; None turns it off."""
+    policy_loss: PolicyLossType = PolicyLossType.ppo
+    """The surrogate (``hpcrl/algo/losses.py``), each with ``eps_low``/``eps_high`` as its clip range.
+    ppo: r_t = pi/pi_old per token, loss max(-r A, -clip(r) A) (GRPO, DAPO).
+    gspo: one ratio per sequence s = exp(mean over its tokens of log r_t), clipped like ppo's, the
+    gradient reaching each token as s * grad log pi_t (GSPO, Zheng et al. 2025; veRL
+    ``loss_mode=gspo``); its paper's clip range is 3e-4/4e-4 (``conf/algo/gspo.yaml``), with
+    ``loss_agg=sequence``. cispo: loss -sg(clip(r_t)) A log pi_t: the ratio only weighs the token's
+    gradient, so a clipped token still learns (MiniMax-M1; veRL ``loss_mode=cispo``, NeMo RL
+    ``use_cispo``); ``eps_low=1`` leaves the weight without a lower bound, as MiniMax does. Not with
+    ``dual_clip`` (there is no clipped surrogate to cap)."""
     loss_agg: LossAgg = LossAgg.token
+    """How per-token losses (and the KL term) become one number. token: mean over every loss token of
+    the minibatch. sequence: mean over each sequence's tokens, then over the sequences that have any.
+    sequence_sum_norm: each sequence's token sum divided by ``rollout.max_new_tokens``, then the mean
+    over sequences: every token weighs the same whatever its sequence's length (Dr. GRPO, Liu et al.
+    2025; veRL ``seq-mean-token-sum-norm``; with ``std_normalize=false``, ``conf/algo/drgrpo.yaml``)."""
     baseline: Baseline = Baseline.mean
     std_normalize: bool = True
+    """Divide each group's advantages by its reward std (GRPO); Dr. GRPO turns it off."""
     is_correction: ISCorrection = ISCorrection.none
     is_cap: float = 2.0
     dynamic_sampling: bool = False
@@ -94,6 +117,11 @@ class AlgoConfig:
         non_negative("algo.overlong_penalty", self.overlong_penalty)
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ConfigError(f"algo.dual_clip={self.dual_clip} must be > 1 (or null to turn it off)")
+        if self.dual_clip is not None and self.policy_loss is PolicyLossType.cispo:
+            raise ConfigError(
+                "algo.dual_clip does not apply to algo.policy_loss=cispo (its truncated weight has no "
+                "clipped surrogate to cap): set algo.dual_clip=null"
+            )
         if self.num_generations < 2:
             raise ConfigError(
                 f"algo.num_generations={self.num_generations}: a group-relative baseline needs at least 2 samples"

@@ -4,10 +4,11 @@ the loss call, metric sums, and the order of zeroing, backward, clipping and ste
 When a batch takes several optimizer steps (``algo.num_minibatches`` > 1) the policy that generated
 the rollouts is scored first (the "old" log-probs). Each minibatch: gradients zeroed, its rows cut
 into micro-batches, forward and backward over them with ``PolicyLoss`` weighted by each micro-batch's
-share of the minibatch's loss tokens (so accumulation gives the whole minibatch's token mean), then
-the gradients are clipped and the optimizer steps. Metrics are those share-weighted sums, averaged
-over the minibatches; ``gen_kl_error`` (the rollout engine's log-probs against the old policy's) is
-the whole batch's token mean.
+share of what the loss averages over in the minibatch (its loss tokens, or for a sequence-level
+``algo.loss_agg`` its sequences: so accumulation gives the whole minibatch's value), then the
+gradients are clipped and the optimizer steps. Metrics are those share-weighted sums, averaged over
+the minibatches; entropy and ``gen_kl_error`` (the rollout engine's log-probs against the old
+policy's) are token means.
 
 A backend implements ``StepBackend``: its forward (log-probs and entropy of micro-batches, however
 it computes them: fsdp's model call, megatron's pipeline schedule) and its optimizer step.
@@ -91,7 +92,8 @@ class TrainStep:
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> TrainStep:
-        return cls(PolicyLoss.from_config(cfg.algo), cfg.algo.num_minibatches, cfg.trainer.micro_batch_size)
+        loss = PolicyLoss.from_config(cfg.algo, cfg.rollout.max_new_tokens)
+        return cls(loss, cfg.algo.num_minibatches, cfg.trainer.micro_batch_size)
 
     def __call__(
         self,
@@ -115,31 +117,31 @@ class TrainStep:
                 "gen_kl_error", gen_kl_error(whole.old_logp, d.rollout_logp, d.loss_mask) * self.minibatches
             )
         for rows in torch.arange(len(batch)).chunk(self.minibatches):
-            # token counts from the CPU tensors: no wait on the GPU
+            # counts from the CPU tensors (no wait on the GPU), before a backend adds padding rows
             mask = batch.loss_mask[rows]
+            parts = mask.split(self.micro_batch_size)
             tokens = float(mask.sum().clamp(min=1))
-            shares = [float(m.sum()) / tokens for m in mask.split(self.micro_batch_size)]
+            units = float(self.loss.units(mask).clamp(min=1))
+            shares = Shares(
+                [float(self.loss.units(m)) / units for m in parts],
+                [float(m.sum()) / tokens for m in parts],
+                tokens,
+            )
             backend.zero_grad()
             micro = backend.micro_batches(whole.select(rows), self.micro_batch_size)
-            assert len(micro) == len(shares), "micro_batches must cut runs of micro_batch_size rows"
-            for metrics in backend.forward_backward(micro, partial(self.micro_loss, shares, tokens)):
+            assert len(micro) == len(parts), "micro_batches must cut runs of micro_batch_size rows"
+            for metrics in backend.forward_backward(micro, partial(self.micro_loss, shares)):
                 for key, value in metrics.items():
                     totals.add(key, value)
             totals.add("grad_norm", backend.optimizer_step())
         return totals.means(self.minibatches)
 
     def micro_loss(
-        self,
-        shares: list[float],
-        tokens: float,
-        i: int,
-        mb: StepBatch,
-        logp: torch.Tensor,
-        entropy: torch.Tensor,
+        self, shares: Shares, i: int, mb: StepBatch, logp: torch.Tensor, entropy: torch.Tensor
     ) -> tuple[torch.Tensor, Metrics]:
-        """Micro-batch ``i``'s loss, weighted by its share of the minibatch's ``tokens`` so that
-        accumulation reproduces the full-minibatch mean (exact for token-level aggregation)."""
-        d, share = mb.data, shares[i]
+        """Micro-batch ``i``'s loss, weighted by its share of the minibatch's loss units (tokens or
+        sequences, ``PolicyLoss.units``) so that accumulation reproduces the full-minibatch value."""
+        d, share, token_share = mb.data, shares.loss[i], shares.tokens[i]
         old = logp.detach() if mb.old_logp is None else mb.old_logp
         terms = self.loss(logp, old, mb.ref_logp, d.rollout_logp, d.advantages, d.loss_mask)
         metrics: Metrics = {
@@ -147,11 +149,22 @@ class TrainStep:
             "policy_loss": terms.policy * share,
             "kl": terms.kl * share,
             "clip_fraction": terms.clip_fraction * share,
-            "entropy": (entropy.detach() * d.loss_mask).sum() / tokens,
+            "entropy": (entropy.detach() * d.loss_mask).sum() / shares.total_tokens,
         }
         if mb.old_logp is None:  # the old policy is this forward's (else: scored over the whole batch)
-            metrics["gen_kl_error"] = gen_kl_error(old, d.rollout_logp, d.loss_mask) * share
+            metrics["gen_kl_error"] = gen_kl_error(old, d.rollout_logp, d.loss_mask) * token_share
         return terms.loss * share, metrics
+
+
+@dataclass(frozen=True)
+class Shares:
+    """Each micro-batch's share of its minibatch: of the loss's units (``PolicyLoss.units``), which
+    weigh the loss and its metrics, and of the loss tokens, which weigh the token-mean metrics."""
+
+    loss: list[float]
+    tokens: list[float]
+    total_tokens: float
+    """The minibatch's loss tokens (at least 1)."""
 
 
 class Totals:
