@@ -52,6 +52,7 @@ class FakeActors:
         self.batches: list[TrainBatch] = []
         self.prompts: list[list[str]] = []
         self.seeds: list[int] = []
+        self.synced: list[int] = []
         self.steps = 0
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
@@ -85,7 +86,8 @@ class FakeActors:
     def sleep_engines(self) -> None:
         self.calls.append(("sleep_engines",))
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, version: int) -> dict[str, float]:
+        self.synced.append(version)
         self.calls.append(("sync_weights",))
         return {"total_s": 0.5}
 
@@ -176,6 +178,7 @@ def test_dynamic_sampling_validation_and_checkpoints_in_order(tmp_path: Path) ->
             len(ANSWER[p]) if j == 0 else 1 for p in prompts for j in range(2)
         ]
     assert len(set(actors.seeds)) == 6  # every step and every round samples anew
+    assert actors.synced == [1, 2, 3]  # the engines learn which policy version they hold
     metrics = dict(logger.logged)
     assert sorted(metrics) == [0, 1, 2, 3]
     assert metrics[0]["val/accuracy"] == 0.5

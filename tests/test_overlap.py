@@ -50,6 +50,7 @@ class VersionedActors(FakeActors):
         for g in groups:
             for c in g:
                 c.logprobs = [-(1.0 + self.engine_version)] * len(c.token_ids)
+                c.versions = (self.engine_version, self.engine_version)  # as the engines stamp them
         with self.lock:
             self.generating = False
             if not greedy:
@@ -64,12 +65,12 @@ class VersionedActors(FakeActors):
         self.overlapped.append(nxt.wait(timeout=5.0))
         return out
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, version: int) -> dict[str, float]:
         with self.lock:
             if self.generating:
                 self.clashes.append(f"sync while generating, after train step {self.steps}")
             self.engine_version = self.steps
-        return super().sync_weights()
+        return super().sync_weights(version)
 
 
 def lagged(lag: int, *extra: str) -> Any:

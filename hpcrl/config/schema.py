@@ -101,6 +101,11 @@ class RunConfig:
                 "needs an importance correction against the engine's log-probs: set algo.is_correction=tis "
                 "(or icepop), or algo.max_staleness=0"
             )
+        if getattr(self.rollout, "inflight_update", False) and not self.algo.max_staleness:
+            raise ConfigError(
+                "rollout.inflight_update=true swaps weights under a generation running beside training, "
+                "which only algo.max_staleness >= 1 has: set algo.max_staleness=1 or drop it"
+            )
         positive("checkpoint.period", self.checkpoint.period)
         positive("checkpoint.keep_top_k", self.checkpoint.keep_top_k)
         if self.logger.wandb_mode not in ("offline", "online", "disabled"):

@@ -171,8 +171,27 @@ class RolloutActor:
     def generate(self, prompts: list[list[int]], settings: Any) -> Any:
         return self.engine.generate(prompts, settings)
 
+    def generate_stream(self, prompts: list[list[int]], settings: Any) -> Any:
+        """A Ray streaming generator: lists of (prompt index, group) as groups finish (engines
+        without a stream hand over the whole batch once)."""
+        if hasattr(self.engine, "generate_stream"):
+            yield from self.engine.generate_stream(prompts, settings)
+        else:
+            yield list(enumerate(self.engine.generate(prompts, settings)))
+
     def load_weights(self, weights: dict[str, Any]) -> bool:
         self.engine.load_weights(weights)
+        return True
+
+    def pause_generation(self) -> bool:
+        """Hold generation between steps for a refit (``rollout.inflight_update``: the actor runs
+        calls concurrently, so this can arrive while ``generate_stream`` runs)."""
+        self.engine.gate.pause()
+        return True
+
+    def resume_generation(self, version: int) -> bool:
+        """Generation goes on under the new weights, which are policy ``version``."""
+        self.engine.gate.resume(version)
         return True
 
     def load_ipc(self, args: Any, entries: list[Any]) -> bool:

@@ -197,7 +197,7 @@ def _resume(actors: Any, run: _Run, lag: int) -> tuple[int, list[Any]]:
     run.stream.restore(state["stream"])
     random.setstate(state["rng"]["python"])
     torch.set_rng_state(state["rng"]["torch"])
-    actors.sync_weights()
+    actors.sync_weights(int(state["step"]))
     step = int(state["step"])
     kept = [r for r in state.get("rollouts", []) if r.step <= step + lag]
     if len(kept) < len(state.get("rollouts", [])):

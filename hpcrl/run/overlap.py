@@ -65,10 +65,7 @@ class Pipeline:
 
     def _make(self, step: int, version: int) -> Rollouts:
         t0 = time.perf_counter()
-        scored, shaped, metrics = self.produce(step)
-        for group in scored.groups:
-            for c in group:
-                c.versions = (version, version)
+        scored, shaped, metrics = self.produce(step)  # the engines stamp each completion's versions
         return Rollouts(step, version, scored, shaped, metrics, time.perf_counter() - t0)
 
     def restore(self, saved: list[Rollouts]) -> None:
@@ -93,8 +90,8 @@ class Pipeline:
 
 def staleness_metrics(groups: list[list[Completion]], trainer_version: int) -> dict[str, float]:
     """How far behind the trainer the batch's samples are, in optimizer steps (the oldest token's
-    policy), and how many versions the batch spans. Weights never change inside a batch here, so the
-    span is 0; it is logged so that runs with in-flight updates compare on the same curves."""
+    policy), and how many versions the batch spans: 0 unless weights changed under it
+    (``rollout.inflight_update``)."""
     first = [c.versions[0] for g in groups for c in g]
     latest = [c.versions[1] for g in groups for c in g]
     if not first:
@@ -137,9 +134,9 @@ def train_overlapped(
         for j in range(pipe.last_step(start_step) + 1, min(start_step + 1 + lag, algo.max_steps) + 1):
             pipe.start(j, version=start_step)
         for step in range(start_step + 1, algo.max_steps + 1):
-            metrics = overlapped_step(cfg, actors, pool, encode, pad_id, val, pipe, step)
-            blocked = ckpt.settle(actors)
             due = cfg.checkpoint.enabled and (step % cfg.checkpoint.period == 0 or step == algo.max_steps)
+            metrics = overlapped_step(cfg, actors, pool, encode, pad_id, val, pipe, step, due)
+            blocked = ckpt.settle(actors)
             stop = REQUEST.asked  # read once: the save and the stop must agree (see loop.train)
             if due or stop:
                 last_one = stop or step == algo.max_steps
@@ -170,11 +167,16 @@ def overlapped_step(
     val: list[Example],
     pipe: Pipeline,
     step: int,
+    checkpoint_due: bool,
 ) -> dict[str, float]:
-    """Train on batch ``step`` while the next is generated, then hand the engines the new weights."""
+    """Train on batch ``step`` while the next is generated, then hand the engines the new weights:
+    after that batch, or under it (``rollout.inflight_update``) unless this step validates or saves,
+    which need the engines idle and the batch whole."""
     from hpcrl.run import loop
 
     algo = cfg.algo
+    validate = step % algo.val_period == 0 or step == algo.max_steps
+    inflight = getattr(cfg.rollout, "inflight_update", False) and not (validate or checkpoint_due)
     timer, t0 = loop.Timer(), time.perf_counter()
     with timer("rollout"):  # the part of generation the trainers wait for
         got = pipe.take(step)
@@ -184,12 +186,13 @@ def overlapped_step(
         ref = actors.ref_logprobs(batch) if algo.kl_coef > 0 else None
     with timer("train"):
         metrics.update({f"train/{k}": v for k, v in actors.train_step(batch, ref).items()})
-    with timer("rollout_after_train"):  # generation outlasting the train step: the engines are the limit
-        pipe.settle()
+    if not inflight:
+        with timer("rollout_after_train"):  # generation outlasting the train step: the engines are the limit
+            pipe.settle()
     with timer("weight_sync"):
-        metrics.update({f"refit/{k}": v for k, v in actors.sync_weights().items()})
+        metrics.update({f"refit/{k}": v for k, v in actors.sync_weights(step).items()})
     metrics["train/reward"] = float(got.shaped.mean())
-    if step % algo.val_period == 0 or step == algo.max_steps:
+    if validate:
         with timer("validation"):
             metrics.update(loop.validate(cfg, actors, pool, encode, val))
     metrics.update(timer.times)
