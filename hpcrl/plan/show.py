@@ -27,6 +27,8 @@ def show_plan(plan: Plan, console: Console, sbatch: dict[str, Any] | None = None
         f"({_b(counts.total)} params, {_b(counts.active)} active{mtp}) · trainer={cfg.trainer.backend} "
         f"· rollout={cfg.rollout.backend} · cluster={cfg.cluster.name} ({cfg.cluster.gpu})"
     )
+    if plan.search is not None:
+        _search(plan, console)
     console.print(_nodes(plan))
     console.print(_parallelism(plan))
     console.print(_memory(plan))
@@ -44,6 +46,25 @@ def show_plan(plan: Plan, console: Console, sbatch: dict[str, Any] | None = None
         console.print(quirks)
     if sbatch is not None:
         console.print(_sbatch(plan, sbatch))
+
+
+def _search(plan: Plan, console: Console) -> None:
+    search = plan.search
+    assert search is not None
+    console.print(f"[bold]auto layout[/]: {search.reason}")
+    table = _table(
+        f"Auto layout: best of {search.tried} estimates (fewest GPUs, then the nominal step)",
+        "",
+        "nodes (rollout + train)",
+        "train",
+        "rollout engines",
+        "GPUs / peak per GPU",
+        "nominal step",
+    )
+    for mark, scored in [("chosen", search.chosen), *(("", s) for s in search.runners_up)]:
+        table.add_row(mark, *scored.describe())
+    console.print(table)
+    console.print("to keep this layout: " + " ".join(search.chosen.layout.overrides()))
 
 
 def _table(title: str, *columns: str) -> Table:
@@ -140,11 +161,15 @@ def _verdict(plan: Plan, console: Console) -> None:
     mem = plan.memory
     for gap in plan.backend_gaps:
         console.print(f"[yellow]cannot submit yet[/]: {gap}")
-    if mem.fits:
+    for warning in plan.nvlink.warnings:
+        console.print(f"[yellow]NVLink[/]: {warning}")
+    if plan.fits:
         console.print(f"[green]fits[/]: peak {mem.train_gpu_peak:.0f} GB of {mem.capacity:.0f} GB per GPU")
         return
     for problem in mem.problems:
         console.print(f"[red]does not fit[/]: {problem}")
+    for problem in plan.nvlink.problems:
+        console.print(f"[red]does not fit the NVLink domains[/]: {problem}")
 
 
 def _layouts(plan: Plan) -> Table | None:
@@ -170,7 +195,8 @@ def _layouts(plan: Plan) -> Table | None:
             continue
         topo, mem = layout.plan.topology, layout.plan.memory
         tr = topo.train
-        verdict = "[green]fits[/]" if mem.fits else "[red]does not fit[/]: " + "; ".join(mem.problems)
+        fits = layout.plan.fits
+        verdict = "[green]fits[/]" if fits else "[red]does not fit[/]: " + "; ".join(layout.plan.problems)
         if layout.plan.backend_gaps:
             verdict += " (cannot submit yet)"
         table.add_row(
