@@ -265,7 +265,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from hpcrl.launch.doctor import doctor_command
+    from hpcrl.launch.doctor_run import doctor_command
 
     return doctor_command(args.overrides, job=args.job, here=args.here, expect_json=args.expect)
 

@@ -82,9 +82,7 @@ def stream_check(trainer: Any, model_dir: Path, out: Path) -> dict[str, Any]:
         "counted": max(m["counted"] for m in mine[1:]),
     }
     every: list[Any] = [None] * world
-    dist.all_gather_object(
-        every, {"sends": bool(metas), **figure, "buckets": stats.buckets if stats else 0}
-    )
+    dist.all_gather_object(every, {"sends": bool(metas), **figure, "buckets": stats.buckets if stats else 0})
     result: dict[str, Any] = {"ranks": every, "bucket_bytes": BUCKET_MB * 2**20}
     if receiver is not None:
         assert receiver.wait(timeout=300) == 0, "the receiver failed"

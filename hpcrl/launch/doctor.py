@@ -1,6 +1,6 @@
 """``hpcrl doctor``: does this node offer what the planned job needs? One line per check, with the fix.
 
-It runs in three places: by hand on the node you are on (``--here``, or outside any allocation),
+It runs in three places (``doctor_run.py`` for the first two): by hand on the node you are on (``--here``, or outside any allocation),
 on every node of an allocation from the login node (``--job JOB`` or inside ``salloc``: one task a
 node through ``srun --overlap``, in the job's container), and as the first step of every Slurm job,
 before Ray starts (``NodeTask``): a node that fails ends its task at once and srun's
@@ -279,7 +279,7 @@ def check_disk(expect: Expect) -> Result:
         where = where.parent  # the checkpoint dir may not exist yet: its filesystem does
     free = shutil.disk_usage(where).free / GB
     ok = free >= expect.disk_gb
-    detail = f"{free:.0f} GB free at {where}, checkpoints need {expect.disk_gb:.0f} GB"
+    detail = f"{free:.0f} GB free at {where}, checkpoints need {expect.disk_gb:.1f} GB"
     fix = "free space there, lower checkpoint.keep_top_k, or set checkpoint.dir to a larger filesystem"
     return Result("disk", ok, detail, "" if ok else fix)
 
@@ -335,50 +335,3 @@ def report(expect: Expect, say: Callable[[str], None] = print) -> bool:
     for result in results:
         say(result.line(node))
     return all(r.ok for r in results)
-
-
-# -- where it runs ----------------------------------------------------------------------------------------
-def doctor_command(overrides: list[str], *, job: str | None, here: bool, expect_json: str | None) -> int:
-    """``hpcrl doctor``: this node (``--here``, or outside any allocation), or every node of ``job``
-    (default: the allocation you are in, ``$SLURM_JOB_ID``). Exit status 1 if any check fails."""
-    if expect_json is not None:  # a node of a fan-out: the login node's expectations
-        return 0 if report(Expect.from_json(expect_json)) else 1
-    from hpcrl.plan.planner import plan_from_overrides
-
-    plan = plan_from_overrides(overrides)
-    job = None if here else job or os.environ.get("SLURM_JOB_ID")
-    if job is None:
-        return 0 if report(expect_from_plan(plan)) else 1
-    return fan_out(job, plan)
-
-
-def fan_out(job: str, plan: Plan) -> int:
-    """One doctor task on every node of ``job`` (``srun --overlap``, in the job's container), with the
-    expectations on the command line and a file on the shared filesystem each node must see."""
-    import time
-
-    from hpcrl.launch.sbatch import srun_args
-
-    cfg = plan.cfg
-    shared = Path(cfg.run.output_root).resolve() / ".doctor" / f"{job}-{time.time():.0f}.json"
-    shared.parent.mkdir(parents=True, exist_ok=True)
-    expect = expect_from_plan(plan, shared_file=str(shared))
-    shared.write_text(expect.to_json())
-    container = [a for a in srun_args(cfg.cluster) if a.startswith(("--container", "--no-container"))]
-    python = cfg.cluster.python or sys.executable
-    argv = [
-        "srun", f"--jobid={job}", "--overlap", "--ntasks-per-node=1", "--kill-on-bad-exit=0", *container,
-        python, "-m", "hpcrl.cli", "doctor", "--expect", expect.to_json(),
-    ]  # fmt: skip
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    finally:
-        shared.unlink(missing_ok=True)
-    print(done.stdout, end="")
-    if done.returncode and "FAIL" not in done.stdout:
-        said = " ".join(done.stderr.split())[-400:]
-        print(
-            f"FAIL  job {job}  start     srun ended with code {done.returncode} before the checks ran ({said}); "
-            "fix: check the job is running, cluster.container.image starts, and hpcrl is installed in it"
-        )
-    return 0 if done.returncode == 0 else 1
