@@ -51,11 +51,12 @@ def test_every_catalog_model_on_every_catalog_cluster_fits_or_says_what_is_short
     planned = 0
     for cluster, model in itertools.product(CLUSTERS, MODELS):
         overrides = [f"+cluster={cluster}", f"+model={model}", f"trainer={trainer}", *SITE]
-        try:
-            p = plan_from_overrides(overrides)
-        except DoesNotFitError as exc:
-            line = str(exc)
-            assert "\n" not in line and f"{model} fits no layout on {cluster}" in line, line
+        p = plan_from_overrides(overrides)
+        if p.no_layout:  # the configured plan, with the search's one line on what is short
+            assert not p.fits and p.search is None
+            assert "\n" not in p.no_layout and f"{model} fits no layout on {cluster}" in p.no_layout
+            with pytest.raises(DoesNotFitError, match="fits no layout"):
+                p.require_fit()
             continue
         assert p.fits, (cluster, model, p.problems)
         planned += 1
@@ -66,12 +67,25 @@ def test_every_catalog_model_on_every_catalog_cluster_fits_or_says_what_is_short
     assert planned >= len(MODELS) * 3  # at least the four GPU clusters, less what megatron cannot build
 
 
-def test_a_model_that_fits_nowhere_gets_one_line_with_what_is_short():
-    with pytest.raises(
-        DoesNotFitError, match=r"fits no layout on local up to 1 node\(s\) of 1 x 16 GB"
-    ) as err:
-        plan_from_overrides(["+model=nemotron_super"])
-    assert "rollout engine at rollout.tp=1" in str(err.value) and "241 GB" in str(err.value)
+def test_a_model_that_fits_nowhere_gets_one_line_with_what_is_short(cli):
+    result = cli("submit", "+model=nemotron_super")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    line = result.stderr
+    assert line.startswith(
+        "hpcrl: error: nemotron_super fits no layout on local (1 x 16 GB per node, up to 1"
+    )
+    assert "rollout engine at rollout.tp=1" in line and "241 GB" in line
+
+
+def test_keys_typed_on_the_command_line_stay_as_typed():
+    p = plan_from_overrides([*GB200_SUPER, "trainer=megatron", "trainer.ep=4", "layout.rollout_nodes=2"])
+    assert p.search is not None and p.fits
+    assert p.cfg.trainer.ep == 4 and p.topology.rollout_nodes == 2
+    free = plan_from_overrides([*GB200_SUPER, "trainer=megatron"])
+    assert free.search is not None and free.topology.nodes <= p.topology.nodes
+    stuck = plan_from_overrides([*GB200_SUPER, "layout.train_nodes=1", "layout.rollout_nodes=0"])
+    assert stuck.search is None and stuck.topology.nodes == 1
+    assert "keeping layout.rollout_nodes layout.train_nodes as typed" in stuck.no_layout
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -9,10 +9,11 @@ from hpcrl.config.cluster import Scheduler
 from hpcrl.config.compose import compose_config, conf_dir
 from hpcrl.config.schema import RunConfig
 from hpcrl.errors import ConfigError, DoesNotFitError, HpcrlError
+from hpcrl.plan.layout import LayoutSearch, typed_layout_keys
 from hpcrl.plan.memory import MemoryEstimate, estimate_memory
 from hpcrl.plan.nvlink import NvlinkCheck, check_nvlink
 from hpcrl.plan.quirks import AppliedQuirk, apply_quirks
-from hpcrl.plan.search import LayoutSearch, search_layouts
+from hpcrl.plan.search import search_layouts
 from hpcrl.plan.topology import Placement, Topology, build_topology, on_gpus
 from hpcrl.rollout.config import VLLMRolloutConfig
 from hpcrl.trainer.config import (
@@ -46,6 +47,8 @@ class Plan:
     """Whether each TP and expert group stays inside one NVLink domain as the ranks are placed."""
     search: LayoutSearch | None = None
     """How auto layout chose this layout (None: the layout is the config's own)."""
+    no_layout: str = ""
+    """Why auto layout found no layout that fits either (this plan is then the config's own)."""
 
     @property
     def problems(self) -> list[str]:
@@ -64,6 +67,8 @@ class Plan:
                 if recipes
                 else ""
             )
+            if self.no_layout:
+                raise DoesNotFitError(self.no_layout)
             raise DoesNotFitError(
                 f"{self.cfg.model.name} does not fit on {self.cfg.cluster.name}: {problems}. "
                 "Try more nodes, layout.rollout_nodes>=1 (split), larger trainer.tp/pp/ep, "
@@ -171,16 +176,17 @@ def make_plan(cfg: RunConfig) -> Plan:
 
 
 def plan_from_overrides(overrides: list[str]) -> Plan:
-    return plan_config(compose_config(overrides))
+    return plan_config(compose_config(overrides), typed_layout_keys(overrides))
 
 
-def plan_config(cfg: RunConfig) -> Plan:
+def plan_config(cfg: RunConfig, fixed: frozenset[str] = frozenset()) -> Plan:
     """The config's own layout when it fits (exactly as ``make_plan``), else, or with
-    ``layout.auto=true``, the best layout the search finds (``plan/search.py``); ``layout.auto=false``
-    keeps the config's layout whatever it needs."""
+    ``layout.auto=true``, the best layout the search finds (``plan/search.py``), keeping the layout keys
+    in ``fixed`` (typed on the command line) as they are. ``layout.auto=false`` keeps the config's
+    layout whatever it needs; so does a search that finds nothing, with the reason (``no_layout``)."""
     auto = cfg.layout.auto
     if auto is True:
-        return auto_plan(cfg, "layout.auto=true")
+        return auto_plan(cfg, "layout.auto=true", fixed)
     pristine = copy.deepcopy(cfg) if auto is None else cfg
     plan = make_plan(cfg)
     if plan.fits or auto is False:
@@ -191,12 +197,17 @@ def plan_config(cfg: RunConfig) -> Plan:
         if topo.rollout_nodes
         else f"{topo.nodes} node{'s' if topo.nodes > 1 else ''} colocated"
     )
-    return auto_plan(pristine, f"the configured layout ({layout}) does not fit: {plan.problems[0]}")
+    try:
+        return auto_plan(
+            pristine, f"the configured layout ({layout}) does not fit: {plan.problems[0]}", fixed
+        )
+    except DoesNotFitError as exc:
+        return replace(plan, no_layout=str(exc))
 
 
-def auto_plan(cfg: RunConfig, reason: str) -> Plan:
+def auto_plan(cfg: RunConfig, reason: str, fixed: frozenset[str] = frozenset()) -> Plan:
     """Plan the best layout the search found (the next one should the full planner refuse it)."""
-    search = search_layouts(cfg, reason)
+    search = search_layouts(cfg, reason, fixed)
     candidates = [search.chosen, *search.runners_up]
     for scored in candidates:
         chosen = copy.deepcopy(cfg)

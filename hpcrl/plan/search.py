@@ -9,22 +9,32 @@ once per node count and combined. A node count is skipped at the cost of one est
 most parallel layout (the least state per GPU) does not fit. It stops one node count after the first
 that fits, so the runners-up include one layout with more nodes.
 
-``step_seconds`` only ranks layouts of one model on one cluster: nominal efficiencies, not a forecast.
+The layouts it returns and their nominal step: ``layout.py``.
 """
 
 from __future__ import annotations
 
 import copy
-import math
+import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from typing import Any
 
 from hpcrl.config.checks import divisors
 from hpcrl.config.cluster import Scheduler
 from hpcrl.config.schema import RunConfig
 from hpcrl.errors import ConfigError, DoesNotFitError
+from hpcrl.plan.layout import (
+    Layout,
+    LayoutSearch,
+    Scored,
+    TrainChoice,
+    build_short,
+    rollout_short,
+    step_seconds,
+    train_short,
+)
 from hpcrl.plan.memory import (
-    GB,
     MemoryEstimate,
     RolloutMemory,
     TrainMemory,
@@ -40,123 +50,14 @@ from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig, megat
 
 SEARCH_MAX_NODES = 128
 """Where the search gives up on clusters without ``cluster.max_nodes``."""
-TRAIN_MFU = 0.35
-DECODE_BYTES_PER_S = 4e12
-"""Nominal HBM bandwidth per GPU: decoding reads the weights and the KV cache once per token."""
-REFIT_BYTES_PER_S = 25e9
-"""Nominal trainer -> engine bandwidth of a split refit (across nodes)."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Every key a layout sets; ``overrides`` types it back as a command line."""
-
-    train_nodes: int
-    rollout_nodes: int
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    expert_tp: int
-    recompute: bool
-    rollout_tp: int
-    segment: int | None = None
-
-    def overrides(self) -> list[str]:
-        keys = [
-            f"layout.train_nodes={self.train_nodes}",
-            f"layout.rollout_nodes={self.rollout_nodes}",
-            f"trainer.tp={self.tp}",
-            f"trainer.pp={self.pp}",
-            f"trainer.cp={self.cp}",
-            f"trainer.ep={self.ep}",
-            f"trainer.activation_checkpointing={str(self.recompute).lower()}",
-            f"rollout.tp={self.rollout_tp}",
-        ]
-        if self.segment is not None:
-            keys.append(f"cluster.slurm.segment={self.segment}")
-        return keys
-
-    def apply(self, cfg: RunConfig) -> None:
-        """Write this layout into ``cfg`` (in place)."""
-        cfg.layout.train_nodes, cfg.layout.rollout_nodes = self.train_nodes, self.rollout_nodes
-        trainer = cfg.trainer
-        trainer.tp, trainer.pp, trainer.cp, trainer.ep = self.tp, self.pp, self.cp, self.ep
-        trainer.activation_checkpointing = self.recompute
-        if isinstance(trainer, MegatronTrainerConfig):
-            trainer.expert_tp = self.expert_tp
-        cfg.rollout.tp = self.rollout_tp
-        if self.segment is not None:
-            cfg.cluster.slurm.segment = self.segment
-
-    @property
-    def nodes(self) -> int:
-        return self.train_nodes + self.rollout_nodes
-
-
-@dataclass(frozen=True)
-class Scored:
-    layout: Layout
-    gpus: int
-    peak_gb: float
-    """The largest per-GPU peak of the layout (training or rollout GPUs)."""
-    step_s: float
-
-    def key(self) -> tuple[int, float]:
-        return self.gpus, self.step_s
-
-    def describe(self) -> tuple[str, str, str, str, str]:
-        """Nodes, train parallelism, rollout engines, GPUs and peak, nominal step: one row."""
-        layout, gpus_per_node = self.layout, self.gpus // self.layout.nodes
-        nodes = (
-            f"{layout.rollout_nodes} + {layout.train_nodes} split"
-            if layout.rollout_nodes
-            else f"{layout.train_nodes} colocated"
-        )
-        train = f"TP{layout.tp} PP{layout.pp} CP{layout.cp} EP{layout.ep}"
-        if layout.expert_tp > 1:
-            train += f" ETP{layout.expert_tp}"
-        train += ", recompute" if layout.recompute else ""
-        engines = (layout.rollout_nodes or layout.train_nodes) * gpus_per_node // layout.rollout_tp
-        return (
-            nodes + (f" (segment {layout.segment})" if layout.segment else ""),
-            train,
-            f"{engines} x TP{layout.rollout_tp}",
-            f"{self.gpus} / {self.peak_gb:.0f} GB",
-            f"{self.step_s:.0f} s",
-        )
-
-
-@dataclass(frozen=True)
-class LayoutSearch:
-    """What ``hpcrl plan`` prints about an auto layout."""
-
-    reason: str
-    chosen: Scored
-    runners_up: tuple[Scored, ...]
-    tried: int
-    """Layouts whose memory was estimated."""
-
-    def summary(self) -> str:
-        """One line for render/submit (``hpcrl plan`` shows the whole search)."""
-        nodes, train, engines, gpus, _ = self.chosen.describe()
-        return f"layout  auto: {nodes}, train {train}, rollout {engines}, {gpus} ({self.reason})"
-
-
-@dataclass(frozen=True)
-class TrainChoice:
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    expert_tp: int
-    recompute: bool
 
 
 class Search:
     """One search over one config (quirks applied to a private copy: they change memory terms)."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, fixed: frozenset[str] = frozenset()) -> None:
+        self.fixed = fixed
+        """Layout keys typed on the command line: searched only at their typed value."""
         self.cfg = copy.deepcopy(cfg)
         apply_quirks(self.cfg)
         self.cluster = self.cfg.cluster
@@ -170,17 +71,32 @@ class Search:
         one line when nothing does."""
 
     # -- the space ---------------------------------------------------------------------------------
+    def options(self, key: str, searched: list[Any]) -> list[Any]:
+        """``searched``, or only the configured value of a key typed on the command line."""
+        if key not in self.fixed:
+            return searched
+        node: Any = self.cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        return [node]
+
     def train_choices(self) -> list[TrainChoice]:
         cfg, model, trainer = self.cfg, self.cfg.model, self.cfg.trainer
-        recompute = sorted({trainer.activation_checkpointing, True})
+        recompute = self.options(
+            "trainer.activation_checkpointing", sorted({trainer.activation_checkpointing, True})
+        )
         if isinstance(trainer, FSDPTrainerConfig):  # no TP/CP/PP there (Plan.backend_gaps)
-            return [TrainChoice(1, 1, 1, 1, 1, r) for r in recompute]
+            fsdp = [self.options(f"trainer.{k}", [1]) for k in ("tp", "pp", "cp", "ep")]
+            return [
+                TrainChoice(tp, pp, cp, ep, 1, r) for tp, pp, cp, ep, r in itertools.product(*fsdp, recompute)
+            ]
         assert isinstance(trainer, MegatronTrainerConfig)
         heads = model.num_attention_heads
-        tps = [t for t in divisors(self.gpn) if heads % t == 0]
-        pps = [p for p in (1, 2, 4, 8, 16) if model.num_layers % p == 0]
-        cps = [c for c in (1, 2, 4, 8) if cfg.max_seq_len % c == 0]
-        eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if model.is_moe and model.num_experts % e == 0] or [1]
+        tps = self.options("trainer.tp", [t for t in divisors(self.gpn) if heads % t == 0])
+        pps = self.options("trainer.pp", [p for p in (1, 2, 4, 8, 16) if model.num_layers % p == 0])
+        cps = self.options("trainer.cp", [c for c in (1, 2, 4, 8) if cfg.max_seq_len % c == 0])
+        experts = [e for e in (1, 2, 4, 8, 16, 32, 64) if model.is_moe and model.num_experts % e == 0]
+        eps = self.options("trainer.ep", experts or [1])
         out = []
         for tp in tps:
             if model.is_moe and tp > 1 and not trainer.sequence_parallel:
@@ -196,7 +112,7 @@ class Search:
 
     def rollout_tps(self) -> list[int]:
         heads = self.cfg.model.num_attention_heads
-        return [t for t in divisors(self.gpn) if heads % t == 0]
+        return self.options("rollout.tp", [t for t in divisors(self.gpn) if heads % t == 0])
 
     # -- one side at a time --------------------------------------------------------------------------
     def train_side(self, nodes: int) -> list[tuple[TrainChoice, TrainMemory, Topology]]:
@@ -209,6 +125,7 @@ class Search:
             self.short["training"] = build_short(self.cfg)
             self._train[nodes] = fitting
             return fitting
+        nearest: TrainMemory | None = None
         # the most parallel choice holds the least per GPU: if it does not fit, none does
         for choice in [choices[-1], *choices[:-1]]:
             got = self.estimate_train(nodes, choice)
@@ -217,9 +134,13 @@ class Search:
             memory, topo = got
             if memory.peak <= self.capacity and memory.startup <= self.capacity:
                 fitting.append((choice, memory, topo))
-            elif choice is choices[-1]:
-                self.short["training"] = train_short(memory, nodes, self.capacity)
+                continue
+            if nearest is None or max(memory.peak, memory.startup) < max(nearest.peak, nearest.startup):
+                nearest = memory
+            if choice is choices[-1]:
                 break
+        if not fitting and nearest is not None:
+            self.short["training"] = train_short(nearest, nodes, self.capacity)
         self._train[nodes] = fitting
         return fitting
 
@@ -240,13 +161,15 @@ class Search:
     def rollout_side(self, nodes: int) -> list[tuple[int, RolloutMemory]]:
         """(rollout TP, memory) of engines on ``nodes`` nodes that hold their weights and a sequence."""
         if nodes not in self._rollout:
-            fitting = []
+            fitting, missed = [], ""
             for tp in self.rollout_tps():
                 memory = self.estimate_rollout(nodes, tp)
                 if memory.sequences_that_fit >= 1:
                     fitting.append((tp, memory))
                 else:
-                    self.short["rollout"] = rollout_short(memory, tp, self.gpn)
+                    missed = rollout_short(memory, tp, self.gpn)  # the largest rollout.tp's, last
+            if not fitting and missed:
+                self.short["rollout"] = missed
             self._rollout[nodes] = fitting
         return self._rollout[nodes]
 
@@ -310,7 +233,7 @@ class Search:
         """Whether the layout can be placed, and the segment it submits with: on NVLink-domain clusters
         the largest that keeps its TP and expert groups in one domain, elsewhere the configured one."""
         domain, configured = self.cluster.nvlink_domain_nodes, self.cluster.slurm.segment
-        if domain > 1:
+        if domain > 1 and "cluster.slurm.segment" not in self.fixed:
             segment = segment_for(topo, domain)
             return segment is not None, segment
         if configured is not None and topo.nodes % configured:
@@ -329,10 +252,15 @@ class Search:
         if not self.train_choices():
             self.short["training"] = build_short(self.cfg)
             return found
+        train, rollout = (self.options(f"layout.{k}_nodes", [None])[0] for k in ("train", "rollout"))
         for nodes in range(1, self.max_nodes() + 1):
-            found += self.colocated(nodes)
-            for rollout_nodes in range(1, nodes):
-                found += self.split(rollout_nodes, nodes - rollout_nodes)
+            for rollout_nodes in range(nodes):
+                if train not in (None, nodes - rollout_nodes) or rollout not in (None, rollout_nodes):
+                    continue
+                if rollout_nodes:
+                    found += self.split(rollout_nodes, nodes - rollout_nodes)
+                else:
+                    found += self.colocated(nodes)
             if found and first is None:
                 first = nodes
             if first is not None and nodes > first:
@@ -340,61 +268,16 @@ class Search:
         return sorted(found, key=Scored.key)
 
 
-def build_short(cfg: RunConfig) -> str:
-    trainer = cfg.trainer
-    gap = megatron_build_gap(cfg.model) if isinstance(trainer, MegatronTrainerConfig) else ""
-    return gap or f"trainer={trainer.backend} has no parallel layout it can build for {cfg.model.name}"
-
-
-def train_short(memory: TrainMemory, nodes: int, capacity: float) -> str:
-    need = max(memory.peak, memory.startup)
-    return (
-        f"training needs {need:.0f} GB per GPU of {capacity:.0f} GB even at its most parallel layout "
-        f"on {nodes} node(s) (activations {memory.activations:.0f} GB, weights + optimizer "
-        f"{memory.weights + memory.optimizer:.0f} GB)"
-    )
-
-
-def rollout_short(memory: RolloutMemory, tp: int, gpus_per_node: int) -> str:
-    top = "" if tp < gpus_per_node else f" (an engine spans at most one node: rollout.tp <= {gpus_per_node})"
-    return (
-        f"a rollout engine at rollout.tp={tp}{top} has {memory.budget:.0f} GB per GPU for its "
-        f"weights ({memory.weights:.0f} GB) and one {memory.sequence_len}-token sequence"
-    )
-
-
-def step_seconds(cfg: RunConfig, topo: Topology, c: TrainChoice, rollout: RolloutMemory) -> float:
-    """A nominal step (generate + train + refit) to rank layouts by: compute-bound training with a
-    penalty per parallel degree and the pipeline bubble, bandwidth-bound decoding in waves of what the
-    KV cache holds, and the refit's transfer when the engines are on other nodes."""
-    model, algo, par = cfg.model, cfg.algo, topo.train
-    samples = algo.num_prompts_per_step * algo.num_generations
-    tokens = samples * cfg.max_seq_len
-    active = model.param_counts().active
-    flops = 6 * active * tokens * (4 / 3 if c.recompute else 1)
-    micro_batches = max(1, samples // max(1, par.dp * cfg.trainer.micro_batch_size))
-    bubble = (c.pp - 1) / (micro_batches + c.pp - 1)
-    comm = 1 + 0.1 * math.log2(c.tp * c.cp * c.pp) + 0.05 * math.log2(c.ep)
-    peak_flops = max(cfg.cluster.gpu_bf16_tflops, 1.0) * 1e12
-    train_s = flops / (par.world * peak_flops * TRAIN_MFU / comm * (1 - bubble))
-    per_engine = -(-samples // topo.rollout.engines)
-    concurrent = max(1, min(per_engine, cfg.rollout.max_num_seqs, rollout.sequences_that_fit))
-    waves = -(-per_engine // concurrent)
-    bytes_per_token = (rollout.weights + concurrent * rollout.kv_per_sequence) * GB
-    latency = bytes_per_token / DECODE_BYTES_PER_S * (1 + 0.1 * (topo.rollout.tp - 1))
-    rollout_s = waves * cfg.rollout.max_new_tokens * latency
-    refit_s = 2 * model.param_counts().total / REFIT_BYTES_PER_S if topo.placement is Placement.SPLIT else 0.0
-    return train_s + rollout_s + refit_s
-
-
-def search_layouts(cfg: RunConfig, reason: str) -> LayoutSearch:
-    """The best fitting layout and up to four runners-up; DoesNotFitError in one line if none fits."""
-    search = Search(cfg)
+def search_layouts(cfg: RunConfig, reason: str, fixed: frozenset[str] = frozenset()) -> LayoutSearch:
+    """The best fitting layout and up to four runners-up; DoesNotFitError in one line if none fits.
+    ``fixed``: layout keys (``layout.LAYOUT_KEYS``) kept at their configured value."""
+    search = Search(cfg, fixed)
     found = search.run()
     if not found:
         short = "; ".join(search.short.values()) or "no layout the backend can build"
         raise DoesNotFitError(
-            f"{cfg.model.name} fits no layout on {cfg.cluster.name} up to {search.max_nodes()} node(s) of "
-            f"{search.gpn} x {search.capacity:.0f} GB with trainer={cfg.trainer.backend}: {short}"
+            f"{cfg.model.name} fits no layout on {cfg.cluster.name} ({search.gpn} x {search.capacity:.0f} GB "
+            f"per node, up to {search.max_nodes()} node(s)) with trainer={cfg.trainer.backend}"
+            f"{', keeping ' + ' '.join(sorted(fixed)) + ' as typed' if fixed else ''}: {short}"
         )
     return LayoutSearch(reason, found[0], tuple(found[1:5]), search.tried)

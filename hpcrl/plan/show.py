@@ -192,6 +192,8 @@ def _verdict(plan: Plan, console: Console) -> None:
         console.print(f"[red]does not fit[/]: {problem}")
     for problem in plan.nvlink.problems:
         console.print(f"[red]does not fit the NVLink domains[/]: {problem}")
+    if plan.no_layout:
+        console.print(f"[red]auto layout[/]: {plan.no_layout}")
 
 
 def _layouts(plan: Plan) -> Table | None:
