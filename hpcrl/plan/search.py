@@ -15,6 +15,7 @@ The layouts it returns and their nominal step: ``layout.py``.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from collections.abc import Iterator
 from dataclasses import replace
@@ -80,6 +81,11 @@ class Search:
             node = getattr(node, part)
         return [node]
 
+    @functools.cached_property
+    def choices(self) -> list[TrainChoice]:
+        """The training side's space, least parallel first (computed once a search)."""
+        return self.train_choices()
+
     def train_choices(self) -> list[TrainChoice]:
         cfg, model, trainer = self.cfg, self.cfg.model, self.cfg.trainer
         recompute = self.options(
@@ -119,7 +125,7 @@ class Search:
         """Training layouts on ``nodes`` nodes whose training alone fits, memoised per node count."""
         if nodes in self._train:
             return self._train[nodes]
-        choices = self.train_choices()
+        choices = self.choices
         fitting: list[tuple[TrainChoice, TrainMemory, Topology]] = []
         if not choices:
             self.short["training"] = build_short(self.cfg)
@@ -249,7 +255,7 @@ class Search:
         """Every fitting layout of the smallest node count that has one and of the next, best first."""
         found: list[Scored] = []
         first = None
-        if not self.train_choices():
+        if not self.choices:
             self.short["training"] = build_short(self.cfg)
             return found
         train, rollout = (self.options(f"layout.{k}_nodes", [None])[0] for k in ("train", "rollout"))
