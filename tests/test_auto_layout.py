@@ -188,3 +188,11 @@ def test_auto_layout_keeps_explicit_config_errors():
     with pytest.raises(ConfigError, match=r"trainer\.pp=3"):
         plan_from_overrides(["+cluster=gb200", *SITE, "trainer=megatron", "trainer.pp=3"])
     assert compose(*GB200_SUPER).layout.auto is None
+
+
+def test_the_printed_overrides_reproduce_the_auto_layout():
+    auto = plan_from_overrides(GB200_SUPER)
+    assert auto.search is not None
+    pinned = plan_from_overrides([*GB200_SUPER, *auto.search.chosen.layout.overrides()])
+    assert pinned.search is None and pinned.fits and pinned.topology == auto.topology
+    assert pinned.cfg == auto.cfg

@@ -59,6 +59,8 @@ class Layout:
             f"trainer.activation_checkpointing={str(self.recompute).lower()}",
             f"rollout.tp={self.rollout_tp}",
         ]
+        if self.expert_tp > 1:  # a megatron key: fsdp's schema has no expert_tp
+            keys.append(f"trainer.expert_tp={self.expert_tp}")
         if self.segment is not None:
             keys.append(f"cluster.slurm.segment={self.segment}")
         return keys
