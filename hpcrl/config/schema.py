@@ -27,6 +27,9 @@ class LayoutConfig:
 
     train_nodes: int = 1
     rollout_nodes: int = 0
+    auto: bool | None = None
+    """Auto layout (``hpcrl/plan/search.py``): None searches only when this layout does not fit, true
+    always searches (nodes, placement, trainer/rollout parallelism), false never does."""
 
 
 @dataclass
