@@ -199,3 +199,42 @@ def test_engines_that_generate_during_training_do_not_sleep() -> None:
     assert p.cfg.rollout.sleep is False and "max_staleness" in p.sleep.reason
     with pytest.raises(ConfigError, match=r"rollout\.sleep=true needs colocated GPUs"):
         plan(compose_config([*base, "algo.max_staleness=1", "algo.is_correction=tis", "rollout.sleep=true"]))
+
+
+class InflightActors(VersionedActors):
+    """Each training batch after the first waits (up to 5 s) for a weight sync to land while it is
+    being generated, and records whether one did: only in-flight updates deliver one."""
+
+    def __init__(self, script: list[str]) -> None:
+        super().__init__(script)
+        self.synced_during: list[bool] = []
+        self.sync_seen = threading.Event()
+
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
+        if settings.temperature > 0 and self.gen_versions:  # not validation, not the first batch
+            self.sync_seen.clear()
+            self.synced_during.append(self.sync_seen.wait(timeout=5.0))
+        return super().generate(prompts, settings)
+
+    def train_step(self, batch: TrainBatch, ref: torch.Tensor | None) -> dict[str, float]:
+        return FakeActors.train_step(self, batch, ref)  # no wait for the next batch here
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        self.engine_version = version
+        self.sync_seen.set()
+        return FakeActors.sync_weights(self, version)
+
+
+@pytest.mark.parametrize("inflight", [True, False])
+def test_inflight_updates_land_under_the_running_batch(tmp_path: Path, inflight: bool) -> None:
+    extra = ("algo.max_steps=4", "algo.val_period=100", "checkpoint.enabled=false")
+    cfg = lagged(1, *extra, f"rollout.inflight_update={str(inflight).lower()}")
+    actors = InflightActors(["mixed"] * 4)
+    run(cfg, actors, tmp_path)
+    # batches 2..4 run while steps 1..3 train; in flight, each step's sync lands inside the next batch
+    assert actors.synced_during == [inflight] * 3
+
+
+def test_inflight_update_needs_the_overlapped_loop() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.inflight_update=true .* algo\.max_staleness=1"):
+        compose_config(["rollout.inflight_update=true"])
