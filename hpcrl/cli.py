@@ -239,18 +239,20 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     if args.groups:
-        from hpcrl.config.compose import conf_dir
+        from hpcrl.config.paths import group_options
         from hpcrl.config.schema import GROUPS
 
         for group in GROUPS:
-            names = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
-            print(f"{group}: {', '.join(names)}")
+            print(f"{group}: {', '.join(group_options(group))}")
         return 0
     from omegaconf import OmegaConf
 
-    from hpcrl.config.compose import compose_raw
+    from hpcrl.config.compose import compose_raw, site_sources
 
-    print(OmegaConf.to_yaml(compose_raw(args.overrides)), end="")
+    raw = compose_raw(args.overrides)
+    print(OmegaConf.to_yaml(raw), end="")
+    for line in site_sources(raw.cluster.name, args.overrides):
+        print(line)
     return 0
 
 

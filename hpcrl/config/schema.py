@@ -12,6 +12,7 @@ from hpcrl.algo.config import AlgoConfig
 from hpcrl.config.checks import MISSING, positive
 from hpcrl.config.cluster import ClusterConfig
 from hpcrl.config.model import ModelConfig
+from hpcrl.config.preflight import check_run
 from hpcrl.data.config import DataConfig
 from hpcrl.errors import ConfigError
 from hpcrl.rewards.config import RewardsConfig
@@ -95,6 +96,7 @@ class RunConfig:
                 f"rollout.logprobs=false leaves algo.is_correction={self.algo.is_correction.value} without "
                 "the engine's log-probs: set rollout.logprobs=true or algo.is_correction=none"
             )
+        check_run(self.data, self.model, self.trainer)
         positive("checkpoint.period", self.checkpoint.period)
         positive("checkpoint.keep_top_k", self.checkpoint.keep_top_k)
         if self.logger.wandb_mode not in ("offline", "online", "disabled"):
