@@ -154,8 +154,9 @@ def compose_config(overrides: list[str]) -> RunConfig:
     the same overrides, conf/ trees, site file and hpcrl code skips composing. A first composition of a
     plain override set skips Hydra too (``hpcrl.config.fastcompose``, about half a second of start-up);
     anything else, errors included, is composed by Hydra. HPCRL_FAST_COMPOSE=0 always uses Hydra.
-    What the filesystem decides (``preflight.check_paths``) is checked every time, cached or not."""
-    from hpcrl.config.preflight import check_paths
+    What this machine decides (``preflight.check_environment``: data files, verifier plugins) is checked
+    every time, cached or not."""
+    from hpcrl.config.preflight import check_environment
 
     cache = _cache_path(overrides)
     cfg = _load_cached(cache)
@@ -163,7 +164,7 @@ def compose_config(overrides: list[str]) -> RunConfig:
         cfg = _compose_fast(overrides) or _compose_hydra(overrides)
         cfg.check()
         _store_cached(cache, cfg)
-    check_paths(cfg.data)
+    check_environment(cfg.data)
     return cfg
 
 

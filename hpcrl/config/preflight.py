@@ -1,5 +1,5 @@
 """Checks that need more than one field's value: a registry (templates, verifiers), the model (layers
-per pipeline stage) or the submitting machine's filesystem (data files). Each would otherwise pass
+per pipeline stage) or the submitting machine (data files, verifier plugins). Each would otherwise pass
 ``hpcrl plan`` and fail inside the job, after the allocation's wait and Ray's start-up."""
 
 from __future__ import annotations
@@ -17,8 +17,14 @@ from hpcrl.trainer.config import MegatronTrainerConfig, TrainerConfig
 def check_run(data: DataConfig, model: ModelConfig, trainer: TrainerConfig) -> None:
     """The checks that depend on the config alone (their result is cached with it)."""
     check_template(data)
-    check_verifier(data)
     check_pipeline_stages(model, trainer)
+
+
+def check_environment(data: DataConfig) -> None:
+    """The checks whose answer this machine gives (files, HPCRL_PLUGINS): run on every command, cached
+    config or not, since the answer may change between two commands."""
+    check_verifier(data)
+    check_paths(data)
 
 
 def check_template(data: DataConfig) -> None:
@@ -69,8 +75,7 @@ def check_pipeline_stages(model: ModelConfig, trainer: TrainerConfig) -> None:
 
 def check_paths(data: DataConfig) -> None:
     """Data files must exist where the job will look for them, checked from this (the submitting)
-    machine: a relative path is relative to the directory the job starts in, this one. Not cached:
-    the file may come or go between two commands."""
+    machine: a relative path is relative to the directory the job starts in, this one."""
     if not data.check_source:
         return
     for key, source in (("data.source", data.source), ("data.val_source", data.val_source)):
