@@ -223,7 +223,10 @@ def test_an_edited_site_file_is_not_served_from_the_compose_cache(site, tmp_path
     site("site.yaml", "clusters:\n  h100:\n    slurm: {account: first}\n    container: {image: i}\n")
     assert compose.compose_config(["+cluster=h100"]).cluster.slurm.account == "first"
     assert list((tmp_path / "cache" / "compose").glob("*.pkl"))  # the cache is in use
-    site("site.yaml", "clusters:\n  h100:\n    slurm: {account: second, qos: long}\n    container: {image: i}\n")
+    site(
+        "site.yaml",
+        "clusters:\n  h100:\n    slurm: {account: second, qos: long}\n    container: {image: i}\n",
+    )
     assert compose.compose_config(["+cluster=h100"]).cluster.slurm.account == "second"
 
 

@@ -107,6 +107,20 @@ def command_line_keys(overrides: list[str]) -> set[str]:
     return {k for k in keys if "." in k}
 
 
+def show_text(overrides: list[str], groups: bool) -> str:
+    """``hpcrl show``: the composed config as YAML, then where each site key came from; or (``groups``)
+    the options of every config group, the site's included."""
+    from omegaconf import OmegaConf
+
+    from hpcrl.config.paths import group_options
+
+    if groups:
+        return "".join(f"{group}: {', '.join(group_options(group))}\n" for group in GROUPS)
+    raw = compose_raw(overrides)
+    sources = site_sources(raw.cluster.name, overrides)
+    return str(OmegaConf.to_yaml(raw)) + "".join(f"{line}\n" for line in sources)
+
+
 def site_sources(cluster: str, overrides: list[str]) -> list[str]:
     """For ``hpcrl show``: one comment line per site key of ``cluster``, naming the file and line that
     set it (or the command line that overrode it)."""

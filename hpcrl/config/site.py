@@ -101,8 +101,11 @@ def _read(path: Path, mtime_ns: int, size: int) -> dict[str, list[SiteKey]]:
 
 
 def _mapping(path: Path, node: Any, where: str) -> list[tuple[Any, Any]]:
+    """The (key, value) nodes of a mapping; an empty entry (every key under it commented out) is one."""
     import yaml
 
+    if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null":
+        return []
     if not isinstance(node, yaml.MappingNode):
         raise ConfigError(f"{path}:{node.start_mark.line + 1}: {where} must be a mapping")
     return list(node.value)
