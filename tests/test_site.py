@@ -13,7 +13,7 @@ from hpcrl.config import compose
 from hpcrl.config.cluster import ContainerConfig
 from hpcrl.errors import ConfigError
 
-from .conftest import run_cli
+from .conftest import ROOT, run_cli
 
 SITE_YAML = """\
 clusters:
@@ -241,3 +241,30 @@ def test_the_default_config_dir_is_under_the_home(monkeypatch, tmp_path):
 def test_no_site_file_changes_nothing(site):
     cfg = both("+cluster=gb200")
     assert cfg.cluster.slurm.account is None and "HF_HOME" not in cfg.cluster.env
+
+
+def test_the_readme_site_file_composes_as_written(site):
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("### Site file", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    site("site.yaml", block)
+    cfg = both("+cluster=gb200")
+    assert (cfg.cluster.slurm.partition, cfg.cluster.env["HF_HOME"]) == ("gb200nvl72", "/lustre/hf")
+
+
+def test_a_site_variable_is_overridden_like_a_new_entry(site):
+    site("site.yaml", SITE_YAML)
+    with pytest.raises(
+        ConfigError, match=r"'cluster\.env\.HF_HOME' is a new entry .*: add it with \+cluster\.env\.HF_HOME="
+    ):
+        compose.compose_config(["+cluster=gb200", "cluster.env.HF_HOME=/x"])
+    assert both("+cluster=gb200", "+cluster.env.HF_HOME=/x").cluster.env["HF_HOME"] == "/x"
+
+
+def test_an_unknown_key_in_a_site_group_file_names_file_and_line(site):
+    path = site("conf/cluster/mycluster.yaml", MY_CLUSTER.replace("  partition: gpu", "  partitoin: gpu"))
+    with pytest.raises(ConfigError) as info:
+        compose.compose_config(["+cluster=mycluster"])
+    assert (
+        str(info.value)
+        == f"{path.resolve()}:8: unknown key 'partitoin' (SlurmSite has no such field); check the spelling"
+    )

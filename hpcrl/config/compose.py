@@ -269,6 +269,18 @@ def _store_cached(path: Path | None, cfg: RunConfig) -> None:
         pass  # a read-only home only costs the speed-up
 
 
+def _file_line(relative: str, key: str) -> str:
+    """``path:line`` of ``key`` in the conf file ``relative`` (the first line that sets it)."""
+    for base in conf_dirs():
+        path = base / relative
+        if path.is_file():
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if re.match(rf"\s*{re.escape(key)}\s*:", line):
+                    return f"{path}:{number}"
+            return str(path)
+    return relative
+
+
 def explain_hydra_error(exc: BaseException) -> str:
     """Reduce Hydra/OmegaConf messages to one line that names the key, plus a fix."""
     text = str(exc).strip()
@@ -276,6 +288,10 @@ def explain_hydra_error(exc: BaseException) -> str:
     first = lines[0] if lines else type(exc).__name__
     cause = exc.__cause__ or exc.__context__
     cause_line = str(cause).strip().splitlines()[0] if cause and str(cause).strip() else ""
+    in_file = re.search(r"^In '([^']+)': .*Key '([^']+)' not in '(\w+)'", text, re.S)
+    if in_file:
+        where = _file_line(f"{in_file.group(1)}.yaml", in_file.group(2))
+        return f"{where}: unknown key '{in_file.group(2)}' ({in_file.group(3)} has no such field); check the spelling"
     unknown = re.search(r"Could not override '([^']+)'|Key '([^']+)' (?:is )?not in struct", text)
     if unknown:
         key = unknown.group(1) or unknown.group(2)
@@ -283,6 +299,8 @@ def explain_hydra_error(exc: BaseException) -> str:
         if leaf == "backend" and group in ("trainer", "rollout"):
             choices = " or ".join(f"{group}={p.stem}" for p in sorted((conf_dir() / group).glob("*.yaml")))
             return f"unknown key '{key}': the {group} group chooses the backend; use {choices} instead"
+        if key.startswith(DICT_KEYS):  # site.yaml entries are applied after composition: add them too
+            return f"'{key}' is a new entry for the catalog and the recipe: add it with +{key}=..."
         return f"unknown key '{key}': no such field in the schema; check the spelling (`hpcrl show` lists every key)"
     if "Available options" in text:
         listed = text.split("Available options", 1)[1].split("Config search path", 1)[0]
