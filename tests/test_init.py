@@ -4,6 +4,7 @@ catalog match, the written file (which must compose), and the command on the rea
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -199,3 +200,23 @@ def test_init_on_the_slurm_test_cluster(slurm_cluster, tmp_path, monkeypatch):
     show = run_cli("show", "+cluster=slurmtest")
     assert yaml.safe_load(show.stdout)["cluster"]["slurm"]["partition"] == "urgent"
     assert f"# cluster.slurm.partition: {tmp_path / 'site.yaml'}:" in show.stdout
+
+
+@pytest.mark.slow
+def test_init_asks_on_a_terminal(slurm_cluster, tmp_path, monkeypatch):
+    """stdin a terminal: the proposal is confirmed with Enter, the account typed in."""
+    import pty
+
+    monkeypatch.setenv("HPCRL_CONFIG_DIR", str(tmp_path))
+    master, terminal = pty.openpty()
+    try:
+        os.write(master, b"\nlab-acc\n")
+        exe = Path(sys.executable).with_name("hpcrl")
+        done = subprocess.run([str(exe), "init"], stdin=terminal, capture_output=True, text=True, timeout=120)
+    finally:
+        os.close(terminal)
+        os.close(master)
+    assert done.returncode == 0, done.stderr
+    assert "catalog cluster for these nodes [slurmtest]: Slurm account (empty: none) []: wrote" in done.stdout
+    written = yaml.safe_load((tmp_path / "site.yaml").read_text())
+    assert written["clusters"]["slurmtest"]["slurm"] == {"partition": "debug", "account": "lab-acc"}

@@ -207,15 +207,15 @@ def run_init(answers: Answers, force: bool, ask: Ask | None, say: Callable[[str]
     """Write the site file (``hpcrl init``); returns its path."""
     from hpcrl.config.paths import site_file
     from hpcrl.config.site import site_keys
-    from hpcrl.config.slurminfo import have_slurm, read_partitions
+    from hpcrl.config.slurminfo import have_slurm
 
     path = site_file()
     if path.exists() and not force:
         raise HpcrlError(f"{path} exists; edit it, or run `hpcrl init --force` to replace it")
     clusters = catalog()
     part: Partition | None = None
-    if have_slurm():
-        parts = read_partitions()
+    parts = _partitions(answers, say) if have_slurm() else None
+    if parts is not None:
         for found in parts:
             say(f"found   {describe(found)}")
         part, name = choose(parts, clusters, answers, ask)
@@ -235,6 +235,19 @@ def run_init(answers: Answers, force: bool, ask: Ask | None, say: Callable[[str]
         say(f"todo    fill in {', '.join(missing)} there before submitting")
     say(f"next    hpcrl plan +cluster={name}")
     return path
+
+
+def _partitions(answers: Answers, say: Callable[[str], None]) -> list[Partition] | None:
+    """The GPU partitions, or None where Slurm does not answer and --cluster says what to write."""
+    from hpcrl.config.slurminfo import read_partitions
+
+    try:
+        return read_partitions()
+    except HpcrlError as exc:
+        if not answers.cluster:
+            raise HpcrlError(f"{exc}; run `hpcrl init` on a login node, or pass --cluster") from None
+        say(f"note    {exc}: writing {answers.cluster} without what Slurm says")
+        return None
 
 
 def known(name: str, clusters: dict[str, ClusterConfig]) -> str:

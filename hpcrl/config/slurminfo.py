@@ -145,5 +145,8 @@ def _run(argv: list[str]) -> str:
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise HpcrlError(f"`{' '.join(argv)}` failed: {exc}") from None
     if done.returncode:
-        raise HpcrlError(f"`{' '.join(argv)}` failed: {done.stderr.strip() or done.returncode}")
+        last = ([line for line in done.stderr.splitlines() if line.strip()] or [f"exit {done.returncode}"])[
+            -1
+        ]
+        raise HpcrlError(f"`{' '.join(argv)}` failed ({last.strip()})")
     return done.stdout
