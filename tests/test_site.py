@@ -268,3 +268,15 @@ def test_an_unknown_key_in_a_site_group_file_names_file_and_line(site):
         str(info.value)
         == f"{path.resolve()}:8: unknown key 'partitoin' (SlurmSite has no such field); check the spelling"
     )
+
+
+def test_a_site_recipe_builds_on_a_shipped_one(site):
+    site(
+        "conf/experiment/my-nemotron.yaml",
+        "# @package _global_\ndefaults:\n  - dapo-nemotron-super-5n4g-megatron\n  - _self_\n"
+        "run:\n  name: my-nemotron\nalgo:\n  max_steps: 7\n",
+    )
+    site("site.yaml", SITE_YAML)
+    cfg = both("+experiment=my-nemotron")
+    assert (cfg.run.name, cfg.algo.max_steps, cfg.layout.rollout_nodes) == ("my-nemotron", 7, 1)
+    assert cfg.cluster.slurm.account == "my-acc" and cfg.trainer.ep == 16

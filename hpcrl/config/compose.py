@@ -54,14 +54,12 @@ def compose_raw(overrides: list[str]) -> Any:
     """Hydra composition only (a DictConfig, site keys applied); errors become one-line ConfigErrors."""
     from omegaconf import OmegaConf, open_dict
 
-    from hpcrl.config.site import split_by_command_line
-
     raw, choices = _hydra_compose(overrides)
     names = {g: OmegaConf.select(raw, f"{g}.name", throw_on_missing=False) for g in NAMED_GROUPS}
     check_group_names(
         {g: n for g, n in names.items() if isinstance(n, str) and n != "???"}, choices, overrides
     )
-    applied, _ = split_by_command_line(_site_keys(choices["cluster"]), command_line_keys(overrides))
+    applied, _ = site_split(choices["cluster"], overrides)
     with open_dict(raw.cluster.env):  # a site may add variables; every other key is a schema field
         for key in applied:
             _update(raw, key.dotted, key.value)
@@ -125,18 +123,23 @@ def site_sources(cluster: str, overrides: list[str]) -> list[str]:
     """For ``hpcrl show``: one comment line per site key of ``cluster``, naming the file and line that
     set it (or the command line that overrode it)."""
     from hpcrl.config.paths import site_file
-    from hpcrl.config.site import split_by_command_line
 
-    applied, overridden = split_by_command_line(_site_keys(cluster), command_line_keys(overrides))
+    applied, overridden = site_split(cluster, overrides)
     path = site_file()
     lines = [f"# {k.dotted}: {path}:{k.line}" for k in applied]
     return lines + [f"# {k.dotted}: the command line (over {path}:{k.line})" for k in overridden]
 
 
-def _site_keys(cluster: str) -> list[Any]:
-    from hpcrl.config.site import site_keys
+def site_split(cluster: str, overrides: list[str]) -> tuple[list[Any], list[Any]]:
+    """(applied, overridden by the command line) site keys of ``cluster``; the site module is imported
+    only where a site file exists (most commands of most users: one stat)."""
+    from hpcrl.config.paths import site_file
 
-    return site_keys(cluster)
+    if not site_file().exists():
+        return [], []
+    from hpcrl.config.site import site_keys, split_by_command_line
+
+    return split_by_command_line(site_keys(cluster), command_line_keys(overrides))
 
 
 def check_group_names(names: dict[str, str], choices: dict[str, str], overrides: list[str]) -> None:
@@ -186,12 +189,9 @@ def _compose_fast(overrides: list[str]) -> RunConfig | None:
     if os.environ.get("HPCRL_FAST_COMPOSE", "1") == "0":
         return None
     from hpcrl.config import fastcompose
-    from hpcrl.config.site import split_by_command_line
-
-    user_keys = command_line_keys(overrides)
 
     def site(cluster: str) -> list[tuple[str, Any]]:
-        applied, _ = split_by_command_line(_site_keys(cluster), user_keys)
+        applied, _ = site_split(cluster, overrides)
         return [(key.dotted, key.value) for key in applied]
 
     normalized = normalize_overrides(with_embedded_default(overrides))

@@ -28,12 +28,12 @@ def check_environment(data: DataConfig) -> None:
 
 
 def check_template(data: DataConfig) -> None:
-    from hpcrl.data.loader import TEMPLATES
+    from hpcrl.data.templates import TEMPLATES
 
     if data.template not in TEMPLATES:
         raise ConfigError(
             f"data.template={data.template} is not a prompt template; use one of: {', '.join(TEMPLATES)} "
-            "(hpcrl/data/loader.py)"
+            "(hpcrl/data/templates.py)"
         )
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.config.cluster import ClusterConfig, looks_secret
-from hpcrl.config.paths import config_dir, group_options, site_file
+from hpcrl.config.paths import conf_dirs, config_dir, group_options, site_file
 from hpcrl.errors import ConfigError
 
 SITE_FIELDS = ("slurm", "container", "env", "bootstrap", "imex", "python", "max_nodes")
@@ -112,8 +112,8 @@ def _mapping(path: Path, node: Any, where: str) -> list[tuple[Any, Any]]:
 
 
 def _check_cluster_name(path: Path, node: Any) -> None:
-    known = group_options("cluster")
-    if node.value not in known:
+    if not any((base / "cluster" / f"{node.value}.yaml").is_file() for base in conf_dirs()):
+        known = group_options("cluster")
         raise ConfigError(
             f"{path}:{node.start_mark.line + 1}: clusters.{node.value} names no cluster; "
             f"available: {', '.join(known)} (a cluster of your own goes in {config_dir() / 'conf' / 'cluster'}/)"

@@ -11,29 +11,14 @@ from typing import Any
 
 from hpcrl.data.config import DataConfig
 from hpcrl.data.synthetic import synthetic_split
+from hpcrl.data.templates import render_prompt
 from hpcrl.errors import ConfigError
-
-TEMPLATES = {
-    "plain": "{problem}",
-    "cot": "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
-    "dapo": (
-        "Solve the following math problem step by step. The last line of your response should be of the "
-        "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
-        'Remember to put your answer on its own line after "Answer:".'
-    ),
-}
 
 
 @dataclass(frozen=True)
 class Example:
     prompt: str
     answer: str
-
-
-def render_prompt(template: str, problem: str) -> str:
-    if template not in TEMPLATES:
-        raise ConfigError(f"data.template='{template}' is unknown; use one of {', '.join(TEMPLATES)}")
-    return TEMPLATES[template].format(problem=problem)
 
 
 def _field(record: dict[str, Any], name: str, source: str) -> Any:
