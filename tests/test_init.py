@@ -220,3 +220,32 @@ def test_init_asks_on_a_terminal(slurm_cluster, tmp_path, monkeypatch):
     assert "catalog cluster for these nodes [slurmtest]: Slurm account (empty: none) []: wrote" in done.stdout
     written = yaml.safe_load((tmp_path / "site.yaml").read_text())
     assert written["clusters"]["slurmtest"]["slurm"] == {"partition": "debug", "account": "lab-acc"}
+
+
+def test_init_with_sinfo_and_scontrol_faked_at_the_edge(tmp_path, monkeypatch):
+    """An 8-GPU partition whose GRES names no model matches three catalog clusters: init proposes one
+    (same CPU count first), names the others, and writes the partition's shorter time limit."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    outputs = {
+        "sinfo": "cpu*|up|64|128|512000|(null)|cn[001-064]|2-00:00:00\ngpu|up|32|192|2000000|gpu:8|dgx[01-32]|2:00:00\n",
+        "scontrol": "NodeName=dgx01 Arch=x86_64 CPUTot=192 Gres=gpu:8 OS=Linux 6.1 #1 SMP Partitions=gpu RealMemory=2000000\n",
+    }
+    for name, text in outputs.items():
+        (bin_dir / f"{name}.txt").write_text(text)
+        (bin_dir / name).write_text(f"#!/bin/sh\ncat {bin_dir / name}.txt\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}/usr/bin:/bin")
+    monkeypatch.setenv("HPCRL_CONFIG_DIR", str(tmp_path / "cfg"))
+    result = run_cli("init", "--account", "lab", "--image", "/img/rl.sqsh")
+    assert result.returncode == 0, result.stderr
+    assert "found   partition gpu: 32 x86_64 nodes dgx[01-32], 8 GPUs, 192 CPUs" in result.stdout
+    assert "also    h200, b200 match these nodes (--cluster chooses)" in result.stdout
+    written = yaml.safe_load((tmp_path / "cfg" / "site.yaml").read_text())["clusters"]
+    assert written == {
+        "h100": {
+            "max_nodes": 32,
+            "slurm": {"partition": "gpu", "account": "lab", "time": "2:00:00"},
+            "container": {"image": "/img/rl.sqsh"},
+        }
+    }

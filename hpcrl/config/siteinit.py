@@ -100,7 +100,8 @@ def choose(
     matches = match_clusters(part, clusters)
     proposal = answers.cluster or (matches[0].cluster if matches else "")
     if ask is not None and not answers.cluster:
-        proposal = ask("catalog cluster for these nodes", proposal)
+        listed = f" (matching: {', '.join(m.cluster for m in matches)})" if len(matches) > 1 else ""
+        proposal = ask(f"catalog cluster for these nodes{listed}", proposal)
     if not proposal:
         raise HpcrlError(
             f"no catalog cluster has {part.name}'s nodes ({part.gpus} GPUs, {part.arch or '?'}"
@@ -219,6 +220,9 @@ def run_init(answers: Answers, force: bool, ask: Ask | None, say: Callable[[str]
         for found in parts:
             say(f"found   {describe(found)}")
         part, name = choose(parts, clusters, answers, ask)
+        others = [m.cluster for m in match_clusters(part, clusters) if m.cluster != name]
+        if others:
+            say(f"also    {', '.join(others)} match these nodes (--cluster chooses)")
     elif answers.cluster:
         name = known(answers.cluster, clusters)
     else:
