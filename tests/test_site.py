@@ -260,6 +260,14 @@ def test_a_site_variable_is_overridden_like_a_new_entry(site):
     assert both("+cluster=gb200", "+cluster.env.HF_HOME=/x").cluster.env["HF_HOME"] == "/x"
 
 
+def test_a_bad_value_in_a_site_group_file_names_file_and_line(site):
+    path = site("conf/cluster/mycluster.yaml", MY_CLUSTER.replace("gpus_per_node: 4", "gpus_per_node: four"))
+    with pytest.raises(
+        ConfigError, match=rf"^{re.escape(str(path.resolve()))}:4: cluster\.gpus_per_node: Value 'four'"
+    ):
+        compose.compose_config(["+cluster=mycluster"])
+
+
 def test_an_unknown_key_in_a_site_group_file_names_file_and_line(site):
     path = site("conf/cluster/mycluster.yaml", MY_CLUSTER.replace("  partition: gpu", "  partitoin: gpu"))
     with pytest.raises(ConfigError) as info:

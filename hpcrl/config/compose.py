@@ -288,10 +288,17 @@ def explain_hydra_error(exc: BaseException) -> str:
     first = lines[0] if lines else type(exc).__name__
     cause = exc.__cause__ or exc.__context__
     cause_line = str(cause).strip().splitlines()[0] if cause and str(cause).strip() else ""
-    in_file = re.search(r"^In '([^']+)': .*Key '([^']+)' not in '(\w+)'", text, re.S)
-    if in_file:
-        where = _file_line(f"{in_file.group(1)}.yaml", in_file.group(2))
-        return f"{where}: unknown key '{in_file.group(2)}' ({in_file.group(3)} has no such field); check the spelling"
+    in_file = re.search(
+        r"^In '([^']+)': \w+ raised while composing config:\s*(.+?)\s*full_key: ([\w.]+)", text, re.S
+    )
+    if in_file:  # a conf file (hpcrl's or the site's) holds the bad key or value
+        option, problem, key = in_file.groups()
+        leaf = key.rsplit(".", 1)[-1]
+        where = _file_line(f"{option}.yaml", leaf)
+        unknown_field = re.match(r"Key '[^']+' not in '(\w+)'", problem)
+        if unknown_field:
+            return f"{where}: unknown key '{leaf}' ({unknown_field.group(1)} has no such field); check the spelling"
+        return f"{where}: {key}: {' '.join(problem.split())}"
     unknown = re.search(r"Could not override '([^']+)'|Key '([^']+)' (?:is )?not in struct", text)
     if unknown:
         key = unknown.group(1) or unknown.group(2)
