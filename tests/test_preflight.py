@@ -89,3 +89,30 @@ def test_a_plugin_verifier_is_accepted_and_a_broken_plugin_named(tmp_path, monke
     monkeypatch.setenv("HPCRL_PLUGINS", "my_rewardz")
     stderr = refused("data.verifier=yes")
     assert "data.verifier=yes: HPCRL_PLUGINS=my_rewardz does not import here (ModuleNotFoundError" in stderr
+
+
+def test_a_data_file_without_the_fields_the_run_reads_is_refused(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "q.jsonl").write_text('\n{"question": "1+1", "answer": "2"}\n')
+    stderr = refused(f"data.source={tmp_path / 'q.jsonl'}")
+    assert (
+        f"data.source={tmp_path / 'q.jsonl'}: records have no field 'problem' (set data.prompt_field"
+        in stderr
+    )
+    assert (
+        run_cli("plan", f"data.source={tmp_path / 'q.jsonl'}", "data.prompt_field=question").returncode == 0
+    )
+    rows = [{"prompt": [{"role": "user", "content": "2*3"}], "reward_model": {"ground_truth": "6"}}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    assert (
+        run_cli(
+            "plan", "data=dapo_math_17k", f"data.source={tmp_path / 'd.parquet'}", "data.val_source=null"
+        ).returncode
+        == 0
+    )
+    stderr = refused(
+        "data=dapo_math_17k", f"data.source={tmp_path / 'd.parquet'}", "data.answer_field=reward_model.truth"
+    )
+    assert "records have no field 'reward_model.truth'" in stderr

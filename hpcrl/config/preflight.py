@@ -4,8 +4,10 @@ per pipeline stage) or the submitting machine (data files, verifier plugins). Ea
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from hpcrl.config.checks import divisors
 from hpcrl.config.model import ModelConfig
@@ -75,12 +77,40 @@ def check_pipeline_stages(model: ModelConfig, trainer: TrainerConfig) -> None:
 
 def check_paths(data: DataConfig) -> None:
     """Data files must exist where the job will look for them, checked from this (the submitting)
-    machine: a relative path is relative to the directory the job starts in, this one."""
+    machine: a relative path is relative to the directory the job starts in, this one. The first
+    record of a .jsonl/.parquet file must have the fields the run reads."""
     if not data.check_source:
         return
-    for key, source in (("data.source", data.source), ("data.val_source", data.val_source)):
-        if source and source != "synthetic" and not source.startswith("hf:") and not Path(source).exists():
+    val_fields = (data.val_prompt_field or data.prompt_field, data.val_answer_field or data.answer_field)
+    sources = (
+        ("data.source", data.source, data.prompt_field, data.answer_field),
+        ("data.val_source", data.val_source, *val_fields),
+    )
+    for key, source, *fields in sources:
+        if not source or source == "synthetic" or source.startswith("hf:"):
+            continue
+        if not Path(source).exists():
             raise ConfigError(
                 f"{key}={source} does not exist on this machine ({Path(source).absolute()}); fix the path, "
                 "or set data.check_source=false if it is visible only on the compute nodes"
             )
+        record = first_record(Path(source))
+        if record is not None:
+            from hpcrl.data.loader import record_field
+
+            for name in fields:
+                record_field(record, name, f"{key}={source}")
+
+
+def first_record(path: Path) -> dict[str, Any] | None:
+    """The first record of a .jsonl or .parquet file (None: another format, or no record)."""
+    if path.suffix == ".jsonl":
+        with path.open() as f:
+            line = next((line for line in f if line.strip()), None)
+        return json.loads(line) if line else None
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        batch = next(pq.ParquetFile(path).iter_batches(batch_size=1), None)
+        return batch.to_pylist()[0] if batch is not None and batch.num_rows else None
+    return None

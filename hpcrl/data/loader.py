@@ -21,7 +21,7 @@ class Example:
     answer: str
 
 
-def _field(record: dict[str, Any], name: str, source: str) -> Any:
+def record_field(record: dict[str, Any], name: str, source: str) -> Any:
     node: Any = record
     for part in name.split("."):
         if isinstance(node, list) and part.isdigit():
@@ -42,10 +42,10 @@ def records_to_examples(
     answer_field = (cfg.val_answer_field if validation else None) or cfg.answer_field
     out = []
     for rec in records:
-        problem = _field(rec, prompt_field, source)
+        problem = record_field(rec, prompt_field, source)
         if isinstance(problem, list):  # chat-style prompt: [{"role": "user", "content": ...}]
             problem = problem[-1]["content"] if problem and isinstance(problem[-1], dict) else str(problem)
-        answer = _field(rec, answer_field, source)
+        answer = record_field(rec, answer_field, source)
         out.append(Example(render_prompt(cfg.template, str(problem)), str(answer)))
     return out
 
