@@ -130,7 +130,18 @@ def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights' dtype (default bf16)")
 
 
+def _add_init(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cluster", default=None, help="catalog cluster to write (default: the one matching sinfo)"
+    )
+    p.add_argument("--partition", default=None, help="Slurm partition (default: the default GPU partition)")
+    p.add_argument("--account", default=None, help="Slurm account (asked when stdin is a terminal)")
+    p.add_argument("--image", default=None, help="container image (asked where the cluster requires one)")
+    p.add_argument("--force", action="store_true", help="replace an existing site.yaml")
+
+
 TOOLS: dict[str, tuple[str, Options]] = {
+    "init": ("write a starter site.yaml (reads sinfo/scontrol where Slurm is installed)", _add_init),
     "export": ("write a checkpoint as a Hugging Face model directory (streamed; no GPU needed)", _add_export),
 }
 
@@ -248,19 +259,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    if args.groups:
-        from hpcrl.config.compose import conf_dir
-        from hpcrl.config.schema import GROUPS
+    from hpcrl.config.compose import show_text
 
-        for group in GROUPS:
-            names = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
-            print(f"{group}: {', '.join(names)}")
-        return 0
-    from omegaconf import OmegaConf
-
-    from hpcrl.config.compose import compose_raw
-
-    print(OmegaConf.to_yaml(compose_raw(args.overrides)), end="")
+    print(show_text(args.overrides, args.groups), end="")
     return 0
 
 
@@ -369,6 +370,12 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_init(args: argparse.Namespace) -> int:
+    from hpcrl.config.siteinit import init_from_cli
+
+    return init_from_cli(args.cluster, args.account, args.image, args.partition, args.force)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from hpcrl.run.export import export
 
@@ -376,21 +383,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {
-    "plan": cmd_plan,
-    "render": cmd_render,
-    "submit": cmd_submit,
-    "show": cmd_show,
-    "status": cmd_status,
-    "logs": cmd_logs,
-    "cancel": cmd_cancel,
-    "ls": cmd_ls,
-    "debug": cmd_debug,
-    "run": cmd_run,
-    "attach": cmd_attach,
-    "export": cmd_export,
-    "doctor": cmd_doctor,
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    name: globals()[f"cmd_{name}"] for name in (*PLANNED, *JOBS, *TOOLS)
 }
+"""Each command's ``cmd_<name>`` function above."""
 
 if __name__ == "__main__":
     sys.exit(main())

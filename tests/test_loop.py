@@ -20,7 +20,7 @@ from hpcrl.data.loader import Example, PromptStream
 from hpcrl.rewards.pool import Task
 from hpcrl.rewards.verifiers import Outcome
 from hpcrl.rollout.base import Completion, SamplingSettings
-from hpcrl.run import loop
+from hpcrl.run import loop, overlap
 from hpcrl.run.checkpoint import CheckpointManager, load_loop_state
 from hpcrl.run.preempt import REQUEST, Preempted
 from hpcrl.trainer.batch import TrainBatch
@@ -142,7 +142,9 @@ def run(cfg: Any, actors: FakeActors, tmp_path: Path, start_step: int = 0, strea
     ckpt = CheckpointManager(tmp_path / "ckpt", cfg.checkpoint.keep_top_k, "val/accuracy", True)
     logger, said = Recorder(), []
     args = (cfg, actors, FakeScorer(), encode, PAD, stream, VAL, ckpt, logger, said.append)
-    last = loop.train(*args, start_step=start_step)
+    # as the driver picks: the overlapped loop for max_staleness > 0 (tests/test_overlap.py)
+    train = overlap.train_overlapped if cfg.algo.max_staleness else loop.train
+    last = train(*args, start_step=start_step)
     return last, ckpt, logger, said
 
 

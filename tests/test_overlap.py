@@ -159,7 +159,7 @@ def test_a_stop_keeps_the_generated_batch_and_resume_trains_exactly_what_the_who
     resumed = VersionedActors(["mixed"])
     resumed.steps = resumed.engine_version = 2  # as the ranks' load and the resume's weight sync leave it
     ckpt2 = CheckpointManager(tmp_path / "cut" / "ckpt", 5, "val/accuracy", True)
-    from hpcrl.run import loop
+    from hpcrl.run.overlap import train_overlapped
 
     logger_calls: list[Any] = []
 
@@ -168,7 +168,7 @@ def test_a_stop_keeps_the_generated_batch_and_resume_trains_exactly_what_the_who
             logger_calls.append(step)
 
     args = (cfg, resumed, _Scorer(), encode, 0, stream, [], ckpt2, Log(), lambda _m: None)
-    loop.train(*args, start_step=2, restored=state["rollouts"])
+    train_overlapped(*args, start_step=2, restored=state["rollouts"])
     assert logger_calls == [3, 4]
     assert resumed.gen_versions == [2]  # batch 4, from step 2's weights, as in the whole run
     assert cut.prompts + resumed.prompts == whole.prompts
@@ -202,26 +202,30 @@ def test_engines_that_generate_during_training_do_not_sleep() -> None:
 
 
 class InflightActors(VersionedActors):
-    """Each training batch after the first waits (up to 5 s) for a weight sync to land while it is
-    being generated, and records whether one did: only in-flight updates deliver one."""
+    """Training batch j > 1 waits (up to 5 s) for the weights of step j - 1, which the loop syncs
+    after training step j - 1 while batch j is in flight, and records whether they came: in flight
+    they do; otherwise the loop waits for batch j before that sync."""
 
     def __init__(self, script: list[str]) -> None:
         super().__init__(script)
         self.synced_during: list[bool] = []
-        self.sync_seen = threading.Event()
+        self.version_seen = threading.Condition()
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
         if settings.temperature > 0 and self.gen_versions:  # not validation, not the first batch
-            self.sync_seen.clear()
-            self.synced_during.append(self.sync_seen.wait(timeout=5.0))
+            j = len(self.gen_versions) + 1
+            with self.version_seen:
+                came = self.version_seen.wait_for(lambda: self.engine_version >= j - 1, timeout=5.0)
+            self.synced_during.append(came)
         return super().generate(prompts, settings)
 
     def train_step(self, batch: TrainBatch, ref: torch.Tensor | None) -> dict[str, float]:
         return FakeActors.train_step(self, batch, ref)  # no wait for the next batch here
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        self.engine_version = version
-        self.sync_seen.set()
+        with self.version_seen:
+            self.engine_version = version
+            self.version_seen.notify_all()
         return FakeActors.sync_weights(self, version)
 
 

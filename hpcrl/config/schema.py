@@ -12,6 +12,7 @@ from hpcrl.algo.config import AlgoConfig
 from hpcrl.config.checks import MISSING, positive
 from hpcrl.config.cluster import ClusterConfig
 from hpcrl.config.model import ModelConfig
+from hpcrl.config.preflight import check_run
 from hpcrl.data.config import DataConfig
 from hpcrl.errors import ConfigError
 from hpcrl.rewards.config import RewardsConfig
@@ -109,6 +110,7 @@ class RunConfig:
                 "rollout.inflight_update=true swaps weights under a generation running beside training, "
                 "which only algo.max_staleness >= 1 has: set algo.max_staleness=1 or drop it"
             )
+        check_run(self.data, self.model, self.trainer)
         positive("checkpoint.period", self.checkpoint.period)
         positive("checkpoint.keep_top_k", self.checkpoint.keep_top_k)
         if self.logger.wandb_mode not in ("offline", "online", "disabled"):

@@ -227,17 +227,14 @@ def train(
     logger: Any,
     say: Callable[[str], None],
     start_step: int = 0,
-    restored: list[Any] | None = None,
 ) -> dict[str, float]:
-    """Steps ``start_step + 1 .. algo.max_steps``; returns the last value of every metric.
-    ``algo.max_staleness`` > 0 overlaps generation with training (``run/overlap.py``; ``restored``:
-    the generated batches its checkpoint kept)."""
+    """Steps ``start_step + 1 .. algo.max_steps``, on-policy (``algo.max_staleness`` > 0 runs
+    ``run/overlap.py``'s loop instead); returns the last value of every metric."""
     algo = cfg.algo
     if algo.max_staleness:
-        from hpcrl.run.overlap import train_overlapped
-
-        args = (cfg, actors, pool, encode, pad_id, stream, val, ckpt, logger, say)
-        return train_overlapped(*args, start_step=start_step, restored=restored)
+        raise ValueError(
+            "loop.train is the on-policy loop: algo.max_staleness > 0 is overlap.train_overlapped"
+        )
     last: dict[str, float] = {}
     if start_step == 0 and algo.val_at_start:
         last = validate(cfg, actors, pool, encode, val)

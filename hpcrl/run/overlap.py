@@ -31,6 +31,7 @@ import torch
 from hpcrl.config.schema import RunConfig
 from hpcrl.data.loader import Example, PromptStream
 from hpcrl.rollout.base import Completion
+from hpcrl.run import loop
 from hpcrl.run.metrics import console_line
 from hpcrl.run.preempt import REQUEST, Preempted
 
@@ -119,8 +120,6 @@ def train_overlapped(
 ) -> dict[str, float]:
     """``loop.train`` with generation one (or N) steps ahead of training; same arguments, plus the
     batches a checkpoint restored."""
-    from hpcrl.run import loop
-
     algo, lag = cfg.algo, cfg.algo.max_staleness
     last: dict[str, float] = {}
     if start_step == 0 and algo.val_at_start:
@@ -172,8 +171,6 @@ def overlapped_step(
     """Train on batch ``step`` while the next is generated, then hand the engines the new weights:
     after that batch, or under it (``rollout.inflight_update``) unless this step validates or saves,
     which need the engines idle and the batch whole."""
-    from hpcrl.run import loop
-
     algo = cfg.algo
     validate = step % algo.val_period == 0 or step == algo.max_steps
     inflight = getattr(cfg.rollout, "inflight_update", False) and not (validate or checkpoint_due)
