@@ -22,8 +22,6 @@ def ray_node_ip() -> str:
 
 
 def _threads() -> None:
-    """torch's (OpenMP's) thread count is per calling thread; vLLM's CPU attention checks that every
-    call runs with the count its engine was built with."""
     import torch
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -166,25 +164,36 @@ class RolloutActor:
             from hpcrl.rollout.hf_engine import HFEngine
 
             self.engine = HFEngine(Path(model_dir), rollout, device="cpu" if on_cpu else "cuda")
+        import torch
+
+        self.threads = torch.get_num_threads()  # as the engine left it (vLLM on CPU sets its own)
+
+    def _threads(self) -> None:
+        """torch's (OpenMP's) thread count is per calling thread, and vLLM's CPU attention checks that
+        every call runs with the count the engine was built with: with in-flight updates calls come
+        on a pool thread."""
+        import torch
+
+        torch.set_num_threads(self.threads)
 
     def where(self) -> dict[str, Any]:
         return {"role": "rollout", "host": socket.gethostname(), "pid": os.getpid()}
 
     def generate(self, prompts: list[list[int]], settings: Any) -> Any:
-        _threads()  # this call's thread (rollout.inflight_update: a pool thread)
+        self._threads()
         return self.engine.generate(prompts, settings)
 
     def generate_stream(self, prompts: list[list[int]], settings: Any) -> Any:
         """A Ray streaming generator: lists of (prompt index, group) as groups finish (engines
         without a stream hand over the whole batch once)."""
-        _threads()  # this call's thread (rollout.inflight_update: a pool thread)
+        self._threads()
         if hasattr(self.engine, "generate_stream"):
             yield from self.engine.generate_stream(prompts, settings)
         else:
             yield list(enumerate(self.engine.generate(prompts, settings)))
 
     def load_weights(self, weights: dict[str, Any]) -> bool:
-        _threads()  # this call's thread (rollout.inflight_update: a pool thread)
+        self._threads()
         self.engine.load_weights(weights)
         return True
 
@@ -200,23 +209,23 @@ class RolloutActor:
         return True
 
     def load_ipc(self, args: Any, entries: list[Any]) -> bool:
-        _threads()  # this call's thread (rollout.inflight_update: a pool thread)
+        self._threads()
         self.engine.load_ipc(args, entries)
         return True
 
     def sleep(self) -> bool:
-        _threads()  # this call's thread (rollout.inflight_update: a pool thread)
+        self._threads()
         self.engine.sleep()
         return True
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
-        _threads()  # this call's thread (rollout.inflight_update: a pool thread)
+        self._threads()
         self.engine.wake_up(tags)
         return True
 
     def finish_refit(self) -> bool:
         """After the last bucket: caches computed with the old weights are dropped."""
-        _threads()  # this call's thread (rollout.inflight_update: a pool thread)
+        self._threads()
         self.engine.finish_refit()
         return True
 
@@ -225,9 +234,9 @@ class RolloutActor:
         return self.engine.ranks, self.engine.weight_dtype, ray_node_ip()
 
     def join_weight_group(self, wire: dict[str, Any], rank_base: int, local_ip: str) -> None:
-        _threads()  # this call's thread (rollout.inflight_update: a pool thread)
+        self._threads()
         self.engine.join_weight_group(wire, rank_base, local_ip)
 
     def receive_weights(self) -> dict[str, float]:
-        _threads()  # this call's thread (rollout.inflight_update: a pool thread)
+        self._threads()
         return dict(self.engine.receive_weights())
