@@ -171,10 +171,12 @@ class RolloutActor:
     def _threads(self) -> None:
         """torch's (OpenMP's) thread count is per calling thread, and vLLM's CPU attention checks that
         every call runs with the count the engine was built with: with in-flight updates calls come
-        on a pool thread."""
+        on a pool thread. vLLM's CPU worker replaces ``torch.set_num_threads`` by a no-op after it
+        binds its threads, hence torch's own setter."""
         import torch
 
-        torch.set_num_threads(self.threads)
+        if torch.get_num_threads() != self.threads:
+            torch._C._set_num_threads(self.threads)
 
     def where(self) -> dict[str, Any]:
         return {"role": "rollout", "host": socket.gethostname(), "pid": os.getpid()}
