@@ -24,7 +24,7 @@ from hpcrl.run.checkpoint import CheckpointManager, load_loop_state
 from hpcrl.run.preempt import REQUEST, Preempted
 from hpcrl.trainer.batch import TrainBatch
 
-from .test_loop import ANSWER, EXAMPLES, FakeActors, config, encode, run
+from .test_loop import EXAMPLES, FakeActors, FakeScorer, config, encode, run
 
 
 class VersionedActors(FakeActors):
@@ -167,20 +167,13 @@ def test_a_stop_keeps_the_generated_batch_and_resume_trains_exactly_what_the_who
         def log(self, step: int, metrics: dict[str, float]) -> None:
             logger_calls.append(step)
 
-    args = (cfg, resumed, _Scorer(), encode, 0, stream, [], ckpt2, Log(), lambda _m: None)
+    args = (cfg, resumed, FakeScorer(), encode, 0, stream, [], ckpt2, Log(), lambda _m: None)
     train_overlapped(*args, start_step=2, restored=state["rollouts"])
     assert logger_calls == [3, 4]
     assert resumed.gen_versions == [2]  # batch 4, from step 2's weights, as in the whole run
     assert cut.prompts + resumed.prompts == whole.prompts
     for a, b in zip(cut.batches + resumed.batches, whole.batches, strict=True):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.rollout_logp, b.rollout_logp)
-
-
-class _Scorer:
-    def score(self, tasks: list[Any]) -> list[Any]:
-        from hpcrl.rewards.verifiers import Outcome
-
-        return [Outcome.correct if t.completion == ANSWER[t.prompt] else Outcome.wrong for t in tasks]
 
 
 def test_off_policy_needs_an_importance_correction() -> None:

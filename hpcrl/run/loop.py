@@ -29,7 +29,7 @@ from hpcrl.algo.shaping import informative_groups, overlong_penalty, scale_rewar
 from hpcrl.config.schema import RunConfig
 from hpcrl.data.loader import Example, PromptStream
 from hpcrl.rewards.pool import Task
-from hpcrl.rewards.verifiers import Outcome
+from hpcrl.rewards.verifiers import Outcome, Verdict, reward_of
 from hpcrl.rollout.base import Completion, SamplingSettings
 from hpcrl.run.metrics import console_line
 from hpcrl.run.preempt import REQUEST, Preempted
@@ -74,16 +74,23 @@ class Scored:
 
 
 class Scorer(Protocol):
-    """What the loop asks of the reward pool (``hpcrl.rewards.pool.RewardPool``)."""
+    """What the loop asks of the reward pool (``hpcrl.rewards.pool.RewardPool``): tasks go in as the
+    engines finish them, verdicts (by task index) come out once the batch is in."""
 
-    def score(self, tasks: list[Task]) -> list[Outcome]: ...
+    def submit(self, tasks: list[Task]) -> None: ...
+    def drain(self) -> dict[int, Verdict]: ...
 
 
 class Actors(Protocol):
     """What the loop asks of the run's actors (``hpcrl.run.fleet.Fleet`` on Ray; a recording fake in
     tests/test_loop.py)."""
 
-    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]: ...
+    def generate_stream(
+        self, prompts: list[list[int]], settings: SamplingSettings
+    ) -> Iterator[list[tuple[int, list[Completion]]]]:
+        """(prompt index, its group) pairs, handed over as the engines finish them."""
+        ...
+
     def ref_logprobs(self, batch: TrainBatch) -> Any: ...
     def train_step(self, batch: TrainBatch, ref: Any) -> dict[str, float]: ...
     def sleep_engines(self) -> None: ...
@@ -99,16 +106,18 @@ def generate_and_score(
     examples: list[Example],
     settings: SamplingSettings,
 ) -> Scored:
-    groups = actors.generate([encode(e.prompt) for e in examples], settings)
-    tasks = [
-        Task(i * settings.n + j, c.text, e.answer, e.prompt)
-        for i, (e, g) in enumerate(zip(examples, groups, strict=True))
-        for j, c in enumerate(g)
-    ]
-    flat = pool.score(tasks)
-    outcomes = [flat[i * settings.n : (i + 1) * settings.n] for i in range(len(examples))]
-    rewards = torch.tensor([[1.0 if o is Outcome.correct else 0.0 for o in row] for row in outcomes])
-    return Scored(examples, groups, rewards, outcomes)
+    n = settings.n
+    groups: list[list[Completion]] = [[] for _ in examples]
+    for part in actors.generate_stream([encode(e.prompt) for e in examples], settings):
+        tasks = []
+        for i, group in part:
+            groups[i], e = group, examples[i]
+            tasks += [Task(i * n + j, c.text, e.answer, e.prompt) for j, c in enumerate(group)]
+        pool.submit(tasks)  # scored while the engines finish the rest of the batch
+    verdicts = pool.drain()
+    rows = [[verdicts[i * n + j] for j in range(n)] for i in range(len(examples))]
+    rewards = torch.tensor([[reward_of(v) for v in row] for row in rows], dtype=torch.float32)
+    return Scored(examples, groups, rewards, [[v.outcome for v in row] for row in rows])
 
 
 def shape(cfg: RunConfig, s: Scored) -> torch.Tensor:
