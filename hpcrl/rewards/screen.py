@@ -77,7 +77,7 @@ def nesting(text: str) -> int:
 
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 _LATEX_TIMES = re.compile(r"\\(?:cdot|times)")
-_OPERAND_CHARS = 200
+_OPERAND_CHARS = 64
 """An operand (base, exponent, factorial argument) longer than this is not read: it keeps the screen's
 cost linear in the text's length."""
 
@@ -98,6 +98,9 @@ def huge_number(text: str) -> str | None:
 
 
 def _log10(x: float) -> float:
+    """|log10 x|: digits of a power of x per unit of exponent (NaN: not a number SymPy would build)."""
+    if math.isnan(x):
+        return 0.0
     return abs(math.log10(abs(x))) if math.isfinite(x) else math.inf
 
 
@@ -176,9 +179,10 @@ def _power(base: float, exponent: float) -> float:
     if exponent > 1e6 and abs(base) > 1:
         return math.inf
     try:
-        return float(base**exponent)
+        result = base**exponent
     except OverflowError:
         return math.inf
+    return math.nan if isinstance(result, complex) else result  # (-8)^{1/3}
 
 
 _ARITHMETIC = re.compile(r"[\d.\s+\-*/^(){}\[\]!]+")
@@ -214,7 +218,7 @@ class _Reader:
 
     def sum(self) -> float:
         value = self.product()
-        while self.peek() in ("+", "-") and self.peek():
+        while self.peek() in ("+", "-"):
             op = self.s[self.i]
             self.i += 1
             rhs = self.product()
@@ -223,7 +227,7 @@ class _Reader:
 
     def product(self) -> float:
         value = self.power()
-        while self.peek() in ("*", "/") and self.peek():
+        while self.peek() in ("*", "/"):
             op = self.s[self.i]
             self.i += 1
             rhs = self.power()
