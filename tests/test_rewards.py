@@ -74,6 +74,23 @@ def test_pool_survives_hanging_crashing_and_raising_verifiers(monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_process_that_died_while_idle_is_replaced_and_loses_no_task():
+    import signal
+
+    with RewardPool("math", RewardsConfig(processes=1)) as pool:
+        assert pool.score([Task(0, "\\boxed{2}", "2", "")]) == [Outcome.correct]
+        dead = pool.slots[0].proc
+        dead.kill()  # as the OOM killer would, between two batches
+        dead.join(timeout=10)
+        assert dead.exitcode == -signal.SIGKILL
+        assert pool.score([Task(0, "\\boxed{2}", "2", ""), Task(1, "3", "2", "")]) == [
+            Outcome.correct,
+            Outcome.wrong,
+        ]
+        assert pool.restarts == 1
+
+
+@pytest.mark.slow
 def test_process_start_up_does_not_count_against_the_first_sample(monkeypatch):
     """Reward processes warm up (imports, first-call parser builds) before taking work: a 2 s first call
     with a 1 s limit per sample times nothing out."""

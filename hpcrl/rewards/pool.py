@@ -173,10 +173,15 @@ class RewardPool:
         return all(s.ready and s.task is None for s in self.slots)
 
     def _dispatch(self) -> None:
-        for slot in self.slots:
+        for i, slot in enumerate(self.slots):
             if slot.ready and slot.task is None and self._queue:
                 task = self._queue.popleft()
-                slot.conn.send(task)
+                try:
+                    slot.conn.send(task)
+                except OSError:  # the process died while idle (OOM killer): its replacement takes it
+                    self._queue.appendleft(task)
+                    self._replace(i)
+                    continue
                 slot.task, slot.started = task.index, time.monotonic()
 
     def _collect(self, readable: list[Any]) -> None:
