@@ -176,7 +176,7 @@ class RolloutActor:
         import torch
 
         if torch.get_num_threads() != self.threads:
-            torch._C._set_num_threads(self.threads)
+            torch._C._set_num_threads(self.threads)  # type: ignore[attr-defined]
 
     def where(self) -> dict[str, Any]:
         return {"role": "rollout", "host": socket.gethostname(), "pid": os.getpid()}
