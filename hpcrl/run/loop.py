@@ -19,6 +19,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -244,32 +245,70 @@ def train(
         raise ValueError(
             "loop.train is the on-policy loop: algo.max_staleness > 0 is overlap.train_overlapped"
         )
-    last: dict[str, float] = {}
-    if start_step == 0 and algo.val_at_start:
-        last = validate(cfg, actors, pool, encode, val)
-        logger.log(0, last)
-        say(f"step   0/{algo.max_steps} | val {last['val/accuracy']:.3f} (before training)")
+    last = validate_first(cfg, actors, pool, encode, val, logger, say) if start_step == 0 else {}
     for step in range(start_step + 1, algo.max_steps + 1):
         metrics = one_step(cfg, actors, pool, encode, pad_id, stream, val, step)
-        blocked = ckpt.settle(actors)  # the previous step's async save: written while this one ran
-        due = cfg.checkpoint.enabled and (step % cfg.checkpoint.period == 0 or step == algo.max_steps)
-        # Read once: the save and the stop below must agree (a signal landing between two reads
-        # would stop the run without its checkpoint). A later signal is taken at the next step.
-        stop = REQUEST.asked
-        if due or stop:  # stop: Slurm's warning signal came during this step; the save must finish
-            last_one = stop or step == algo.max_steps
-            async_save = cfg.checkpoint.async_save and not last_one
-            blocked += ckpt.save(step, actors, run_state(stream, step), metrics, async_save)
-        metrics["time/checkpoint_blocked"] = blocked
-        logger.log(step, metrics)
-        say(console_line(step, algo.max_steps, metrics))
+        stop = save_when_due(cfg, ckpt, actors, step, metrics, partial(run_state, stream, step))
         last = {**last, **metrics}
-        if stop:
-            REQUEST.done(step)
-            if step < algo.max_steps:
-                say(f"stopping after step {step} on the scheduler's warning signal: checkpoint saved")
-                raise Preempted(step)
+        report(cfg, step, metrics, stop, logger, say)
     return last
+
+
+def validate_first(
+    cfg: RunConfig,
+    actors: Actors,
+    pool: Scorer,
+    encode: Callable[[str], list[int]],
+    val: list[Example],
+    logger: Any,
+    say: Callable[[str], None],
+) -> dict[str, float]:
+    """Validation before the first step (``algo.val_at_start``)."""
+    if not cfg.algo.val_at_start:
+        return {}
+    metrics = validate(cfg, actors, pool, encode, val)
+    logger.log(0, metrics)
+    say(f"step   0/{cfg.algo.max_steps} | val {metrics['val/accuracy']:.3f} (before training)")
+    return metrics
+
+
+def checkpoint_due(cfg: RunConfig, step: int) -> bool:
+    return cfg.checkpoint.enabled and (step % cfg.checkpoint.period == 0 or step == cfg.algo.max_steps)
+
+
+def save_when_due(
+    cfg: RunConfig,
+    ckpt: Any,
+    actors: Actors,
+    step: int,
+    metrics: dict[str, float],
+    state: Callable[[], dict[str, Any]],
+) -> bool:
+    """Commit the previous step's async save (written while this one ran), then save this step when
+    due or when Slurm's warning signal came during it (``state``: the driver's part). Records
+    ``time/checkpoint_blocked``; returns whether the run stops after this step."""
+    blocked = ckpt.settle(actors)
+    # Read once: the save and the stop must agree (a signal landing between two reads would stop the
+    # run without its checkpoint). A later signal is taken at the next step.
+    stop = REQUEST.asked
+    if checkpoint_due(cfg, step) or stop:  # a stop's save must finish before the run ends
+        last_one = stop or step == cfg.algo.max_steps
+        blocked += ckpt.save(step, actors, state(), metrics, cfg.checkpoint.async_save and not last_one)
+    metrics["time/checkpoint_blocked"] = blocked
+    return stop
+
+
+def report(
+    cfg: RunConfig, step: int, metrics: dict[str, float], stop: bool, logger: Any, say: Callable[[str], None]
+) -> None:
+    """Log the step; on a stop, end the run here (the checkpoint is saved)."""
+    logger.log(step, metrics)
+    say(console_line(step, cfg.algo.max_steps, metrics))
+    if stop:
+        REQUEST.done(step)
+        if step < cfg.algo.max_steps:
+            say(f"stopping after step {step} on the scheduler's warning signal: checkpoint saved")
+            raise Preempted(step)
 
 
 def one_step(

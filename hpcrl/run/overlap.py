@@ -32,8 +32,6 @@ from hpcrl.config.schema import RunConfig
 from hpcrl.data.loader import Example, PromptStream
 from hpcrl.rollout.base import Completion
 from hpcrl.run import loop
-from hpcrl.run.metrics import console_line
-from hpcrl.run.preempt import REQUEST, Preempted
 
 
 @dataclass
@@ -121,11 +119,7 @@ def train_overlapped(
     """``loop.train`` with generation one (or N) steps ahead of training; same arguments, plus the
     batches a checkpoint restored."""
     algo, lag = cfg.algo, cfg.algo.max_staleness
-    last: dict[str, float] = {}
-    if start_step == 0 and algo.val_at_start:
-        last = loop.validate(cfg, actors, pool, encode, val)
-        logger.log(0, last)
-        say(f"step   0/{algo.max_steps} | val {last['val/accuracy']:.3f} (before training)")
+    last = loop.validate_first(cfg, actors, pool, encode, val, logger, say) if start_step == 0 else {}
     pipe = Pipeline(lambda j: loop.collect(cfg, actors, pool, encode, stream, j))
     pipe.restore(restored or [])
     try:
@@ -133,25 +127,17 @@ def train_overlapped(
         for j in range(pipe.last_step(start_step) + 1, min(start_step + 1 + lag, algo.max_steps) + 1):
             pipe.start(j, version=start_step)
         for step in range(start_step + 1, algo.max_steps + 1):
-            due = cfg.checkpoint.enabled and (step % cfg.checkpoint.period == 0 or step == algo.max_steps)
+            due = loop.checkpoint_due(cfg, step)
             metrics = overlapped_step(cfg, actors, pool, encode, pad_id, val, pipe, step, due)
-            blocked = ckpt.settle(actors)
-            stop = REQUEST.asked  # read once: the save and the stop must agree (see loop.train)
-            if due or stop:
-                last_one = stop or step == algo.max_steps
-                state = {**loop.run_state(stream, step), "rollouts": pipe.settle()}
-                blocked += ckpt.save(step, actors, state, metrics, cfg.checkpoint.async_save and not last_one)
-            metrics["time/checkpoint_blocked"] = blocked
+
+            def state(s: int = step) -> dict[str, Any]:  # with the batches older policies made
+                return {**loop.run_state(stream, s), "rollouts": pipe.settle()}
+
+            stop = loop.save_when_due(cfg, ckpt, actors, step, metrics, state)
             if not stop and step + 1 + lag <= algo.max_steps:
                 pipe.start(step + 1 + lag, version=step)  # after the save: its prompts are not in it
-            logger.log(step, metrics)
-            say(console_line(step, algo.max_steps, metrics))
             last = {**last, **metrics}
-            if stop:
-                REQUEST.done(step)
-                if step < algo.max_steps:
-                    say(f"stopping after step {step} on the scheduler's warning signal: checkpoint saved")
-                    raise Preempted(step)
+            loop.report(cfg, step, metrics, stop, logger, say)
     finally:
         pipe.close()
     return last
