@@ -19,8 +19,8 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import torch
