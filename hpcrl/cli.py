@@ -124,8 +124,31 @@ def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights' dtype (default bf16)")
 
 
+def _add_eval(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model", help="a run or checkpoint directory, a Hugging Face model directory or a catalog model"
+    )
+    p.add_argument(
+        "overrides", nargs="*", help="Hydra overrides: data=..., eval.n=16, rollout.max_new_tokens=..."
+    )
+    p.add_argument("--out", type=Path, default=None, help="directory for eval.json and samples.jsonl")
+    p.add_argument(
+        "--compare",
+        default=None,
+        metavar="base|MODEL",
+        help="also evaluate the run's starting model (base) or another MODEL; print the differences",
+    )
+
+
+def _add_plot(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", type=Path, help="run directories (a sweep directory: all its points)")
+    p.add_argument("--out", type=Path, default=None, help="where curves.png/html go (default: the first run)")
+
+
 TOOLS: dict[str, tuple[str, Options]] = {
     "export": ("write a checkpoint as a Hugging Face model directory (streamed; no GPU needed)", _add_export),
+    "eval": ("pass@1 (greedy), pass@k and maj@k of a model on a data set; --compare base", _add_eval),
+    "plot": ("curves.png and a self-contained curves.html of one or more runs' metrics", _add_plot),
 }
 
 
@@ -379,6 +402,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from hpcrl.run.evaluate import run_eval
+
+    return run_eval(list(args.overrides), args.model, args.out, args.compare)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from hpcrl.run.plot import plot_runs
+
+    for path in plot_runs(list(args.runs), args.out):
+        print(path)
+    return 0
+
+
 COMMANDS = {
     "plan": cmd_plan,
     "render": cmd_render,
@@ -392,6 +429,8 @@ COMMANDS = {
     "run": cmd_run,
     "attach": cmd_attach,
     "export": cmd_export,
+    "eval": cmd_eval,
+    "plot": cmd_plot,
 }
 
 if __name__ == "__main__":
