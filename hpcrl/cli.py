@@ -88,6 +88,7 @@ def _add_logs(p: argparse.ArgumentParser) -> None:
 
 def _add_ls(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", type=Path, default=None, metavar="DIR", help="the points of one sweep")
+    p.add_argument("--plot", action="store_true", help="with --sweep: also write the sweep's curves.png/html")
 
 
 Options = Callable[[argparse.ArgumentParser], None]
@@ -357,10 +358,15 @@ def cmd_attach(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     from hpcrl.launch import lifecycle
 
-    if args.sweep is not None:
+    sweep = getattr(args, "sweep", None)  # `hpcrl status` without a job lands here, without --sweep
+    if getattr(args, "plot", False) and sweep is None:
+        raise HpcrlError("hpcrl ls --plot plots a sweep: add --sweep DIR (one run: hpcrl plot RUN_DIR)")
+    if sweep is not None:
         from hpcrl.launch.sweep import print_summary
 
-        print_summary(args.sweep)
+        print_summary(sweep)
+        if args.plot:
+            return cmd_plot(argparse.Namespace(runs=[sweep], out=None))
         return 0
 
     jobs = lifecycle.recent(args.root)

@@ -116,6 +116,7 @@ def write_png(runs: list[Run], panels: list[Panel], path: Path) -> None:
 
     matplotlib.use("Agg")  # no display on a login node
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = -(-len(panels) // COLUMNS)
     w, h = PANEL_PX
@@ -132,6 +133,7 @@ def write_png(runs: list[Run], panels: list[Panel], path: Path) -> None:
                 )
         if panel.log and all(v > 0 for r in runs for _, v in r.series.get(panel.key, [])):
             ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.set_title(panel.title, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
