@@ -178,7 +178,7 @@ def make_engine(cfg: RunConfig, model_dir: Path, scratch: Path) -> Any:
     """One rollout engine in this process: the run's backend and settings."""
     import torch
 
-    from hpcrl.rollout.config import VLLMRolloutConfig
+    from hpcrl.rollout.config import HFRolloutConfig, VLLMRolloutConfig
 
     on_cpu = not torch.cuda.is_available()
     if isinstance(cfg.rollout, VLLMRolloutConfig):
@@ -196,6 +196,7 @@ def make_engine(cfg: RunConfig, model_dir: Path, scratch: Path) -> Any:
         )
     from hpcrl.rollout.hf_engine import HFEngine
 
+    assert isinstance(cfg.rollout, HFRolloutConfig)  # the rollout group has these two schemas
     return HFEngine(model_dir, cfg.rollout, device="cpu" if on_cpu else "cuda")
 
 

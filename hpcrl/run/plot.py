@@ -90,7 +90,7 @@ def read_run(label: str, path: Path) -> Run:
 def panels_for(runs: list[Run]) -> list[Panel]:
     keys = {k for r in runs for k in r.series}
     chosen = [p for p in PANELS if p.key in keys]
-    extra = sorted(k for k in keys if k.startswith(EXTRA_PREFIXES))
+    extra = [k for prefix in EXTRA_PREFIXES for k in sorted(keys) if k.startswith(prefix)]
     return chosen + [Panel(k, f"{k} (s)" if k.startswith("time/") else k) for k in extra]
 
 
