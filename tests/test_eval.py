@@ -100,3 +100,14 @@ def test_eval_of_a_run_reproduces_its_validation_and_compares_with_the_base(tmp_
     assert greedy["delta"] == pytest.approx(val[4] - val[0])
     assert greedy["low"] <= greedy["delta"] <= greedy["high"] and greedy["level"] == 0.95
     assert "base -> step_000004" in result.stdout and "pass@1 (greedy)" in result.stdout
+
+
+def test_a_note_when_the_run_trained_on_other_data(tmp_path):
+    from hpcrl.config.compose import compose_config
+    from hpcrl.run.evaluate import data_mismatch
+    from hpcrl.run.rundir import write_resolved_config
+
+    write_resolved_config(compose_config([]), tmp_path)
+    assert data_mismatch(tmp_path, compose_config([])) == ""
+    note = data_mismatch(tmp_path, compose_config(["data.max_val_samples=64"]))
+    assert note.startswith("note: the run trained with data.max_val_samples=128;")

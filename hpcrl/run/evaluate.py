@@ -387,6 +387,8 @@ def run_eval(overrides: list[str], spec: str, out: Path | None, against: str | N
     root = Path(compose_config(list(overrides)).run.output_root)
     target = resolve_target(spec, out, root)
     cfg = _config_for(target, overrides)
+    if target.run_dir is not None and (note := data_mismatch(target.run_dir, cfg)):
+        say(note)
     other = None
     if against is not None:
         other = base_target(target) if against == "base" else resolve_target(against, None, target.out.parent)
@@ -404,6 +406,27 @@ def run_eval(overrides: list[str], spec: str, out: Path | None, against: str | N
     record |= {"differences": {k: asdict(d) for k, d in diffs.items()}}
     atomic_write_text(target.out / "compare.json", json.dumps(record, indent=1) + "\n")
     return 0
+
+
+def data_mismatch(run_dir: Path, cfg: RunConfig) -> str:
+    """A note when the run trained on other data than this eval reads: eval composes its config from
+    the command line (as ``submit`` does), not from the run's config.yaml."""
+    from dataclasses import asdict
+
+    import yaml
+
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        return ""
+    trained = (yaml.safe_load(path.read_text()) or {}).get("data", {})
+    now = asdict(cfg.data)
+    differ = sorted(k for k in set(trained) | set(now) if trained.get(k) != now.get(k))
+    if not differ:
+        return ""
+    shown = " ".join(f"data.{k}={trained.get(k)}" for k in differ[:4])
+    return (
+        f"note: the run trained with {shown}; this eval reads data '{cfg.data.name}' (pass data=... to match)"
+    )
 
 
 def _config_for(target: Target, overrides: list[str]) -> RunConfig:
