@@ -321,9 +321,9 @@ def evaluate(cfg: RunConfig, target: Target, log: Log = say) -> tuple[dict[str, 
         "temperature": cfg.eval.temperature,
         "top_p": cfg.eval.top_p,
         "max_new_tokens": cfg.rollout.max_new_tokens,
+        "seconds": round(time.perf_counter() - started, 1),
     }
     summary = write_results(target.out, about, problems, list(cfg.eval.k))
-    summary["seconds"] = round(time.perf_counter() - started, 1)
     log(f"{target.label}: results in {target.out}")
     return summary, problems
 
