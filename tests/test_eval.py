@@ -67,6 +67,8 @@ def test_eval_refuses_bad_input_in_one_line(tiny_dir, tmp_path, capsys):
     assert "eval.typo" in capsys.readouterr().err
     assert main(["eval", str(tiny_dir), "--compare", "base"]) == 2  # an HF dir has no starting model
     assert "--compare base needs a run" in capsys.readouterr().err
+    assert main(["eval", str(tiny_dir), "cluster=slurmtest", "--out", str(tmp_path)]) == 2
+    assert "run it inside an allocation" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing ran
 
 

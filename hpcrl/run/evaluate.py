@@ -387,6 +387,11 @@ def run_eval(overrides: list[str], spec: str, out: Path | None, against: str | N
     root = Path(compose_config(list(overrides)).run.output_root)
     target = resolve_target(spec, out, root)
     cfg = _config_for(target, overrides)
+    if cfg.cluster.scheduler.value != "local":
+        raise HpcrlError(
+            f"hpcrl eval runs on this machine; cluster={cfg.cluster.name} would submit it, which it does not "
+            "do yet: run it inside an allocation (srun ... hpcrl eval MODEL ...) without cluster="
+        )
     if target.run_dir is not None and (note := data_mismatch(target.run_dir, cfg)):
         say(note)
     other = None
