@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -67,8 +68,6 @@ def test_eval_refuses_bad_input_in_one_line(tiny_dir, tmp_path, capsys):
     assert "eval.typo" in capsys.readouterr().err
     assert main(["eval", str(tiny_dir), "--compare", "base"]) == 2  # an HF dir has no starting model
     assert "--compare base needs a run" in capsys.readouterr().err
-    assert main(["eval", str(tiny_dir), "cluster=slurmtest", "--out", str(tmp_path)]) == 2
-    assert "run it inside an allocation" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing ran
 
 
@@ -113,3 +112,26 @@ def test_a_note_when_the_run_trained_on_other_data(tmp_path):
     assert data_mismatch(tmp_path, compose_config([])) == ""
     note = data_mismatch(tmp_path, compose_config(["data.max_val_samples=64"]))
     assert note.startswith("note: the run trained with data.max_val_samples=128;")
+
+
+@pytest.mark.slow
+def test_eval_as_a_slurm_job_returns_at_once_and_gives_the_local_results(slurm_cluster, tiny_dir, tmp_path):
+    """``cluster=slurmtest``: queued as a one-node job (the command returns with its id), run there by
+    the same code; the job's results equal this machine's for the same seed."""
+    from hpcrl.launch import lifecycle
+
+    args = ["eval", str(tiny_dir), *SMALL, f"run.output_root={tmp_path}"]
+    queued = run_cli(*args, "cluster=slurmtest", "--out", str(tmp_path / "job"))
+    assert queued.returncode == 0, queued.stdout + queued.stderr
+    job_id = re.search(r"^job\s+(\d+)", queued.stdout, re.M).group(1)
+    assert lifecycle.run_dir_of(job_id, tmp_path) == tmp_path / "job"  # `hpcrl logs/status` find it
+    state = lifecycle.wait(job_id, tmp_path / "job", timeout_s=600)
+    logs = "".join(p.read_text() for p in (tmp_path / "job" / "slurm").glob("*_log.*"))
+    assert state == "COMPLETED", logs[-3000:]
+    local = run_cli(*args, "--out", str(tmp_path / "here"))
+    assert local.returncode == 0, local.stderr[-3000:]
+    on_node = json.loads((tmp_path / "job" / "eval.json").read_text())
+    assert on_node["metrics"] == json.loads((tmp_path / "here" / "eval.json").read_text())["metrics"]
+    assert (tmp_path / "job" / "samples.jsonl").read_text() == (
+        tmp_path / "here" / "samples.jsonl"
+    ).read_text()

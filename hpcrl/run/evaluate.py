@@ -378,8 +378,11 @@ def compare_table(diffs: dict[str, Difference], before: str, after: str) -> str:
     return "\n".join(rows)
 
 
-def run_eval(overrides: list[str], spec: str, out: Path | None, against: str | None) -> int:
-    """``hpcrl eval``: evaluate MODEL (and ``--compare``'s model), print the tables."""
+def run_eval(
+    overrides: list[str], spec: str, out: Path | None, against: str | None, *, here: bool = False
+) -> int:
+    """``hpcrl eval``: evaluate MODEL (and ``--compare``'s model), print the tables. A Slurm cluster
+    queues the same command as a one-node job (``launch/eval_job.py``), which runs it ``here``."""
     from dataclasses import asdict
 
     from hpcrl.config.compose import compose_config
@@ -387,16 +390,20 @@ def run_eval(overrides: list[str], spec: str, out: Path | None, against: str | N
     root = Path(compose_config(list(overrides)).run.output_root)
     target = resolve_target(spec, out, root)
     cfg = _config_for(target, overrides)
-    if cfg.cluster.scheduler.value != "local":
-        raise HpcrlError(
-            f"hpcrl eval runs on this machine; cluster={cfg.cluster.name} would submit it, which it does not "
-            "do yet: run it inside an allocation (srun ... hpcrl eval MODEL ...) without cluster="
-        )
+    other = None
+    if against is not None:  # checked before anything is queued
+        other = base_target(target) if against == "base" else resolve_target(against, None, target.out.parent)
+    if cfg.cluster.scheduler.value != "local" and not here:
+        from hpcrl.launch.eval_job import submit_eval
+
+        done = submit_eval(cfg, target.out, overrides, spec, against)
+        print(f"job     {done.job_id}  (eval on 1 node of {cfg.cluster.name})")
+        print(f"eval    {done.run_dir}")
+        for path in done.logs:
+            print(f"log     {path}")
+        return 0
     if target.run_dir is not None and (note := data_mismatch(target.run_dir, cfg)):
         say(note)
-    other = None
-    if against is not None:
-        other = base_target(target) if against == "base" else resolve_target(against, None, target.out.parent)
     summary, problems = evaluate(cfg, target)
     print(table(summary))
     if other is None:
