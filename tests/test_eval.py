@@ -120,7 +120,9 @@ def test_eval_as_a_slurm_job_returns_at_once_and_gives_the_local_results(slurm_c
     the same code; the job's results equal this machine's for the same seed."""
     from hpcrl.launch import lifecycle
 
-    args = ["eval", str(tiny_dir), *SMALL, f"run.output_root={tmp_path}"]
+    # a cluster= override drops the embedded default's recipe: name what the eval reads on both sides
+    same = ["rollout.max_new_tokens=8", "rollout.max_num_seqs=64", "data.max_prompt_tokens=16"]
+    args = ["eval", str(tiny_dir), *SMALL, *same, f"run.output_root={tmp_path}"]
     queued = run_cli(*args, "cluster=slurmtest", "--out", str(tmp_path / "job"))
     assert queued.returncode == 0, queued.stdout + queued.stderr
     job_id = re.search(r"^job\s+(\d+)", queued.stdout, re.M).group(1)
