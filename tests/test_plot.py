@@ -55,6 +55,14 @@ def test_plot_writes_a_png_and_an_html_with_every_series(tmp_path, capsys):
         for key in KEYS:
             want = [[r["step"], pytest.approx(r[key])] for r in rows_ if key in r]
             assert data[label][key] == want, (label, key)
+    # the summary table: run-a validates at steps 0, 4, 8, 12 with values 0.02 + 0.01 * step
+    row = re.search(r"<tr><td[^>]*>run-a</td>(.*?)</tr>", page).group(1)
+    assert re.findall(r"<td>(.*?)</td>", row) == [
+        "12",
+        "0.320 (step 12)",
+        "0.320 (step 12)",
+        "0.220 (step 12)",
+    ]
     panels = re.findall(r'<svg [^>]*data-key="([^"]+)"', page)
     assert panels == KEYS  # fixed panels first, then time/* and async/* in order
     staleness = re.search(r'data-key="async/staleness".*?</svg>', page).group(0)

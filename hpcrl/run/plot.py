@@ -166,12 +166,32 @@ def render_html(runs: list[Run], panels: list[Panel]) -> str:
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>hpcrl curves</title>"
         "<style>body{font-family:sans-serif;margin:16px}svg{margin:4px;background:#fff}"
-        ".legend span{margin-right:14px}</style></head><body>"
-        f"<h3>hpcrl curves</h3><div class='legend'>{legend}</div><div>{svgs}</div>"
+        ".legend span{margin-right:14px}td,th{padding:2px 10px;text-align:right}</style></head><body>"
+        f"<h3>hpcrl curves</h3>{summary_table(runs)}<div class='legend'>{legend}</div><div>{svgs}</div>"
         f"<details><summary>runs</summary><ul>{sources}</ul></details>"
         f'<script type="application/json" id="hpcrl-series">{blob}</script>'
         "</body></html>\n"
     )
+
+
+def summary_table(runs: list[Run]) -> str:
+    """At a glance: each run's last step, its best and last validation accuracy, its last reward."""
+
+    def fmt(points: list[tuple[int, float]], best: bool = False) -> str:
+        if not points:
+            return "-"
+        step, value = max(points, key=lambda p: (p[1], -p[0])) if best else points[-1]
+        return f"{value:.3f} (step {step})"
+
+    head = "<tr><th>run</th><th>steps</th><th>best val/accuracy</th><th>last val/accuracy</th><th>last reward</th></tr>"
+    rows = "".join(
+        f"<tr><td style='text-align:left'>{html.escape(r.label)}</td>"
+        f"<td>{max((s for pts in r.series.values() for s, _ in pts), default=0)}</td>"
+        f"<td>{fmt(r.series.get('val/accuracy', []), best=True)}</td>"
+        f"<td>{fmt(r.series.get('val/accuracy', []))}</td><td>{fmt(r.series.get('train/reward', []))}</td></tr>"
+        for r in runs
+    )
+    return f"<table class='summary'>{head}{rows}</table>"
 
 
 def svg_panel(runs: list[Run], panel: Panel) -> str:
