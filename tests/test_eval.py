@@ -69,6 +69,13 @@ def test_eval_refuses_bad_input_in_one_line(tiny_dir, tmp_path, capsys):
     assert main(["eval", str(tiny_dir), "--compare", "base"]) == 2  # an HF dir has no starting model
     assert "--compare base needs a run" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing ran
+    data = tmp_path / "problems.jsonl"  # MATH-500-style records, one far longer than the limit
+    data.write_text(json.dumps({"problem": "What is $1+1$? " * 8, "answer": "2"}) + "\n")
+    long = ["data=math500", f"data.source={data}", "data.max_prompt_tokens=32", "rollout=hf"]
+    assert main(["eval", str(tiny_dir), *long, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "1 of 1 prompts are longer than data.max_prompt_tokens=32 (the longest: 1" in err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow

@@ -217,6 +217,13 @@ def answer_all(cfg: RunConfig, model_dir: Path, examples: list[Example], log: Lo
     e, r = cfg.eval, cfg.rollout
     encode, _pad = make_encoder(model_dir, cfg.data.template)
     prompts = [encode(x.prompt) for x in examples]
+    limit = cfg.data.max_prompt_tokens
+    if too_long := [len(p) for p in prompts if len(p) > limit]:
+        # the engine's context is sized from it (max_seq_len): cutting a problem short would change it
+        raise HpcrlError(
+            f"{len(too_long)} of {len(prompts)} prompts are longer than data.max_prompt_tokens={limit} "
+            f"(the longest: {max(too_long)} tokens); raise data.max_prompt_tokens"
+        )
     with tempfile.TemporaryDirectory(prefix="hpcrl-eval-") as scratch:
         engine = make_engine(cfg, model_dir, Path(scratch))
         started = time.perf_counter()
