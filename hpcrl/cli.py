@@ -12,88 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpcrl.errors import HpcrlError
-
-
-def _add_root_of_debug_job(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--root",
-        type=Path,
-        default=None,
-        help="run.output_root of the debug job (default: from the overrides)",
-    )
-
-
-def _add_show(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--groups", action="store_true", help="list the options of every config group")
-
-
-def _add_render(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--out", type=Path, default=None, help="directory to write into (default: the run directory)"
-    )
-
-
-def _add_submit(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--hold",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="Slurm: keep the job's Ray cluster up this long after the driver (debugging)",
-    )
-    p.add_argument(
-        "-m",
-        "--multirun",
-        action="store_true",
-        help="Slurm: Hydra sweep syntax (algo.lr=1e-6,3e-6 ...): one job per point, returns at once",
-    )
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="Slurm: only bring up Ray and place one actor per node by role (checks an allocation; no training)",
-    )
-
-
-def _add_doctor(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--job", default=None, help="check every node of this job (default: $SLURM_JOB_ID)")
-    p.add_argument("--here", action="store_true", help="check only the machine this runs on")
-    p.add_argument("--expect", default=None, help=argparse.SUPPRESS)  # a node of a --job fan-out
-
-
-def _add_debug(p: argparse.ArgumentParser) -> None:
-    _add_root_of_debug_job(p)
-    p.add_argument("--no-wait", action="store_true", help="return once submitted, without waiting for Ray")
-
-
-def _add_run(p: argparse.ArgumentParser) -> None:
-    _add_root_of_debug_job(p)
-    p.add_argument(
-        "--job", default=None, help="the debug job (default: $SLURM_JOB_ID, i.e. the allocation you are in)"
-    )
-    p.add_argument("--here", action="store_true", help=argparse.SUPPRESS)  # on the head node already
-
-
-def _add_attach(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job")
-    p.add_argument("node", nargs="?", default=None, help="host name or node index (default: the head)")
-    p.epilog = "hpcrl attach JOB [NODE] -- COMMAND...  runs COMMAND there instead of a shell"
-
-
-def _add_job(optional: bool) -> Callable[[argparse.ArgumentParser], None]:
-    def add(p: argparse.ArgumentParser) -> None:
-        p.add_argument("job", nargs="?" if optional else None)
-
-    return add
-
-
-def _add_logs(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
-
-
-def _add_ls(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sweep", type=Path, default=None, metavar="DIR", help="the points of one sweep")
-
+from hpcrl.launch import cli_options as opts
 
 Options = Callable[[argparse.ArgumentParser], None]
 
@@ -101,48 +20,37 @@ PLANNED: dict[str, tuple[str, Options | None]] = {
     "plan": ("compose and validate the config, print the topology/memory plan", None),
     "render": (
         "write the sbatch script and resolved config that submit would use, without submitting",
-        _add_render,
+        opts.add_render,
     ),
-    "submit": ("validate, then run locally (no cluster) or submit to Slurm", _add_submit),
-    "show": ("print the composed config as YAML", _add_show),
+    "submit": ("validate, then run locally (no cluster) or submit to Slurm", opts.add_submit),
+    "show": ("print the composed config as YAML", opts.add_show),
     "debug": (
         "hold an allocation with the planned nodes and its Ray cluster up; prints how to attach",
-        _add_debug,
+        opts.add_debug,
     ),
-    "run": ("run the driver against a held debug session's Ray cluster (no restart)", _add_run),
-    "doctor": ("check this node, or every node of a job, against what the plan needs", _add_doctor),
+    "run": ("run the driver against a held debug session's Ray cluster (no restart)", opts.add_run),
+    "doctor": ("check this node, or every node of a job, against what the plan needs", opts.add_doctor),
 }
 """Commands that compose a config from Hydra overrides, with their own options."""
 
 JOBS: dict[str, tuple[str, Options]] = {
-    "status": ("state of a job (or of the recent ones)", _add_job(optional=True)),
-    "logs": ("per-node logs of a job", _add_logs),
-    "cancel": ("cancel a job", _add_job(optional=False)),
-    "ls": ("recent runs with state, nodes and start time", _add_ls),
-    "attach": ("open a shell (or run a command after --) on a node of a held debug session", _add_attach),
+    "status": ("state of a job (or of the recent ones)", opts.add_job(optional=True)),
+    "logs": ("per-node logs of a job", opts.add_logs),
+    "cancel": ("cancel a job", opts.add_job(optional=False)),
+    "ls": ("recent runs with state, nodes and start time", opts.add_ls),
+    "attach": ("open a shell (or run a command after --) on a node of a held debug session", opts.add_attach),
 }
 """Commands about submitted jobs and their run directories (all take ``--root``)."""
 
 
-def _add_export(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", type=Path, help="a step_NNNNNN/ directory, or a run (its best checkpoint)")
-    p.add_argument("--out", type=Path, required=True, help="the Hugging Face model directory to write")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights' dtype (default bf16)")
-
-
-def _add_init(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--cluster", default=None, help="catalog cluster to write (default: the one matching sinfo)"
-    )
-    p.add_argument("--partition", default=None, help="Slurm partition (default: the default GPU partition)")
-    p.add_argument("--account", default=None, help="Slurm account (asked when stdin is a terminal)")
-    p.add_argument("--image", default=None, help="container image (asked where the cluster requires one)")
-    p.add_argument("--force", action="store_true", help="replace an existing site.yaml")
-
-
 TOOLS: dict[str, tuple[str, Options]] = {
-    "init": ("write a starter site.yaml (reads sinfo/scontrol where Slurm is installed)", _add_init),
-    "export": ("write a checkpoint as a Hugging Face model directory (streamed; no GPU needed)", _add_export),
+    "init": ("write a starter site.yaml (reads sinfo/scontrol where Slurm is installed)", opts.add_init),
+    "export": (
+        "write a checkpoint as a Hugging Face model directory (streamed; no GPU needed)",
+        opts.add_export,
+    ),
+    "eval": ("pass@1 (greedy), pass@k and maj@k of a model on a data set; --compare base", opts.add_eval),
+    "plot": ("curves.png and a self-contained curves.html of one or more runs' metrics", opts.add_plot),
 }
 
 
@@ -339,10 +247,15 @@ def cmd_attach(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     from hpcrl.launch import lifecycle
 
-    if args.sweep is not None:
+    sweep = getattr(args, "sweep", None)  # `hpcrl status` without a job lands here, without --sweep
+    if getattr(args, "plot", False) and sweep is None:
+        raise HpcrlError("hpcrl ls --plot plots a sweep: add --sweep DIR (one run: hpcrl plot RUN_DIR)")
+    if sweep is not None:
         from hpcrl.launch.sweep import print_summary
 
-        print_summary(args.sweep)
+        print_summary(sweep)
+        if args.plot:
+            return cmd_plot(argparse.Namespace(runs=[sweep], out=None))
         return 0
 
     lifecycle.print_recent(args.root)
@@ -380,6 +293,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     from hpcrl.run.export import export
 
     export(args.checkpoint, args.out, args.dtype)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from hpcrl.run.evaluate import run_eval
+
+    return run_eval(list(args.overrides), args.model, args.out, args.compare)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from hpcrl.run.plot import plot_runs
+
+    for path in plot_runs(list(args.runs), args.out):
+        print(path)
     return 0
 
 

@@ -17,6 +17,7 @@ from hpcrl.data.config import DataConfig
 from hpcrl.errors import ConfigError
 from hpcrl.rewards.config import RewardsConfig
 from hpcrl.rollout.config import HFRolloutConfig, RolloutConfig, VLLMRolloutConfig
+from hpcrl.run.eval_config import EvalConfig
 from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig, TrainerConfig
 
 GROUPS = ("cluster", "model", "algo", "trainer", "rollout", "data", "experiment")
@@ -83,10 +84,21 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run: RunMeta = field(default_factory=RunMeta)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """``hpcrl eval`` only (hpcrl/run/eval_config.py)."""
 
     def check(self) -> None:
         """Per-component value checks; cross-component rules live in the topology and quirks."""
-        parts = (self.cluster, self.model, self.algo, self.trainer, self.rollout, self.data, self.rewards)
+        parts = (
+            self.cluster,
+            self.model,
+            self.algo,
+            self.trainer,
+            self.rollout,
+            self.data,
+            self.rewards,
+            self.eval,
+        )
         for part in parts:
             part.check()
         positive("layout.train_nodes", self.layout.train_nodes)

@@ -211,5 +211,7 @@ def summarize(run_dir: Path, ckpt: Any, started: float) -> None:
     print(f"  metrics      {run_dir / 'metrics.jsonl'}", file=sys.stdout)
     print(f"  tensorboard  tensorboard --logdir {run_dir / 'tensorboard'}", file=sys.stdout)
     print(f"  checkpoints  {ckpt.root}" + (f" (best: {best.path.name})" if best else ""), file=sys.stdout)
+    print(f"  curves       hpcrl plot {run_dir}", file=sys.stdout)
     if best is not None:
         print(f"  export       hpcrl export {best.path} --out {run_dir / 'hf'}", file=sys.stdout)
+        print(f"  evaluate     hpcrl eval {run_dir} --compare base", file=sys.stdout)
