@@ -7,6 +7,7 @@ silently ship the old version: these tests fail instead and name the fix (tools/
 from __future__ import annotations
 
 import os
+import platform
 import re
 import subprocess
 import tomllib
@@ -30,7 +31,7 @@ def lock_path(arch: str) -> Path:
 
 def lock_pins(lock_text: str) -> dict[str, Version]:
     """`name==version` lines of a requirements lock (hash and comment lines are indented or start with #)."""
-    pins = {}
+    pins: dict[str, Version] = {}
     for line in lock_text.splitlines():
         found = re.match(r"([A-Za-z0-9][\w.-]*)==([^\s;\\]+)", line)
         if found:
@@ -94,7 +95,11 @@ def test_lock_header_names_its_platform_and_the_images_python(arch: str) -> None
     assert option(command, "--extra") == "gpu"
     assert option(command, "--python-platform") == f"{arch}-manylinux_2_28"
     assert option(command, "-o") == f"requirements/gpu-{arch}.lock"
-    assert option(command, "--python-version") == containerfile_python()
+    python = option(command, "--python-version")
+    assert python == containerfile_python(), (
+        f"requirements/gpu-{arch}.lock is for Python {python}, the image checks for {containerfile_python()}"
+        " (lock_python in containers/Containerfile): change PYTHON_VERSION in tools/lock-gpu and relock"
+    )
     assert "--generate-hashes" in command.split()
     # pip's --require-hashes in the image refuses a lock where any pin lacks a hash
     pins = re.findall(r"^[A-Za-z0-9][\w.-]*==\S+( \\\n    --hash=sha256:[0-9a-f]{64})?", text, re.M)
@@ -104,7 +109,7 @@ def test_lock_header_names_its_platform_and_the_images_python(arch: str) -> None
 
 def test_tools_lock_gpu_uses_the_images_python() -> None:
     script = (ROOT / "tools" / "lock-gpu").read_text()
-    assert re.search(r"^PYTHON_VERSION=(\S+)$", script, re.M)[1] == containerfile_python()  # type: ignore[index]
+    assert f"\nPYTHON_VERSION={containerfile_python()}\n" in script
 
 
 def test_a_pin_bumped_without_relocking_is_named() -> None:
@@ -122,9 +127,14 @@ def test_a_pin_bumped_without_relocking_is_named() -> None:
         "flash-attn==2.8.3: not in the lock",
     ]
     # a marker that excludes the platform drops the requirement; one that includes it keeps it checked
-    arm_only = pyproject.replace('"megatron-core==0.19.2",', "\"megatron-core==0.19.2\",\n    \"nope==1; platform_machine == 'aarch64'\",")
+    arm_only = pyproject.replace(
+        '"megatron-core==0.19.2",',
+        '"megatron-core==0.19.2",\n    "nope==1; platform_machine == \'aarch64\'",',
+    )
     assert mismatches(arm_only, text, "x86_64", "3.12") == []
-    assert mismatches(arm_only, text, "aarch64", "3.12") == ["nope==1; platform_machine == \"aarch64\": not in the lock"]
+    assert mismatches(arm_only, text, "aarch64", "3.12") == [
+        'nope==1; platform_machine == "aarch64": not in the lock'
+    ]
 
 
 def image_install_step() -> str:
@@ -139,36 +149,49 @@ def test_containerfile_copies_both_locks_and_installs_without_deps() -> None:
     text = CONTAINERFILE.read_text()
     for arch in ARCHES:
         assert f"requirements/gpu-{arch}.lock" in text
-    assert 'pip install --no-cache-dir --no-deps --require-hashes -r "$lock"' in image_install_step()
+    step = image_install_step()
+    assert (
+        'PIP_CONSTRAINT= python3 -m pip install --no-cache-dir --no-deps --require-hashes -r "$lock"' in step
+    )
     assert "pip install --no-cache-dir --no-deps -e ." in text
     assert "[gpu]" not in text  # the extra would run pip's resolver and could move off the lock
 
 
 def run_install_step(tmp_path: Path, targetarch: str, python: str) -> subprocess.CompletedProcess[str]:
     """Run the step under /bin/sh with a stand-in python3 that reports `python` and records pip's args:
-    the real one would download the GPU stack."""
+    the real one would download the GPU stack. `[]` in the record: PIP_CONSTRAINT was emptied."""
     fake = tmp_path / "bin" / "python3"
     fake.parent.mkdir(exist_ok=True)
     fake.write_text(
-        f'#!/bin/sh\nif [ "$1" = -c ]; then echo {python}; else echo "$@" > "{tmp_path}/pip-args"; fi\n'
+        f'#!/bin/sh\nif [ "$1" = -c ]; then echo {python}; else echo "[$PIP_CONSTRAINT] $@" > "{tmp_path}/pip-args"; fi\n'
     )
     fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "TARGETARCH": targetarch}
+    path = f"{fake.parent}:{os.environ['PATH']}"
+    # as in NGC PyTorch images, whose constraint file pins their own torch
+    env = {**os.environ, "PATH": path, "TARGETARCH": targetarch, "PIP_CONSTRAINT": "/etc/pip/constraint.txt"}
     return subprocess.run(["/bin/sh", "-c", image_install_step()], env=env, text=True, capture_output=True)
 
 
-@pytest.mark.parametrize(("targetarch", "arch"), [("amd64", "x86_64"), ("arm64", "aarch64"), ("aarch64", "aarch64")])
+@pytest.mark.parametrize(
+    ("targetarch", "arch"),
+    # no TARGETARCH (the legacy builder): `uname -m` of the build machine decides
+    [("amd64", "x86_64"), ("arm64", "aarch64"), ("aarch64", "aarch64"), ("", platform.machine())],
+)
 def test_image_installs_the_lock_of_the_build_platform(tmp_path: Path, targetarch: str, arch: str) -> None:
     result = run_install_step(tmp_path, targetarch, containerfile_python())
     assert result.returncode == 0, result.stderr
-    args = (tmp_path / "pip-args").read_text().split()
-    assert args == ["-m", "pip", "install", "--no-cache-dir", "--no-deps", "--require-hashes", "-r", f"requirements/gpu-{arch}.lock"]
+    args = (tmp_path / "pip-args").read_text()
+    lock = f"requirements/gpu-{arch}.lock"
+    assert args == f"[] -m pip install --no-cache-dir --no-deps --require-hashes -r {lock}\n"
 
 
 def test_image_refuses_an_unlocked_platform_or_python_in_one_line(tmp_path: Path) -> None:
     result = run_install_step(tmp_path, "riscv64", containerfile_python())
     assert result.returncode == 1
-    assert result.stderr == "hpcrl image: no GPU lock for architecture 'riscv64' (there are x86_64 and aarch64)\n"
+    assert (
+        result.stderr
+        == "hpcrl image: no GPU lock for architecture 'riscv64' (there are x86_64 and aarch64)\n"
+    )
     result = run_install_step(tmp_path, "amd64", "3.10")
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1
