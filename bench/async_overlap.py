@@ -5,21 +5,26 @@ test cluster with ``algo.max_staleness`` 0 and 1, the same steps and the same al
     tools/slurm-cluster up 3 && export SLURM_CONF=/tmp/hpcrl-slurm/etc/slurm.conf
     .venv/bin/python bench/async_overlap.py [--steps 30 --lags 0,1 --out bench/results/async_overlap.json]
 
-Step time is the median of ``time/step`` over steps 2..S (step 1 fills the pipeline); the wall time of
-steps 1..S comes from the job log's step lines. Both namespace nodes share this machine's cores: the
-rollout node's vLLM and the train node's gloo trainer overlap only as far as the cores allow.
+Step time is the median of ``time/step`` over steps 2..S (step 1 fills the pipeline). The namespace
+nodes share this machine's cores; ``--pin`` (default) gives node i core i-1 (the affinity of its slurmd,
+which every process of a job step inherits) for the run and restores it after, so that each node
+computes on a core of its own as real nodes do: without it, generation and training overlapping in time
+only share the same two cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,17 +75,37 @@ def run_job(root: Path, steps: int, lag: int, extra: list[str]) -> dict[str, obj
     }
 
 
+SLURM_RUN = Path("/tmp/hpcrl-slurm/run")
+
+
+@contextlib.contextmanager
+def pinned(nodes: int) -> Iterator[None]:
+    """Node i's slurmd (and what it starts from now on) on core i - 1."""
+    pids = [int((SLURM_RUN / f"slurmd-hpcrl-node{i}.pid").read_text()) for i in range(1, nodes + 1)]
+    before = [os.sched_getaffinity(pid) for pid in pids]
+    for i, pid in enumerate(pids):
+        os.sched_setaffinity(pid, {i % os.cpu_count()})  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        for pid, cpus in zip(pids, before, strict=True):
+            os.sched_setaffinity(pid, cpus)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--lags", default="0,1")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--no-pin", dest="pin", action="store_false", help="leave the nodes on every core")
     ap.add_argument("extra", nargs="*", help="more overrides for both jobs")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="hpcrl-async-bench-", dir="/tmp"))
-    results = [run_job(root, a.steps, int(lag), a.extra) for lag in a.lags.split(",")]
+    with pinned(2) if a.pin else contextlib.nullcontext():
+        results = [run_job(root, a.steps, int(lag), a.extra) for lag in a.lags.split(",")]
     base = results[0]["step_s_median"]
-    print(f"\nsplit tiny recipe, {a.steps} steps, 1 rollout + 1 train node (slurmtest)")
+    cores = "a core each" if a.pin else "sharing every core"
+    print(f"\nsplit tiny recipe, {a.steps} steps, 1 rollout + 1 train node (slurmtest, {cores})")
     print(
         f"{'max_staleness':>13} {'step s':>8} {'x':>6} {'total s':>8} {'wait s':>7} {'train s':>8} {'val':>13}"
     )
@@ -91,7 +116,9 @@ def main() -> None:
             f"{r['val_first']:.3f} -> {r['val_last']:.3f}"
         )
     if a.out:
-        a.out.write_text(json.dumps({"steps": a.steps, "extra": a.extra, "results": results}, indent=1))
+        a.out.write_text(
+            json.dumps({"steps": a.steps, "pin": a.pin, "extra": a.extra, "results": results}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ def ray_node_ip() -> str:
 
 
 def _threads() -> None:
+    """As many threads as CPUs this process may run on (a Slurm job's cpuset, not the whole node)."""
     import torch
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
 
 
 class TrainerActor:
