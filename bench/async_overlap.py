@@ -81,7 +81,9 @@ def main() -> None:
     results = [run_job(root, a.steps, int(lag), a.extra) for lag in a.lags.split(",")]
     base = results[0]["step_s_median"]
     print(f"\nsplit tiny recipe, {a.steps} steps, 1 rollout + 1 train node (slurmtest)")
-    print(f"{'max_staleness':>13} {'step s':>8} {'x':>6} {'total s':>8} {'wait s':>7} {'train s':>8} {'val':>13}")
+    print(
+        f"{'max_staleness':>13} {'step s':>8} {'x':>6} {'total s':>8} {'wait s':>7} {'train s':>8} {'val':>13}"
+    )
     for r in results:
         print(
             f"{r['max_staleness']:>13} {r['step_s_median']:>8.2f} {base / r['step_s_median']:>6.2f} "  # type: ignore[operator]

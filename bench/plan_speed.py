@@ -3,7 +3,8 @@ in the same run (and `import torch`, the cost the CLI avoids). Prints a table of
 each hpcrl command in three modes: a cold start (nothing cached: the first use of an override set, or
 after an edit of conf/ or hpcrl/; composed by hpcrl.config.fastcompose), the same composed by Hydra (what a
 cold start cost before fastcompose, and what overrides outside its subset still cost), and with the
-composition cached (every later use).
+composition cached (every later use). The site's keys come from the command line, except in the
+"keys in site.yaml" case (a site file with the README's keys); no case reads the developer's own site.
 
     .venv/bin/python bench/plan_speed.py [--runs 7]
 """
@@ -31,9 +32,9 @@ MODES = {
 }
 
 
-def timed(cmd: list[str], runs: int, mode: str) -> float:
-    """Median wall time of ``cmd`` in one of MODES."""
-    env = {**os.environ, **MODES[mode]}
+def timed(cmd: list[str], runs: int, mode: str, site: str) -> float:
+    """Median wall time of ``cmd`` in one of MODES, with ``site`` as HPCRL_CONFIG_DIR."""
+    env = {**os.environ, **MODES[mode], "HPCRL_CONFIG_DIR": site}
     if mode == "cached":
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env=env)  # fill the cache once
     samples = []
@@ -44,11 +45,24 @@ def timed(cmd: list[str], runs: int, mode: str) -> float:
     return statistics.median(samples)
 
 
+SITE_YAML = """\
+clusters:
+  gb200:
+    slurm: {account: a, partition: gb200nvl72, qos: normal}
+    container: {image: i, mounts: ["/lustre:/lustre"]}
+    env: {HF_HOME: /lustre/hf}
+"""
+"""The site file of the README's example (with the command line's account and image)."""
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=7)
     args = parser.parse_args()
     out = tempfile.mkdtemp(prefix="hpcrl-bench-")
+    no_site = tempfile.mkdtemp(prefix="hpcrl-bench-nosite-")  # never the developer's own site file
+    site = tempfile.mkdtemp(prefix="hpcrl-bench-site-")
+    Path(site, "site.yaml").write_text(SITE_YAML)
     cases = {
         "python -c pass (baseline)": [PY, "-c", "pass"],
         "python -c 'import torch'": [PY, "-c", "import torch"],
@@ -69,11 +83,16 @@ def main() -> int:
             "--out",
             out,
         ],
+        "hpcrl plan nemotron, keys in site.yaml": [
+            HPCRL,
+            "plan",
+            "+experiment=dapo-nemotron-super-5n4g-megatron",
+        ],
     }
     results = {}
     for name, cmd in cases.items():
         for mode in MODES if name.startswith("hpcrl") else ["cold"]:
-            results[(name, mode)] = timed(cmd, args.runs, mode)
+            results[(name, mode)] = timed(cmd, args.runs, mode, site if "site.yaml" in name else no_site)
     base = results[("python -c pass (baseline)", "cold")]
     print(f"{'command':36s} {'mode':12s} {'median s':>9s} {'x baseline':>11s} {'x Hydra':>8s}")
     for (name, mode), seconds in results.items():

@@ -61,7 +61,7 @@ def main() -> int:
     rt = Fleet.start(plan, model_dir, scratch, device=device, gpu_resources=False)
 
     start = time.perf_counter()
-    rt.sync_weights()  # forms the group (agrees names/shapes, rendezvous) and sends once
+    rt.sync_weights(0)  # forms the group (agrees names/shapes, rendezvous) and sends once
     first = time.perf_counter() - start
     samples: dict[str, list[float]] = {"object_store": [], "collective": []}
     details = []
@@ -69,7 +69,7 @@ def main() -> int:
         for mode in samples:  # interleaved: both modes see the same machine load
             rt.weight_sync = mode
             start = time.perf_counter()
-            rt.sync_weights()
+            rt.sync_weights(0)
             samples[mode].append(time.perf_counter() - start)
             if mode == "collective":
                 details.append(rt.last_sync)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,6 +52,12 @@ def _add_submit(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Slurm: only bring up Ray and place one actor per node by role (checks an allocation; no training)",
     )
+
+
+def _add_doctor(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--job", default=None, help="check every node of this job (default: $SLURM_JOB_ID)")
+    p.add_argument("--here", action="store_true", help="check only the machine this runs on")
+    p.add_argument("--expect", default=None, help=argparse.SUPPRESS)  # a node of a --job fan-out
 
 
 def _add_debug(p: argparse.ArgumentParser) -> None:
@@ -105,6 +110,7 @@ PLANNED: dict[str, tuple[str, Options | None]] = {
         _add_debug,
     ),
     "run": ("run the driver against a held debug session's Ray cluster (no restart)", _add_run),
+    "doctor": ("check this node, or every node of a job, against what the plan needs", _add_doctor),
 }
 """Commands that compose a config from Hydra overrides, with their own options."""
 
@@ -124,7 +130,18 @@ def _add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights' dtype (default bf16)")
 
 
+def _add_init(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cluster", default=None, help="catalog cluster to write (default: the one matching sinfo)"
+    )
+    p.add_argument("--partition", default=None, help="Slurm partition (default: the default GPU partition)")
+    p.add_argument("--account", default=None, help="Slurm account (asked when stdin is a terminal)")
+    p.add_argument("--image", default=None, help="container image (asked where the cluster requires one)")
+    p.add_argument("--force", action="store_true", help="replace an existing site.yaml")
+
+
 TOOLS: dict[str, tuple[str, Options]] = {
+    "init": ("write a starter site.yaml (reads sinfo/scontrol where Slurm is installed)", _add_init),
     "export": ("write a checkpoint as a Hugging Face model directory (streamed; no GPU needed)", _add_export),
 }
 
@@ -181,7 +198,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         sbatch = slurm_parameters(plan)
     show_plan(plan, Console(), sbatch)
-    return 0 if plan.memory.fits else 1
+    return 0 if plan.fits else 1
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -191,6 +208,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 
     plan = plan_from_overrides(args.overrides)
     plan.require_fit()
+    if plan.search:
+        print(plan.search.summary())
     run_dir = args.out or new_run_dir(plan.cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = write_resolved_config(plan.cfg, run_dir)
@@ -217,6 +236,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     plan = plan_from_overrides(args.overrides)
     plan.require_buildable()  # first: a model the backend cannot build is refused whatever it needs
     plan.require_fit()
+    if plan.search:
+        print(plan.search.summary())
     if plan.cfg.cluster.scheduler is Scheduler.local:
         from hpcrl.launch.local import run_local
         from hpcrl.run.preempt import EXIT_PREEMPTED, Preempted
@@ -238,20 +259,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    if args.groups:
-        from hpcrl.config.compose import conf_dir
-        from hpcrl.config.schema import GROUPS
+    from hpcrl.config.compose import show_text
 
-        for group in GROUPS:
-            names = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
-            print(f"{group}: {', '.join(names)}")
-        return 0
-    from omegaconf import OmegaConf
-
-    from hpcrl.config.compose import compose_raw
-
-    print(OmegaConf.to_yaml(compose_raw(args.overrides)), end="")
+    print(show_text(args.overrides, args.groups), end="")
     return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from hpcrl.launch.doctor_run import doctor_command
+
+    return doctor_command(args.overrides, job=args.job, here=args.here, expect_json=args.expect)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -314,21 +331,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
-    import os
+    from hpcrl.launch.debug import attach
 
-    from hpcrl.launch.debug import attach_argv, held, node_hosts
-
-    job, meta = held(args.job, args.root)
-    hosts = node_hosts(job.run_dir, job.nodes)
-    node = args.node or hosts[0]
-    if node.isdigit():
-        node = hosts[int(node)]
-    if node not in hosts:
-        raise HpcrlError(f"node {node} is not in job {job.job_id} (its nodes: {', '.join(hosts)})")
-    argv = attach_argv(job.job_id, meta, node, args.cmd)
-    sys.stdout.flush()
-    os.execvp(argv[0], argv)
-    return 1  # not reached
+    return attach(args.job, args.root, args.node, args.cmd)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -340,14 +345,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print_summary(args.sweep)
         return 0
 
-    jobs = lifecycle.recent(args.root)
-    if not jobs:
-        print(f"no Slurm runs under {args.root}/")
-    for job in jobs:
-        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.submitted))
-        print(
-            f"{job.job_id:>8}  {job.state:<24} {job.nodes:>3} node(s)  {started}  {job.name}  {job.run_dir}"
-        )
+    lifecycle.print_recent(args.root)
     return 0
 
 
@@ -372,6 +370,12 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_init(args: argparse.Namespace) -> int:
+    from hpcrl.config.siteinit import init_from_cli
+
+    return init_from_cli(args.cluster, args.account, args.image, args.partition, args.force)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from hpcrl.run.export import export
 
@@ -379,20 +383,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {
-    "plan": cmd_plan,
-    "render": cmd_render,
-    "submit": cmd_submit,
-    "show": cmd_show,
-    "status": cmd_status,
-    "logs": cmd_logs,
-    "cancel": cmd_cancel,
-    "ls": cmd_ls,
-    "debug": cmd_debug,
-    "run": cmd_run,
-    "attach": cmd_attach,
-    "export": cmd_export,
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    name: globals()[f"cmd_{name}"] for name in (*PLANNED, *JOBS, *TOOLS)
 }
+"""Each command's ``cmd_<name>`` function above."""
 
 if __name__ == "__main__":
     sys.exit(main())

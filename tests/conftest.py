@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ from hpcrl.config.schema import RunConfig
 from hpcrl.plan.planner import Plan, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
+# No test reads the developer's own site file (~/.config/hpcrl): tests that need one write their own.
+os.environ["HPCRL_CONFIG_DIR"] = tempfile.mkdtemp(prefix="hpcrl-config-")
 SITE = ["cluster.slurm.account=acct", "cluster.container.image=img.sqsh"]
 
 

@@ -21,10 +21,13 @@ def test_plan_default_prints_tables_and_fits(cli):
         assert title in result.stdout
 
 
-def test_documented_form_plans_and_points_to_a_recipe(cli):
+def test_documented_form_plans_an_auto_layout_and_points_to_a_recipe(cli):
+    """Issue 21: the default layout does not fit, so auto layout plans one that does (exit 0); the
+    shipped recipes for the pair are still listed."""
     result = cli("plan", "+cluster=gb200", "+model=nemotron_super", *SITE)
-    assert result.returncode == 1  # the plan is shown, and the verdict is "does not fit"
-    assert "does not fit" in result.stdout
+    assert result.returncode == 0, result.stderr
+    assert "auto layout: the configured layout (1 node colocated) does not fit" in result.stdout
+    assert "Nodes: 5 x 4 GPUs, split" in result.stdout
     assert "+experiment=dapo-nemotron-super-5n4g-megatron" in result.stdout
 
 

@@ -56,9 +56,11 @@ def test_dapo_math_17k_parquet_chat_prompt_and_nested_answer(tmp_path):
 def test_missing_field_names_the_key(tmp_path):
     f = tmp_path / "x.jsonl"
     write_jsonl(f, [{"question": "q", "answer": "1"}])
-    cfg = compose("data=math500", f"data.source={f}").data
     with pytest.raises(ConfigError, match="no field 'problem'"):
-        load_examples(cfg, seed=0)
+        compose("data=math500", f"data.source={f}")  # checked before anything is submitted
+    cfg = compose("data=math500", f"data.source={f}", "data.check_source=false").data
+    with pytest.raises(ConfigError, match="no field 'problem'"):
+        load_examples(cfg, seed=0)  # and by the job, for a file only the compute nodes see
 
 
 def test_synthetic_validation_is_held_out():

@@ -18,9 +18,9 @@ import torch
 from hpcrl.config.compose import compose_config
 from hpcrl.data.loader import Example, PromptStream
 from hpcrl.rewards.pool import Task
-from hpcrl.rewards.verifiers import Outcome
+from hpcrl.rewards.verifiers import Outcome, Verdict
 from hpcrl.rollout.base import Completion, SamplingSettings
-from hpcrl.run import loop
+from hpcrl.run import loop, overlap
 from hpcrl.run.checkpoint import CheckpointManager, load_loop_state
 from hpcrl.run.preempt import REQUEST, Preempted
 from hpcrl.trainer.batch import TrainBatch
@@ -52,6 +52,8 @@ class FakeActors:
         self.batches: list[TrainBatch] = []
         self.prompts: list[list[str]] = []
         self.seeds: list[int] = []
+        self.synced: list[int] = []
+        self.handed: list[int] = []
         self.steps = 0
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
@@ -70,6 +72,13 @@ class FakeActors:
         text = ANSWER[prompt] if right else "x"
         return Completion(encode(text), [-0.5] * len(text), text, truncated=False)
 
+    def generate_stream(self, prompts: list[list[int]], settings: SamplingSettings) -> Any:
+        """The batch in two hand-overs (odd prompts first), as engines finishing at different times."""
+        groups = self.generate(prompts, settings)
+        for parity in (1, 0):
+            self.handed.append(sum(1 for i in range(len(groups)) if i % 2 == parity))
+            yield [(i, g) for i, g in enumerate(groups) if i % 2 == parity]
+
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         self.calls.append(("ref_logprobs", len(batch)))
         return torch.zeros(batch.loss_mask.shape)
@@ -85,7 +94,8 @@ class FakeActors:
     def sleep_engines(self) -> None:
         self.calls.append(("sleep_engines",))
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, version: int) -> dict[str, float]:
+        self.synced.append(version)
         self.calls.append(("sync_weights",))
         return {"total_s": 0.5}
 
@@ -102,10 +112,23 @@ class FakeActors:
 
 
 class FakeScorer:
-    """Exact-match verdicts: correct when the completion is the answer."""
+    """Exact-match verdicts: correct when the completion is the answer. Records, at each submit, how
+    many groups the engines had handed over (``actors.handed``): scoring starts before the last."""
 
-    def score(self, tasks: list[Task]) -> list[Outcome]:
-        return [Outcome.correct if t.completion == t.answer else Outcome.wrong for t in tasks]
+    def __init__(self, actors: FakeActors | None = None) -> None:
+        self.actors = actors
+        self.verdicts: dict[int, Verdict] = {}
+        self.submitted_at: list[int] = []
+
+    def submit(self, tasks: list[Task]) -> None:
+        if self.actors is not None:
+            self.submitted_at.append(len(self.actors.handed))
+        for t in tasks:
+            self.verdicts[t.index] = Verdict(Outcome.correct if t.completion == t.answer else Outcome.wrong)
+
+    def drain(self) -> dict[int, Verdict]:
+        out, self.verdicts = self.verdicts, {}
+        return out
 
 
 class Recorder:
@@ -135,12 +158,16 @@ def config(*overrides: str) -> Any:
     return compose_config([*base, *overrides])
 
 
-def run(cfg: Any, actors: FakeActors, tmp_path: Path, start_step: int = 0, stream: Any = None) -> Any:
+def run(
+    cfg: Any, actors: FakeActors, tmp_path: Path, start_step: int = 0, stream: Any = None, scorer: Any = None
+) -> Any:
     stream = stream or PromptStream(EXAMPLES, seed=cfg.run.seed)
     ckpt = CheckpointManager(tmp_path / "ckpt", cfg.checkpoint.keep_top_k, "val/accuracy", True)
     logger, said = Recorder(), []
-    args = (cfg, actors, FakeScorer(), encode, PAD, stream, VAL, ckpt, logger, said.append)
-    last = loop.train(*args, start_step=start_step)
+    args = (cfg, actors, scorer or FakeScorer(), encode, PAD, stream, VAL, ckpt, logger, said.append)
+    # as the driver picks: the overlapped loop for max_staleness > 0 (tests/test_overlap.py)
+    train = overlap.train_overlapped if cfg.algo.max_staleness else loop.train
+    last = train(*args, start_step=start_step)
     return last, ckpt, logger, said
 
 
@@ -176,6 +203,7 @@ def test_dynamic_sampling_validation_and_checkpoints_in_order(tmp_path: Path) ->
             len(ANSWER[p]) if j == 0 else 1 for p in prompts for j in range(2)
         ]
     assert len(set(actors.seeds)) == 6  # every step and every round samples anew
+    assert actors.synced == [1, 2, 3]  # the engines learn which policy version they hold
     metrics = dict(logger.logged)
     assert sorted(metrics) == [0, 1, 2, 3]
     assert metrics[0]["val/accuracy"] == 0.5
@@ -236,3 +264,13 @@ def test_preemption_saves_the_step_then_resume_continues_the_same_stream(tmp_pat
     run(cfg, resumed, tmp_path / "cut", start_step=state["step"], stream=stream)
     assert resumed.calls[0][0] == "generate"  # no validation before a resumed step
     assert resumed.prompts == whole.prompts[2:]  # step 3 sees the prompts it would have seen
+
+
+def test_completions_are_scored_as_the_engines_hand_them_over(tmp_path: Path) -> None:
+    cfg = config("algo.dynamic_sampling=false", "checkpoint.enabled=false", "algo.max_steps=2")
+    actors = FakeActors(["mixed"] * 2)
+    scorer = FakeScorer(actors)
+    _, _, logger, _ = run(cfg, actors, tmp_path, scorer=scorer)
+    # each hand-over is submitted before the engines hand over the next: one submit per hand-over
+    assert scorer.submitted_at == list(range(1, len(actors.handed) + 1))
+    assert dict(logger.logged)[1]["train/accuracy"] == 0.5  # every group's verdicts arrived in place

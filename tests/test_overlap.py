@@ -24,7 +24,7 @@ from hpcrl.run.checkpoint import CheckpointManager, load_loop_state
 from hpcrl.run.preempt import REQUEST, Preempted
 from hpcrl.trainer.batch import TrainBatch
 
-from .test_loop import ANSWER, EXAMPLES, FakeActors, config, encode, run
+from .test_loop import EXAMPLES, FakeActors, FakeScorer, config, encode, run
 
 
 class VersionedActors(FakeActors):
@@ -50,6 +50,7 @@ class VersionedActors(FakeActors):
         for g in groups:
             for c in g:
                 c.logprobs = [-(1.0 + self.engine_version)] * len(c.token_ids)
+                c.versions = (self.engine_version, self.engine_version)  # as the engines stamp them
         with self.lock:
             self.generating = False
             if not greedy:
@@ -64,12 +65,12 @@ class VersionedActors(FakeActors):
         self.overlapped.append(nxt.wait(timeout=5.0))
         return out
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, version: int) -> dict[str, float]:
         with self.lock:
             if self.generating:
                 self.clashes.append(f"sync while generating, after train step {self.steps}")
             self.engine_version = self.steps
-        return super().sync_weights()
+        return super().sync_weights(version)
 
 
 def lagged(lag: int, *extra: str) -> Any:
@@ -158,7 +159,7 @@ def test_a_stop_keeps_the_generated_batch_and_resume_trains_exactly_what_the_who
     resumed = VersionedActors(["mixed"])
     resumed.steps = resumed.engine_version = 2  # as the ranks' load and the resume's weight sync leave it
     ckpt2 = CheckpointManager(tmp_path / "cut" / "ckpt", 5, "val/accuracy", True)
-    from hpcrl.run import loop
+    from hpcrl.run.overlap import train_overlapped
 
     logger_calls: list[Any] = []
 
@@ -166,20 +167,13 @@ def test_a_stop_keeps_the_generated_batch_and_resume_trains_exactly_what_the_who
         def log(self, step: int, metrics: dict[str, float]) -> None:
             logger_calls.append(step)
 
-    args = (cfg, resumed, _Scorer(), encode, 0, stream, [], ckpt2, Log(), lambda _m: None)
-    loop.train(*args, start_step=2, restored=state["rollouts"])
+    args = (cfg, resumed, FakeScorer(), encode, 0, stream, [], ckpt2, Log(), lambda _m: None)
+    train_overlapped(*args, start_step=2, restored=state["rollouts"])
     assert logger_calls == [3, 4]
     assert resumed.gen_versions == [2]  # batch 4, from step 2's weights, as in the whole run
     assert cut.prompts + resumed.prompts == whole.prompts
     for a, b in zip(cut.batches + resumed.batches, whole.batches, strict=True):
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.rollout_logp, b.rollout_logp)
-
-
-class _Scorer:
-    def score(self, tasks: list[Any]) -> list[Any]:
-        from hpcrl.rewards.verifiers import Outcome
-
-        return [Outcome.correct if t.completion == ANSWER[t.prompt] else Outcome.wrong for t in tasks]
 
 
 def test_off_policy_needs_an_importance_correction() -> None:
@@ -198,3 +192,46 @@ def test_engines_that_generate_during_training_do_not_sleep() -> None:
     assert p.cfg.rollout.sleep is False and "max_staleness" in p.sleep.reason
     with pytest.raises(ConfigError, match=r"rollout\.sleep=true needs colocated GPUs"):
         plan(compose_config([*base, "algo.max_staleness=1", "algo.is_correction=tis", "rollout.sleep=true"]))
+
+
+class InflightActors(VersionedActors):
+    """Training batch j > 1 waits (up to 5 s) for the weights of step j - 1, which the loop syncs
+    after training step j - 1 while batch j is in flight, and records whether they came: in flight
+    they do; otherwise the loop waits for batch j before that sync."""
+
+    def __init__(self, script: list[str]) -> None:
+        super().__init__(script)
+        self.synced_during: list[bool] = []
+        self.version_seen = threading.Condition()
+
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
+        if settings.temperature > 0 and self.gen_versions:  # not validation, not the first batch
+            j = len(self.gen_versions) + 1
+            with self.version_seen:
+                came = self.version_seen.wait_for(lambda: self.engine_version >= j - 1, timeout=5.0)
+            self.synced_during.append(came)
+        return super().generate(prompts, settings)
+
+    def train_step(self, batch: TrainBatch, ref: torch.Tensor | None) -> dict[str, float]:
+        return FakeActors.train_step(self, batch, ref)  # no wait for the next batch here
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        with self.version_seen:
+            self.engine_version = version
+            self.version_seen.notify_all()
+        return FakeActors.sync_weights(self, version)
+
+
+@pytest.mark.parametrize("inflight", [True, False])
+def test_inflight_updates_land_under_the_running_batch(tmp_path: Path, inflight: bool) -> None:
+    extra = ("algo.max_steps=4", "algo.val_period=100", "checkpoint.enabled=false")
+    cfg = lagged(1, *extra, f"rollout.inflight_update={str(inflight).lower()}")
+    actors = InflightActors(["mixed"] * 4)
+    run(cfg, actors, tmp_path)
+    # batches 2..4 run while steps 1..3 train; in flight, each step's sync lands inside the next batch
+    assert actors.synced_during == [inflight] * 3
+
+
+def test_inflight_update_needs_the_overlapped_loop() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.inflight_update=true .* algo\.max_staleness=1"):
+        compose_config(["rollout.inflight_update=true"])

@@ -33,6 +33,20 @@ def test_reward_processes_default_is_derived_when_the_run_starts(monkeypatch):
     assert compose("rewards.processes=3").rewards.process_count() == 3
 
 
+@pytest.mark.parametrize(
+    ("affinity", "slurm", "cpus"), [(64, None, 64), (64, "16", 16), (8, "16", 8), (64, "", 64)]
+)
+def test_available_cpus_are_the_affinity_within_the_slurm_allocation(monkeypatch, affinity, slurm, cpus):
+    """Without task/affinity or cgroups a Slurm task may run on the whole node: the job's share of
+    it (SLURM_CPUS_ON_NODE) bounds the reward processes too."""
+    monkeypatch.setattr(rewards_config.os, "sched_getaffinity", lambda _pid: set(range(affinity)))
+    if slurm is None:
+        monkeypatch.delenv("SLURM_CPUS_ON_NODE", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_CPUS_ON_NODE", slurm)
+    assert rewards_config.available_cpus() == cpus
+
+
 def test_defaults_are_the_values_the_code_had():
     cfg = compose()
     assert (cfg.rewards.timeout_s, cfg.rewards.start_timeout_s) == (5.0, 300.0)
@@ -45,6 +59,9 @@ def test_defaults_are_the_values_the_code_had():
         ("rewards.processes=0", "rewards.processes=0 must be >= 1 (or null: derived from the node's CPUs)"),
         ("rewards.timeout_s=0", "rewards.timeout_s=0.0 must be > 0"),
         ("rewards.start_timeout_s=-1", "rewards.start_timeout_s=-1.0 must be > 0"),
+        ("rewards.timeout_s=inf", "rewards.timeout_s=inf must be a finite number of seconds"),
+        ("rewards.timeout_s=nan", "rewards.timeout_s=nan must be a finite number of seconds"),
+        ("rewards.start_timeout_s=inf", "rewards.start_timeout_s=inf must be a finite number of seconds"),
         ("cluster.bootstrap.shared_dir_s=0", "cluster.bootstrap.shared_dir_s=0.0 must be > 0"),
         ("cluster.bootstrap.ray_head_s=0", "cluster.bootstrap.ray_head_s=0.0 must be > 0"),
         ("cluster.bootstrap.ray_nodes_s=-5", "cluster.bootstrap.ray_nodes_s=-5.0 must be > 0"),

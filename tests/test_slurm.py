@@ -221,3 +221,69 @@ def test_usr2_saves_the_current_step_requeues_and_the_next_attempt_resumes_there
     assert re.search(rf"resumed from \S+step_{saved:06d} \(step {saved}\)", logs), logs[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 8
+
+
+HOLD_GCS_PORT = (
+    "import socket, sys\n"
+    "s = socket.socket(); s.bind(('0.0.0.0', 1200)); s.listen()\n"
+    "print('listening', flush=True); sys.stdin.read()"
+)
+
+
+def test_doctor_finds_the_failing_node_and_ends_the_job_before_ray(slurm_cluster, tmp_path):
+    """Issue 21 item 6: a process in hpcrl-node2's namespace holds Ray's GCS port. `hpcrl doctor --job`
+    names that node (the other two pass), and a submitted job ends at its first step, before Ray."""
+    ns = ["ip", "netns", "exec", "hpcrl-node2", sys.executable, "-c", HOLD_GCS_PORT]
+    holder = subprocess.Popen(ns, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "listening"
+        held = subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                "-N",
+                "3",
+                "-p",
+                "debug",
+                "-t",
+                "5",
+                "-o",
+                "/dev/null",
+                "--wrap",
+                "sleep 300",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        deadline = time.monotonic() + 60
+        while lifecycle.job_state(held) != "RUNNING":
+            assert time.monotonic() < deadline, "the allocation never started"
+            time.sleep(0.2)
+        result = run_cli("doctor", "--job", held, "cluster=slurmtest", f"run.output_root={tmp_path}")
+        subprocess.run(["scancel", held], check=False)
+        assert result.returncode == 1, result.stdout + result.stderr
+        ports = [line for line in result.stdout.splitlines() if line.split()[2] == "ports"]
+        assert [line.split()[:2] for line in ports] == [
+            ["pass", "hpcrl-node1"],
+            ["FAIL", "hpcrl-node2"],
+            ["pass", "hpcrl-node3"],
+        ]
+        assert "1200 (python" in ports[1]
+        assert sum(line.startswith("pass") for line in result.stdout.splitlines()) == 20  # 7 checks x 3 - 1
+
+        started = time.monotonic()
+        submitted = run_cli(
+            "submit", "--smoke", "cluster=slurmtest", "layout.train_nodes=3", f"run.output_root={tmp_path}"
+        )
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = re.search(r"^job\s+(\d+)", submitted.stdout, re.M).group(1)
+        state = lifecycle.wait(job_id, lifecycle.run_dir_of(job_id, tmp_path), timeout_s=120)
+        logs = run_cli("logs", job_id, "--root", str(tmp_path)).stdout
+        assert state == "FAILED", (state, logs[-3000:])
+        assert time.monotonic() - started < 60
+        assert "node 1 (hpcrl-node2) failed hpcrl doctor: FAIL  hpcrl-node2  ports" in logs, logs[-3000:]
+        assert "Ray ready" not in logs
+    finally:
+        holder.kill()
+        holder.wait()

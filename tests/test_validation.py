@@ -27,7 +27,9 @@ CASES = {
     ),
     "model_does_not_fit": (
         [*GB200, "layout.rollout_nodes=0", "layout.train_nodes=5", "trainer.ep=4"],
-        "nemotron_super does not fit on gb200",
+        # auto layout keeps the typed keys and finds nothing: the line says what is short
+        "nemotron_super fits no layout on gb200 (4 x 189 GB per node, up to 128 node(s)) with "
+        "trainer=megatron, keeping layout.rollout_nodes layout.train_nodes trainer.ep as typed: training needs",
     ),
     "quirk_forbidden_cp": (
         ["+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1", *SITE, "trainer.cp=2"],

@@ -166,7 +166,7 @@ def test_logprobs_off_gives_the_same_tokens_and_no_logprobs(engine):
 def test_streamed_groups_are_the_batch_groups_handed_over_as_they_finish(engine):
     """generate_stream: every prompt's group exactly once, equal to generate's with the same seed, in
     more than one hand-over when the lengths differ (short answers are scored before long ones end)."""
-    prompts = [*PROMPTS, *PROMPTS]
+    prompts = [[1, 5 + k, 6, 14 + k, 7] for k in range(8)]
     settings = SamplingSettings(n=2, temperature=1.0, top_p=1.0, max_tokens=24, seed=3)
     whole = engine.generate(prompts, settings)
     parts = list(engine.generate_stream(prompts, settings))
@@ -191,6 +191,49 @@ def test_one_seed_per_call_repeats_and_prompts_draw_their_own_noise(engine):
     other = SamplingSettings(n=1, temperature=1.0, top_p=1.0, max_tokens=8, seed=8)
     assert [g[0].token_ids for g in engine.generate(same, other)] != first
     assert len({tuple(t) for t in first}) > 1
+
+
+def test_weights_swapped_under_a_running_generation_stamp_both_versions(engine, tiny_dir):
+    """rollout.inflight_update's engine side: a refit paused between engine steps while generate_stream
+    runs in another thread; every group still arrives, those finished after the swap span versions
+    (0, 1), and the prefix cache the running requests kept is dropped before the next generation."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    prompts = [[1, 5 + k, 6, 14 + k, 7] for k in range(8)]  # distinct prompts: distinct lengths
+    settings = SamplingSettings(n=2, temperature=1.0, top_p=1.0, max_tokens=24, seed=5)
+    first_part, paused, parts = threading.Event(), threading.Event(), []
+
+    def consume():
+        for part in engine.generate_stream(prompts, settings):
+            parts.append(part)
+            first_part.set()
+            paused.wait(timeout=120)  # the refit's pause lands before the next engine step
+
+    engine.gate.resume(0)
+    # this random-weights model rarely ends a sample: a quarter of the vocabulary as stop tokens makes
+    # the lengths differ, so groups finish at different engine steps
+    engine.stop_token_ids = list(range(0, 128, 4))
+    worker = threading.Thread(target=consume)
+    try:
+        worker.start()
+        assert first_part.wait(timeout=120)
+        engine.gate.pause()  # as Fleet.sync_weights does before the refit
+        paused.set()
+        engine.load_weights(load_file(str(tiny_dir / "model.safetensors")))  # same values: a real reload
+        engine.gate.resume(1)
+        worker.join(timeout=300)
+    finally:
+        engine.stop_token_ids = []
+    got = dict(pair for part in parts for pair in part)
+    assert sorted(got) == list(range(len(prompts)))
+    spans = {c.versions for g in got.values() for c in g}
+    assert len(parts) > 1  # lengths differ: some groups were still running at the swap
+    assert (0, 0) in spans and (0, 1) in spans and spans <= {(0, 0), (0, 1)}, spans
+    after = engine.generate(PROMPTS, SETTINGS)
+    assert {c.versions for g in after for c in g} == {(1, 1)} and not engine.stale_cache
+    engine.gate.resume(0)
 
 
 def test_sleep_and_wake_are_no_ops_on_cpu(engine, hf_model):

@@ -31,3 +31,34 @@ def slow_first_call(completion: str, answer: str, prompt: str = "") -> Verdict:
 
         time.sleep(2.0)
     return Verdict(Outcome.correct if completion == answer else Outcome.wrong)
+
+
+@register("test_held")
+def held(completion: str, answer: str, prompt: str = "") -> Verdict:
+    """Busy until the file named by the completion exists: the test decides when scoring may finish.
+    (The pool's warm-up call, before the process says ready, returns at once.)"""
+    import time
+    from pathlib import Path
+
+    if not completion.startswith("/"):
+        return Verdict(Outcome.parse_error)
+    while not Path(completion).exists():
+        time.sleep(0.01)
+    return Verdict(Outcome.correct if answer == "ok" else Outcome.wrong)
+
+
+@register("test_partial")
+def partial(completion: str, answer: str, prompt: str = "") -> Verdict:
+    """Partial credit: the completion is the reward; out of [0, 1] it is a broken verifier."""
+    if completion == "not a verdict":
+        return 0.5  # type: ignore[return-value]
+    reward = float(completion)
+    return Verdict(Outcome.correct if reward == 1.0 else Outcome.wrong, reward=reward)
+
+
+@register("test_unscreened")
+def unscreened(completion: str, answer: str, prompt: str = "") -> Verdict:
+    """math-verify without the screen, as the "math" verifier was before it."""
+    from hpcrl.rewards.verifiers import sympy_verify
+
+    return sympy_verify(completion, answer)

@@ -132,10 +132,13 @@ class ClusterConfig:
     def check_required_site_keys(self) -> None:
         missing = [key for key in self.slurm.required if self.site_value(key) in (None, "", [])]
         if missing:
+            from hpcrl.config.paths import site_file
+
             fixes = " ".join(f"cluster.{key}=<value>" for key in missing)
             raise ConfigError(
                 f"cluster '{self.name}' requires {', '.join('cluster.' + k for k in missing)}; "
-                f"add {fixes} to the command line or your site file"
+                f"add {fixes} to the command line, run `hpcrl init`, or add these lines to "
+                f"{site_file()}:\n{site_snippet(self.name, missing)}"
             )
 
     def site_value(self, dotted: str) -> object:
@@ -148,6 +151,20 @@ class ClusterConfig:
                 )
             node = getattr(node, part)
         return node
+
+
+def site_snippet(cluster: str, keys: list[str]) -> str:
+    """The site.yaml lines that set dotted ``keys`` (below ``cluster.``) for ``cluster``, as placeholders."""
+    lines = ["clusters:", f"  {cluster}:"]
+    written: list[str] = []
+    for key in sorted(keys):
+        *sections, leaf = key.split(".")
+        for depth, section in enumerate(sections):
+            if written[: depth + 1] != sections[: depth + 1]:
+                lines.append("    " + "  " * depth + f"{section}:")
+        written = sections
+        lines.append("    " + "  " * len(sections) + f"{leaf}: <{leaf}>")
+    return "\n".join(lines)
 
 
 SECRET_PATTERN = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|APIKEY|CREDENTIAL)", re.IGNORECASE)

@@ -21,6 +21,7 @@ import enum
 import re
 import types
 import typing
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,11 @@ class _Loader(yaml.CSafeLoader if hasattr(yaml, "CSafeLoader") else yaml.SafeLoa
 
 
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
+
+
+def yaml_loader() -> type:
+    """The YAML loader of conf/ files (site.yaml too): PyYAML's, reading ``1e-6`` as OmegaConf does."""
+    return _Loader
 
 
 def _load(path: Path) -> tuple[str | None, dict[str, Any]]:
@@ -110,28 +116,55 @@ def _split_defaults(body: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
     return body.pop("defaults", []) or [], body
 
 
+Roots = Path | tuple[Path, ...]
+"""One ``conf/`` tree, or several searched in order (hpcrl's, then the site's)."""
+
+SiteValues = Callable[[str], list[tuple[str, Any]]]
+"""The chosen cluster option -> (dotted key, value) pairs applied over the recipes (the site keys the
+command line does not set)."""
+
+
 def compose(
-    conf_dir: Path, overrides: list[str], schemas: dict[tuple[str, str], type], root: type
+    conf_dir: Roots, overrides: list[str], schemas: dict[tuple[str, str], type], root: type
 ) -> Any | None:
     """The typed config for ``overrides`` (already normalised), or None when Hydra must do it."""
+    composed = compose_with_choices(conf_dir, overrides, schemas, root)
+    return composed[0] if composed else None
+
+
+def compose_with_choices(
+    conf_dir: Roots,
+    overrides: list[str],
+    schemas: dict[tuple[str, str], type],
+    root: type,
+    site: SiteValues | None = None,
+) -> tuple[Any, dict[str, str]] | None:
+    """(typed config, the option chosen in each group), or None when Hydra must do it."""
+    roots = conf_dir if isinstance(conf_dir, tuple) else (conf_dir,)
     try:
-        return _compose(conf_dir, overrides, schemas, root)
+        return _compose(roots, overrides, schemas, root, site)
     except (Unsupported, OSError, yaml.YAMLError):
         return None
 
 
-def _compose(conf_dir: Path, overrides: list[str], schemas: dict[tuple[str, str], type], root: type) -> Any:
-    selected, order, primary_body = _primary(conf_dir)
+def _compose(
+    roots: tuple[Path, ...],
+    overrides: list[str],
+    schemas: dict[tuple[str, str], type],
+    root: type,
+    site: SiteValues | None,
+) -> tuple[Any, dict[str, str]]:
+    selected, order, primary_body = _primary(roots[0])
     group_cli, experiments, values = _parse_overrides(overrides, selected)
     experiment_body: dict[str, Any] = {}
     for name in experiments:
-        experiment_body = _experiment(conf_dir, name, selected, seen=())
+        experiment_body = _experiment(roots, name, selected, seen=())
     selected.update(group_cli)  # the command line wins over a recipe's overrides, as in Hydra
 
     merged: dict[str, Any] = {}
     chosen_schema: dict[str, type] = {}
     for group in order:
-        body, schema = _group(conf_dir, group, selected[group], schemas)
+        body, schema = _group(roots, group, selected[group], schemas)
         if schema is not None:
             chosen_schema[group] = schema
         _merge(merged.setdefault(group, {}), body)
@@ -139,7 +172,21 @@ def _compose(conf_dir: Path, overrides: list[str], schemas: dict[tuple[str, str]
     _merge(merged, experiment_body)
     for path, value, appended in values:
         _set_value(merged, path, value, appended, _ends_in_map(root, chosen_schema, path))
-    return build(root, merged, chosen_schema)
+    for dotted, value in site(selected["cluster"]) if site else ():
+        *parents, leaf = dotted.split(".")
+        node = merged
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = copy.deepcopy(value)
+    return build(root, merged, chosen_schema), selected
+
+
+def find(roots: tuple[Path, ...], relative: str) -> Path:
+    """The first ``relative`` file under ``roots`` (Unsupported: none has it; Hydra names the options)."""
+    for base in roots:
+        if (base / relative).is_file():
+            return base / relative
+    raise Unsupported(f"no {relative}")
 
 
 def _primary(conf_dir: Path) -> tuple[dict[str, str], list[str], dict[str, Any]]:
@@ -191,10 +238,10 @@ def _parse_overrides(
 
 
 def _group(
-    conf_dir: Path, group: str, option: str, schemas: dict[tuple[str, str], type]
+    roots: tuple[Path, ...], group: str, option: str, schemas: dict[tuple[str, str], type]
 ) -> tuple[dict[str, Any], type | None]:
     """The body of ``<group>/<option>.yaml`` and the schema its defaults name (None: the root's type)."""
-    package, body = _load(conf_dir / group / f"{option}.yaml")
+    package, body = _load(find(roots, f"{group}/{option}.yaml"))
     if package is not None:
         raise Unsupported(f"{group}/{option} has a @package header")
     group_defaults, body = _split_defaults(body)
@@ -245,12 +292,12 @@ def _strip_optional(kind: Any) -> Any:
     return kind
 
 
-def _experiment(conf_dir: Path, name: str, selected: dict[str, str], seen: tuple[str, ...]) -> Any:
+def _experiment(roots: tuple[Path, ...], name: str, selected: dict[str, str], seen: tuple[str, ...]) -> Any:
     """The merged body of recipe ``name`` and the recipes it builds on; applies their group overrides
     to ``selected`` (a recipe's own overrides after those of the recipes it names)."""
     if name in seen or len(seen) > 8:
         raise Unsupported(f"experiment {name} includes itself")
-    package, body = _load(conf_dir / "experiment" / f"{name}.yaml")
+    package, body = _load(find(roots, f"experiment/{name}.yaml"))
     if package != "_global_":
         raise Unsupported(f"experiment {name} is not @package _global_")
     entries, body = _split_defaults(body)
@@ -261,7 +308,7 @@ def _experiment(conf_dir: Path, name: str, selected: dict[str, str], seen: tuple
         if entry == "_self_":
             continue
         if isinstance(entry, str):  # another recipe of the same group, merged first
-            _merge(merged, _experiment(conf_dir, entry, selected, (*seen, name)))
+            _merge(merged, _experiment(roots, entry, selected, (*seen, name)))
             continue
         if not isinstance(entry, dict) or len(entry) != 1:
             raise Unsupported(f"defaults entry {entry!r}")
@@ -297,7 +344,7 @@ def build(cls: type, data: dict[str, Any], top_schemas: dict[str, type] | None =
         if top_schemas and name in top_schemas:
             kind = top_schemas[name]
         if name in data:
-            kwargs[name] = _convert(kind, data[name], f)
+            kwargs[name] = convert(kind, data[name], f)
         elif dataclasses.is_dataclass(kind) and f.default is MISSING:
             kwargs[name] = build(kind, {})  # type: ignore[arg-type]
         elif f.default is MISSING:
@@ -305,7 +352,8 @@ def build(cls: type, data: dict[str, Any], top_schemas: dict[str, type] | None =
     return cls(**kwargs)
 
 
-def _convert(kind: Any, value: Any, f: dataclasses.Field[Any]) -> Any:
+def convert(kind: Any, value: Any, f: dataclasses.Field[Any]) -> Any:
+    """``value`` (from YAML or the command line) as a ``kind`` field; Unsupported when it is not one."""
     if value == MISSING:
         raise Unsupported("missing value")
     origin = typing.get_origin(kind)

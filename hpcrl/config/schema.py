@@ -12,6 +12,7 @@ from hpcrl.algo.config import AlgoConfig
 from hpcrl.config.checks import MISSING, positive
 from hpcrl.config.cluster import ClusterConfig
 from hpcrl.config.model import ModelConfig
+from hpcrl.config.preflight import check_run
 from hpcrl.data.config import DataConfig
 from hpcrl.errors import ConfigError
 from hpcrl.rewards.config import RewardsConfig
@@ -27,6 +28,9 @@ class LayoutConfig:
 
     train_nodes: int = 1
     rollout_nodes: int = 0
+    auto: bool | None = None
+    """Auto layout (``hpcrl/plan/search.py``): None searches only when this layout does not fit, true
+    always searches (nodes, placement, trainer/rollout parallelism), false never does."""
 
 
 @dataclass
@@ -101,6 +105,12 @@ class RunConfig:
                 "needs an importance correction against the engine's log-probs: set algo.is_correction=tis "
                 "(or icepop), or algo.max_staleness=0"
             )
+        if getattr(self.rollout, "inflight_update", False) and not self.algo.max_staleness:
+            raise ConfigError(
+                "rollout.inflight_update=true swaps weights under a generation running beside training, "
+                "which only algo.max_staleness >= 1 has: set algo.max_staleness=1 or drop it"
+            )
+        check_run(self.data, self.model, self.trainer)
         positive("checkpoint.period", self.checkpoint.period)
         positive("checkpoint.keep_top_k", self.checkpoint.keep_top_k)
         if self.logger.wandb_mode not in ("offline", "online", "disabled"):

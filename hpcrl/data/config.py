@@ -33,6 +33,9 @@ class DataConfig:
     """Reward function by registry name."""
     num_samples: int = 0
     """Synthetic task only: how many problems to generate (0 = default)."""
+    check_source: bool = True
+    """Check before submitting that a file ``source``/``val_source`` exists on the submitting machine
+    (relative paths: from the directory you submit in); false for a path only the compute nodes see."""
 
     def check(self) -> None:
         positive("data.max_prompt_tokens", self.max_prompt_tokens)

@@ -11,17 +11,8 @@ from typing import Any
 
 from hpcrl.data.config import DataConfig
 from hpcrl.data.synthetic import synthetic_split
+from hpcrl.data.templates import render_prompt
 from hpcrl.errors import ConfigError
-
-TEMPLATES = {
-    "plain": "{problem}",
-    "cot": "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
-    "dapo": (
-        "Solve the following math problem step by step. The last line of your response should be of the "
-        "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
-        'Remember to put your answer on its own line after "Answer:".'
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -30,13 +21,7 @@ class Example:
     answer: str
 
 
-def render_prompt(template: str, problem: str) -> str:
-    if template not in TEMPLATES:
-        raise ConfigError(f"data.template='{template}' is unknown; use one of {', '.join(TEMPLATES)}")
-    return TEMPLATES[template].format(problem=problem)
-
-
-def _field(record: dict[str, Any], name: str, source: str) -> Any:
+def record_field(record: dict[str, Any], name: str, source: str) -> Any:
     node: Any = record
     for part in name.split("."):
         if isinstance(node, list) and part.isdigit():
@@ -57,10 +42,10 @@ def records_to_examples(
     answer_field = (cfg.val_answer_field if validation else None) or cfg.answer_field
     out = []
     for rec in records:
-        problem = _field(rec, prompt_field, source)
+        problem = record_field(rec, prompt_field, source)
         if isinstance(problem, list):  # chat-style prompt: [{"role": "user", "content": ...}]
             problem = problem[-1]["content"] if problem and isinstance(problem[-1], dict) else str(problem)
-        answer = _field(rec, answer_field, source)
+        answer = record_field(rec, answer_field, source)
         out.append(Example(render_prompt(cfg.template, str(problem)), str(answer)))
     return out
 

@@ -145,3 +145,18 @@ def run_in_session(job_id: str, root: Path, overrides: list[str], *, here: bool)
         print(f"run dir {run_dir}")
         return 0
     return subprocess.call(driver_argv(job_id, meta, head, root, overrides))
+
+
+def attach(job_id: str, root: Path, node: str | None, command: list[str]) -> int:
+    """``hpcrl attach``: a shell (or ``command``) on a node of a held session; replaces this process."""
+    job, meta = held(job_id, root)
+    hosts = node_hosts(job.run_dir, job.nodes)
+    node = node or hosts[0]
+    if node.isdigit():
+        node = hosts[int(node)]
+    if node not in hosts:
+        raise HpcrlError(f"node {node} is not in job {job.job_id} (its nodes: {', '.join(hosts)})")
+    argv = attach_argv(job.job_id, meta, node, command)
+    sys.stdout.flush()
+    os.execvp(argv[0], argv)
+    return 1  # not reached

@@ -2,7 +2,8 @@
 
 Site keys a real site supplies (account, container image) are filled with placeholders, the run
 directory is ``/RUN_DIR/<recipe>``, and a cluster whose ``python`` is this machine's interpreter (the
-namespace test cluster) gets ``/VENV/bin/python``, so the files are the same on every machine.
+namespace test cluster) gets ``/VENV/bin/python``, so the files are the same on every machine (no site
+file is read).
 Refresh after an intended change: ``.venv/bin/python -m hpcrl.launch.golden``.
 """
 
@@ -37,6 +38,11 @@ def render_recipe(name: str) -> str | None:
 
 
 def main() -> int:
+    import os
+    import tempfile
+
+    # the golden files hold the catalog's values, not this developer's site file (~/.config/hpcrl)
+    os.environ["HPCRL_CONFIG_DIR"] = tempfile.mkdtemp(prefix="hpcrl-golden-")
     GOLDEN_DIR.mkdir(exist_ok=True)
     for name in recipes():
         text = render_recipe(name)

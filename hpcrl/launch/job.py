@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.config.cluster import BootstrapConfig
+from hpcrl.launch.doctor import Expect, report
+from hpcrl.launch.ports import listening_ports
 from hpcrl.launch.ray_cluster import (
     GCS_PORT,
     BootstrapError,
@@ -71,31 +73,6 @@ class _Where:
         }
 
 
-def listening_ports() -> dict[int, str]:
-    """TCP ports listening in this node's network namespace (what a site firewall sees of the job),
-    each with the name of a process holding it (``?`` where /proc does not say)."""
-    inodes: dict[str, int] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if fields[3] == "0A":  # LISTEN
-                inodes[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
-    owners: dict[int, str] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:[") and target[8:-1] in inodes:
-                    owners[inodes[target[8:-1]]] = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            continue
-    return {port: owners.get(port, "?") for port in sorted(set(inodes.values()))}
-
-
 def probe_placement(roles: list[str]) -> list[dict[str, Any]]:
     """Driver of this increment: one actor per node, placed by its role resource; where did each run?
 
@@ -136,6 +113,7 @@ class NodeTask:
         hold_s: float = 0.0,
         *,
         bootstrap: BootstrapConfig,
+        expect: Expect | None = None,
     ) -> None:
         self._driver: Any = None
         """The thread running the training loop on the head node (only while it runs)."""
@@ -147,6 +125,8 @@ class NodeTask:
         """Keep the Ray cluster up this long after the driver (debugging; the seed of `hpcrl debug`)."""
         self.bootstrap = bootstrap
         """The start-up deadlines (``cluster.bootstrap``): smoke and debug jobs have no plan, but wait too."""
+        self.expect = expect
+        """What ``hpcrl doctor`` checks on every node before Ray starts (None: no check)."""
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_driver": None}  # a thread does not pickle (submitit pickles tasks)
@@ -157,6 +137,7 @@ class NodeTask:
         signal.signal(signal.SIGTERM, _terminated)
         run_dir, job_id = Path(self.run_dir), attempt_key()
         spec = this_node(self.roles)
+        self._doctor(spec)
         record = {
             "node_id": spec.node_id,
             "role": spec.role,
@@ -198,6 +179,23 @@ class NodeTask:
         _stop(proc)
         return record
 
+    def _doctor(self, spec: Any) -> None:
+        """The job's first step: this node against the plan (``hpcrl doctor``); a failure ends the task
+        (and, through srun's --kill-on-bad-exit, the job) before Ray starts."""
+        if self.expect is None:
+            return
+        failed: list[str] = []
+
+        def say(line: str) -> None:
+            print(f"hpcrl doctor: {line}", flush=True)
+            if line.startswith("FAIL"):
+                failed.append(line)
+
+        if not report(self.expect, say):
+            raise BootstrapError(
+                f"node {spec.node_id} ({spec.host}) failed hpcrl doctor: {' | '.join(failed)}"
+            )
+
     def checkpoint(self) -> Any:
         """submitit calls this on the time-limit/preemption signal (USR2), on the head node's main
         thread: ask the driver (its own thread) to checkpoint the step it is in and stop, wait for that
@@ -224,7 +222,9 @@ class NodeTask:
             )
 
         return DelayedSubmission(
-            NodeTask(self.run_dir, self.roles, self.plan, self.hold_s, bootstrap=self.bootstrap)
+            NodeTask(
+                self.run_dir, self.roles, self.plan, self.hold_s, bootstrap=self.bootstrap, expect=self.expect
+            )
         )
 
     def _drive(self, run_dir: Path, address: str) -> dict[str, float]:

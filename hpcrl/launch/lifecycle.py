@@ -113,3 +113,15 @@ def wait(job_id: str, run_dir: Path | None, timeout_s: float) -> str:
         time.sleep(0.5)
         state = job_state(job_id, run_dir)
     return state
+
+
+def print_recent(root: Path) -> None:
+    """``hpcrl ls``: one line a recent job, newest first."""
+    jobs = recent(root)
+    if not jobs:
+        print(f"no Slurm runs under {root}/")
+    for job in jobs:
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.submitted))
+        print(
+            f"{job.job_id:>8}  {job.state:<24} {job.nodes:>3} node(s)  {started}  {job.name}  {job.run_dir}"
+        )

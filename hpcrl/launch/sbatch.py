@@ -81,15 +81,10 @@ def setup_lines(plan: Plan) -> list[str]:
     ]
     for name in sorted(cluster.env):
         lines.append(f"export {name}={shlex.quote(str(cluster.env[name]))}")
-    if cluster.imex.enabled:
-        channel = cluster.imex.channel
-        lines.append("# GB200: each job needs an IMEX channel for multi-node NVLink")
-        if channel is not None:
-            lines.append(f"export HPCRL_IMEX_CHANNEL={channel}")
-        lines.append(
-            "ls /dev/nvidia-caps-imex-channels/ >/dev/null 2>&1 || "
-            'echo "hpcrl: warning: no IMEX channel visible on $(hostname); multi-node NVLink will fail" >&2'
-        )
+    if cluster.imex.enabled and cluster.imex.channel is not None:
+        lines.append(f"export HPCRL_IMEX_CHANNEL={cluster.imex.channel}")
+    # what this script once only warned about (no IMEX channel) is now a failing check on the node
+    lines.append("# each node first runs hpcrl doctor (GPUs, IMEX, versions, paths, disk, ports) before Ray")
     return lines
 
 

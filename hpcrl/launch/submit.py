@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.errors import HpcrlError
+from hpcrl.launch.doctor import expect_from_plan
 from hpcrl.launch.job import NodeTask
 from hpcrl.launch.ray_cluster import make_token
 from hpcrl.launch.sbatch import SUBMITIT_DIR, make_executor, render_sbatch, srun_args
@@ -54,6 +55,7 @@ def submit(
             None if smoke or debug else plan,
             hold_s=math.inf if debug else hold_s,
             bootstrap=cfg.cluster.bootstrap,
+            expect=expect_from_plan(plan, run_dir=str(run_dir)),
         )
         job = executor.submit(task)
     except Exception as exc:  # submitit raises RuntimeError/FailedSubmissionError with sbatch's own words

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field, replace
 
-from hpcrl.config.cluster import ClusterConfig, Scheduler
+from hpcrl.config.cluster import Scheduler
 from hpcrl.config.compose import compose_config, conf_dir
 from hpcrl.config.schema import RunConfig
 from hpcrl.errors import ConfigError, DoesNotFitError, HpcrlError
+from hpcrl.plan.layout import LayoutSearch, typed_layout_keys
 from hpcrl.plan.memory import MemoryEstimate, estimate_memory
+from hpcrl.plan.nvlink import NvlinkCheck, check_nvlink
 from hpcrl.plan.quirks import AppliedQuirk, apply_quirks
-from hpcrl.plan.topology import Placement, Topology, build_topology
+from hpcrl.plan.search import search_layouts
+from hpcrl.plan.topology import Placement, Topology, build_topology, on_gpus
 from hpcrl.rollout.config import VLLMRolloutConfig
 from hpcrl.trainer.config import (
     MEGATRON_FAMILIES,
@@ -39,16 +43,32 @@ class Plan:
     quirks: tuple[AppliedQuirk, ...]
     sleep: SleepChoice | None
     """None: the rollout backend has no sleep mode (rollout=hf)."""
+    nvlink: NvlinkCheck = field(default_factory=NvlinkCheck)
+    """Whether each TP and expert group stays inside one NVLink domain as the ranks are placed."""
+    search: LayoutSearch | None = None
+    """How auto layout chose this layout (None: the layout is the config's own)."""
+    no_layout: str = ""
+    """Why auto layout found no layout that fits either (this plan is then the config's own)."""
+
+    @property
+    def problems(self) -> list[str]:
+        return [*self.memory.problems, *self.nvlink.problems]
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
 
     def require_fit(self) -> None:
-        if not self.memory.fits:
-            problems = "; ".join(self.memory.problems)
+        if not self.fits:
+            problems = "; ".join(self.problems)
             recipes = matching_recipes(self.cfg.model.name, self.cfg.cluster.name)
             hint = (
                 f"; shipped recipes for this pair: {', '.join('+experiment=' + r for r in recipes)}"
                 if recipes
                 else ""
             )
+            if self.no_layout:
+                raise DoesNotFitError(self.no_layout)
             raise DoesNotFitError(
                 f"{self.cfg.model.name} does not fit on {self.cfg.cluster.name}: {problems}. "
                 "Try more nodes, layout.rollout_nodes>=1 (split), larger trainer.tp/pp/ep, "
@@ -113,7 +133,9 @@ def shipped_layouts(current: Plan) -> list[ShippedLayout]:
             layouts.append(ShippedLayout(recipe, current))
             continue
         try:
-            layouts.append(ShippedLayout(recipe, plan_from_overrides([f"+experiment={recipe}", *site])))
+            # as the recipe says, without auto layout: the table compares the shipped layouts
+            recipe_cfg = compose_config([f"+experiment={recipe}", *site])
+            layouts.append(ShippedLayout(recipe, make_plan(recipe_cfg)))
         except HpcrlError as exc:
             layouts.append(ShippedLayout(recipe, None, str(exc)))
     return layouts
@@ -149,18 +171,58 @@ def make_plan(cfg: RunConfig) -> Plan:
     )
     check_model_parallel(cfg)
     sleep = resolve_sleep(cfg, topo.placement)
-    return Plan(cfg, topo, estimate_memory(cfg, topo), tuple(quirks), sleep)
+    nvlink = check_nvlink(topo, cfg.cluster.nvlink_domain_nodes, cfg.cluster.slurm.segment)
+    return Plan(cfg, topo, estimate_memory(cfg, topo), tuple(quirks), sleep, nvlink)
 
 
 def plan_from_overrides(overrides: list[str]) -> Plan:
-    return make_plan(compose_config(overrides))
+    return plan_config(compose_config(overrides), typed_layout_keys(overrides))
 
 
-def on_gpus(cluster: ClusterConfig) -> bool:
-    """Whether the run's devices are GPUs, as the cluster says: ``cluster.gpu`` names a GPU model, or
-    ``cpu`` (cluster=local and the namespace test cluster; a local run on a GPU machine names its GPU
-    with ``cluster.gpu=...``)."""
-    return cluster.gpu.strip().lower() != "cpu"
+def plan_config(cfg: RunConfig, fixed: frozenset[str] = frozenset()) -> Plan:
+    """The config's own layout when it fits (exactly as ``make_plan``), else, or with
+    ``layout.auto=true``, the best layout the search finds (``plan/search.py``), keeping the layout keys
+    in ``fixed`` (typed on the command line) as they are. ``layout.auto=false`` keeps the config's
+    layout whatever it needs; so does a search that finds nothing, with the reason (``no_layout``)."""
+    auto = cfg.layout.auto
+    if auto is True:
+        return auto_plan(cfg, "layout.auto=true", fixed)
+    pristine = copy.deepcopy(cfg) if auto is None else cfg
+    plan = make_plan(cfg)
+    if plan.fits or auto is False:
+        return plan
+    topo = plan.topology
+    layout = (
+        f"{topo.rollout_nodes} + {topo.train_nodes} nodes split"
+        if topo.rollout_nodes
+        else f"{topo.nodes} node{'s' if topo.nodes > 1 else ''} colocated"
+    )
+    try:
+        return auto_plan(
+            pristine, f"the configured layout ({layout}) does not fit: {plan.problems[0]}", fixed
+        )
+    except DoesNotFitError as exc:
+        return replace(plan, no_layout=str(exc))
+
+
+def auto_plan(cfg: RunConfig, reason: str, fixed: frozenset[str] = frozenset()) -> Plan:
+    """Plan the best layout the search found (the next one should the full planner refuse it)."""
+    search = search_layouts(cfg, reason, fixed)
+    candidates = [search.chosen, *search.runners_up]
+    for scored in candidates:
+        chosen = copy.deepcopy(cfg)
+        scored.layout.apply(chosen)
+        try:
+            plan = make_plan(chosen)
+        except ConfigError:
+            continue
+        if plan.fits:
+            rest = tuple(c for c in candidates if c is not scored)
+            return replace(plan, search=replace(search, chosen=scored, runners_up=rest))
+    raise DoesNotFitError(
+        f"auto layout: none of the {len(candidates)} best layouts for {cfg.model.name} on "
+        f"{cfg.cluster.name} passed the planner's checks; set the layout by hand (hpcrl plan shows why)"
+    )
 
 
 def sleep_blocker(cfg: RunConfig, placement: Placement) -> str:

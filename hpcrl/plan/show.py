@@ -27,6 +27,8 @@ def show_plan(plan: Plan, console: Console, sbatch: dict[str, Any] | None = None
         f"({_b(counts.total)} params, {_b(counts.active)} active{mtp}) · trainer={cfg.trainer.backend} "
         f"· rollout={cfg.rollout.backend} · cluster={cfg.cluster.name} ({cfg.cluster.gpu})"
     )
+    if plan.search is not None:
+        _search(plan, console)
     console.print(_nodes(plan))
     console.print(_parallelism(plan))
     console.print(_memory(plan))
@@ -46,6 +48,25 @@ def show_plan(plan: Plan, console: Console, sbatch: dict[str, Any] | None = None
         console.print(_sbatch(plan, sbatch))
 
 
+def _search(plan: Plan, console: Console) -> None:
+    search = plan.search
+    assert search is not None
+    console.print(f"[bold]auto layout[/]: {search.reason}")
+    table = _table(
+        f"Auto layout: best of {search.tried} estimates (fewest GPUs, then the nominal step)",
+        "",
+        "nodes (rollout + train)",
+        "train",
+        "rollout engines",
+        "GPUs / peak per GPU",
+        "nominal step",
+    )
+    for mark, scored in [("chosen", search.chosen), *(("", s) for s in search.runners_up)]:
+        table.add_row(mark, *scored.describe())
+    console.print(table)
+    console.print("to keep this layout: " + " ".join(search.chosen.layout.overrides()))
+
+
 def _table(title: str, *columns: str) -> Table:
     table = Table(title=title)
     for col in columns:
@@ -62,16 +83,38 @@ def _nodes(plan: Plan) -> Table:
         "GPUs",
         "runs",
     )
-    engines_per_node = topo.gpus_per_node // topo.rollout.tp
-    for index, role in enumerate(topo.node_roles()):
-        runs = []
+    gpn, engines_per_node = topo.gpus_per_node, topo.gpus_per_node // topo.rollout.tp
+    for first_node, last_node, role in _node_rows(topo.node_roles()):
+        runs, count = [], last_node - first_node + 1
         if "train" in role:
-            first = (index - topo.rollout_nodes) * topo.gpus_per_node
-            runs.append(f"trainer ranks {first}-{first + topo.gpus_per_node - 1}")
+            first = (first_node - topo.rollout_nodes) * gpn
+            runs.append(f"trainer ranks {first}-{first + count * gpn - 1}")
         if "rollout" in role:
-            runs.append(f"{engines_per_node} {plan.cfg.rollout.backend} engine(s) x TP{topo.rollout.tp}")
-        nodes.add_row(str(index), role, str(topo.gpus_per_node), ", ".join(runs))
+            each = " each" if count > 1 else ""
+            runs.append(
+                f"{engines_per_node} {plan.cfg.rollout.backend} engine(s) x TP{topo.rollout.tp}{each}"
+            )
+        where = str(first_node) if count == 1 else f"{first_node}-{last_node}"
+        nodes.add_row(where, role, str(gpn) if count == 1 else f"{gpn} each", ", ".join(runs))
     return nodes
+
+
+NODE_ROWS = 16
+"""Up to this many nodes the table has a row per node; larger jobs get a row per run of one role
+(rendering a 1,152-row table alone took 0.75 s)."""
+
+
+def _node_rows(roles: list[str]) -> list[tuple[int, int, str]]:
+    """(first node, last node, role) rows: one per node, or one per run of a role on large jobs."""
+    if len(roles) <= NODE_ROWS:
+        return [(i, i, role) for i, role in enumerate(roles)]
+    rows: list[tuple[int, int, str]] = []
+    for index, role in enumerate(roles):
+        if rows and rows[-1][2] == role:
+            rows[-1] = (rows[-1][0], index, role)
+        else:
+            rows.append((index, index, role))
+    return rows
 
 
 def _parallelism(plan: Plan) -> Table:
@@ -140,11 +183,17 @@ def _verdict(plan: Plan, console: Console) -> None:
     mem = plan.memory
     for gap in plan.backend_gaps:
         console.print(f"[yellow]cannot submit yet[/]: {gap}")
-    if mem.fits:
+    for warning in plan.nvlink.warnings:
+        console.print(f"[yellow]NVLink[/]: {warning}")
+    if plan.fits:
         console.print(f"[green]fits[/]: peak {mem.train_gpu_peak:.0f} GB of {mem.capacity:.0f} GB per GPU")
         return
     for problem in mem.problems:
         console.print(f"[red]does not fit[/]: {problem}")
+    for problem in plan.nvlink.problems:
+        console.print(f"[red]does not fit the NVLink domains[/]: {problem}")
+    if plan.no_layout:
+        console.print(f"[red]auto layout[/]: {plan.no_layout}")
 
 
 def _layouts(plan: Plan) -> Table | None:
@@ -170,7 +219,8 @@ def _layouts(plan: Plan) -> Table | None:
             continue
         topo, mem = layout.plan.topology, layout.plan.memory
         tr = topo.train
-        verdict = "[green]fits[/]" if mem.fits else "[red]does not fit[/]: " + "; ".join(mem.problems)
+        fits = layout.plan.fits
+        verdict = "[green]fits[/]" if fits else "[red]does not fit[/]: " + "; ".join(layout.plan.problems)
         if layout.plan.backend_gaps:
             verdict += " (cannot submit yet)"
         table.add_row(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from hpcrl.config.checks import divisors
+from hpcrl.config.cluster import ClusterConfig
 from hpcrl.errors import ConfigError
 
 
@@ -106,6 +107,13 @@ class Topology:
         if self.placement is Placement.COLOCATED:
             return ["train+rollout"] * self.train_nodes
         return ["rollout"] * self.rollout_nodes + ["train"] * self.train_nodes
+
+
+def on_gpus(cluster: ClusterConfig) -> bool:
+    """Whether the run's devices are GPUs, as the cluster says: ``cluster.gpu`` names a GPU model, or
+    ``cpu`` (cluster=local and the namespace test cluster; a local run on a GPU machine names its GPU
+    with ``cluster.gpu=...``)."""
+    return cluster.gpu.strip().lower() != "cpu"
 
 
 def check_engine_fits_node(rollout_tp: int, gpus_per_node: int) -> None:

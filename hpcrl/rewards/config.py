@@ -3,6 +3,7 @@ choice (``data.verifier``): its answers need that checker."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -19,11 +20,14 @@ MAX_PROCESSES = 16
 
 
 def available_cpus() -> int:
-    """CPUs this process may run on (its affinity: under Slurm, the task's allocation)."""
+    """CPUs this process may run on: its affinity, and under Slurm no more than the job holds on this
+    node (``SLURM_CPUS_ON_NODE``: without task/affinity or cgroups the affinity is the whole node)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity on this platform (macOS)
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    slurm = os.environ.get("SLURM_CPUS_ON_NODE", "")
+    return min(cpus, int(slurm)) if slurm.isdigit() and int(slurm) > 0 else cpus
 
 
 def default_processes(cpus: int) -> int:
@@ -38,8 +42,10 @@ class RewardsConfig:
     """Verifier processes in the reward pool (``hpcrl/rewards/pool.py``) on the driver's node. None:
     derived when the run starts from the CPUs the driver may use (``default_processes``)."""
     timeout_s: float = 5.0
-    """Per-sample time limit: a verifier still busy after this long is killed, its process replaced and
-    the sample scored as a timeout (counted in ``train/verifier_timeouts``)."""
+    """Per-sample time limit (seconds): a verifier still busy after this long is killed, its process
+    replaced and the sample scored as a timeout (counted in ``train/verifier_timeouts``). Answers
+    known to keep SymPy busy never get here (``rewards/screen.py``); legitimate ones take
+    milliseconds, up to ~2 s for deeply nested ones on a loaded 2-core machine, hence the margin."""
     start_timeout_s: float = 300.0
     """A reward process that has not started (imported its verifier and built its parsers) by then is
     broken, not slow: the run stops with an error that names the verifier."""
@@ -53,5 +59,10 @@ class RewardsConfig:
             raise ConfigError(
                 f"rewards.processes={self.processes} must be >= 1 (or null: derived from the node's CPUs)"
             )
-        positive("rewards.timeout_s", self.timeout_s)
-        positive("rewards.start_timeout_s", self.start_timeout_s)
+        for key, seconds in (
+            ("rewards.timeout_s", self.timeout_s),
+            ("rewards.start_timeout_s", self.start_timeout_s),
+        ):
+            positive(key, seconds)
+            if not math.isfinite(seconds):  # inf would turn the hard limit off; NaN passes every comparison
+                raise ConfigError(f"{key}={seconds} must be a finite number of seconds")

@@ -4,6 +4,8 @@ An adversarial completion that makes SymPy spin, or a verifier that crashes its 
 that one sample (scored as timeout/error, counted apart) and a process restart, never the run.
 Each process has its own pipe and gets one task at a time, so the parent always knows which task
 a process holds and since when: a killed or dead process can never lose a task silently.
+A thread of the parent runs the processes, so tasks are scored while the caller waits on something
+else (``submit`` now, ``drain`` later): a step's completions are scored as they are generated.
 How many processes, the time limit and the start-up deadline: ``rewards.*`` (``rewards/config.py``).
 """
 
@@ -12,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -56,12 +59,20 @@ def _serve(verifier_name: str, plugins: str, conn: Connection) -> None:
             return
         try:
             verdict = verify(task.completion, task.answer, task.prompt)
-        except Exception:
+            if not isinstance(verdict, Verdict):
+                raise TypeError(
+                    f"verifier {verifier_name!r} returned {type(verdict).__name__}, not a Verdict"
+                )
+        except Exception:  # a bad reward (outside [0, 1]) is raised by Verdict itself
             verdict = Verdict(Outcome.error)
-        conn.send((task.index, verdict.outcome.value))
+        conn.send((task.index, verdict.outcome.value, verdict.reward))
 
 
 READY = ("ready", None)
+
+
+def _repeated(indices: list[int]) -> set[int]:
+    return {x for x, n in Counter(indices).items() if n > 1}
 
 
 @dataclass
@@ -75,7 +86,14 @@ class _Slot:
 
 
 class RewardPool:
-    """``verifier`` in ``settings.process_count()`` processes, under the run's ``rewards.*`` limits."""
+    """``verifier`` in ``settings.process_count()`` processes, under the run's ``rewards.*`` limits.
+
+    Streaming: ``submit(tasks)`` returns at once and the pool's thread hands the tasks to free
+    processes while the caller does something else (waits for the rest of a batch to generate);
+    ``drain()`` waits for everything submitted and returns the verdicts by task index. ``score`` is
+    the two in one call. The thread is the only one that touches the processes; callers only touch
+    the queue and the results, under ``_cond``.
+    """
 
     def __init__(self, verifier: str, settings: RewardsConfig) -> None:
         self.plugins = os.environ.get("HPCRL_PLUGINS", "")
@@ -89,6 +107,105 @@ class RewardPool:
         self.ctx = mp.get_context("spawn")  # no fork of a process that holds torch/Ray threads
         self.slots = [self._spawn() for _ in range(settings.process_count())]
         self.restarts = 0
+        self._cond = threading.Condition()
+        self._queue: deque[Task] = deque()
+        self._submitted: set[int] = set()  # indices submitted since the last drain
+        self._results: dict[int, Verdict] = {}
+        self._failure: BaseException | None = None
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="reward-pool", daemon=True)
+        self._thread.start()
+
+    def submit(self, tasks: list[Task]) -> None:
+        """Queue ``tasks`` for scoring and return at once. Indices must be unique until drained."""
+        with self._cond:
+            self._raise_failure()
+            indices = [t.index for t in tasks]
+            clash = self._submitted.intersection(indices) | _repeated(indices)
+            if clash:
+                raise ValueError(f"task indices must be unique until drain(): {sorted(clash)[:5]} repeat")
+            self._submitted.update(indices)
+            self._queue.extend(tasks)
+            self._cond.notify_all()
+
+    def drain(self) -> dict[int, Verdict]:
+        """Wait until every task submitted since the last drain is scored; their verdicts by index."""
+        with self._cond:
+            while len(self._results) < len(self._submitted) and self._failure is None:
+                self._cond.wait(timeout=1.0)
+            self._raise_failure()
+            results, self._results, self._submitted = self._results, {}, set()
+        return results
+
+    def score(self, tasks: list[Task]) -> list[Outcome]:
+        """The outcomes of ``tasks``, in order (``submit`` + ``drain``; nothing else may be in flight)."""
+        with self._cond:
+            if self._submitted:
+                raise RuntimeError("score() while submitted tasks are not drained; call drain() first")
+        self.submit(tasks)
+        verdicts = self.drain()
+        return [verdicts[t.index].outcome for t in tasks]
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(str(self._failure)) from self._failure
+
+    def _run(self) -> None:
+        """The pool's thread: hand out queued tasks, collect verdicts, enforce the time limits."""
+        try:
+            while True:
+                with self._cond:
+                    while not self._closing and not self._queue and self._idle():
+                        self._cond.wait()
+                    if self._closing:
+                        return
+                    self._dispatch()
+                busy = [s.conn for s in self.slots if s.task is not None or not s.ready]
+                readable = wait(busy, timeout=0.2)
+                with self._cond:
+                    self._collect(readable)
+        except BaseException as exc:  # a process that never starts: the caller's next call raises it
+            with self._cond:
+                self._failure = exc
+                self._cond.notify_all()
+
+    def _idle(self) -> bool:
+        return all(s.ready and s.task is None for s in self.slots)
+
+    def _dispatch(self) -> None:
+        for i, slot in enumerate(self.slots):
+            if slot.ready and slot.task is None and self._queue:
+                task = self._queue.popleft()
+                try:
+                    slot.conn.send(task)
+                except OSError:  # the process died while idle (OOM killer): its replacement takes it
+                    self._queue.appendleft(task)
+                    self._replace(i)
+                    continue
+                slot.task, slot.started = task.index, time.monotonic()
+
+    def _collect(self, readable: list[Any]) -> None:
+        for i, slot in enumerate(self.slots):
+            if not slot.ready:
+                self._await_ready(i, slot, slot.conn in readable)
+            elif slot.task is None:
+                continue
+            elif slot.conn in readable:
+                try:
+                    index, value, reward = slot.conn.recv()
+                except (EOFError, OSError):  # the process died mid-task
+                    self._finish(slot.task, Verdict(Outcome.error))
+                    self._replace(i)
+                    continue
+                self._finish(index, Verdict(Outcome(value), reward))
+                slot.task = None
+            elif time.monotonic() - slot.started > self.timeout_s:
+                self._finish(slot.task, Verdict(Outcome.timeout))
+                self._replace(i)
+
+    def _finish(self, index: int, verdict: Verdict) -> None:
+        self._results[index] = verdict
+        self._cond.notify_all()
 
     def _spawn(self) -> _Slot:
         parent, child = self.ctx.Pipe()
@@ -105,37 +222,6 @@ class RewardPool:
         self.slots[i] = self._spawn()
         self.restarts += 1
 
-    def score(self, tasks: list[Task]) -> list[Outcome]:
-        pending = deque(tasks)
-        outcomes: dict[int, Outcome] = {}
-        while len(outcomes) < len(tasks):
-            for slot in self.slots:
-                if slot.ready and slot.task is None and pending:
-                    task = pending.popleft()
-                    slot.conn.send(task)
-                    slot.task, slot.started = task.index, time.monotonic()
-            busy = [s.conn for s in self.slots if s.task is not None or not s.ready]
-            ready = wait(busy, timeout=0.2)
-            for i, slot in enumerate(self.slots):
-                if not slot.ready:
-                    self._await_ready(i, slot, slot.conn in ready)
-                    continue
-                if slot.task is None:
-                    continue
-                if slot.conn in ready:
-                    try:
-                        index, value = slot.conn.recv()
-                    except (EOFError, OSError):  # the process died mid-task
-                        outcomes[slot.task] = Outcome.error
-                        self._replace(i)
-                        continue
-                    outcomes[index] = Outcome(value)
-                    slot.task = None
-                elif time.monotonic() - slot.started > self.timeout_s:
-                    outcomes[slot.task] = Outcome.timeout
-                    self._replace(i)
-        return [outcomes[t.index] for t in tasks]
-
     def _await_ready(self, i: int, slot: _Slot, readable: bool) -> None:
         """A starting process: ready once it says so; restarted if it died; an error past start_timeout_s."""
         if readable:
@@ -151,6 +237,10 @@ class RewardPool:
             )
 
     def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
         for slot in self.slots:
             with contextlib.suppress(OSError, BrokenPipeError):
                 slot.conn.send(None)

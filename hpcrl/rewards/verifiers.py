@@ -1,6 +1,10 @@
 """Verifiers: ``fn(completion, answer, prompt) -> Verdict``. Register your own with ``@register("name")``
 and select it with ``data.verifier=name`` (import your module with ``HPCRL_PLUGINS=my.module``).
 
+A verdict is an outcome (what the run counts: accuracy, parse failures, timeouts) and a reward in
+[0, 1] (what it trains on): 1.0 for ``correct`` and 0.0 otherwise unless the verifier gives partial
+credit, e.g. ``Verdict(Outcome.wrong, reward=0.5)`` for a right method with a wrong final number.
+
 Verifiers run inside the reward pool's processes, never in the training loop's process.
 """
 
@@ -10,6 +14,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+
+from hpcrl.rewards.screen import out_of_reach
 
 
 class Outcome(StrEnum):
@@ -23,10 +29,20 @@ class Outcome(StrEnum):
 @dataclass(frozen=True)
 class Verdict:
     outcome: Outcome
+    reward: float = -1.0
+    """In [0, 1]; left out: 1.0 when ``correct``, else 0.0. (-1 stands for "left out": a frozen
+    dataclass cannot default one field from another.)"""
 
-    @property
-    def reward(self) -> float:
-        return 1.0 if self.outcome is Outcome.correct else 0.0
+    def __post_init__(self) -> None:
+        if self.reward == -1.0:
+            object.__setattr__(self, "reward", 1.0 if self.outcome is Outcome.correct else 0.0)
+        elif not 0.0 <= self.reward <= 1.0:  # also NaN
+            raise ValueError(f"Verdict reward {self.reward!r} is outside [0, 1] ({self.outcome})")
+
+
+def reward_of(verdict: Verdict | Outcome) -> float:
+    """The reward the loop trains on: the verdict's, or the default of a bare outcome."""
+    return (verdict if isinstance(verdict, Verdict) else Verdict(verdict)).reward
 
 
 Verifier = Callable[[str, str, str], Verdict]
@@ -61,6 +77,18 @@ _BOXED = re.compile(r"\\boxed\{")
 @register("math")
 def math_verify(completion: str, answer: str, prompt: str = "") -> Verdict:
     """HF math-verify: symbolic equivalence of the completion's final answer and the reference.
+
+    Answers that would keep SymPy busy for seconds (``9^{9^{9}}``, ``100000!``, a 12-deep nest of
+    braces) are scored ``wrong`` by a string screen first (``rewards/screen.py``), so they cost
+    microseconds instead of a per-sample time limit and a process restart.
+    """
+    if out_of_reach(completion, answer) is not None:
+        return Verdict(Outcome.wrong)
+    return sympy_verify(completion, answer)
+
+
+def sympy_verify(completion: str, answer: str) -> Verdict:
+    """math-verify without the screen: whatever the answer, SymPy decides (or the pool's time limit).
 
     Timeouts inside math-verify use signal.alarm, which fails outside the main thread; they are
     turned off here and the pool enforces a hard per-sample limit instead.

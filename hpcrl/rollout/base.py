@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -82,3 +85,40 @@ class RolloutEngine(Protocol):
     def receive_weights(self) -> dict[str, float]:
         """One broadcast's seconds on the wire (``receive_s``) and in the load (``load_s``)."""
         ...
+
+
+class WeightGate:
+    """Where weights may change under a running generation (``rollout.inflight_update``): between
+    engine steps. ``pause`` waits for the step in progress and holds the next; the refit loads; then
+    ``resume(version)`` lets the requests go on under the new weights, keeping the KV they computed
+    under the old ones (Magistral-style, as NeMo RL's default; no recompute). The gate also keeps the
+    policy version of the weights in place, which the engine stamps on every completion."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.paused = False
+        self.stepping = False
+        self.version = 0
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        with self.cond:
+            self.cond.wait_for(lambda: not self.paused)
+            self.stepping = True
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.stepping = False
+                self.cond.notify_all()
+
+    def pause(self) -> None:
+        with self.cond:
+            self.paused = True
+            self.cond.wait_for(lambda: not self.stepping)
+
+    def resume(self, version: int) -> None:
+        with self.cond:
+            self.version = version
+            self.paused = False
+            self.cond.notify_all()

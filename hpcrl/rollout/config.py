@@ -77,6 +77,12 @@ class VLLMRolloutConfig(RolloutConfig):
     prefill it once."""
     max_num_batched_tokens: int | None = None
     """Most tokens one engine step schedules (long prefills are chunked to it); None: vLLM's default."""
+    inflight_update: bool = False
+    """With ``algo.max_staleness`` >= 1: new weights reach the engines as soon as a train step ends,
+    between two engine steps of the batch being generated, instead of after that batch. Requests keep
+    the KV they computed under the old weights (no recompute); their completions span two policy
+    versions (``Completion.versions``, ``async/version_span``). Timing decides where the swap lands, so
+    such runs are not bit-reproducible."""
 
     def check(self) -> None:
         super().check()

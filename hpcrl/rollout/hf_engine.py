@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rollout.base import Completion, SamplingSettings
+from hpcrl.rollout.base import Completion, SamplingSettings, WeightGate
 from hpcrl.rollout.config import HFRolloutConfig
 
 
@@ -39,6 +39,9 @@ class HFEngine:
         )
         self.device = device
         self.cfg = cfg
+        self.gate = WeightGate()
+        """The policy version in place (stamped on completions); generation here is one call, so a
+        refit never lands inside it."""
         self._static: dict[tuple[int, int], Any] = {}
         self.eos_id: int = int(self.tok.eos_token_id) if self.tok.eos_token_id is not None else -1
         self.pad_id: int = (
@@ -59,6 +62,8 @@ class HFEngine:
             done += self._generate_chunk(chunk, settings, gen, eos, pad)
         for i in range(len(prompts)):
             groups.append(done[i * settings.n : (i + 1) * settings.n])
+        for c in done:
+            c.versions = (self.gate.version, self.gate.version)
         return groups
 
     def _generate_chunk(

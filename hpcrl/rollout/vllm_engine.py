@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.rollout import vllm_compat
-from hpcrl.rollout.base import Completion, SamplingSettings
+from hpcrl.rollout.base import Completion, SamplingSettings, WeightGate
 from hpcrl.rollout.config import VLLMRolloutConfig
 
 vllm_compat.quiet_logs()  # also in vLLM's worker processes, which import this module for the extension
@@ -152,6 +152,8 @@ class VLLMEngine:
             **kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self.gate = WeightGate()
+        self.stale_cache = False
         self.stop_token_ids = list(cfg.stop_token_ids)
         self.logprobs = cfg.logprobs
         self.ranks = cfg.tp
@@ -160,10 +162,12 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
         from vllm import TokensPrompt
 
+        self._fresh_cache()
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], self._params(settings), use_tqdm=False
         )
-        return self._groups(outputs)
+        v = self.gate.version
+        return self._groups(outputs, [v] * len(outputs))
 
     def generate_stream(
         self, prompts: list[list[int]], settings: SamplingSettings
@@ -178,13 +182,17 @@ class VLLMEngine:
         if not hasattr(self.llm, "enqueue") or not isinstance(base, int):  # older vLLM: all at once
             yield list(enumerate(self.generate(prompts, settings)))
             return
+        self._fresh_cache()
         params = self._params(settings)
         self.llm.enqueue([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        started = self.gate.version  # every request starts under the weights in place now
         engine = self.llm.llm_engine
         while engine.has_unfinished_requests():
-            done = [out for out in engine.step() if out.finished]
+            with self.gate.step():  # a refit (rollout.inflight_update) lands between steps, never in one
+                done = [out for out in engine.step() if out.finished]
             if done:
-                yield [(int(o.request_id) - base, g) for o, g in zip(done, self._groups(done), strict=True)]
+                groups = self._groups(done, [started] * len(done))
+                yield [(int(o.request_id) - base, g) for o, g in zip(done, groups, strict=True)]
 
     def _params(self, settings: SamplingSettings) -> Any:
         """The requests' sampling parameters; reseeds the workers first (before the requests go in)."""
@@ -200,19 +208,28 @@ class VLLMEngine:
             **vllm_compat.sampling_kwargs(self.logprobs),
         )
 
-    def _groups(self, outputs: list[Any]) -> list[list[Completion]]:
-        """Each request's completions; every text decoded in one ``batch_decode`` call."""
+    def _groups(self, outputs: list[Any], started: list[int]) -> list[list[Completion]]:
+        """Each request's completions, stamped (version at its start, version now); every text decoded
+        in one ``batch_decode`` call."""
+        now = self.gate.version
         ids = [list(c.token_ids) for out in outputs for c in out.outputs]
         texts = iter(self.tokenizer.batch_decode(ids, skip_special_tokens=True))
         groups = []
-        for out in outputs:
+        for out, first in zip(outputs, started, strict=True):
             group = []
             for c in out.outputs:
                 tokens = list(c.token_ids)
                 lps = vllm_compat.sampled_logprobs(c.logprobs, tokens)
-                group.append(Completion(tokens, lps, next(texts), truncated=c.finish_reason == "length"))
+                truncated = c.finish_reason == "length"
+                group.append(Completion(tokens, lps, next(texts), truncated, (first, now)))
             groups.append(group)
         return groups
+
+    def _fresh_cache(self) -> None:
+        """A refit under running requests could not drop the prefix cache (vLLM keeps blocks in use):
+        drop it before new requests could reuse KV of the old weights."""
+        if self.stale_cache:
+            self.stale_cache = not self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
         """Free the KV cache and the weights until ``wake_up`` (no-op unless sleep mode is on)."""
@@ -237,8 +254,9 @@ class VLLMEngine:
         self.llm.collective_rpc("hpcrl_load_ipc", args=(pickle.dumps((args, entries)),))
 
     def finish_refit(self) -> None:
-        """After the last bucket of a refit: KV cached under the old weights must not be reused."""
-        self.llm.reset_prefix_cache()
+        """After the last bucket of a refit: KV cached under the old weights must not be reused
+        (under running requests vLLM refuses; the next generation drops it first)."""
+        self.stale_cache = not self.llm.reset_prefix_cache()
 
     def join_weight_group(self, wire: dict[str, Any], rank_base: int, local_ip: str) -> None:
         self.llm.collective_rpc("hpcrl_join_weight_group", args=(wire, rank_base, local_ip))

@@ -164,31 +164,70 @@ class RolloutActor:
             from hpcrl.rollout.hf_engine import HFEngine
 
             self.engine = HFEngine(Path(model_dir), rollout, device="cpu" if on_cpu else "cuda")
+        import torch
+
+        self.threads = torch.get_num_threads()  # as the engine left it (vLLM on CPU sets its own)
+
+    def _threads(self) -> None:
+        """torch's (OpenMP's) thread count is per calling thread, and vLLM's CPU attention checks that
+        every call runs with the count the engine was built with: with in-flight updates calls come
+        on a pool thread. vLLM's CPU worker replaces ``torch.set_num_threads`` by a no-op after it
+        binds its threads, hence torch's own setter."""
+        import torch
+
+        if torch.get_num_threads() != self.threads:
+            torch._C._set_num_threads(self.threads)  # type: ignore[attr-defined]
 
     def where(self) -> dict[str, Any]:
         return {"role": "rollout", "host": socket.gethostname(), "pid": os.getpid()}
 
     def generate(self, prompts: list[list[int]], settings: Any) -> Any:
+        self._threads()
         return self.engine.generate(prompts, settings)
 
+    def generate_stream(self, prompts: list[list[int]], settings: Any) -> Any:
+        """A Ray streaming generator: lists of (prompt index, group) as groups finish (engines
+        without a stream hand over the whole batch once)."""
+        self._threads()
+        if hasattr(self.engine, "generate_stream"):
+            yield from self.engine.generate_stream(prompts, settings)
+        else:
+            yield list(enumerate(self.engine.generate(prompts, settings)))
+
     def load_weights(self, weights: dict[str, Any]) -> bool:
+        self._threads()
         self.engine.load_weights(weights)
         return True
 
+    def pause_generation(self) -> bool:
+        """Hold generation between steps for a refit (``rollout.inflight_update``: the actor runs
+        calls concurrently, so this can arrive while ``generate_stream`` runs)."""
+        self.engine.gate.pause()
+        return True
+
+    def resume_generation(self, version: int) -> bool:
+        """Generation goes on under the new weights, which are policy ``version``."""
+        self.engine.gate.resume(version)
+        return True
+
     def load_ipc(self, args: Any, entries: list[Any]) -> bool:
+        self._threads()
         self.engine.load_ipc(args, entries)
         return True
 
     def sleep(self) -> bool:
+        self._threads()
         self.engine.sleep()
         return True
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
+        self._threads()
         self.engine.wake_up(tags)
         return True
 
     def finish_refit(self) -> bool:
         """After the last bucket: caches computed with the old weights are dropped."""
+        self._threads()
         self.engine.finish_refit()
         return True
 
@@ -197,7 +236,9 @@ class RolloutActor:
         return self.engine.ranks, self.engine.weight_dtype, ray_node_ip()
 
     def join_weight_group(self, wire: dict[str, Any], rank_base: int, local_ip: str) -> None:
+        self._threads()
         self.engine.join_weight_group(wire, rank_base, local_ip)
 
     def receive_weights(self) -> dict[str, float]:
+        self._threads()
         return dict(self.engine.receive_weights())

@@ -60,6 +60,7 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
     over the topology's nodes; locally there is one trainer and one engine without GPU requests."""
     from hpcrl.rewards.pool import RewardPool
     from hpcrl.run.loop import train
+    from hpcrl.run.overlap import train_overlapped
     from hpcrl.run.preempt import REQUEST
 
     REQUEST.reset()  # a request belongs to one run (tests and `debug` run several in one process)
@@ -77,20 +78,11 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
                 f"ready after {time.perf_counter() - started:.0f}s ({len(pool.slots)} reward processes); "
                 f"training {cfg.algo.max_steps} steps"
             )
-            last = train(
-                cfg,
-                actors,
-                pool,
-                run.encode,
-                run.pad_id,
-                run.stream,
-                run.val,
-                run.ckpt,
-                run.logger,
-                say,
-                start_step,
-                restored,
-            )
+            args = (cfg, actors, pool, run.encode, run.pad_id, run.stream, run.val, run.ckpt, run.logger, say)
+            if cfg.algo.max_staleness:  # generation overlaps training (run/overlap.py)
+                last = train_overlapped(*args, start_step=start_step, restored=restored)
+            else:
+                last = train(*args, start_step=start_step)
     finally:
         run.logger.close()
         if "ray" in sys.modules:
@@ -197,7 +189,7 @@ def _resume(actors: Any, run: _Run, lag: int) -> tuple[int, list[Any]]:
     run.stream.restore(state["stream"])
     random.setstate(state["rng"]["python"])
     torch.set_rng_state(state["rng"]["torch"])
-    actors.sync_weights()
+    actors.sync_weights(int(state["step"]))
     step = int(state["step"])
     kept = [r for r in state.get("rollouts", []) if r.step <= step + lag]
     if len(kept) < len(state.get("rollouts", [])):

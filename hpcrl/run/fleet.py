@@ -6,6 +6,9 @@ over the trainer ranks (each takes its shard of the batch), weights go trainer -
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,9 +61,15 @@ class Fleet:
         r = plan.memory.rollout
         kv_gb = max(0.05, 2 * r.wanted_sequences * r.kv_per_sequence) if on_cpu else None
         tp = cfg.rollout.tp
+        # in-flight updates: a refit's pause arrives while generate_stream runs (the engine's WeightGate
+        # orders them); otherwise one call at a time, as the loop makes them
+        concurrency = 2 if getattr(cfg.rollout, "inflight_update", False) else 1
         engines = [
             rollout_cls.options(
-                num_cpus=0, num_gpus=tp * share if gpu_resources else 0, resources={ROLLOUT_RESOURCE: tp}
+                num_cpus=0,
+                num_gpus=tp * share if gpu_resources else 0,
+                resources={ROLLOUT_RESOURCE: tp},
+                max_concurrency=concurrency,
             ).remote(str(model_dir), cfg, cfg.max_seq_len, str(scratch), on_cpu, kv_gb)
             for _ in range(engines_n)
         ]
@@ -83,26 +92,36 @@ class Fleet:
         return "; ".join(parts)
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
-        import ray
+        out: list[list[Completion]] = [[] for _ in prompts]
+        for part in self.generate_stream(prompts, settings):
+            for i, group in part:
+                out[i] = group
+        return out
 
+    def generate_stream(
+        self, prompts: list[list[int]], settings: SamplingSettings
+    ) -> Iterator[list[tuple[int, list[Completion]]]]:
+        """Every engine generates its share (prompts i::k, seed + i); (prompt index, group) pairs come
+        back as the engines finish them, whichever engine is first."""
         k = len(self.engines)
-        chunks = [prompts[i::k] for i in range(k)]
-        futures = [
-            e.generate.remote(
-                c,
-                SamplingSettings(
-                    settings.n, settings.temperature, settings.top_p, settings.max_tokens, settings.seed + i
+        streams = [
+            (
+                i,
+                e.generate_stream.options(num_returns="streaming").remote(
+                    prompts[i::k],
+                    SamplingSettings(
+                        settings.n,
+                        settings.temperature,
+                        settings.top_p,
+                        settings.max_tokens,
+                        settings.seed + i,
+                    ),
                 ),
             )
-            for i, (e, c) in enumerate(zip(self.engines, chunks, strict=True))
-            if c
+            for i, e in enumerate(self.engines)
+            if prompts[i::k]
         ]
-        parts = ray.get(futures)
-        out: list[list[Completion]] = [[] for _ in prompts]
-        for i, part in enumerate(parts):
-            for j, group in enumerate(part):
-                out[i + j * k] = group
-        return out
+        yield from merge_streams(streams, k)
 
     def _data_ranks(self) -> list[tuple[int, int]]:
         """(data-parallel rank, data-parallel size) of every trainer rank: ranks that differ only in
@@ -152,19 +171,22 @@ class Fleet:
             ray.get([e.sleep.remote() for e in self.engines])
             self.asleep = True
 
-    def sync_weights(self) -> dict[str, float]:
-        """New weights from the trainer ranks to every engine, streamed (run/refit.py); sleeping
-        engines wake their weights first and their KV cache after (the refit's buckets and the KV
-        cache are never resident together)."""
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """New weights (policy ``version``: optimizer steps taken) from the trainer ranks to every
+        engine, streamed (run/refit.py); sleeping engines wake their weights first and their KV cache
+        after (the refit's buckets and the KV cache are never resident together). Generation running
+        (``rollout.inflight_update``) is held between two steps while the weights change."""
         import time
 
         import ray
 
         start, wake_s = time.perf_counter(), 0.0
+        ray.get([e.pause_generation.remote() for e in self.engines])
         if self.asleep:
             ray.get([e.wake_up.remote(["weights"]) for e in self.engines])
             wake_s = time.perf_counter() - start
         self.refit.run(self.trainers, self.engines)
+        ray.get([e.resume_generation.remote(version) for e in self.engines])
         if self.asleep:
             kv = time.perf_counter()
             ray.get([e.wake_up.remote(["kv_cache"]) for e in self.engines])
@@ -191,6 +213,40 @@ class Fleet:
         import ray
 
         ray.get([t.load_checkpoint.remote(path, weights_only) for t in self.trainers])
+
+
+def merge_streams(streams: list[tuple[int, Any]], k: int) -> Iterator[list[tuple[int, list[Completion]]]]:
+    """(engine i, its Ray streaming generator over prompts i::k) as one stream of global prompt
+    indices; a thread per engine, so a slow engine holds back no other's groups."""
+    import ray
+
+    if len(streams) == 1:  # the common case: no threads
+        i, stream = streams[0]
+        for ref in stream:
+            yield [(i + j * k, group) for j, group in ray.get(ref)]
+        return
+    parts: queue.Queue[tuple[int, Any]] = queue.Queue()
+
+    def pump(i: int, stream: Any) -> None:
+        try:
+            for ref in stream:
+                parts.put((i, ray.get(ref)))
+        except BaseException as exc:  # re-raised in the caller's thread
+            parts.put((i, exc))
+        parts.put((i, None))
+
+    threads = [threading.Thread(target=pump, args=pair, daemon=True) for pair in streams]
+    for t in threads:
+        t.start()
+    open_streams = len(streams)
+    while open_streams:
+        i, part = parts.get()
+        if part is None:
+            open_streams -= 1
+        elif isinstance(part, BaseException):
+            raise part
+        else:
+            yield [(i + j * k, group) for j, group in part]
 
 
 def _interleave(parts: list[Any]) -> Any:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -29,7 +30,7 @@ from hpcrl.algo.shaping import informative_groups, overlong_penalty, scale_rewar
 from hpcrl.config.schema import RunConfig
 from hpcrl.data.loader import Example, PromptStream
 from hpcrl.rewards.pool import Task
-from hpcrl.rewards.verifiers import Outcome
+from hpcrl.rewards.verifiers import Outcome, Verdict, reward_of
 from hpcrl.rollout.base import Completion, SamplingSettings
 from hpcrl.run.metrics import console_line
 from hpcrl.run.preempt import REQUEST, Preempted
@@ -74,20 +75,27 @@ class Scored:
 
 
 class Scorer(Protocol):
-    """What the loop asks of the reward pool (``hpcrl.rewards.pool.RewardPool``)."""
+    """What the loop asks of the reward pool (``hpcrl.rewards.pool.RewardPool``): tasks go in as the
+    engines finish them, verdicts (by task index) come out once the batch is in."""
 
-    def score(self, tasks: list[Task]) -> list[Outcome]: ...
+    def submit(self, tasks: list[Task]) -> None: ...
+    def drain(self) -> dict[int, Verdict]: ...
 
 
 class Actors(Protocol):
     """What the loop asks of the run's actors (``hpcrl.run.fleet.Fleet`` on Ray; a recording fake in
     tests/test_loop.py)."""
 
-    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]: ...
+    def generate_stream(
+        self, prompts: list[list[int]], settings: SamplingSettings
+    ) -> Iterator[list[tuple[int, list[Completion]]]]:
+        """(prompt index, its group) pairs, handed over as the engines finish them."""
+        ...
+
     def ref_logprobs(self, batch: TrainBatch) -> Any: ...
     def train_step(self, batch: TrainBatch, ref: Any) -> dict[str, float]: ...
     def sleep_engines(self) -> None: ...
-    def sync_weights(self) -> dict[str, float]: ...
+    def sync_weights(self, version: int) -> dict[str, float]: ...
     def save_checkpoint(self, path: str, async_save: bool) -> float: ...
     def finish_checkpoint(self) -> float: ...
 
@@ -99,16 +107,18 @@ def generate_and_score(
     examples: list[Example],
     settings: SamplingSettings,
 ) -> Scored:
-    groups = actors.generate([encode(e.prompt) for e in examples], settings)
-    tasks = [
-        Task(i * settings.n + j, c.text, e.answer, e.prompt)
-        for i, (e, g) in enumerate(zip(examples, groups, strict=True))
-        for j, c in enumerate(g)
-    ]
-    flat = pool.score(tasks)
-    outcomes = [flat[i * settings.n : (i + 1) * settings.n] for i in range(len(examples))]
-    rewards = torch.tensor([[1.0 if o is Outcome.correct else 0.0 for o in row] for row in outcomes])
-    return Scored(examples, groups, rewards, outcomes)
+    n = settings.n
+    groups: list[list[Completion]] = [[] for _ in examples]
+    for part in actors.generate_stream([encode(e.prompt) for e in examples], settings):
+        tasks = []
+        for i, group in part:
+            groups[i], e = group, examples[i]
+            tasks += [Task(i * n + j, c.text, e.answer, e.prompt) for j, c in enumerate(group)]
+        pool.submit(tasks)  # scored while the engines finish the rest of the batch
+    verdicts = pool.drain()
+    rows = [[verdicts[i * n + j] for j in range(n)] for i in range(len(examples))]
+    rewards = torch.tensor([[reward_of(v) for v in row] for row in rows], dtype=torch.float32)
+    return Scored(examples, groups, rewards, [[v.outcome for v in row] for row in rows])
 
 
 def shape(cfg: RunConfig, s: Scored) -> torch.Tensor:
@@ -227,43 +237,78 @@ def train(
     logger: Any,
     say: Callable[[str], None],
     start_step: int = 0,
-    restored: list[Any] | None = None,
 ) -> dict[str, float]:
-    """Steps ``start_step + 1 .. algo.max_steps``; returns the last value of every metric.
-    ``algo.max_staleness`` > 0 overlaps generation with training (``run/overlap.py``; ``restored``:
-    the generated batches its checkpoint kept)."""
+    """Steps ``start_step + 1 .. algo.max_steps``, on-policy (``algo.max_staleness`` > 0 runs
+    ``run/overlap.py``'s loop instead); returns the last value of every metric."""
     algo = cfg.algo
     if algo.max_staleness:
-        from hpcrl.run.overlap import train_overlapped
-
-        args = (cfg, actors, pool, encode, pad_id, stream, val, ckpt, logger, say)
-        return train_overlapped(*args, start_step=start_step, restored=restored)
-    last: dict[str, float] = {}
-    if start_step == 0 and algo.val_at_start:
-        last = validate(cfg, actors, pool, encode, val)
-        logger.log(0, last)
-        say(f"step   0/{algo.max_steps} | val {last['val/accuracy']:.3f} (before training)")
+        raise ValueError(
+            "loop.train is the on-policy loop: algo.max_staleness > 0 is overlap.train_overlapped"
+        )
+    last = validate_first(cfg, actors, pool, encode, val, logger, say) if start_step == 0 else {}
     for step in range(start_step + 1, algo.max_steps + 1):
         metrics = one_step(cfg, actors, pool, encode, pad_id, stream, val, step)
-        blocked = ckpt.settle(actors)  # the previous step's async save: written while this one ran
-        due = cfg.checkpoint.enabled and (step % cfg.checkpoint.period == 0 or step == algo.max_steps)
-        # Read once: the save and the stop below must agree (a signal landing between two reads
-        # would stop the run without its checkpoint). A later signal is taken at the next step.
-        stop = REQUEST.asked
-        if due or stop:  # stop: Slurm's warning signal came during this step; the save must finish
-            last_one = stop or step == algo.max_steps
-            async_save = cfg.checkpoint.async_save and not last_one
-            blocked += ckpt.save(step, actors, run_state(stream, step), metrics, async_save)
-        metrics["time/checkpoint_blocked"] = blocked
-        logger.log(step, metrics)
-        say(console_line(step, algo.max_steps, metrics))
+        stop = save_when_due(cfg, ckpt, actors, step, metrics, partial(run_state, stream, step))
         last = {**last, **metrics}
-        if stop:
-            REQUEST.done(step)
-            if step < algo.max_steps:
-                say(f"stopping after step {step} on the scheduler's warning signal: checkpoint saved")
-                raise Preempted(step)
+        report(cfg, step, metrics, stop, logger, say)
     return last
+
+
+def validate_first(
+    cfg: RunConfig,
+    actors: Actors,
+    pool: Scorer,
+    encode: Callable[[str], list[int]],
+    val: list[Example],
+    logger: Any,
+    say: Callable[[str], None],
+) -> dict[str, float]:
+    """Validation before the first step (``algo.val_at_start``)."""
+    if not cfg.algo.val_at_start:
+        return {}
+    metrics = validate(cfg, actors, pool, encode, val)
+    logger.log(0, metrics)
+    say(f"step   0/{cfg.algo.max_steps} | val {metrics['val/accuracy']:.3f} (before training)")
+    return metrics
+
+
+def checkpoint_due(cfg: RunConfig, step: int) -> bool:
+    return cfg.checkpoint.enabled and (step % cfg.checkpoint.period == 0 or step == cfg.algo.max_steps)
+
+
+def save_when_due(
+    cfg: RunConfig,
+    ckpt: Any,
+    actors: Actors,
+    step: int,
+    metrics: dict[str, float],
+    state: Callable[[], dict[str, Any]],
+) -> bool:
+    """Commit the previous step's async save (written while this one ran), then save this step when
+    due or when Slurm's warning signal came during it (``state``: the driver's part). Records
+    ``time/checkpoint_blocked``; returns whether the run stops after this step."""
+    blocked = ckpt.settle(actors)
+    # Read once: the save and the stop must agree (a signal landing between two reads would stop the
+    # run without its checkpoint). A later signal is taken at the next step.
+    stop = REQUEST.asked
+    if checkpoint_due(cfg, step) or stop:  # a stop's save must finish before the run ends
+        last_one = stop or step == cfg.algo.max_steps
+        blocked += ckpt.save(step, actors, state(), metrics, cfg.checkpoint.async_save and not last_one)
+    metrics["time/checkpoint_blocked"] = blocked
+    return stop
+
+
+def report(
+    cfg: RunConfig, step: int, metrics: dict[str, float], stop: bool, logger: Any, say: Callable[[str], None]
+) -> None:
+    """Log the step; on a stop, end the run here (the checkpoint is saved)."""
+    logger.log(step, metrics)
+    say(console_line(step, cfg.algo.max_steps, metrics))
+    if stop:
+        REQUEST.done(step)
+        if step < cfg.algo.max_steps:
+            say(f"stopping after step {step} on the scheduler's warning signal: checkpoint saved")
+            raise Preempted(step)
 
 
 def one_step(
@@ -290,7 +335,7 @@ def one_step(
         metrics.update({f"train/{k}": v for k, v in actors.train_step(batch, ref).items()})
     with timer("weight_sync"):
         # asleep: wakes the engines' weights, refits, wakes their KV cache; the refit's phases
-        metrics.update({f"refit/{k}": v for k, v in actors.sync_weights().items()})
+        metrics.update({f"refit/{k}": v for k, v in actors.sync_weights(step).items()})
     metrics["train/reward"] = float(shaped.mean())
     if step % algo.val_period == 0 or step == algo.max_steps:
         with timer("validation"):

@@ -31,8 +31,7 @@ import torch
 from hpcrl.config.schema import RunConfig
 from hpcrl.data.loader import Example, PromptStream
 from hpcrl.rollout.base import Completion
-from hpcrl.run.metrics import console_line
-from hpcrl.run.preempt import REQUEST, Preempted
+from hpcrl.run import loop
 
 
 @dataclass
@@ -65,10 +64,7 @@ class Pipeline:
 
     def _make(self, step: int, version: int) -> Rollouts:
         t0 = time.perf_counter()
-        scored, shaped, metrics = self.produce(step)
-        for group in scored.groups:
-            for c in group:
-                c.versions = (version, version)
+        scored, shaped, metrics = self.produce(step)  # the engines stamp each completion's versions
         return Rollouts(step, version, scored, shaped, metrics, time.perf_counter() - t0)
 
     def restore(self, saved: list[Rollouts]) -> None:
@@ -93,8 +89,8 @@ class Pipeline:
 
 def staleness_metrics(groups: list[list[Completion]], trainer_version: int) -> dict[str, float]:
     """How far behind the trainer the batch's samples are, in optimizer steps (the oldest token's
-    policy), and how many versions the batch spans. Weights never change inside a batch here, so the
-    span is 0; it is logged so that runs with in-flight updates compare on the same curves."""
+    policy), and how many versions the batch spans: 0 unless weights changed under it
+    (``rollout.inflight_update``)."""
     first = [c.versions[0] for g in groups for c in g]
     latest = [c.versions[1] for g in groups for c in g]
     if not first:
@@ -122,14 +118,8 @@ def train_overlapped(
 ) -> dict[str, float]:
     """``loop.train`` with generation one (or N) steps ahead of training; same arguments, plus the
     batches a checkpoint restored."""
-    from hpcrl.run import loop
-
     algo, lag = cfg.algo, cfg.algo.max_staleness
-    last: dict[str, float] = {}
-    if start_step == 0 and algo.val_at_start:
-        last = loop.validate(cfg, actors, pool, encode, val)
-        logger.log(0, last)
-        say(f"step   0/{algo.max_steps} | val {last['val/accuracy']:.3f} (before training)")
+    last = loop.validate_first(cfg, actors, pool, encode, val, logger, say) if start_step == 0 else {}
     pipe = Pipeline(lambda j: loop.collect(cfg, actors, pool, encode, stream, j))
     pipe.restore(restored or [])
     try:
@@ -137,25 +127,17 @@ def train_overlapped(
         for j in range(pipe.last_step(start_step) + 1, min(start_step + 1 + lag, algo.max_steps) + 1):
             pipe.start(j, version=start_step)
         for step in range(start_step + 1, algo.max_steps + 1):
-            metrics = overlapped_step(cfg, actors, pool, encode, pad_id, val, pipe, step)
-            blocked = ckpt.settle(actors)
-            due = cfg.checkpoint.enabled and (step % cfg.checkpoint.period == 0 or step == algo.max_steps)
-            stop = REQUEST.asked  # read once: the save and the stop must agree (see loop.train)
-            if due or stop:
-                last_one = stop or step == algo.max_steps
-                state = {**loop.run_state(stream, step), "rollouts": pipe.settle()}
-                blocked += ckpt.save(step, actors, state, metrics, cfg.checkpoint.async_save and not last_one)
-            metrics["time/checkpoint_blocked"] = blocked
+            due = loop.checkpoint_due(cfg, step)
+            metrics = overlapped_step(cfg, actors, pool, encode, pad_id, val, pipe, step, due)
+
+            def state(s: int = step) -> dict[str, Any]:  # with the batches older policies made
+                return {**loop.run_state(stream, s), "rollouts": pipe.settle()}
+
+            stop = loop.save_when_due(cfg, ckpt, actors, step, metrics, state)
             if not stop and step + 1 + lag <= algo.max_steps:
                 pipe.start(step + 1 + lag, version=step)  # after the save: its prompts are not in it
-            logger.log(step, metrics)
-            say(console_line(step, algo.max_steps, metrics))
             last = {**last, **metrics}
-            if stop:
-                REQUEST.done(step)
-                if step < algo.max_steps:
-                    say(f"stopping after step {step} on the scheduler's warning signal: checkpoint saved")
-                    raise Preempted(step)
+            loop.report(cfg, step, metrics, stop, logger, say)
     finally:
         pipe.close()
     return last
@@ -170,11 +152,14 @@ def overlapped_step(
     val: list[Example],
     pipe: Pipeline,
     step: int,
+    checkpoint_due: bool,
 ) -> dict[str, float]:
-    """Train on batch ``step`` while the next is generated, then hand the engines the new weights."""
-    from hpcrl.run import loop
-
+    """Train on batch ``step`` while the next is generated, then hand the engines the new weights:
+    after that batch, or under it (``rollout.inflight_update``) unless this step validates or saves,
+    which need the engines idle and the batch whole."""
     algo = cfg.algo
+    validate = step % algo.val_period == 0 or step == algo.max_steps
+    inflight = getattr(cfg.rollout, "inflight_update", False) and not (validate or checkpoint_due)
     timer, t0 = loop.Timer(), time.perf_counter()
     with timer("rollout"):  # the part of generation the trainers wait for
         got = pipe.take(step)
@@ -184,12 +169,13 @@ def overlapped_step(
         ref = actors.ref_logprobs(batch) if algo.kl_coef > 0 else None
     with timer("train"):
         metrics.update({f"train/{k}": v for k, v in actors.train_step(batch, ref).items()})
-    with timer("rollout_after_train"):  # generation outlasting the train step: the engines are the limit
-        pipe.settle()
+    if not inflight:
+        with timer("rollout_after_train"):  # generation outlasting the train step: the engines are the limit
+            pipe.settle()
     with timer("weight_sync"):
-        metrics.update({f"refit/{k}": v for k, v in actors.sync_weights().items()})
+        metrics.update({f"refit/{k}": v for k, v in actors.sync_weights(step).items()})
     metrics["train/reward"] = float(got.shaped.mean())
-    if step % algo.val_period == 0 or step == algo.max_steps:
+    if validate:
         with timer("validation"):
             metrics.update(loop.validate(cfg, actors, pool, encode, val))
     metrics.update(timer.times)

@@ -1,0 +1,116 @@
+"""Checks that need more than one field's value: a registry (templates, verifiers), the model (layers
+per pipeline stage) or the submitting machine (data files, verifier plugins). Each would otherwise pass
+``hpcrl plan`` and fail inside the job, after the allocation's wait and Ray's start-up."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hpcrl.config.checks import divisors
+from hpcrl.config.model import ModelConfig
+from hpcrl.data.config import DataConfig
+from hpcrl.errors import ConfigError
+from hpcrl.trainer.config import MegatronTrainerConfig, TrainerConfig
+
+
+def check_run(data: DataConfig, model: ModelConfig, trainer: TrainerConfig) -> None:
+    """The checks that depend on the config alone (their result is cached with it)."""
+    check_template(data)
+    check_pipeline_stages(model, trainer)
+
+
+def check_environment(data: DataConfig) -> None:
+    """The checks whose answer this machine gives (files, HPCRL_PLUGINS): run on every command, cached
+    config or not, since the answer may change between two commands."""
+    check_verifier(data)
+    check_paths(data)
+
+
+def check_template(data: DataConfig) -> None:
+    from hpcrl.data.templates import TEMPLATES
+
+    if data.template not in TEMPLATES:
+        raise ConfigError(
+            f"data.template={data.template} is not a prompt template; use one of: {', '.join(TEMPLATES)} "
+            "(hpcrl/data/templates.py)"
+        )
+
+
+def check_verifier(data: DataConfig) -> None:
+    """``data.verifier`` must be registered: built in, or by a module of ``HPCRL_PLUGINS``, imported here
+    as the reward processes will import it in the job."""
+    from hpcrl.rewards.verifiers import REGISTRY, load_plugins
+
+    if data.verifier in REGISTRY:
+        return
+    plugins = os.environ.get("HPCRL_PLUGINS", "")
+    try:
+        load_plugins(plugins)
+    except Exception as exc:  # a broken plugin fails here, not in every reward process of the job
+        raise ConfigError(
+            f"data.verifier={data.verifier}: HPCRL_PLUGINS={plugins} does not import here "
+            f"({type(exc).__name__}: {exc}); fix the module or its PYTHONPATH"
+        ) from None
+    if data.verifier not in REGISTRY:
+        where = f"HPCRL_PLUGINS={plugins} registers" if plugins else "no HPCRL_PLUGINS module registers"
+        raise ConfigError(
+            f"data.verifier={data.verifier} is not a verifier ({where} it); use one of: "
+            f"{', '.join(sorted(REGISTRY))}, or register yours with @register('{data.verifier}') in a module "
+            "named by HPCRL_PLUGINS"
+        )
+
+
+def check_pipeline_stages(model: ModelConfig, trainer: TrainerConfig) -> None:
+    """Megatron cuts the layers into ``trainer.pp`` equal stages (no uneven first/last stage here); the
+    fsdp backend's pp>1 is refused by the planner with its own message."""
+    pp, layers = trainer.pp, model.num_layers
+    if isinstance(trainer, MegatronTrainerConfig) and layers % pp:
+        options = ", ".join(str(d) for d in divisors(layers) if d <= 64)
+        raise ConfigError(
+            f"trainer.pp={pp} does not divide {model.name}'s {layers} layers (model.num_layers): "
+            f"pipeline stages hold equal numbers of layers; use trainer.pp in {options}"
+        )
+
+
+def check_paths(data: DataConfig) -> None:
+    """Data files must exist where the job will look for them, checked from this (the submitting)
+    machine: a relative path is relative to the directory the job starts in, this one. The first
+    record of a .jsonl/.parquet file must have the fields the run reads."""
+    if not data.check_source:
+        return
+    val_fields = (data.val_prompt_field or data.prompt_field, data.val_answer_field or data.answer_field)
+    sources = (
+        ("data.source", data.source, data.prompt_field, data.answer_field),
+        ("data.val_source", data.val_source, *val_fields),
+    )
+    for key, source, *fields in sources:
+        if not source or source == "synthetic" or source.startswith("hf:"):
+            continue
+        if not Path(source).exists():
+            raise ConfigError(
+                f"{key}={source} does not exist on this machine ({Path(source).absolute()}); fix the path, "
+                "or set data.check_source=false if it is visible only on the compute nodes"
+            )
+        record = first_record(Path(source))
+        if record is not None:
+            from hpcrl.data.loader import record_field
+
+            for name in fields:
+                record_field(record, name, f"{key}={source}")
+
+
+def first_record(path: Path) -> dict[str, Any] | None:
+    """The first record of a .jsonl or .parquet file (None: another format, or no record)."""
+    if path.suffix == ".jsonl":
+        with path.open() as f:
+            line = next((line for line in f if line.strip()), None)
+        return json.loads(line) if line else None
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        batch = next(pq.ParquetFile(path).iter_batches(batch_size=1), None)
+        return batch.to_pylist()[0] if batch is not None and batch.num_rows else None
+    return None

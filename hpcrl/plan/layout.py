@@ -1,0 +1,193 @@
+"""A layout the auto layout search found (``search.py``): its keys, its score, and how it is shown.
+
+``step_seconds`` only ranks layouts of one model on one cluster: nominal efficiencies, not a forecast.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hpcrl.config.schema import RunConfig
+from hpcrl.plan.memory import GB, RolloutMemory, TrainMemory
+from hpcrl.plan.topology import Placement, Topology
+from hpcrl.trainer.config import MegatronTrainerConfig, megatron_build_gap
+
+LAYOUT_KEYS = (
+    "layout.train_nodes",
+    "layout.rollout_nodes",
+    "trainer.tp",
+    "trainer.pp",
+    "trainer.cp",
+    "trainer.ep",
+    "trainer.expert_tp",
+    "trainer.activation_checkpointing",
+    "rollout.tp",
+    "cluster.slurm.segment",
+)
+"""The keys a layout sets. Those typed on the command line stay as typed: the search finds the rest."""
+TRAIN_MFU = 0.35
+DECODE_BYTES_PER_S = 4e12
+"""Nominal HBM bandwidth per GPU: decoding reads the weights and the KV cache once per token."""
+REFIT_BYTES_PER_S = 25e9
+"""Nominal trainer -> engine bandwidth of a split refit (across nodes)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every key a layout sets; ``overrides`` types it back as a command line."""
+
+    train_nodes: int
+    rollout_nodes: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    expert_tp: int
+    recompute: bool
+    rollout_tp: int
+    segment: int | None = None
+
+    def overrides(self) -> list[str]:
+        keys = [
+            f"layout.train_nodes={self.train_nodes}",
+            f"layout.rollout_nodes={self.rollout_nodes}",
+            f"trainer.tp={self.tp}",
+            f"trainer.pp={self.pp}",
+            f"trainer.cp={self.cp}",
+            f"trainer.ep={self.ep}",
+            f"trainer.activation_checkpointing={str(self.recompute).lower()}",
+            f"rollout.tp={self.rollout_tp}",
+        ]
+        if self.expert_tp > 1:  # a megatron key: fsdp's schema has no expert_tp
+            keys.append(f"trainer.expert_tp={self.expert_tp}")
+        if self.segment is not None:
+            keys.append(f"cluster.slurm.segment={self.segment}")
+        return keys
+
+    def apply(self, cfg: RunConfig) -> None:
+        """Write this layout into ``cfg`` (in place)."""
+        cfg.layout.train_nodes, cfg.layout.rollout_nodes = self.train_nodes, self.rollout_nodes
+        trainer = cfg.trainer
+        trainer.tp, trainer.pp, trainer.cp, trainer.ep = self.tp, self.pp, self.cp, self.ep
+        trainer.activation_checkpointing = self.recompute
+        if isinstance(trainer, MegatronTrainerConfig):
+            trainer.expert_tp = self.expert_tp
+        cfg.rollout.tp = self.rollout_tp
+        if self.segment is not None:
+            cfg.cluster.slurm.segment = self.segment
+
+    @property
+    def nodes(self) -> int:
+        return self.train_nodes + self.rollout_nodes
+
+
+@dataclass(frozen=True)
+class Scored:
+    layout: Layout
+    gpus: int
+    peak_gb: float
+    """The largest per-GPU peak of the layout (training or rollout GPUs)."""
+    step_s: float
+
+    def key(self) -> tuple[int, float]:
+        return self.gpus, self.step_s
+
+    def describe(self) -> tuple[str, str, str, str, str]:
+        """Nodes, train parallelism, rollout engines, GPUs and peak, nominal step: one row."""
+        layout, gpus_per_node = self.layout, self.gpus // self.layout.nodes
+        nodes = (
+            f"{layout.rollout_nodes} + {layout.train_nodes} split"
+            if layout.rollout_nodes
+            else f"{layout.train_nodes} colocated"
+        )
+        train = f"TP{layout.tp} PP{layout.pp} CP{layout.cp} EP{layout.ep}"
+        if layout.expert_tp > 1:
+            train += f" ETP{layout.expert_tp}"
+        train += ", recompute" if layout.recompute else ""
+        engines = (layout.rollout_nodes or layout.train_nodes) * gpus_per_node // layout.rollout_tp
+        return (
+            nodes + (f" (segment {layout.segment})" if layout.segment else ""),
+            train,
+            f"{engines} x TP{layout.rollout_tp}",
+            f"{self.gpus} / {self.peak_gb:.0f} GB",
+            f"{self.step_s:.0f} s",
+        )
+
+
+@dataclass(frozen=True)
+class LayoutSearch:
+    """What ``hpcrl plan`` prints about an auto layout."""
+
+    reason: str
+    chosen: Scored
+    runners_up: tuple[Scored, ...]
+    tried: int
+    """Layouts whose memory was estimated."""
+
+    def summary(self) -> str:
+        """One line for render/submit (``hpcrl plan`` shows the whole search)."""
+        nodes, train, engines, gpus, _ = self.chosen.describe()
+        return f"layout  auto: {nodes}, train {train}, rollout {engines}, {gpus} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class TrainChoice:
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    expert_tp: int
+    recompute: bool
+
+
+def build_short(cfg: RunConfig) -> str:
+    trainer = cfg.trainer
+    gap = megatron_build_gap(cfg.model) if isinstance(trainer, MegatronTrainerConfig) else ""
+    return gap or f"trainer={trainer.backend} has no parallel layout it can build for {cfg.model.name}"
+
+
+def train_short(memory: TrainMemory, nodes: int, capacity: float) -> str:
+    need = max(memory.peak, memory.startup)
+    return (
+        f"training needs {need:.0f} GB per GPU of {capacity:.0f} GB at best on {nodes} node(s) (activations {memory.activations:.0f} GB, weights + optimizer "
+        f"{memory.weights + memory.optimizer:.0f} GB)"
+    )
+
+
+def rollout_short(memory: RolloutMemory, tp: int, gpus_per_node: int) -> str:
+    top = "" if tp < gpus_per_node else f" (an engine spans at most one node: rollout.tp <= {gpus_per_node})"
+    return (
+        f"a rollout engine at rollout.tp={tp}{top} has {memory.budget:.0f} GB per GPU for its "
+        f"weights ({memory.weights:.0f} GB) and one {memory.sequence_len}-token sequence"
+    )
+
+
+def step_seconds(cfg: RunConfig, topo: Topology, c: TrainChoice, rollout: RolloutMemory) -> float:
+    """A nominal step (generate + train + refit) to rank layouts by: compute-bound training with a
+    penalty per parallel degree and the pipeline bubble, bandwidth-bound decoding in waves of what the
+    KV cache holds, and the refit's transfer when the engines are on other nodes."""
+    model, algo, par = cfg.model, cfg.algo, topo.train
+    samples = algo.num_prompts_per_step * algo.num_generations
+    tokens = samples * cfg.max_seq_len
+    active = model.param_counts().active
+    flops = 6 * active * tokens * (4 / 3 if c.recompute else 1)
+    micro_batches = max(1, samples // max(1, par.dp * cfg.trainer.micro_batch_size))
+    bubble = (c.pp - 1) / (micro_batches + c.pp - 1)
+    comm = 1 + 0.1 * math.log2(c.tp * c.cp * c.pp) + 0.05 * math.log2(c.ep)
+    peak_flops = max(cfg.cluster.gpu_bf16_tflops, 1.0) * 1e12
+    train_s = flops / (par.world * peak_flops * TRAIN_MFU / comm * (1 - bubble))
+    per_engine = -(-samples // topo.rollout.engines)
+    concurrent = max(1, min(per_engine, cfg.rollout.max_num_seqs, rollout.sequences_that_fit))
+    waves = -(-per_engine // concurrent)
+    bytes_per_token = (rollout.weights + concurrent * rollout.kv_per_sequence) * GB
+    latency = bytes_per_token / DECODE_BYTES_PER_S * (1 + 0.1 * (topo.rollout.tp - 1))
+    rollout_s = waves * cfg.rollout.max_new_tokens * latency
+    refit_s = 2 * model.param_counts().total / REFIT_BYTES_PER_S if topo.placement is Placement.SPLIT else 0.0
+    return train_s + rollout_s + refit_s
+
+
+def typed_layout_keys(overrides: list[str]) -> frozenset[str]:
+    """The layout keys an override list sets (``trainer.ep=8``, ``+layout.rollout_nodes=1``)."""
+    keys = (o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o)
+    return frozenset(k for k in keys if k in LAYOUT_KEYS)

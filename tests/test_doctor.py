@@ -1,0 +1,126 @@
+"""``hpcrl doctor`` (hpcrl/launch/doctor.py), issue 21 item 6: on this machine (no GPUs), check by
+check against real files, sockets and package metadata, and as the first step of a node task."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+from hpcrl.launch.doctor import (
+    Expect,
+    check_disk,
+    check_imex,
+    check_nccl,
+    check_paths,
+    check_ports,
+    check_shared,
+    check_versions,
+    expect_from_plan,
+    interface_matches,
+    pins,
+)
+from hpcrl.launch.job import NodeTask
+from hpcrl.launch.ray_cluster import BootstrapError
+from tests.conftest import SITE, plan
+
+HOST = socket.gethostname()
+
+
+def local_expect(**changes: object) -> Expect:
+    return dataclasses.replace(expect_from_plan(plan()), **changes)
+
+
+def test_the_local_cpu_plan_passes_here(cli):
+    result = cli("doctor", "--here")
+    assert result.returncode == 0, result.stdout + result.stderr
+    checks = [line.split()[2] for line in result.stdout.splitlines()]
+    assert checks == ["gpus", "nccl", "versions", "paths", "disk", "ports"]
+    assert all(line.startswith(f"pass  {HOST}  ") for line in result.stdout.splitlines())
+    assert "0 GPUs; the plan runs on CPU" in result.stdout and "match the 'cpu' extra" in result.stdout
+
+
+def test_a_gb200_plan_fails_here_naming_what_is_missing(cli):
+    result = cli("doctor", "--here", "+cluster=gb200", *SITE)
+    assert result.returncode == 1
+    lines = {line.split()[2]: line for line in result.stdout.splitlines()}
+    assert lines["gpus"].startswith(f"FAIL  {HOST}  gpus      0 GPUs, plan wants 4; fix: ")
+    assert lines["imex"].startswith("FAIL") and "switch/nvidia_imex" in lines["imex"]
+    assert lines["versions"].startswith("FAIL") and "against the 'gpu' extra" in lines["versions"]
+    assert lines["nccl"].startswith("pass") and "NCCL_MNNVL_ENABLE=1" in lines["nccl"]
+
+
+def test_imex_channel_must_exist_and_be_writable(tmp_path):
+    expect = local_expect(imex=True)
+    assert not check_imex(expect, str(tmp_path)).ok
+    channel = tmp_path / "channel0"
+    channel.write_text("")
+    assert check_imex(expect, str(tmp_path)).ok
+    pinned = check_imex(dataclasses.replace(expect, imex_channel=3), str(tmp_path))
+    assert not pinned.ok and "channel3" in pinned.detail
+    assert check_imex(local_expect(), str(tmp_path)) is None  # not a GB200 plan
+
+
+def test_nccl_interfaces_follow_nccls_syntax(monkeypatch):
+    names = ["lo", "eth0", "ib0"]
+    assert interface_matches("eth", names) and interface_matches("^lo,eth", names)
+    assert not interface_matches("=eth", names) and interface_matches("=eth0", names)
+    assert not interface_matches("^lo,eth,ib", names)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "hsn")
+    bad = check_nccl(local_expect(), names)
+    assert not bad.ok and "GLOO_SOCKET_IFNAME=hsn matches none of this node's interfaces" in bad.detail
+    mnnvl = local_expect(env={"NCCL_MNNVL_ENABLE": "1", "NCCL_CUMEM_ENABLE": "0"})
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    assert "needs NCCL_CUMEM_ENABLE=1" in check_nccl(mnnvl, names).detail
+
+
+def test_versions_compare_with_the_extras_pins():
+    requires = ['torch==2.14.0; extra == "gpu"', 'ray[default]==2.60.0; extra == "gpu"', "numpy>=1"]
+    assert pins("gpu", requires) == {"torch": "2.14.0", "ray": "2.60.0"}
+    expect = local_expect(extra="gpu", packages=["torch", "ray"])
+    wrong = check_versions(expect, {"torch": "2.11.0+cu130", "ray": "2.60.0"}.__getitem__)
+    assert not wrong.ok and wrong.detail.startswith("torch 2.11.0+cu130 (pin 2.14.0)")
+    right = check_versions(expect, {"torch": "2.14.0+cu130", "ray": "2.60.0"}.__getitem__)
+    assert right.ok, right.detail
+
+
+def test_paths_disk_and_shared_dir(tmp_path):
+    missing = tmp_path / "gone.jsonl"
+    assert not check_paths(local_expect(paths={"data.source": str(missing)})).ok
+    assert check_paths(local_expect(paths={"HF_HOME": str(tmp_path)})).ok
+    assert not check_disk(local_expect(disk_dir=str(tmp_path / "a" / "b"), disk_gb=1e9)).ok
+    assert check_disk(local_expect(disk_dir=str(tmp_path), disk_gb=0.001)).ok
+    assert not check_shared(local_expect(shared_file=str(missing))).ok
+    assert check_shared(local_expect()) is None
+
+
+def test_a_port_held_by_another_process_fails_with_its_number():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = check_ports(local_expect(ports=[[port, port]]))
+    assert not result.ok and f"{port} (" in result.detail
+    assert check_ports(local_expect(ports=[[port, port]])).ok  # released
+
+
+def test_checkpoint_space_is_the_plans_checkpoint_times_the_kept_ones(tmp_path):
+    p = plan("+experiment=dapo-nemotron-super-5n4g-megatron", *SITE)
+    expect = expect_from_plan(p, run_dir=str(tmp_path))
+    params = p.cfg.model.param_counts().total
+    assert expect.disk_gb == pytest.approx(14 * params / 1e9 * (p.cfg.checkpoint.keep_top_k + 2))
+    assert expect.disk_dir == str(tmp_path) and expect.extra == "gpu" and "megatron-core" in expect.packages
+    assert Expect.from_json(expect.to_json()) == expect
+
+
+def test_a_failing_node_ends_its_task_before_ray(tmp_path):
+    expect = local_expect(on_gpus=True, gpus_per_node=4)
+    task = NodeTask(str(tmp_path), ["train"], None, bootstrap=plan().cfg.cluster.bootstrap, expect=expect)
+    with pytest.raises(
+        BootstrapError, match=r"node 0 \(\S+\) failed hpcrl doctor: FAIL .*0 GPUs, plan wants 4"
+    ):
+        task._doctor(SimpleNamespace(node_id=0, host=HOST))
+    assert not (tmp_path / "nodes").exists() and os.listdir(tmp_path) == []
