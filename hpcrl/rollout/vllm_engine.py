@@ -11,6 +11,16 @@ per token, the sampled token detokenized for the logprob entry, and the incremen
 ``detokenize=False`` (which also skips the logprob entries' text), and each finished completion decoded
 once here (``batch_decode``, in Rust).
 
+Sampling seeds: each call's seed reseeds the workers' generators (``hpcrl_seed``) before its requests go
+in, and no request carries a ``seed`` of its own. A seed per request cost twice: vLLM's V1 model runner
+(the CPU build; MoE models on GPU vLLM 0.26) then samples those rows one at a time, a Python loop of one
+``exponential_`` launch per request and step; and every prompt of a call got the same seed (its ``n``
+samples ``seed + i``), so all prompts drew the same noise at the same position: the i-th samples of
+different prompts were correlated. Reseeded, each request draws its own noise (V1: the worker's torch
+generator, batched; V2, GPU vLLM's default runner for dense models: a seed per request drawn from the
+worker's numpy generator as the requests arrive), and the same seed and prompts give the same samples
+as long as the engine schedules the same batches.
+
 Weights load in place through the worker extension ``WeightReloader`` (``vllm_compat.load_weights``:
 ``model.load_weights`` on GPU, the runner's ``reload_weights`` on CPU). Three ways in: CUDA IPC
 handles from a trainer on the same GPU (``load_ipc``, then ``finish_refit``), the broadcast group
@@ -58,6 +68,18 @@ class WeightReloader:
         the wire and in the load."""
         receiver = self._hpcrl_receiver
         return receiver.timed(lambda: vllm_compat.load_weights(self, receiver.receive()))
+
+    def hpcrl_seed(self, seed: int) -> None:
+        """Reseed the generators the samplers draw from: torch (V1 runner), numpy (V2 runner's
+        per-request seeds), random."""
+        import random
+
+        import numpy as np
+        import torch
+
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)  # every device's generator too
 
     def hpcrl_reload_weights(self, payload: bytes) -> int:
         from safetensors.torch import load
@@ -173,14 +195,15 @@ class VLLMEngine:
                 yield [(int(o.request_id) - base, g) for o, g in zip(done, groups, strict=True)]
 
     def _params(self, settings: SamplingSettings) -> Any:
+        """The requests' sampling parameters; reseeds the workers first (before the requests go in)."""
         from vllm import SamplingParams
 
+        self.llm.collective_rpc("hpcrl_seed", args=(settings.seed,))  # not per request: module docstring
         return SamplingParams(
             n=settings.n,
             temperature=settings.temperature,
             top_p=settings.top_p,
             max_tokens=settings.max_tokens,
-            seed=settings.seed,
             stop_token_ids=self.stop_token_ids or None,
             **vllm_compat.sampling_kwargs(self.logprobs),
         )
