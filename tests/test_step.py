@@ -88,6 +88,20 @@ def test_calls_come_in_order_and_micro_batches_cut_each_minibatch():
     assert set(one) == set(metrics)  # gen_kl_error too: from the forward's own log-probs
 
 
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_without_engine_logprobs_there_is_no_gen_kl_error_and_the_step_is_the_same(minibatches):
+    """rollout.logprobs=false: the batch's rollout log-probs are placeholders, so no mismatch is
+    reported (it would be against zeros); the update itself never reads them without IS."""
+    b = numbered(batch())
+    with_lps = TrainStep(PolicyLoss(), minibatches, 2)(FakeBackend(b), b, None, "cpu")
+    zeroed = TrainBatch(b.input_ids, b.attention_mask, b.loss_mask, b.advantages, b.rollout_logp * 0)
+    without = TrainStep(PolicyLoss(), minibatches, 2, engine_logprobs=False)(
+        FakeBackend(zeroed), zeroed, None, "cpu"
+    )
+    assert "gen_kl_error" in with_lps and "gen_kl_error" not in without
+    assert {k: without[k] for k in without} == {k: with_lps[k] for k in without}
+
+
 @pytest.mark.parametrize("size", [1, 2, 5])
 def test_token_shares_give_the_whole_minibatch_loss_and_gradient(size):
     """Micro-batches of any size accumulate to the minibatch's token-mean loss, its gradient and its

@@ -203,7 +203,7 @@ def make_batch(
         for j, c in enumerate(g):
             prompts.append(p)
             comps.append(c.token_ids or [pad_id])
-            lps.append(c.logprobs or [0.0])
+            lps.append(c.logprobs or [0.0])  # rollout.logprobs=false: a placeholder the step never reads
             advs.append(float(adv[i, j]))
             keep.append(
                 float(truncation_mask(torch.tensor([c.truncated]))[0]) if algo.overlong_filter else 1.0

@@ -89,11 +89,16 @@ class TrainStep:
     loss: PolicyLoss
     minibatches: int
     micro_batch_size: int
+    engine_logprobs: bool = True
+    """The engines send each sampled token's log-prob (``rollout.logprobs``). Without them the batch's
+    ``rollout_logp`` is a placeholder that nothing may read: no ``gen_kl_error`` (the config refuses an
+    IS correction then), rather than a mismatch against zeros."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> TrainStep:
         loss = PolicyLoss.from_config(cfg.algo, cfg.rollout.max_new_tokens)
-        return cls(loss, cfg.algo.num_minibatches, cfg.trainer.micro_batch_size)
+        logprobs = bool(getattr(cfg.rollout, "logprobs", True))
+        return cls(loss, cfg.algo.num_minibatches, cfg.trainer.micro_batch_size, logprobs)
 
     def __call__(
         self,
@@ -109,7 +114,7 @@ class TrainStep:
         old_logp = None if self.minibatches == 1 else backend.logprobs(batch)
         whole = StepBatch(batch, old_logp, ref_logp).to(device)
         totals = Totals()
-        if whole.old_logp is not None:
+        if whole.old_logp is not None and self.engine_logprobs:
             # the rollouts' mismatch with the old policy, over the whole batch; times the number of
             # minibatches, which the average over them divides out
             d = whole.data
@@ -151,7 +156,8 @@ class TrainStep:
             "clip_fraction": terms.clip_fraction * share,
             "entropy": (entropy.detach() * d.loss_mask).sum() / shares.total_tokens,
         }
-        if mb.old_logp is None:  # the old policy is this forward's (else: scored over the whole batch)
+        # the old policy is this forward's (else: scored over the whole batch)
+        if mb.old_logp is None and self.engine_logprobs:
             metrics["gen_kl_error"] = gen_kl_error(old, d.rollout_logp, d.loss_mask) * token_share
         return terms.loss * share, metrics
 
