@@ -192,10 +192,10 @@ def test_missing_site_keys_name_the_file_and_the_lines_to_add(site, tmp_path):
     """The error's lines, with the placeholders filled in, are a working site file."""
     result = run_cli("plan", "+experiment=dapo-nemotron-super-5n4g-megatron")
     assert result.returncode == 2
-    first, *lines = result.stderr.splitlines()
-    assert "cluster 'gb200' requires cluster.slurm.account, cluster.container.image" in first
-    assert first.endswith(f"add these lines to {tmp_path / 'site.yaml'}:")
-    snippet = "\n".join(lines).replace("<account>", "my-acc").replace("<image>", "/img/hpcrl.sqsh")
+    (line,) = result.stderr.splitlines()  # one line, the entry to paste at its end
+    assert "cluster 'gb200' requires cluster.slurm.account, cluster.container.image" in line
+    _, entry = line.split(f"add to {tmp_path / 'site.yaml'}: ")
+    snippet = entry.replace("<account>", "my-acc").replace("<image>", "/img/hpcrl.sqsh")
     assert yaml.safe_load(snippet) == {
         "clusters": {"gb200": {"slurm": {"account": "my-acc"}, "container": {"image": "/img/hpcrl.sqsh"}}}
     }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from hpcrl.config.checks import MISSING, non_negative, positive
 from hpcrl.errors import ConfigError
@@ -137,8 +138,8 @@ class ClusterConfig:
             fixes = " ".join(f"cluster.{key}=<value>" for key in missing)
             raise ConfigError(
                 f"cluster '{self.name}' requires {', '.join('cluster.' + k for k in missing)}; "
-                f"add {fixes} to the command line, run `hpcrl init`, or add these lines to "
-                f"{site_file()}:\n{site_snippet(self.name, missing)}"
+                f"add {fixes} to the command line, run `hpcrl init`, or add to {site_file()}: "
+                f"{site_snippet(self.name, missing)}"
             )
 
     def site_value(self, dotted: str) -> object:
@@ -154,17 +155,22 @@ class ClusterConfig:
 
 
 def site_snippet(cluster: str, keys: list[str]) -> str:
-    """The site.yaml lines that set dotted ``keys`` (below ``cluster.``) for ``cluster``, as placeholders."""
-    lines = ["clusters:", f"  {cluster}:"]
-    written: list[str] = []
+    """The site.yaml entry that sets dotted ``keys`` (below ``cluster.``) for ``cluster``, with
+    placeholders, as one line of YAML (flow style: the error stays one line, and it pastes as is)."""
+    tree: dict[str, Any] = {}
     for key in sorted(keys):
         *sections, leaf = key.split(".")
-        for depth, section in enumerate(sections):
-            if written[: depth + 1] != sections[: depth + 1]:
-                lines.append("    " + "  " * depth + f"{section}:")
-        written = sections
-        lines.append("    " + "  " * len(sections) + f"{leaf}: <{leaf}>")
-    return "\n".join(lines)
+        node = tree
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = f"<{leaf}>"
+
+    def flow(value: Any) -> str:
+        if isinstance(value, dict):
+            return "{" + ", ".join(f"{k}: {flow(v)}" for k, v in value.items()) + "}"
+        return str(value)
+
+    return f"clusters: {{{cluster}: {flow(tree)}}}"
 
 
 SECRET_PATTERN = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|APIKEY|CREDENTIAL)", re.IGNORECASE)
