@@ -39,13 +39,17 @@ def catalog() -> dict[str, ClusterConfig]:
     """Every cluster option (hpcrl's and the site's), typed, read straight from its file."""
     import yaml
 
-    from hpcrl.config.fastcompose import build, yaml_loader
+    from hpcrl.config.fastcompose import Unsupported, _load, build
+    from hpcrl.errors import ConfigError
 
     out = {}
     for base in conf_dirs():
         for path in sorted((base / "cluster").glob("*.yaml")):
-            body = yaml.load(path.read_text(), Loader=yaml_loader()) or {}
-            out[path.stem] = build(ClusterConfig, body)
+            try:
+                out[path.stem] = build(ClusterConfig, _load(path)[1])
+            except (Unsupported, yaml.YAMLError, TypeError, ValueError) as exc:
+                why = " ".join(str(exc).split())
+                raise ConfigError(f"{path}: {why}; fix the file or remove it") from None
     return out
 
 

@@ -132,12 +132,13 @@ def have_slurm() -> bool:
 
 def read_partitions() -> list[Partition]:
     """The GPU partitions of the cluster this machine submits to (runs sinfo and scontrol)."""
-    sinfo = _run(["sinfo", "-h", "-e", "-o", SINFO_FORMAT])
-    nodes = _run(["scontrol", "show", "node", "-o"])
+    sinfo = run_slurm(["sinfo", "-h", "-e", "-o", SINFO_FORMAT])
+    nodes = run_slurm(["scontrol", "show", "node", "-o"])
     return gpu_partitions(parse_sinfo(sinfo), arch_by_partition(parse_scontrol(nodes)))
 
 
-def _run(argv: list[str]) -> str:
+def run_slurm(argv: list[str]) -> str:
+    """A Slurm command's output; a missing binary, a timeout or a failure is one line."""
     from hpcrl.errors import HpcrlError
 
     try:

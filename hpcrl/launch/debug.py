@@ -152,7 +152,7 @@ def attach(job_id: str, root: Path, node: str | None, command: list[str]) -> int
     job, meta = held(job_id, root)
     hosts = node_hosts(job.run_dir, job.nodes)
     node = node or hosts[0]
-    if node.isdigit():
+    if node.isdigit() and int(node) < len(hosts):
         node = hosts[int(node)]
     if node not in hosts:
         raise HpcrlError(f"node {node} is not in job {job.job_id} (its nodes: {', '.join(hosts)})")

@@ -31,14 +31,14 @@ def fan_out(job: str, plan: Plan) -> int:
     expectations on the command line and a file on the shared filesystem each node must see."""
     import time
 
-    from hpcrl.launch.sbatch import srun_args
+    from hpcrl.launch.sbatch import container_args
 
     cfg = plan.cfg
     shared = Path(cfg.run.output_root).resolve() / ".doctor" / f"{job}-{time.time():.0f}.json"
     shared.parent.mkdir(parents=True, exist_ok=True)
     expect = expect_from_plan(plan, shared_file=str(shared))
     shared.write_text(expect.to_json())
-    container = [a for a in srun_args(cfg.cluster) if a.startswith(("--container", "--no-container"))]
+    container = container_args(cfg.cluster)
     nodes = job_nodes(job)
     python = cfg.cluster.python or sys.executable
     argv = [
@@ -63,13 +63,11 @@ def fan_out(job: str, plan: Plan) -> int:
 
 def job_nodes(job: str) -> int:
     """How many nodes the running job holds (srun from outside the allocation would start one task)."""
+    from hpcrl.config.slurminfo import run_slurm
     from hpcrl.errors import HpcrlError
 
-    done = subprocess.run(
-        ["squeue", "-h", "-j", job, "-o", "%D %T"], capture_output=True, text=True, timeout=60
-    )
-    fields = done.stdout.split()
-    if done.returncode or len(fields) < 2 or fields[1] != "RUNNING":
+    fields = run_slurm(["squeue", "-h", "-j", job, "-o", "%D %T"]).split()
+    if len(fields) < 2 or fields[1] != "RUNNING":
         state = fields[1] if len(fields) > 1 else "not in squeue"
         raise HpcrlError(
             f"hpcrl doctor --job {job}: the job is not running ({state}); pass a running job or allocation"

@@ -9,17 +9,12 @@ account, container, time limit, environment from the cluster's config), asks for
 
 from __future__ import annotations
 
-import json
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
-from hpcrl.errors import HpcrlError
-from hpcrl.launch.sbatch import make_executor, srun_args
-from hpcrl.launch.submit import JOBS_INDEX, Submitted
+from hpcrl.launch.submit import Submitted, record_job, submit_task
 from hpcrl.plan.planner import make_plan
-from hpcrl.run.rundir import atomic_write_text
 
 
 class EvalTask:
@@ -51,32 +46,5 @@ def submit_eval(
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     task = EvalTask(run_eval, overrides, absolute(spec), str(out), absolute(against) if against else None)
-    try:
-        executor = make_executor(plan, out)
-        executor.update_parameters(nodes=1, job_name=f"eval-{out.name}")
-        job = executor.submit(task)
-    except Exception as exc:  # submitit raises with sbatch's own words
-        reason = " ".join(str(exc).split())[:400]
-        raise HpcrlError(
-            f"submission to Slurm failed ({reason}); check that sbatch works here "
-            f"(SLURM_CONF, partition/account in cluster.slurm.*)"
-        ) from None
-    meta = {
-        "job_id": job.job_id,
-        "nodes": 1,
-        "submitted": time.time(),
-        "roles": ["eval"],
-        "cluster": cfg.cluster.name,
-        "name": f"eval-{out.name}",
-        "debug": False,
-        "gpus_per_node": cfg.cluster.gpus_per_node,
-        "python": cfg.cluster.python,
-        "container_args": [
-            a for a in srun_args(cfg.cluster) if a.startswith(("--container", "--no-container"))
-        ],
-    }
-    atomic_write_text(out / "job.json", json.dumps(meta, indent=1))
-    index = Path(cfg.run.output_root) / JOBS_INDEX
-    index.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(index / str(job.job_id), str(out))
-    return Submitted(str(job.job_id), out)
+    job_id = submit_task(plan, out, task, nodes=1, job_name=f"eval-{out.name}")
+    return record_job(plan, job_id, out, ["eval"], f"eval-{out.name}")

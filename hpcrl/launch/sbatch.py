@@ -53,6 +53,11 @@ def slurm_parameters(plan: Plan) -> dict[str, Any]:
     return params
 
 
+def container_args(cluster: ClusterConfig) -> list[str]:
+    """The pyxis container flags of ``srun_args`` (what a later ``srun --overlap`` into the job repeats)."""
+    return [a for a in srun_args(cluster) if a.startswith(("--container", "--no-container"))]
+
+
 def srun_args(cluster: ClusterConfig) -> list[str]:
     # --kill-on-bad-exit: one node's task failing ends the step at once instead of idling the others.
     args = ["--kill-on-bad-exit=1", "--cpu-bind=none"]

@@ -12,7 +12,7 @@ from hpcrl.errors import HpcrlError
 from hpcrl.launch.doctor import expect_from_plan
 from hpcrl.launch.job import NodeTask
 from hpcrl.launch.ray_cluster import make_token
-from hpcrl.launch.sbatch import SUBMITIT_DIR, make_executor, render_sbatch, srun_args
+from hpcrl.launch.sbatch import SUBMITIT_DIR, container_args, make_executor, render_sbatch
 from hpcrl.plan.planner import Plan
 from hpcrl.run.rundir import atomic_write_text, new_run_dir, write_resolved_config
 
@@ -47,39 +47,54 @@ def submit(
     write_resolved_config(cfg, run_dir)
     make_token(run_dir)  # 0600, on the shared filesystem: the job's nodes and `hpcrl run` read it
     atomic_write_text(run_dir / "sbatch.sh", render_sbatch(plan, run_dir))
+    task = NodeTask(
+        str(run_dir),
+        plan.topology.node_roles(),
+        None if smoke or debug else plan,
+        hold_s=math.inf if debug else hold_s,
+        bootstrap=cfg.cluster.bootstrap,
+        expect=expect_from_plan(plan, run_dir=str(run_dir)),
+    )
+    job_id = submit_task(plan, run_dir, task, kept=f" Run dir kept: {run_dir}")
+    roles = plan.topology.node_roles()
+    return record_job(plan, job_id, run_dir, roles, cfg.run.name, debug=debug)
+
+
+def submit_task(plan: Plan, run_dir: Path, task: object, *, kept: str = "", **slurm: object) -> str:
+    """Queue ``task`` with the plan's executor (``slurm``: parameters over the plan's, e.g. fewer
+    nodes); its job id. A refused submission is one line with sbatch's own words."""
     try:
         executor = make_executor(plan, run_dir)
-        task = NodeTask(
-            str(run_dir),
-            plan.topology.node_roles(),
-            None if smoke or debug else plan,
-            hold_s=math.inf if debug else hold_s,
-            bootstrap=cfg.cluster.bootstrap,
-            expect=expect_from_plan(plan, run_dir=str(run_dir)),
-        )
-        job = executor.submit(task)
+        if slurm:
+            executor.update_parameters(**slurm)
+        return str(executor.submit(task).job_id)
     except Exception as exc:  # submitit raises RuntimeError/FailedSubmissionError with sbatch's own words
         reason = " ".join(str(exc).split())[:400]
         raise HpcrlError(
             f"submission to Slurm failed ({reason}); check that sbatch works here "
-            f"(SLURM_CONF, partition/account in cluster.slurm.*). Run dir kept: {run_dir}"
+            f"(SLURM_CONF, partition/account in cluster.slurm.*).{kept}"
         ) from None
+
+
+def record_job(
+    plan: Plan, job_id: str, run_dir: Path, roles: list[str], name: str, *, debug: bool = False
+) -> Submitted:
+    """``job.json`` in the run directory and the ``.jobs`` index entry: what status/logs/cancel read."""
+    cfg = plan.cfg
     meta = {
-        "job_id": job.job_id,
-        "nodes": plan.topology.nodes,
+        "job_id": job_id,
+        "nodes": len(roles),
         "submitted": time.time(),
-        "roles": plan.topology.node_roles(),
+        "roles": roles,
         "cluster": cfg.cluster.name,
-        "name": cfg.run.name,
+        "name": name,
         "debug": debug,
         "gpus_per_node": cfg.cluster.gpus_per_node,
         "python": cfg.cluster.python,
-        "container_args": [
-            a for a in srun_args(cfg.cluster) if a.startswith("--container") or a.startswith("--no-container")
-        ],
+        "container_args": container_args(cfg.cluster),
     }
     atomic_write_text(run_dir / "job.json", json.dumps(meta, indent=1))
     index = Path(cfg.run.output_root) / JOBS_INDEX
     index.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(index / str(job.job_id), str(run_dir))
-    return Submitted(str(job.job_id), run_dir)
+    atomic_write_text(index / job_id, str(run_dir))
+    return Submitted(job_id, run_dir)

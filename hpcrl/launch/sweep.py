@@ -76,10 +76,9 @@ def submit_sweep(points: list[Point]) -> tuple[Path, list[dict[str, Any]]]:
 
 
 def latest_metric(run_dir: Path) -> str:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return "-"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from hpcrl.run.metrics import read_metrics
+
+    rows = read_metrics(run_dir)
     for key in ("val/accuracy", "train/reward"):
         hits = [r for r in rows if key in r]
         if hits:

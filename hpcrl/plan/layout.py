@@ -189,5 +189,6 @@ def step_seconds(cfg: RunConfig, topo: Topology, c: TrainChoice, rollout: Rollou
 
 def typed_layout_keys(overrides: list[str]) -> frozenset[str]:
     """The layout keys an override list sets (``trainer.ep=8``, ``+layout.rollout_nodes=1``)."""
-    keys = (o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o)
-    return frozenset(k for k in keys if k in LAYOUT_KEYS)
+    from hpcrl.config.compose import command_line_keys
+
+    return frozenset(command_line_keys([o for o in overrides if "=" in o]) & set(LAYOUT_KEYS))

@@ -60,6 +60,8 @@ class Plan:
 
     def require_fit(self) -> None:
         if not self.fits:
+            if self.no_layout:
+                raise DoesNotFitError(self.no_layout)
             problems = "; ".join(self.problems)
             recipes = matching_recipes(self.cfg.model.name, self.cfg.cluster.name)
             hint = (
@@ -67,8 +69,6 @@ class Plan:
                 if recipes
                 else ""
             )
-            if self.no_layout:
-                raise DoesNotFitError(self.no_layout)
             raise DoesNotFitError(
                 f"{self.cfg.model.name} does not fit on {self.cfg.cluster.name}: {problems}. "
                 "Try more nodes, layout.rollout_nodes>=1 (split), larger trainer.tp/pp/ep, "

@@ -169,7 +169,7 @@ class RolloutActor:
 
         self.threads = torch.get_num_threads()  # as the engine left it (vLLM on CPU sets its own)
 
-    def _threads(self) -> None:
+    def _engine_threads(self) -> None:
         """torch's (OpenMP's) thread count is per calling thread, and vLLM's CPU attention checks that
         every call runs with the count the engine was built with: with in-flight updates calls come
         on a pool thread. vLLM's CPU worker replaces ``torch.set_num_threads`` by a no-op after it
@@ -183,20 +183,20 @@ class RolloutActor:
         return {"role": "rollout", "host": socket.gethostname(), "pid": os.getpid()}
 
     def generate(self, prompts: list[list[int]], settings: Any) -> Any:
-        self._threads()
+        self._engine_threads()
         return self.engine.generate(prompts, settings)
 
     def generate_stream(self, prompts: list[list[int]], settings: Any) -> Any:
         """A Ray streaming generator: lists of (prompt index, group) as groups finish (engines
         without a stream hand over the whole batch once)."""
-        self._threads()
+        self._engine_threads()
         if hasattr(self.engine, "generate_stream"):
             yield from self.engine.generate_stream(prompts, settings)
         else:
             yield list(enumerate(self.engine.generate(prompts, settings)))
 
     def load_weights(self, weights: dict[str, Any]) -> bool:
-        self._threads()
+        self._engine_threads()
         self.engine.load_weights(weights)
         return True
 
@@ -212,23 +212,23 @@ class RolloutActor:
         return True
 
     def load_ipc(self, args: Any, entries: list[Any]) -> bool:
-        self._threads()
+        self._engine_threads()
         self.engine.load_ipc(args, entries)
         return True
 
     def sleep(self) -> bool:
-        self._threads()
+        self._engine_threads()
         self.engine.sleep()
         return True
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
-        self._threads()
+        self._engine_threads()
         self.engine.wake_up(tags)
         return True
 
     def finish_refit(self) -> bool:
         """After the last bucket: caches computed with the old weights are dropped."""
-        self._threads()
+        self._engine_threads()
         self.engine.finish_refit()
         return True
 
@@ -237,9 +237,9 @@ class RolloutActor:
         return self.engine.ranks, self.engine.weight_dtype, ray_node_ip()
 
     def join_weight_group(self, wire: dict[str, Any], rank_base: int, local_ip: str) -> None:
-        self._threads()
+        self._engine_threads()
         self.engine.join_weight_group(wire, rank_base, local_ip)
 
     def receive_weights(self) -> dict[str, float]:
-        self._threads()
+        self._engine_threads()
         return dict(self.engine.receive_weights())

@@ -200,7 +200,9 @@ def _resume(actors: Any, run: _Run, lag: int) -> tuple[int, list[Any]]:
 
 
 def summarize(run_dir: Path, ckpt: Any, started: float) -> None:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    from hpcrl.run.metrics import read_metrics
+
+    rows = read_metrics(run_dir)
     vals = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
     if vals:
         say(

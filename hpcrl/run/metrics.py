@@ -68,3 +68,16 @@ def console_line(step: int, total: int, m: dict[str, float]) -> str:
         if key in m:
             parts.append(fmt.format(m[key]))
     return " | ".join(parts)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's rows, in order; none when the run has not logged yet. A run still writing (or
+    killed mid-line) can end in a partial line: it is left out."""
+    file = run_dir / "metrics.jsonl"
+    rows = []
+    for line in file.read_text().splitlines() if file.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # blank, or the line being written
+    return rows

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.errors import HpcrlError
+from hpcrl.run.metrics import read_metrics
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,7 @@ def find_runs(paths: list[Path]) -> list[tuple[str, Path]]:
 def read_run(label: str, path: Path) -> Run:
     """A run's numeric series from metrics.jsonl; a missing file (a sweep point not started) is empty."""
     series: dict[str, list[tuple[int, float]]] = {}
-    file = path / "metrics.jsonl"
-    lines = file.read_text().splitlines() if file.exists() else []
-    for line in lines:
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for row in read_metrics(path):
         for key, value in row.items():
             if key not in ("step", "time") and isinstance(value, int | float):
                 series.setdefault(key, []).append((int(row["step"]), float(value)))
