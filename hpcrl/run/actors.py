@@ -145,28 +145,19 @@ class RolloutActor:
         kv_cache_gb: float | None,
     ) -> None:
         _threads()
-        from hpcrl.rollout.config import VLLMRolloutConfig
-
-        rollout = cfg.rollout
-        self.engine: Any
-        if isinstance(rollout, VLLMRolloutConfig):
-            from hpcrl.rollout.vllm_engine import VLLMEngine
-
-            self.engine = VLLMEngine(
-                Path(model_dir),
-                rollout,
-                seed=cfg.run.seed,
-                max_model_len=max_model_len,
-                on_cpu=on_cpu,
-                scratch=Path(scratch),
-                kv_cache_gb=kv_cache_gb,
-            )
-        else:
-            from hpcrl.rollout.hf_engine import HFEngine
-
-            self.engine = HFEngine(Path(model_dir), rollout, device="cpu" if on_cpu else "cuda")
         import torch
 
+        from hpcrl.rollout.build import build_engine
+
+        self.engine = build_engine(
+            Path(model_dir),
+            cfg.rollout,
+            seed=cfg.run.seed,
+            max_model_len=max_model_len,
+            on_cpu=on_cpu,
+            scratch=Path(scratch),
+            kv_cache_gb=kv_cache_gb,
+        )
         self.threads = torch.get_num_threads()  # as the engine left it (vLLM on CPU sets its own)
 
     def _engine_threads(self) -> None:

@@ -88,26 +88,20 @@ def make_engine(cfg: RunConfig, model_dir: Path, scratch: Path) -> Any:
     """One rollout engine in this process: the run's backend and settings."""
     import torch
 
-    from hpcrl.rollout.config import HFRolloutConfig, VLLMRolloutConfig
+    from hpcrl.rollout.build import build_engine
+    from hpcrl.rollout.config import VLLMRolloutConfig
 
     on_cpu = not torch.cuda.is_available()
-    if isinstance(cfg.rollout, VLLMRolloutConfig):
-        from hpcrl.rollout.vllm_engine import VLLMEngine
-
-        kv_gb = _cpu_kv_gb(cfg) if on_cpu else None
-        return VLLMEngine(
-            model_dir,
-            cfg.rollout,
-            seed=cfg.run.seed,
-            max_model_len=cfg.max_seq_len,
-            on_cpu=on_cpu,
-            scratch=scratch,
-            kv_cache_gb=kv_gb,
-        )
-    from hpcrl.rollout.hf_engine import HFEngine
-
-    assert isinstance(cfg.rollout, HFRolloutConfig)  # the rollout group has these two schemas
-    return HFEngine(model_dir, cfg.rollout, device="cpu" if on_cpu else "cuda")
+    kv_gb = _cpu_kv_gb(cfg) if on_cpu and isinstance(cfg.rollout, VLLMRolloutConfig) else None
+    return build_engine(
+        model_dir,
+        cfg.rollout,
+        seed=cfg.run.seed,
+        max_model_len=cfg.max_seq_len,
+        on_cpu=on_cpu,
+        scratch=scratch,
+        kv_cache_gb=kv_gb,
+    )
 
 
 def _cpu_kv_gb(cfg: RunConfig) -> float:
