@@ -22,6 +22,7 @@ from hpcrl.launch.doctor import (
     expect_from_plan,
     interface_matches,
     pins,
+    size_text,
 )
 from hpcrl.launch.job import NodeTask
 from hpcrl.launch.ray_cluster import BootstrapError
@@ -95,6 +96,20 @@ def test_paths_disk_and_shared_dir(tmp_path):
     assert check_disk(local_expect(disk_dir=str(tmp_path), disk_gb=0.001)).ok
     assert not check_shared(local_expect(shared_file=str(missing))).ok
     assert check_shared(local_expect()) is None
+
+
+def test_sizes_read_in_the_unit_that_shows_them():
+    # a 64 kB filesystem against a 30 MB checkpoint once read "0 GB free, checkpoints need 0.0 GB"
+    sizes = [0, 65536 / 1e9, 0.0305, 1.5, 78.66, 250.4, 1234]
+    assert [size_text(gb) for gb in sizes] == [
+        "0 B",
+        "65.5 kB",
+        "30.5 MB",
+        "1.5 GB",
+        "78.7 GB",
+        "250 GB",
+        "1.23 TB",
+    ]
 
 
 def test_a_port_held_by_another_process_fails_with_its_number():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -9,11 +10,13 @@ import signal
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 from hpcrl.launch import lifecycle
+from hpcrl.launch.doctor import IMEX_DIR, pins
 
 from .conftest import run_cli
 
@@ -228,62 +231,164 @@ HOLD_GCS_PORT = (
     "s = socket.socket(); s.bind(('0.0.0.0', 1200)); s.listen()\n"
     "print('listening', flush=True); sys.stdin.read()"
 )
+FAKE_NVIDIA_SMI = (
+    "#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-fake-0)'\necho 'GPU 1: NVIDIA H200 (UUID: GPU-fake-1)'\n"
+)
+NODE2_FAILS = [["pass", "hpcrl-node1"], ["FAIL", "hpcrl-node2"], ["pass", "hpcrl-node3"]]
 
 
-def test_doctor_finds_the_failing_node_and_ends_the_job_before_ray(slurm_cluster, tmp_path):
-    """Issue 21 item 6: a process in hpcrl-node2's namespace holds Ray's GCS port. `hpcrl doctor --job`
-    names that node (the other two pass), and a submitted job ends at its first step, before Ray."""
-    ns = ["ip", "netns", "exec", "hpcrl-node2", sys.executable, "-c", HOLD_GCS_PORT]
-    holder = subprocess.Popen(ns, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "listening"
-        held = subprocess.run(
-            [
-                "sbatch",
-                "--parsable",
-                "-N",
-                "3",
-                "-p",
-                "debug",
-                "-t",
-                "5",
-                "-o",
-                "/dev/null",
-                "--wrap",
-                "sleep 300",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        deadline = time.monotonic() + 60
-        while lifecycle.job_state(held) != "RUNNING":
-            assert time.monotonic() < deadline, "the allocation never started"
-            time.sleep(0.2)
-        result = run_cli("doctor", "--job", held, "cluster=slurmtest", f"run.output_root={tmp_path}")
+def _in_node(conf: str, node: int, *argv: str) -> None:
+    """Run ``argv`` in one namespace node's mount namespace: `ip netns exec` gives every slurmd its own,
+    and the job steps inherit it, so what is mounted there only that node's tasks see."""
+    pid = (Path(conf).parents[1] / "run" / f"slurmd-hpcrl-node{node}.pid").read_text().strip()
+    subprocess.run(["nsenter", f"--target={pid}", "--mount", *argv], check=True)
+
+
+def _mount(undo: contextlib.ExitStack, conf: str, node: int, target: Path | str, *how: str) -> None:
+    _in_node(conf, node, "mount", *how, str(target))
+    undo.callback(_in_node, conf, node, "umount", str(target))
+
+
+def _break_node2(undo: contextlib.ExitStack, conf: str, tmp_path: Path) -> None:
+    """hpcrl-node2 fails every check of a CPU plan whose run.output_root is ``out``, data.source is in
+    ``data``, checkpoint.dir is ``ckpt`` and NCCL_SOCKET_IFNAME is ``ib``; nodes 1 and 3 get a bridge
+    ``ib0`` and, for a GPU plan with IMEX channel 0, the fakes in ``fake_bin`` and ``fake_imex``."""
+    holder = subprocess.Popen(
+        ["ip", "netns", "exec", "hpcrl-node2", sys.executable, "-c", HOLD_GCS_PORT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    undo.callback(holder.wait)
+    undo.callback(holder.kill)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "listening"
+    for hidden in ("out", "ckpt", "data"):  # 64 kB: less than a tiny checkpoint
+        _mount(undo, conf, 2, tmp_path / hidden, "-t", "tmpfs", "-o", "size=64k", "hpcrl-test")
+    torch_meta = next(f for f in metadata.files("torch") or [] if f.name == "METADATA").locate()
+    other = tmp_path / "METADATA"
+    other.write_text(re.sub(r"(?m)^Version: .*$", "Version: 1.0.0", Path(torch_meta).read_text(), count=1))
+    _mount(undo, conf, 2, torch_meta, "--bind", str(other))
+    imex = Path(IMEX_DIR)
+    if not imex.exists():  # a mount point for nodes 1 and 3 (empty: node2 has no channel)
+        imex.mkdir()
+        undo.callback(imex.rmdir)
+    for node in (1, 3):
+        _mount(undo, conf, node, tmp_path / "bin", "--bind", str(tmp_path / "fake_bin"))
+        _mount(undo, conf, node, imex, "--bind", str(tmp_path / "fake_imex"))
+        link = ["ip", "-n", f"hpcrl-node{node}", "link"]
+        subprocess.run([*link, "add", "ib0", "type", "bridge"], check=True)
+        undo.callback(subprocess.run, [*link, "del", "ib0"], check=True)
+
+
+def _hold_three_nodes(undo: contextlib.ExitStack) -> str:
+    sbatch = ["sbatch", "--parsable", "-N", "3", "-p", "debug", "-t", "5", "-o", "/dev/null"]
+    job = subprocess.run([*sbatch, "--wrap", "sleep 300"], capture_output=True, text=True, check=True)
+    held = job.stdout.strip()
+    undo.callback(subprocess.run, ["scancel", held], check=False)
+    deadline = time.monotonic() + 60
+    while lifecycle.job_state(held) != "RUNNING":
+        assert time.monotonic() < deadline, "the allocation never started"
+        time.sleep(0.2)
+    return held
+
+
+def _assert_only_node2_fails(stdout: str, expected: dict[str, tuple[str, ...]]) -> None:
+    """Each check in ``expected``: nodes 1 and 3 pass, node2's line fails and holds every text given."""
+    lines: dict[str, list[str]] = {}
+    for line in stdout.splitlines():  # sorted by node, in the order the checks ran
+        lines.setdefault(line.split()[2], []).append(line)
+    for check, texts in expected.items():
+        assert [line.split()[:2] for line in lines[check]] == NODE2_FAILS, (check, stdout)
+        assert all(text in lines[check][1] for text in texts), (check, texts, lines[check][1])
+
+
+def test_doctor_names_the_node_that_fails_each_check_and_the_job_ends_before_ray(
+    slurm_cluster, tmp_path, monkeypatch
+):
+    """Issue 21 item 6: hpcrl-node2 is made to fail every check, for real, in its own namespaces: a
+    tmpfs hides run.output_root (shared) and the data file (paths), a 64 kB tmpfs is checkpoint.dir
+    (disk), a copy of torch's metadata with another version is bound over the real one (versions), a
+    process holds Ray's GCS port (ports), and only nodes 1 and 3 have an interface matching
+    NCCL_SOCKET_IFNAME=ib (a bridge `ib0`; nccl). GPUs and IMEX are FAKES (no GPUs, no IMEX driver
+    here): a second run plans on two "H200"s with IMEX channel 0, and nodes 1 and 3 alone get a fake
+    `nvidia-smi` listing two GPUs on PATH and a directory holding a plain file `channel0` bound at the
+    IMEX path. `hpcrl doctor --job` fails node2's line of each check, with the fix, and passes the
+    others; then a submitted job ends at its first step (the doctor) naming node2, before Ray."""
+    for folder in ("out", "ckpt", "data", "bin", "fake_bin", "fake_imex"):
+        (tmp_path / folder).mkdir()
+    out, ckpt, source = tmp_path / "out", tmp_path / "ckpt", tmp_path / "data" / "train.jsonl"
+    source.write_text(
+        "".join(json.dumps({"problem": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(8))
+    )
+    (tmp_path / "fake_bin" / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (tmp_path / "fake_bin" / "nvidia-smi").chmod(0o755)
+    (tmp_path / "fake_imex" / "channel0").write_text("")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")  # empty but on nodes 1 and 3
+    with contextlib.ExitStack() as undo:
+        _break_node2(undo, slurm_cluster, tmp_path)
+        held = _hold_three_nodes(undo)
+        doctor = ["doctor", "--job", held, "cluster=slurmtest", f"run.output_root={out}"]
+        cpu = run_cli(
+            *doctor,
+            "data=math500",
+            f"data.source={source}",
+            f"checkpoint.dir={ckpt}",
+            "+cluster.env.NCCL_SOCKET_IFNAME=ib",
+        )
+        gpu = run_cli(
+            *doctor,
+            "cluster.gpu=H200",
+            "cluster.gpus_per_node=2",
+            "cluster.imex.enabled=true",
+            "cluster.imex.channel=0",
+        )
         subprocess.run(["scancel", held], check=False)
-        assert result.returncode == 1, result.stdout + result.stderr
-        ports = [line for line in result.stdout.splitlines() if line.split()[2] == "ports"]
-        assert [line.split()[:2] for line in ports] == [
-            ["pass", "hpcrl-node1"],
-            ["FAIL", "hpcrl-node2"],
-            ["pass", "hpcrl-node3"],
-        ]
-        assert "1200 (python" in ports[1]
-        assert sum(line.startswith("pass") for line in result.stdout.splitlines()) == 20  # 7 checks x 3 - 1
+        assert cpu.returncode == 1, cpu.stdout + cpu.stderr
+        checks = [line.split()[2] for line in cpu.stdout.splitlines()]
+        assert checks == 3 * ["gpus", "nccl", "versions", "paths", "disk", "ports", "shared"], cpu.stdout
+        assert sum(line.startswith("pass") for line in cpu.stdout.splitlines()) == 15  # gpus: a CPU plan
+        _assert_only_node2_fails(
+            cpu.stdout,
+            {
+                "nccl": (
+                    "NCCL_SOCKET_IFNAME=ib matches none of this node's interfaces (eth0, lo); fix: change it",
+                ),
+                "versions": (
+                    f"torch 1.0.0 (pin {pins('cpu')['torch']}) against the 'cpu' extra; fix: rebuild",
+                ),
+                "paths": (f"not readable here: data.source={source}; fix: mount the shared filesystem",),
+                "disk": (f"65.5 kB free at {ckpt}, checkpoints need ", "; fix: free space there"),
+                "ports": ("Ray's ports in use: 1200 (python); fix: another job or a stale Ray",),
+                "shared": (
+                    f"cannot see {out}/.doctor/{held}-",
+                    "; fix: run.output_root must be on a filesystem",
+                ),
+            },
+        )
+        assert gpu.returncode == 1, gpu.stdout + gpu.stderr
+        _assert_only_node2_fails(
+            gpu.stdout,
+            {
+                "gpus": ("0 GPUs, plan wants 2; fix: ask Slurm for them",),
+                "imex": (
+                    f"{IMEX_DIR}/channel0: missing or not writable; fix: the job needs an IMEX channel",
+                ),
+            },
+        )
+        assert "pass  hpcrl-node3  gpus      2 GPUs, plan wants 2" in gpu.stdout
+        assert f"pass  hpcrl-node3  imex      {IMEX_DIR}/channel0 is readable and writable" in gpu.stdout
 
         started = time.monotonic()
+        jobs = tmp_path / "jobs"
         submitted = run_cli(
-            "submit", "--smoke", "cluster=slurmtest", "layout.train_nodes=3", f"run.output_root={tmp_path}"
+            "submit", "--smoke", "cluster=slurmtest", "layout.train_nodes=3", f"run.output_root={jobs}"
         )
         assert submitted.returncode == 0, submitted.stderr
         job_id = re.search(r"^job\s+(\d+)", submitted.stdout, re.M).group(1)
-        state = lifecycle.wait(job_id, lifecycle.run_dir_of(job_id, tmp_path), timeout_s=120)
-        logs = run_cli("logs", job_id, "--root", str(tmp_path)).stdout
+        state = lifecycle.wait(job_id, lifecycle.run_dir_of(job_id, jobs), timeout_s=120)
+        logs = run_cli("logs", job_id, "--root", str(jobs)).stdout
         assert state == "FAILED", (state, logs[-3000:])
         assert time.monotonic() - started < 60
-        assert "node 1 (hpcrl-node2) failed hpcrl doctor: FAIL  hpcrl-node2  ports" in logs, logs[-3000:]
-        assert "Ray ready" not in logs
-    finally:
-        holder.kill()
-        holder.wait()
+        failed = re.search(r"node 1 \(hpcrl-node2\) failed hpcrl doctor: (.*)", logs)
+        assert failed and "FAIL  hpcrl-node2  versions" in failed.group(1), logs[-3000:]
+        assert "FAIL  hpcrl-node2  ports" in failed.group(1) and "Ray ready" not in logs

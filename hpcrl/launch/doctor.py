@@ -279,9 +279,20 @@ def check_disk(expect: Expect) -> Result:
         where = where.parent  # the checkpoint dir may not exist yet: its filesystem does
     free = shutil.disk_usage(where).free / GB
     ok = free >= expect.disk_gb
-    detail = f"{free:.0f} GB free at {where}, checkpoints need {expect.disk_gb:.1f} GB"
+    detail = f"{size_text(free)} free at {where}, checkpoints need {size_text(expect.disk_gb)}"
     fix = "free space there, lower checkpoint.keep_top_k, or set checkpoint.dir to a larger filesystem"
     return Result("disk", ok, detail, "" if ok else fix)
+
+
+def size_text(gb: float) -> str:
+    """A size in GB as a short decimal figure with its unit ("79.1 GB", "30.5 MB", "65.5 kB"): a small
+    checkpoint on a nearly full filesystem must not read "0 GB free, checkpoints need 0.0 GB"."""
+    size = gb * GB
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            value = size / scale
+            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
+    return f"{size:.0f} B"
 
 
 def check_ports(expect: Expect, taken: dict[int, str] | None = None) -> Result:
