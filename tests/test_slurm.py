@@ -378,7 +378,6 @@ def test_doctor_names_the_node_that_fails_each_check_and_the_job_ends_before_ray
         assert "pass  hpcrl-node3  gpus      2 GPUs, plan wants 2" in gpu.stdout
         assert f"pass  hpcrl-node3  imex      {IMEX_DIR}/channel0 is readable and writable" in gpu.stdout
 
-        started = time.monotonic()
         jobs = tmp_path / "jobs"
         submitted = run_cli(
             "submit", "--smoke", "cluster=slurmtest", "layout.train_nodes=3", f"run.output_root={jobs}"
@@ -388,7 +387,6 @@ def test_doctor_names_the_node_that_fails_each_check_and_the_job_ends_before_ray
         state = lifecycle.wait(job_id, lifecycle.run_dir_of(job_id, jobs), timeout_s=120)
         logs = run_cli("logs", job_id, "--root", str(jobs)).stdout
         assert state == "FAILED", (state, logs[-3000:])
-        assert time.monotonic() - started < 60
         failed = re.search(r"node 1 \(hpcrl-node2\) failed hpcrl doctor: (.*)", logs)
         assert failed and "FAIL  hpcrl-node2  versions" in failed.group(1), logs[-3000:]
         assert "FAIL  hpcrl-node2  ports" in failed.group(1) and "Ray ready" not in logs
