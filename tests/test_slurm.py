@@ -342,6 +342,9 @@ def test_doctor_names_the_node_that_fails_each_check_and_the_job_ends_before_ray
             "cluster.imex.enabled=true",
             "cluster.imex.channel=0",
         )
+        # the container image: no pyxis here, so srun refuses the image flag before any check runs, as it
+        # ends when an image does not start; doctor says so in one line naming the job and the fix
+        image = run_cli(*doctor, f"cluster.container.image={tmp_path / 'missing.sqsh'}")
         subprocess.run(["scancel", held], check=False)
         assert cpu.returncode == 1, cpu.stdout + cpu.stderr
         checks = [line.split()[2] for line in cpu.stdout.splitlines()]
@@ -376,6 +379,12 @@ def test_doctor_names_the_node_that_fails_each_check_and_the_job_ends_before_ray
             },
         )
         assert "pass  hpcrl-node3  gpus      2 GPUs, plan wants 2" in gpu.stdout
+        assert image.returncode == 1 and image.stdout.count("FAIL") == 1, image.stdout + image.stderr
+        start = image.stdout.strip().splitlines()[-1]
+        assert start.startswith(f"FAIL  job {held}  start     srun ended with code "), start
+        assert (
+            "container-image" in start and "fix: check the job is running, cluster.container.image" in start
+        )
         assert f"pass  hpcrl-node3  imex      {IMEX_DIR}/channel0 is readable and writable" in gpu.stdout
 
         jobs = tmp_path / "jobs"

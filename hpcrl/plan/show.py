@@ -35,6 +35,8 @@ def show_plan(plan: Plan, console: Console, sbatch: dict[str, Any] | None = None
     if plan.sleep is not None:
         how = "explicit" if plan.sleep.explicit else "auto"
         console.print(f"rollout.sleep={str(plan.sleep.value).lower()} ({how}: {plan.sleep.reason})")
+    for line in plan.engine_defaults:
+        console.print(line)
     _verdict(plan, console)
     layouts = _layouts(plan)
     if layouts is not None:

@@ -54,7 +54,8 @@ class VLLMRolloutConfig(RolloutConfig):
 
     backend: ClassVar[str] = "vllm"
     block_size: int | None = None
-    """KV-cache block size; None keeps vLLM's default unless a model quirk sets it."""
+    """KV-cache block size. None: a model quirk's, else on GPUs the planner's ``GPU_BLOCK_SIZE`` (64; not for
+    the families in ``OWN_BLOCK_SIZE``), else vLLM's default."""
     load_format: str | None = None
     """None starts engines with dummy weights and refits; a quirk may force 'auto'."""
     enforce_eager: bool = False

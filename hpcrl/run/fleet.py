@@ -182,7 +182,8 @@ class Fleet:
 
         start, wake_s = time.perf_counter(), 0.0
         ray.get([e.pause_generation.remote() for e in self.engines])
-        if self.asleep:
+        if self.asleep:  # the trainers' cached activations go back first: the engines need that memory
+            ray.get([t.release_cache.remote() for t in self.trainers])
             ray.get([e.wake_up.remote(["weights"]) for e in self.engines])
             wake_s = time.perf_counter() - start
         self.refit.run(self.trainers, self.engines)
