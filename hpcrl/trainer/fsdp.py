@@ -223,16 +223,24 @@ class FSDPTrainer:
         """Every rank gathers each tensor whole (an all-gather), so any rank may send: rank 0 to a
         broadcast, every rank to the engine on its own GPU (CUDA IPC)."""
         world = dist.get_world_size()
+        # gloo's all-gather receives into a flat buffer of its own and copies out of it: one whole
+        # tensor more while it runs (measured: 2x the output); NCCL writes in place
+        flat = 1 if dist.get_backend() == "gloo" else 0
         for name, t in self._sent():
             n = numel_of(t.shape)
-            with sink.scratch(n + n // world) if sink else nullcontext():
+            # the cast shard and the whole (and gloo's flat copy)
+            with sink.scratch(n + n // world + flat * n) if sink else nullcontext():
                 full = _gathered(t, dtype)  # cast first: half the bytes cross the wire
                 if sink:
-                    plain = self._hf_metas(name, t.shape) == [(name, tuple(t.shape))]
-                    converted = {name: full} if plain else checkpoint_names(self.model, {name: full})
-                    for hf_name, part in converted.items():
-                        sink.put(hf_name, part)
-                del full
+                    self._put(sink, name, full)
+                del full  # freed before the next is gathered (no name of it outlives this block)
+
+    def _put(self, sink: WeightSink, name: str, full: torch.Tensor) -> None:
+        """The checkpoint tensors of one gathered tensor into ``sink``."""
+        plain = self._hf_metas(name, full.shape) == [(name, tuple(full.shape))]
+        converted = {name: full} if plain else checkpoint_names(self.model, {name: full})
+        for hf_name, part in converted.items():
+            sink.put(hf_name, part)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Every weight the engines get, on rank 0 (tests; small models)."""

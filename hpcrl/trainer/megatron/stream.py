@@ -97,9 +97,12 @@ class WeightStream:
                     for name, p in unit
                 }
                 if sink and sender:
-                    for hf_name, tensor in self._convert(gathered).items():
-                        sink.put(hf_name, tensor)
-                del gathered
+                    self._put(sink, gathered)
+                del gathered  # freed before the next is gathered (no name of it outlives this block)
+
+    def _put(self, sink: WeightSink, gathered: dict[str, torch.Tensor]) -> None:
+        for hf_name, tensor in self._convert(gathered).items():
+            sink.put(hf_name, tensor)
 
     def _width(self, name: str) -> int:
         tp, _, _ = self.t.placement.tp_of(name)
