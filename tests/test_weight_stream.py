@@ -115,9 +115,7 @@ def test_every_sender_holds_at_most_two_buckets_and_the_engine_gets_the_checkpoi
         measured, counted = ranks[r]["extra"], ranks[r]["counted"]
         assert counted <= 2 * bucket  # the packer's own count of what it and the trainer hold
         # slack: 1/8 bucket for the heap's small blocks (under glibc's mmap threshold; not trimmed)
-        worst = ranks[r]["extra_max"] / 2**20
-        assert measured <= 2 * bucket + bucket // 8, (
-            f"rank {r} held {measured / 2**20:.1f} MiB extra (median of 3 streams; worst {worst:.1f})"
-        )
+        streams = [f"{x / 2**20:.1f}" for x in ranks[r]["streams"]]
+        assert measured <= 2 * bucket + bucket // 8, f"rank {r} held {streams} MiB extra (3 streams)"
     # every checkpoint tensor arrived once, bit-exact in bf16 (an untied model: no extra head)
     assert got["names"] == got["checkpoint"] and got["differ"] == []

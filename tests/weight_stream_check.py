@@ -3,8 +3,8 @@ record): every trainer rank streams its weights into a real gloo broadcast to a 
 (an engine worker's end, ``python tests/weight_stream_check.py receive ...``), four times. On the last three
 streams each sending rank's peak memory above what it held before is read from the kernel (VmHWM,
 reset through /proc/self/clear_refs) — measured, not counted — beside the packer's own count; the
-median of three measured streams is the figure (the worst beside it: ``extra_max``). The receiver
-checks every name, shape and value against the model directory's checkpoint.
+worst of the three measured streams is the figure. The receiver checks every name, shape and value
+against the model directory's checkpoint.
 
 The ranks run with ``MALLOC_ENV`` from their first allocation, so that the resident size follows what
 is held. glibc serves a large block from a free chunk of its heap when one fits, before it maps fresh
@@ -14,7 +14,7 @@ the pages back in and keeps them after ``free``: the peak grew by every heap pag
 touched, not by what it held at once. Seen on TP2 x PP2 (2026-12-02): 24-46 MiB on one stage's sender
 or the other against the 14.5 MiB the packer holds, every gathered tensor and most buckets at addresses
 inside ``[heap]`` although ``mallopt`` had lowered the threshold; with ``MALLOC_ENV`` none there, and
-14.1-14.5 MiB. (A trainer that never trims finds those pages resident already: reusing them costs it
+13.9-14.7 MiB. (A trainer that never trims finds those pages resident already: reusing them costs it
 nothing.)
 """
 
@@ -91,12 +91,8 @@ def stream_check(trainer: Any, model_dir: Path, out: Path) -> dict[str, Any]:
         trainer.stream_weights(packer, dtype_of(DTYPE))
         stats = packer.finish() if packer else None
         mine.append({"extra": _status("VmHWM") - before, "counted": stats.peak_numel * 2 if stats else 0})
-    measured = sorted(m["extra"] for m in mine[1:])  # the warm-up pass is not measured
-    figure = {
-        "extra": measured[len(measured) // 2],  # the median of the measured streams
-        "extra_max": measured[-1],
-        "counted": max(m["counted"] for m in mine[1:]),
-    }
+    measured = [m["extra"] for m in mine[1:]]  # the warm-up pass is not measured
+    figure = {"extra": max(measured), "streams": measured, "counted": max(m["counted"] for m in mine[1:])}
     every: list[Any] = [None] * world
     dist.all_gather_object(every, {"sends": bool(metas), **figure, "buckets": stats.buckets if stats else 0})
     result: dict[str, Any] = {"ranks": every, "bucket_bytes": BUCKET_MB * 2**20}

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from hpcrl.sync.packer import Bucket, BucketPacker, TensorMeta, plan_buckets
+from hpcrl.sync.packer import Bucket, BucketPacker, TensorMeta, let_go, plan_buckets
 
 GROUP_PREFIX = "hpcrl-weights"
 
@@ -114,17 +114,10 @@ class WeightSender:
         return packer.finish().bytes
 
 
-LET_GO_S = 1.0
-"""The longest a sender waits for gloo to let go of a sent bucket (it took up to 5 ms when measured)."""
-
-
 @dataclass
 class _Sent:
-    """A bucket's broadcast: done once the data went out and the backend let go of the buffer.
-
-    gloo's worker thread still holds a finished broadcast's tensor for a moment after ``wait()``
-    returns (1 in 4 broadcasts of 2 MiB on this 2-core machine, up to 5 ms): freeing the bucket
-    then frees nothing, and the bucket packed next would be a third buffer beside it."""
+    """A bucket's broadcast: done once the data went out and the backend let go of the buffer (gloo
+    keeps it a moment longer: ``let_go``), so that freeing the bucket frees it."""
 
     work: Any
     buf: torch.Tensor
@@ -132,11 +125,7 @@ class _Sent:
     def wait(self) -> None:
         self.work.wait()
         self.work = None  # its own hold on the buffer goes with it
-        if self.buf.device.type == "cpu":  # gloo, where it was measured (NCCL's work is not waited on so)
-            deadline = time.perf_counter() + LET_GO_S
-            # the packer's reference alone (torch's count of the tensor's owners; not in its stubs)
-            while self.buf._use_count() > 1 and time.perf_counter() < deadline:  # type: ignore[attr-defined]
-                time.sleep(50e-6)
+        let_go(self.buf)
 
 
 @dataclass

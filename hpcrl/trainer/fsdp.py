@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.config.schema import RunConfig
+from hpcrl.sync.packer import let_go
 from hpcrl.trainer.base import CollectSink, WeightSink, freeze, numel_of
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import Precision
@@ -374,7 +375,12 @@ def _gathered(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # Lockstep: a sender waiting on its broadcast would otherwise let the other ranks run ahead,
         # and gloo buffers their early shards in heap memory no one counts.
         dist.barrier(group=group)
-    return t.detach().to(dtype).full_tensor()  # type: ignore[attr-defined]
+    local: Any = t.detach().to(dtype)
+    full = local.full_tensor()
+    # gloo's worker keeps the finished all-gather (this input and its output with it) a moment
+    # longer: wait, so that the next gather does not come on top of this one (sync/packer.py)
+    let_go(local._local_tensor)
+    return full
 
 
 def free_port(host: str = "127.0.0.1") -> int:

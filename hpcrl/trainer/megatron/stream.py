@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpcrl.sync.packer import let_go
 from hpcrl.trainer.base import WeightSink, numel_of
 from hpcrl.trainer.megatron.weights import is_expert, is_split, unshard
 
@@ -122,6 +123,7 @@ class WeightStream:
         # the sender's own slice is its slot of the gather: n elements in all, then n for their join
         parts = [local] + [torch.empty_like(local) for _ in range(tp - 1)] if sender else None
         dist.gather(local, parts, dst=root, group=group)
+        let_go(local, *(parts or ()))  # gloo's worker drops them a moment later: freed when freed
         if not sender:
             return local[:0]
         assert parts is not None
