@@ -370,11 +370,6 @@ def _gathered(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return t.detach()  # the sink casts as it copies
     if t.device_mesh.size() == 1:
         return t.to_local().detach()
-    group = t.device_mesh.get_group()
-    if dist.get_backend(group) == "gloo":
-        # Lockstep: a sender waiting on its broadcast would otherwise let the other ranks run ahead,
-        # and gloo buffers their early shards in heap memory no one counts.
-        dist.barrier(group=group)
     local: Any = t.detach().to(dtype)
     full = local.full_tensor()
     # gloo's worker keeps the finished all-gather (this input and its output with it) a moment

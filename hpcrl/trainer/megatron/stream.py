@@ -116,10 +116,6 @@ class WeightStream:
             return param.detach().to(dtype) if sender else param[:0]
         local = param.detach().to(dtype).contiguous()
         root = dist.get_global_rank(group, 0)
-        if dist.get_backend(group) == "gloo":
-            # Lockstep: a sender waiting on its broadcast would otherwise let the group's other ranks
-            # run ahead, and gloo buffers their early slices in heap memory no one counts.
-            dist.barrier(group=group)
         # the sender's own slice is its slot of the gather: n elements in all, then n for their join
         parts = [local] + [torch.empty_like(local) for _ in range(tp - 1)] if sender else None
         dist.gather(local, parts, dst=root, group=group)
