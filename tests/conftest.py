@@ -89,7 +89,8 @@ class TorchrunCase:
     "build" (the step's metrics and the layout the ranks ran), "parity" (what tests/megatron_parity.py
     saves: log-probs, metrics, full gradients and weights, each rank's optimizer state after a
     checkpoint round trip, the layout) or "mixer" (tests/mamba_mixer_check.py's comparison).
-    ``plan``: apply the planner's quirks first, as a job does. ``last``: a case expected to fail."""
+    ``plan``: apply the planner's quirks first, as a job does. ``last``: a case expected to fail.
+    ``env``: variables its torchrun starts with (cases that differ in them run in torchruns of their own)."""
 
     id: str
     module: str
@@ -101,6 +102,7 @@ class TorchrunCase:
     record: str = "build"
     plan: bool = True
     last: bool = False
+    env: tuple[tuple[str, str], ...] = ()
 
 
 TORCHRUN_CASES: dict[str, TorchrunCase] = {}
@@ -118,9 +120,14 @@ def _case_order(case: TorchrunCase) -> tuple:
     return (case.world, case.backend != "fsdp", case.last, case.id)
 
 
+def _run_of(case: TorchrunCase) -> tuple:
+    """Cases that share a torchrun: the same world size and environment."""
+    return (case.world, case.env)
+
+
 class TorchrunCases:
-    """A registered case's result: on first use, every pending case of its world size (of the modules
-    this session runs) in one torchrun; a case that ended a run gets its output as ``error`` and the
+    """A registered case's result: on first use, every pending case of its world size and environment
+    (of the modules this session runs) in one torchrun; a case that ended a run gets its output as ``error`` and the
     cases after it run again without it."""
 
     def __init__(self, root: Path, modules: set[str]) -> None:
@@ -135,12 +142,12 @@ class TorchrunCases:
 
     def result(self, case_id: str) -> dict[str, Any]:
         if case_id not in self.results:
-            world = TORCHRUN_CASES[case_id].world
+            run = _run_of(TORCHRUN_CASES[case_id])
             todo = sorted(
                 (
                     c
                     for c in TORCHRUN_CASES.values()
-                    if c.world == world
+                    if _run_of(c) == run
                     and c.id not in self.results
                     and (c.module in self.modules or c.id == case_id)
                 ),
@@ -182,7 +189,7 @@ class TorchrunCases:
                 text=True,
                 timeout=300 + 300 * len(cases),
                 cwd=ROOT,
-                env=dict(os.environ),
+                env=dict(os.environ) | dict(cases[0].env),
             )
             error = "" if done.returncode == 0 else (done.stdout + done.stderr)[-6000:]
         except subprocess.TimeoutExpired as exc:
@@ -198,6 +205,7 @@ class TorchrunCases:
 
 @pytest.fixture(scope="session")
 def torchrun_cases(request, tmp_path_factory):
-    """The registered torchrun cases' results (tests/recipe_build.py), one torchrun per world size."""
+    """The registered torchrun cases' results (tests/recipe_build.py), one torchrun per world size
+    (and environment)."""
     modules = {item.module.__name__ for item in request.session.items if getattr(item, "module", None)}
     return TorchrunCases(tmp_path_factory.mktemp("torchrun"), modules)

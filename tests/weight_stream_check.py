@@ -3,8 +3,19 @@ record): every trainer rank streams its weights into a real gloo broadcast to a 
 (an engine worker's end, ``python tests/weight_stream_check.py receive ...``), four times. On the last three
 streams each sending rank's peak memory above what it held before is read from the kernel (VmHWM,
 reset through /proc/self/clear_refs) — measured, not counted — beside the packer's own count; the
-median of three measured streams is the figure (one in a few spikes higher on gloo: ``extra_max``).
-The receiver checks every name, shape and value against the model directory's checkpoint.
+worst of the three measured streams is the figure. The receiver checks every name, shape and value
+against the model directory's checkpoint.
+
+The ranks run with ``MALLOC_ENV`` from their first allocation, so that the resident size follows what
+is held. glibc serves a large block from a free chunk of its heap when one fits, before it maps fresh
+memory; a trainer's build leaves such chunks (freed while glibc's threshold had risen with the large
+blocks it freed), and this check's ``malloc_trim`` releases their pages. A stream reusing them faults
+the pages back in and keeps them after ``free``: the peak grew by every heap page the stream ever
+touched, not by what it held at once. Seen on TP2 x PP2 (2026-12-02): 24-46 MiB on one stage's sender
+or the other against the 14.5 MiB the packer holds, every gathered tensor and most buckets at addresses
+inside ``[heap]`` although ``mallopt`` had lowered the threshold; with ``MALLOC_ENV`` none there, and
+13.9-14.7 MiB. (A trainer that never trims finds those pages resident already: reusing them costs it
+nothing.)
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +35,9 @@ import torch.distributed as dist
 BUCKET_MB = 8
 DTYPE = "bfloat16"
 ROOT = Path(__file__).resolve().parents[1]
-M_MMAP_THRESHOLD = -3  # glibc mallopt
+MALLOC_ENV = (("MALLOC_MMAP_THRESHOLD_", str(1 << 16)),)
+"""Every block of 64 KiB or more a mapping of its own, unmapped on free (glibc; set before the process
+starts: a ``mallopt`` at this point leaves blocks in the heap's free chunks)."""
 PASSES = 4
 
 
@@ -39,6 +53,11 @@ def stream_check(trainer: Any, model_dir: Path, out: Path) -> dict[str, Any]:
     from hpcrl.sync.broadcast import WeightLayout, dtype_of, join_as_sender
     from hpcrl.trainer.fsdp import free_port
 
+    unset = [f"{k}={v}" for k, v in MALLOC_ENV if os.environ.get(k) != v]
+    if unset:
+        raise RuntimeError(
+            f"the weight stream is measured only with {' '.join(unset)} set when the ranks start"
+        )
     rank, world = dist.get_rank(), dist.get_world_size()
     metas = trainer.weight_metas()
     per_rank: list[Any] = [None] * world
@@ -62,10 +81,7 @@ def stream_check(trainer: Any, model_dir: Path, out: Path) -> dict[str, Any]:
         receiver = subprocess.Popen(cmd, cwd=ROOT)
     sender = join_as_sender(layout, rank, "cpu") if metas else None
     mine: list[dict[str, Any]] = []
-    # Large blocks straight from mmap and back on free (glibc would otherwise raise its threshold and
-    # keep freed buffers in the heap), so the resident size follows what is really held.
     libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 16)
     for _ in range(PASSES):  # the first warms up (gloo's buffers, first-touch pages); the rest are measured
         gc.collect()
         libc.malloc_trim(0)
@@ -75,12 +91,8 @@ def stream_check(trainer: Any, model_dir: Path, out: Path) -> dict[str, Any]:
         trainer.stream_weights(packer, dtype_of(DTYPE))
         stats = packer.finish() if packer else None
         mine.append({"extra": _status("VmHWM") - before, "counted": stats.peak_numel * 2 if stats else 0})
-    measured = sorted(m["extra"] for m in mine[1:])  # the warm-up pass is not measured
-    figure = {
-        "extra": measured[len(measured) // 2],  # the median: one stream in a few spikes on gloo
-        "extra_max": measured[-1],
-        "counted": max(m["counted"] for m in mine[1:]),
-    }
+    measured = [m["extra"] for m in mine[1:]]  # the warm-up pass is not measured
+    figure = {"extra": max(measured), "streams": measured, "counted": max(m["counted"] for m in mine[1:])}
     every: list[Any] = [None] * world
     dist.all_gather_object(every, {"sends": bool(metas), **figure, "buckets": stats.buckets if stats else 0})
     result: dict[str, Any] = {"ranks": every, "bucket_bytes": BUCKET_MB * 2**20}

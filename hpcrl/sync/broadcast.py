@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from hpcrl.sync.packer import Bucket, BucketPacker, TensorMeta, plan_buckets
+from hpcrl.sync.packer import Bucket, BucketPacker, TensorMeta, let_go, plan_buckets
 
 GROUP_PREFIX = "hpcrl-weights"
 
@@ -101,7 +101,7 @@ class WeightSender:
         return BucketPacker(self.buckets, self.dtype, self.device, self._emit)
 
     def _emit(self, buf: torch.Tensor, bucket: Bucket) -> Any:
-        return self.group.broadcast_async(buf)
+        return _Sent(self.group.broadcast_async(buf), buf)
 
     def send(self, weights: dict[str, torch.Tensor]) -> int:
         """Broadcast ``weights`` whole (tests; small models); returns the bytes sent."""
@@ -112,6 +112,20 @@ class WeightSender:
                     raise ValueError(f"weight {meta.name}: missing from what was sent")
                 packer.put(meta.name, weights[meta.name])
         return packer.finish().bytes
+
+
+@dataclass
+class _Sent:
+    """A bucket's broadcast: done once the data went out and the backend let go of the buffer (gloo
+    keeps it a moment longer: ``let_go``), so that freeing the bucket frees it."""
+
+    work: Any
+    buf: torch.Tensor
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.work = None  # its own hold on the buffer goes with it
+        let_go(self.buf)
 
 
 @dataclass

@@ -190,6 +190,25 @@ class BucketPacker:
         self._flight = None
 
 
+LET_GO_S = 1.0
+"""The longest ``let_go`` waits (gloo took up to 117 ms when measured on a loaded machine)."""
+
+
+def let_go(*tensors: torch.Tensor) -> None:
+    """Return once the caller alone holds each CPU tensor of ``tensors``, so that dropping them
+    frees them. gloo's worker thread keeps a finished collective's tensors a moment after the
+    caller's wait returned — measured on a 2-core machine: 1 in 4 broadcasts of 2 MiB (up to
+    5 ms), 1 in 3 gathers and all-gathers (up to 117 ms under load) — and whatever the stream
+    allocates meanwhile comes on top of memory it counted as freed. Bounded by ``LET_GO_S``."""
+    deadline = time.perf_counter() + LET_GO_S
+    for t in tensors:
+        if t.device.type != "cpu":
+            continue
+        # one owner: the caller's tensor (torch's count of a tensor's owners; not in its stubs)
+        while t._use_count() > 1 and time.perf_counter() < deadline:  # type: ignore[attr-defined]
+            time.sleep(50e-6)
+
+
 @dataclass
 class RayWait:
     """A send that is a Ray call (or several): done when they returned."""

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.config.schema import RunConfig
+from hpcrl.sync.packer import let_go
 from hpcrl.trainer.base import CollectSink, WeightSink, freeze, numel_of
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import Precision
@@ -223,16 +224,24 @@ class FSDPTrainer:
         """Every rank gathers each tensor whole (an all-gather), so any rank may send: rank 0 to a
         broadcast, every rank to the engine on its own GPU (CUDA IPC)."""
         world = dist.get_world_size()
+        # gloo's all-gather receives into a flat buffer of its own and copies out of it: one whole
+        # tensor more while it runs (measured: 2x the output); NCCL writes in place
+        flat = 1 if dist.get_backend() == "gloo" else 0
         for name, t in self._sent():
             n = numel_of(t.shape)
-            with sink.scratch(n + n // world) if sink else nullcontext():
+            # the cast shard and the whole (and gloo's flat copy)
+            with sink.scratch(n + n // world + flat * n) if sink else nullcontext():
                 full = _gathered(t, dtype)  # cast first: half the bytes cross the wire
                 if sink:
-                    plain = self._hf_metas(name, t.shape) == [(name, tuple(t.shape))]
-                    converted = {name: full} if plain else checkpoint_names(self.model, {name: full})
-                    for hf_name, part in converted.items():
-                        sink.put(hf_name, part)
-                del full
+                    self._put(sink, name, full)
+                del full  # freed before the next is gathered (no name of it outlives this block)
+
+    def _put(self, sink: WeightSink, name: str, full: torch.Tensor) -> None:
+        """The checkpoint tensors of one gathered tensor into ``sink``."""
+        plain = self._hf_metas(name, full.shape) == [(name, tuple(full.shape))]
+        converted = {name: full} if plain else checkpoint_names(self.model, {name: full})
+        for hf_name, part in converted.items():
+            sink.put(hf_name, part)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Every weight the engines get, on rank 0 (tests; small models)."""
@@ -361,12 +370,12 @@ def _gathered(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return t.detach()  # the sink casts as it copies
     if t.device_mesh.size() == 1:
         return t.to_local().detach()
-    group = t.device_mesh.get_group()
-    if dist.get_backend(group) == "gloo":
-        # Lockstep: a sender waiting on its broadcast would otherwise let the other ranks run ahead,
-        # and gloo buffers their early shards in heap memory no one counts.
-        dist.barrier(group=group)
-    return t.detach().to(dtype).full_tensor()  # type: ignore[attr-defined]
+    local: Any = t.detach().to(dtype)
+    full = local.full_tensor()
+    # gloo's worker keeps the finished all-gather (this input and its output with it) a moment
+    # longer: wait, so that the next gather does not come on top of this one (sync/packer.py)
+    let_go(local._local_tensor)
+    return full
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpcrl.sync.packer import let_go
 from hpcrl.trainer.base import WeightSink, numel_of
 from hpcrl.trainer.megatron.weights import is_expert, is_split, unshard
 
@@ -97,9 +98,12 @@ class WeightStream:
                     for name, p in unit
                 }
                 if sink and sender:
-                    for hf_name, tensor in self._convert(gathered).items():
-                        sink.put(hf_name, tensor)
-                del gathered
+                    self._put(sink, gathered)
+                del gathered  # freed before the next is gathered (no name of it outlives this block)
+
+    def _put(self, sink: WeightSink, gathered: dict[str, torch.Tensor]) -> None:
+        for hf_name, tensor in self._convert(gathered).items():
+            sink.put(hf_name, tensor)
 
     def _width(self, name: str) -> int:
         tp, _, _ = self.t.placement.tp_of(name)
@@ -112,13 +116,10 @@ class WeightStream:
             return param.detach().to(dtype) if sender else param[:0]
         local = param.detach().to(dtype).contiguous()
         root = dist.get_global_rank(group, 0)
-        if dist.get_backend(group) == "gloo":
-            # Lockstep: a sender waiting on its broadcast would otherwise let the group's other ranks
-            # run ahead, and gloo buffers their early slices in heap memory no one counts.
-            dist.barrier(group=group)
         # the sender's own slice is its slot of the gather: n elements in all, then n for their join
         parts = [local] + [torch.empty_like(local) for _ in range(tp - 1)] if sender else None
         dist.gather(local, parts, dst=root, group=group)
+        let_go(local, *(parts or ()))  # gloo's worker drops them a moment later: freed when freed
         if not sender:
             return local[:0]
         assert parts is not None
