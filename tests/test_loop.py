@@ -164,10 +164,12 @@ def run(
     stream = stream or PromptStream(EXAMPLES, seed=cfg.run.seed)
     ckpt = CheckpointManager(tmp_path / "ckpt", cfg.checkpoint.keep_top_k, "val/accuracy", True)
     logger, said = Recorder(), []
-    args = (cfg, actors, scorer or FakeScorer(), encode, PAD, stream, VAL, ckpt, logger, said.append)
+    loop_run = loop.Run(
+        cfg, actors, scorer or FakeScorer(), encode, PAD, stream, VAL, ckpt, logger, said.append
+    )
     # as the driver picks: the overlapped loop for max_staleness > 0 (tests/test_overlap.py)
     train = overlap.train_overlapped if cfg.algo.max_staleness else loop.train
-    last = train(*args, start_step=start_step)
+    last = train(loop_run, start_step=start_step)
     return last, ckpt, logger, said
 
 

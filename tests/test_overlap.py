@@ -150,7 +150,10 @@ def test_a_stop_keeps_the_generated_batch_and_resume_trains_exactly_what_the_who
     ckpt = CheckpointManager(tmp_path / "cut" / "ckpt", 5, "val/accuracy", True)
     state = load_loop_state(ckpt.latest())
     assert state["step"] == 2
-    assert [(r.step, r.version) for r in state["rollouts"]] == [(3, 1)]  # made by step 1's weights
+    # batch 3, made by step 1's weights (the versions the engines stamped on its completions)
+    assert [(r.step, {c.versions for g in r.scored.groups for c in g}) for r in state["rollouts"]] == [
+        (3, {(1, 1)})
+    ]
     assert cut.gen_versions == [0, 0, 1]  # batch 4 was not started: its prompts stay in the stream
 
     REQUEST.reset()
@@ -159,6 +162,7 @@ def test_a_stop_keeps_the_generated_batch_and_resume_trains_exactly_what_the_who
     resumed = VersionedActors(["mixed"])
     resumed.steps = resumed.engine_version = 2  # as the ranks' load and the resume's weight sync leave it
     ckpt2 = CheckpointManager(tmp_path / "cut" / "ckpt", 5, "val/accuracy", True)
+    from hpcrl.run.loop import Run
     from hpcrl.run.overlap import train_overlapped
 
     logger_calls: list[Any] = []
@@ -167,8 +171,8 @@ def test_a_stop_keeps_the_generated_batch_and_resume_trains_exactly_what_the_who
         def log(self, step: int, metrics: dict[str, float]) -> None:
             logger_calls.append(step)
 
-    args = (cfg, resumed, FakeScorer(), encode, 0, stream, [], ckpt2, Log(), lambda _m: None)
-    train_overlapped(*args, start_step=2, restored=state["rollouts"])
+    loop_run = Run(cfg, resumed, FakeScorer(), encode, 0, stream, [], ckpt2, Log(), lambda _m: None)
+    train_overlapped(loop_run, start_step=2, restored=state["rollouts"])
     assert logger_calls == [3, 4]
     assert resumed.gen_versions == [2]  # batch 4, from step 2's weights, as in the whole run
     assert cut.prompts + resumed.prompts == whole.prompts

@@ -15,10 +15,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcrl.config.compose import cache_dir
 from hpcrl.plan.planner import Plan
+
+if TYPE_CHECKING:
+    from hpcrl.config.schema import RunConfig
+    from hpcrl.run.loop import Actors, Run, Scorer
 
 
 def say(msg: str) -> None:
@@ -67,36 +71,37 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
     cfg = plan.cfg
     started = time.perf_counter()
     say(f"run directory {run_dir}")
-    run = _prepare(plan, run_dir)
+    prep = _prepare(plan, run_dir)
     scratch = Path(tempfile.mkdtemp(prefix="hpcrl-"))  # short path: Ray's socket names have a length limit
     try:
         connect(scratch)
-        actors = _start_actors(plan, run.model_dir, scratch, run_dir, slurm=slurm)
-        start_step, restored = _resume(actors, run, cfg.algo.max_staleness)
+        actors = _start_actors(plan, prep.model_dir, scratch, run_dir, slurm=slurm)
+        start_step, restored = _resume(actors, prep, cfg.algo.max_staleness)
         with RewardPool(cfg.data.verifier, cfg.rewards) as pool:
             say(
                 f"ready after {time.perf_counter() - started:.0f}s ({len(pool.slots)} reward processes); "
                 f"training {cfg.algo.max_steps} steps"
             )
-            args = (cfg, actors, pool, run.encode, run.pad_id, run.stream, run.val, run.ckpt, run.logger, say)
+            run = prep.loop_run(cfg, actors, pool)
             if cfg.algo.max_staleness:  # generation overlaps training (run/overlap.py)
-                last = train_overlapped(*args, start_step=start_step, restored=restored)
+                last = train_overlapped(run, start_step=start_step, restored=restored)
             else:
-                last = train(*args, start_step=start_step)
+                last = train(run, start_step=start_step)
     finally:
-        run.logger.close()
+        prep.logger.close()
         if "ray" in sys.modules:
             import ray
 
             ray.shutdown()
         shutil.rmtree(scratch, ignore_errors=True)
-    summarize(run_dir, run.ckpt, started)
+    summarize(run_dir, prep.ckpt, started)
     return last
 
 
 @dataclass
-class _Run:
-    """What the driver holds for one run besides the actors: model, tokenizer, data, checkpoints, logs."""
+class _Prepared:
+    """What the driver holds for one run before the actors start: model, tokenizer, data, checkpoints,
+    logs. With the actors and the reward pool, most of it becomes the loop's ``loop.Run``."""
 
     model_dir: Path
     encode: Callable[[str], list[int]]
@@ -109,8 +114,16 @@ class _Run:
     weights_only: bool
     """``checkpoint.resume_weights_only``."""
 
+    def loop_run(self, cfg: RunConfig, actors: Actors, pool: Scorer) -> Run:
+        """What the loop works with, once the actors and the reward pool are up."""
+        from hpcrl.run.loop import Run
 
-def _prepare(plan: Plan, run_dir: Path) -> _Run:
+        return Run(
+            cfg, actors, pool, self.encode, self.pad_id, self.stream, self.val, self.ckpt, self.logger, say
+        )
+
+
+def _prepare(plan: Plan, run_dir: Path) -> _Prepared:
     """Model, tokenizer, data, the seeded RNGs, checkpoints and the metrics log, before Ray starts."""
     import torch
 
@@ -140,7 +153,7 @@ def _prepare(plan: Plan, run_dir: Path) -> _Run:
     if latest is not None and (note := check_resumable(latest, ckpt.about)):
         say(note)
     weights_only = cfg.checkpoint.resume_weights_only
-    return _Run(model_dir, encode, pad_id, stream, val_ex, ckpt, logger, weights_only)
+    return _Prepared(model_dir, encode, pad_id, stream, val_ex, ckpt, logger, weights_only)
 
 
 def _start_actors(plan: Plan, model_dir: Path, scratch: Path, run_dir: Path, *, slurm: bool) -> Any:
@@ -173,7 +186,7 @@ def checkpoint_about(plan: Plan, model_dir: Path) -> dict[str, Any]:
     }
 
 
-def _resume(actors: Any, run: _Run, lag: int) -> tuple[int, list[Any]]:
+def _resume(actors: Any, prep: _Prepared, lag: int) -> tuple[int, list[Any]]:
     """Restore the latest checkpoint, if any (weights to the engines too); the step it was taken after
     and the generated batches it kept (``algo.max_staleness`` > 0: ``run/overlap.py``). The trainer
     ranks read their shards themselves (resharded when this layout is another)."""
@@ -181,12 +194,12 @@ def _resume(actors: Any, run: _Run, lag: int) -> tuple[int, list[Any]]:
 
     from hpcrl.run.checkpoint import load_loop_state
 
-    latest = run.ckpt.latest()
+    latest = prep.ckpt.latest()
     if latest is None:
         return 0, []
     state = load_loop_state(latest)
-    actors.load_checkpoint(str(latest.path / "trainer"), run.weights_only)
-    run.stream.restore(state["stream"])
+    actors.load_checkpoint(str(latest.path / "trainer"), prep.weights_only)
+    prep.stream.restore(state["stream"])
     random.setstate(state["rng"]["python"])
     torch.set_rng_state(state["rng"]["torch"])
     actors.sync_weights(int(state["step"]))

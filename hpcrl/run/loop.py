@@ -8,8 +8,9 @@
         group-relative advantages; clipped-surrogate + KL loss on the trainer ranks
         broadcast the new weights to the engines; validate, checkpoint and log when due
 
-``train`` is that loop and ``one_step`` one pass of it; the loop sees the run's actors and the reward
-pool only through the ``Actors`` and ``Scorer`` protocols, so tests/test_loop.py drives it with
+``train`` is that loop and ``one_step`` one pass of it. The driver hands it one ``Run``: the config and
+the run's actors, reward pool, tokenizer, prompts, checkpoints and logs. The loop sees the actors and the
+reward pool only through the ``Actors`` and ``Scorer`` protocols, so tests/test_loop.py drives it with
 recording fakes in milliseconds.
 """
 
@@ -32,6 +33,7 @@ from hpcrl.data.loader import Example, PromptStream
 from hpcrl.rewards.pool import Task
 from hpcrl.rewards.verifiers import Outcome, Verdict, reward_of
 from hpcrl.rollout.base import Completion, SamplingSettings
+from hpcrl.run.checkpoint import CheckpointManager
 from hpcrl.run.metrics import console_line
 from hpcrl.run.preempt import REQUEST, Preempted
 from hpcrl.trainer.batch import TrainBatch, build_batch
@@ -100,6 +102,32 @@ class Actors(Protocol):
     def finish_checkpoint(self) -> float: ...
 
 
+class Logger(Protocol):
+    """Where each step's metrics go (``hpcrl.run.metrics.MetricsLogger``)."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one run's loop works with from the first step to the last; the driver builds it once.
+    Per-step values (the step, its metrics) are parameters of the functions that take it."""
+
+    cfg: RunConfig
+    actors: Actors
+    pool: Scorer
+    encode: Callable[[str], list[int]]
+    """Prompt text to token ids (the chat template applied)."""
+    pad_id: int
+    stream: PromptStream
+    """The training prompts, in the order a checkpoint restores."""
+    val: list[Example]
+    ckpt: CheckpointManager
+    logger: Logger
+    say: Callable[[str], None]
+    """One console line."""
+
+
 def generate_and_score(
     actors: Actors,
     pool: Scorer,
@@ -141,23 +169,17 @@ def sampling(cfg: RunConfig, step: int, round_: int) -> SamplingSettings:
     return SamplingSettings(cfg.algo.num_generations, r.temperature, r.top_p, r.max_new_tokens, seed=seed)
 
 
-def collect(
-    cfg: RunConfig,
-    actors: Actors,
-    pool: Scorer,
-    encode: Callable[[str], list[int]],
-    stream: PromptStream,
-    step: int,
-) -> tuple[Scored, torch.Tensor, dict[str, float]]:
+def collect(run: Run, step: int) -> tuple[Scored, torch.Tensor, dict[str, float]]:
     """One step's rollouts; with dynamic sampling, keep sampling until the batch holds enough
     informative groups (or the rounds run out: then the batch is smaller)."""
-    algo = cfg.algo
+    cfg, algo = run.cfg, run.cfg.algo
     want = algo.num_prompts_per_step
     kept: list[Scored] = []
     kept_rewards: list[torch.Tensor] = []
     seen: list[Scored] = []
     for round_ in range(algo.dynamic_sampling_max_rounds if algo.dynamic_sampling else 1):
-        scored = generate_and_score(actors, pool, encode, stream.take(want), sampling(cfg, step, round_))
+        examples, settings = run.stream.take(want), sampling(cfg, step, round_)
+        scored = generate_and_score(run.actors, run.pool, run.encode, examples, settings)
         seen.append(scored)
         rewards = shape(cfg, scored)
         keep = (
@@ -192,14 +214,12 @@ def rollout_stats(seen: list[Scored], kept_groups: int) -> dict[str, float]:
     }
 
 
-def make_batch(
-    cfg: RunConfig, s: Scored, shaped: torch.Tensor, encode: Callable[[str], list[int]], pad_id: int
-) -> TrainBatch:
-    algo = cfg.algo
+def make_batch(run: Run, s: Scored, shaped: torch.Tensor) -> TrainBatch:
+    algo, pad_id = run.cfg.algo, run.pad_id
     adv = group_advantages(shaped, algo.baseline, algo.std_normalize)
     prompts, comps, lps, advs, keep = [], [], [], [], []
     for i, (e, g) in enumerate(zip(s.examples, s.groups, strict=True)):
-        p = encode(e.prompt)
+        p = run.encode(e.prompt)
         for j, c in enumerate(g):
             prompts.append(p)
             comps.append(c.token_ids or [pad_id])
@@ -211,12 +231,11 @@ def make_batch(
     return build_batch(prompts, comps, lps, advs, keep, pad_id)
 
 
-def validate(
-    cfg: RunConfig, actors: Actors, pool: Scorer, encode: Callable[[str], list[int]], val: list[Example]
-) -> dict[str, float]:
+def validate(run: Run) -> dict[str, float]:
     """Greedy decoding, one sample per validation prompt."""
+    cfg = run.cfg
     settings = SamplingSettings(1, 0.0, 1.0, cfg.rollout.max_new_tokens, seed=cfg.run.seed)
-    scored = generate_and_score(actors, pool, encode, val, settings)
+    scored = generate_and_score(run.actors, run.pool, run.encode, run.val, settings)
     outcomes = [row[0] for row in scored.outcomes]
     return {
         "val/accuracy": sum(o is Outcome.correct for o in outcomes) / max(1, len(outcomes)),
@@ -225,50 +244,30 @@ def validate(
     }
 
 
-def train(
-    cfg: RunConfig,
-    actors: Actors,
-    pool: Scorer,
-    encode: Callable[[str], list[int]],
-    pad_id: int,
-    stream: PromptStream,
-    val: list[Example],
-    ckpt: Any,
-    logger: Any,
-    say: Callable[[str], None],
-    start_step: int = 0,
-) -> dict[str, float]:
+def train(run: Run, start_step: int = 0) -> dict[str, float]:
     """Steps ``start_step + 1 .. algo.max_steps``, on-policy (``algo.max_staleness`` > 0 runs
     ``run/overlap.py``'s loop instead); returns the last value of every metric."""
-    algo = cfg.algo
+    algo = run.cfg.algo
     if algo.max_staleness:
         raise ValueError(
             "loop.train is the on-policy loop: algo.max_staleness > 0 is overlap.train_overlapped"
         )
-    last = validate_first(cfg, actors, pool, encode, val, logger, say) if start_step == 0 else {}
+    last = validate_first(run) if start_step == 0 else {}
     for step in range(start_step + 1, algo.max_steps + 1):
-        metrics = one_step(cfg, actors, pool, encode, pad_id, stream, val, step)
-        stop = save_when_due(cfg, ckpt, actors, step, metrics, partial(run_state, stream, step))
+        metrics = one_step(run, step)
+        stop = save_when_due(run, step, metrics, partial(run_state, run.stream, step))
         last = {**last, **metrics}
-        report(cfg, step, metrics, stop, logger, say)
+        report(run, step, metrics, stop)
     return last
 
 
-def validate_first(
-    cfg: RunConfig,
-    actors: Actors,
-    pool: Scorer,
-    encode: Callable[[str], list[int]],
-    val: list[Example],
-    logger: Any,
-    say: Callable[[str], None],
-) -> dict[str, float]:
+def validate_first(run: Run) -> dict[str, float]:
     """Validation before the first step (``algo.val_at_start``)."""
-    if not cfg.algo.val_at_start:
+    if not run.cfg.algo.val_at_start:
         return {}
-    metrics = validate(cfg, actors, pool, encode, val)
-    logger.log(0, metrics)
-    say(f"step   0/{cfg.algo.max_steps} | val {metrics['val/accuracy']:.3f} (before training)")
+    metrics = validate(run)
+    run.logger.log(0, metrics)
+    run.say(f"step   0/{run.cfg.algo.max_steps} | val {metrics['val/accuracy']:.3f} (before training)")
     return metrics
 
 
@@ -277,16 +276,12 @@ def checkpoint_due(cfg: RunConfig, step: int) -> bool:
 
 
 def save_when_due(
-    cfg: RunConfig,
-    ckpt: Any,
-    actors: Actors,
-    step: int,
-    metrics: dict[str, float],
-    state: Callable[[], dict[str, Any]],
+    run: Run, step: int, metrics: dict[str, float], state: Callable[[], dict[str, Any]]
 ) -> bool:
     """Commit the previous step's async save (written while this one ran), then save this step when
     due or when Slurm's warning signal came during it (``state``: the driver's part). Records
     ``time/checkpoint_blocked``; returns whether the run stops after this step."""
+    cfg, ckpt, actors = run.cfg, run.ckpt, run.actors
     blocked = ckpt.settle(actors)
     # Read once: the save and the stop must agree (a signal landing between two reads would stop the
     # run without its checkpoint). A later signal is taken at the next step.
@@ -298,37 +293,26 @@ def save_when_due(
     return stop
 
 
-def report(
-    cfg: RunConfig, step: int, metrics: dict[str, float], stop: bool, logger: Any, say: Callable[[str], None]
-) -> None:
+def report(run: Run, step: int, metrics: dict[str, float], stop: bool) -> None:
     """Log the step; on a stop, end the run here (the checkpoint is saved)."""
-    logger.log(step, metrics)
-    say(console_line(step, cfg.algo.max_steps, metrics))
+    run.logger.log(step, metrics)
+    run.say(console_line(step, run.cfg.algo.max_steps, metrics))
     if stop:
         REQUEST.done(step)
-        if step < cfg.algo.max_steps:
-            say(f"stopping after step {step} on the scheduler's warning signal: checkpoint saved")
+        if step < run.cfg.algo.max_steps:
+            run.say(f"stopping after step {step} on the scheduler's warning signal: checkpoint saved")
             raise Preempted(step)
 
 
-def one_step(
-    cfg: RunConfig,
-    actors: Actors,
-    pool: Scorer,
-    encode: Callable[[str], list[int]],
-    pad_id: int,
-    stream: PromptStream,
-    val: list[Example],
-    step: int,
-) -> dict[str, float]:
+def one_step(run: Run, step: int) -> dict[str, float]:
     """Rollouts and rewards, reference log-probs (KL only), the train step, the weight sync, and the
     validation when due; returns the step's metrics with per-phase times."""
-    algo = cfg.algo
+    algo, actors = run.cfg.algo, run.actors
     timer, t0 = Timer(), time.perf_counter()
     with timer("rollout"):
-        scored, shaped, metrics = collect(cfg, actors, pool, encode, stream, step)
+        scored, shaped, metrics = collect(run, step)
     actors.sleep_engines()  # rollout.sleep: colocated engines free their GPU memory for training
-    batch = make_batch(cfg, scored, shaped, encode, pad_id)
+    batch = make_batch(run, scored, shaped)
     with timer("ref_logprobs"):
         ref = actors.ref_logprobs(batch) if algo.kl_coef > 0 else None
     with timer("train"):
@@ -339,7 +323,7 @@ def one_step(
     metrics["train/reward"] = float(shaped.mean())
     if step % algo.val_period == 0 or step == algo.max_steps:
         with timer("validation"):
-            metrics.update(validate(cfg, actors, pool, encode, val))
+            metrics.update(validate(run))
     metrics.update(timer.times)
     metrics["time/step"] = time.perf_counter() - t0
     metrics["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(timer.times["time/rollout"], 1e-9)

@@ -28,22 +28,20 @@ from typing import Any
 
 import torch
 
-from hpcrl.config.schema import RunConfig
-from hpcrl.data.loader import Example, PromptStream
 from hpcrl.rollout.base import Completion
 from hpcrl.run import loop
 
 
 @dataclass
 class Rollouts:
-    """One step's batch as the engines made it, stamped with the policy that made it."""
+    """One step's batch as the engines made it. Which policy made it is stamped on each completion
+    (``Completion.versions``, by the engines): with ``rollout.inflight_update`` one batch can span
+    several."""
 
     step: int
     """The step that trains on it."""
-    version: int
-    """The policy that generated it: the number of optimizer steps behind those weights."""
     scored: Any
-    """``loop.Scored``: prompts, completions, raw rewards, outcomes."""
+    """``loop.Scored``: prompts, completions (with their versions), raw rewards, outcomes."""
     shaped: torch.Tensor
     metrics: dict[str, float]
     seconds: float
@@ -59,13 +57,13 @@ class Pipeline:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="hpcrl-rollout")
         self.batches: dict[int, Future[Rollouts]] = {}
 
-    def start(self, step: int, version: int) -> None:
-        self.batches[step] = self.pool.submit(self._make, step, version)
+    def start(self, step: int) -> None:
+        self.batches[step] = self.pool.submit(self._make, step)
 
-    def _make(self, step: int, version: int) -> Rollouts:
+    def _make(self, step: int) -> Rollouts:
         t0 = time.perf_counter()
         scored, shaped, metrics = self.produce(step)  # the engines stamp each completion's versions
-        return Rollouts(step, version, scored, shaped, metrics, time.perf_counter() - t0)
+        return Rollouts(step, scored, shaped, metrics, time.perf_counter() - t0)
 
     def restore(self, saved: list[Rollouts]) -> None:
         for r in saved:
@@ -103,68 +101,46 @@ def staleness_metrics(groups: list[list[Completion]], trainer_version: int) -> d
 
 
 def train_overlapped(
-    cfg: RunConfig,
-    actors: Any,
-    pool: Any,
-    encode: Callable[[str], list[int]],
-    pad_id: int,
-    stream: PromptStream,
-    val: list[Example],
-    ckpt: Any,
-    logger: Any,
-    say: Callable[[str], None],
-    start_step: int = 0,
-    restored: list[Rollouts] | None = None,
+    run: loop.Run, start_step: int = 0, restored: list[Rollouts] | None = None
 ) -> dict[str, float]:
     """``loop.train`` with generation one (or N) steps ahead of training; same arguments, plus the
     batches a checkpoint restored."""
-    algo, lag = cfg.algo, cfg.algo.max_staleness
-    last = loop.validate_first(cfg, actors, pool, encode, val, logger, say) if start_step == 0 else {}
-    pipe = Pipeline(lambda j: loop.collect(cfg, actors, pool, encode, stream, j))
+    algo, lag = run.cfg.algo, run.cfg.algo.max_staleness
+    last = loop.validate_first(run) if start_step == 0 else {}
+    pipe = Pipeline(lambda j: loop.collect(run, j))
     pipe.restore(restored or [])
     try:
         # fill the pipeline: every batch up to start + 1 + N comes from the weights the engines hold now
         for j in range(pipe.last_step(start_step) + 1, min(start_step + 1 + lag, algo.max_steps) + 1):
-            pipe.start(j, version=start_step)
+            pipe.start(j)
         for step in range(start_step + 1, algo.max_steps + 1):
-            due = loop.checkpoint_due(cfg, step)
-            metrics = overlapped_step(cfg, actors, pool, encode, pad_id, val, pipe, step, due)
+            metrics = overlapped_step(run, pipe, step, loop.checkpoint_due(run.cfg, step))
 
             def state(s: int = step) -> dict[str, Any]:  # with the batches older policies made
-                return {**loop.run_state(stream, s), "rollouts": pipe.settle()}
+                return {**loop.run_state(run.stream, s), "rollouts": pipe.settle()}
 
-            stop = loop.save_when_due(cfg, ckpt, actors, step, metrics, state)
+            stop = loop.save_when_due(run, step, metrics, state)
             if not stop and step + 1 + lag <= algo.max_steps:
-                pipe.start(step + 1 + lag, version=step)  # after the save: its prompts are not in it
+                pipe.start(step + 1 + lag)  # this step's weights; after the save: its prompts are not in it
             last = {**last, **metrics}
-            loop.report(cfg, step, metrics, stop, logger, say)
+            loop.report(run, step, metrics, stop)
     finally:
         pipe.close()
     return last
 
 
-def overlapped_step(
-    cfg: RunConfig,
-    actors: Any,
-    pool: Any,
-    encode: Callable[[str], list[int]],
-    pad_id: int,
-    val: list[Example],
-    pipe: Pipeline,
-    step: int,
-    checkpoint_due: bool,
-) -> dict[str, float]:
+def overlapped_step(run: loop.Run, pipe: Pipeline, step: int, checkpoint_due: bool) -> dict[str, float]:
     """Train on batch ``step`` while the next is generated, then hand the engines the new weights:
     after that batch, or under it (``rollout.inflight_update``) unless this step validates or saves,
     which need the engines idle and the batch whole."""
-    algo = cfg.algo
+    cfg, algo, actors = run.cfg, run.cfg.algo, run.actors
     validate = step % algo.val_period == 0 or step == algo.max_steps
     inflight = getattr(cfg.rollout, "inflight_update", False) and not (validate or checkpoint_due)
     timer, t0 = loop.Timer(), time.perf_counter()
     with timer("rollout"):  # the part of generation the trainers wait for
         got = pipe.take(step)
     metrics = {**got.metrics, **staleness_metrics(got.scored.groups, step - 1)}
-    batch = loop.make_batch(cfg, got.scored, got.shaped, encode, pad_id)
+    batch = loop.make_batch(run, got.scored, got.shaped)
     with timer("ref_logprobs"):
         ref = actors.ref_logprobs(batch) if algo.kl_coef > 0 else None
     with timer("train"):
@@ -177,7 +153,7 @@ def overlapped_step(
     metrics["train/reward"] = float(got.shaped.mean())
     if validate:
         with timer("validation"):
-            metrics.update(loop.validate(cfg, actors, pool, encode, val))
+            metrics.update(loop.validate(run))
     metrics.update(timer.times)
     metrics["time/generate"] = got.seconds
     metrics["time/step"] = time.perf_counter() - t0
