@@ -239,3 +239,23 @@ def test_inflight_updates_land_under_the_running_batch(tmp_path: Path, inflight:
 def test_inflight_update_needs_the_overlapped_loop() -> None:
     with pytest.raises(ConfigError, match=r"rollout\.inflight_update=true .* algo\.max_staleness=1"):
         compose_config(["rollout.inflight_update=true"])
+
+
+def test_resume_with_a_lower_lag_drops_batches_older_than_the_new_limit():
+    """Saved after step 3 with lag 2: the batches for steps 4 and 5 were made by the policies after
+    steps 1 and 2. Resumed with lag 1, step 4's batch would train 2 versions behind (4 - 1 - 1 = 2 >
+    1): dropped; step 5's is 2 behind its step too (5 - 1 - 2 = 2) and beyond the new horizon (5 > 3
+    + 1): dropped. With lag 2 both stay; a batch spanning versions counts its oldest token."""
+    from types import SimpleNamespace
+
+    from hpcrl.run.overlap import Rollouts, resumable
+
+    def batch(step: int, *versions: tuple[int, int]) -> Rollouts:
+        group = [Completion([1], [0.0], "", False, v) for v in versions]
+        return Rollouts(step, SimpleNamespace(groups=[group]), torch.zeros(1), {}, 0.0)
+
+    saved = [batch(4, (1, 1)), batch(5, (2, 2))]
+    assert [r.step for r in resumable(saved, 3, 2)] == [4, 5]
+    assert resumable(saved, 3, 1) == []
+    assert [r.step for r in resumable([batch(4, (2, 2))], 3, 1)] == [4]  # made after step 2: 1 behind
+    assert resumable([batch(4, (1, 2), (2, 2))], 3, 1) == []  # its oldest token is 2 behind

@@ -193,6 +193,7 @@ def _resume(actors: Any, prep: _Prepared, lag: int) -> tuple[int, list[Any]]:
     import torch
 
     from hpcrl.run.checkpoint import load_loop_state
+    from hpcrl.run.overlap import resumable
 
     latest = prep.ckpt.latest()
     if latest is None:
@@ -204,7 +205,7 @@ def _resume(actors: Any, prep: _Prepared, lag: int) -> tuple[int, list[Any]]:
     torch.set_rng_state(state["rng"]["torch"])
     actors.sync_weights(int(state["step"]))
     step = int(state["step"])
-    kept = [r for r in state.get("rollouts", []) if r.step <= step + lag]
+    kept = resumable(state.get("rollouts", []), step, lag)
     if len(kept) < len(state.get("rollouts", [])):
         # their prompts were taken from the stream: those steps train on the next prompts instead
         say(f"algo.max_staleness={lag}: {len(state['rollouts']) - len(kept)} generated batches dropped")

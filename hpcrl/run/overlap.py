@@ -100,6 +100,17 @@ def staleness_metrics(groups: list[list[Completion]], trainer_version: int) -> d
     }
 
 
+def resumable(rollouts: list[Rollouts], step: int, lag: int) -> list[Rollouts]:
+    """The batches a checkpoint taken after ``step`` kept that a run with ``algo.max_staleness=lag``
+    may still train on: due within ``lag`` steps, and made by a policy at most ``lag`` versions older
+    than the one that trains on them (a run resumed with a lower lag than it saved with)."""
+
+    def oldest(r: Rollouts) -> int:
+        return min((c.versions[0] for g in r.scored.groups for c in g), default=r.step - 1)
+
+    return [r for r in rollouts if r.step <= step + lag and (r.step - 1) - oldest(r) <= lag]
+
+
 def train_overlapped(
     run: loop.Run, start_step: int = 0, restored: list[Rollouts] | None = None
 ) -> dict[str, float]:
