@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Session 14, device call 3 (after the stage tool's install): where one vLLM engine's step time goes
+# PYSPY: the py-spy the stage tool installed into its site (its bin/ folder).
 # (py-spy over the engine's processes during 256-sequence generation), then the streamed-rewards figure.
 set -u
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 250 > "$OUT/smi.csv" &
 smi=$!
 date +%s > "$OUT/t0"
-timeout 250 /tmp/site/bin/py-spy record --subprocesses --nonblocking --rate 150 --format raw -o "$OUT/prof.raw" -- \
+timeout 250 "${PYSPY:-py-spy}" record --subprocesses --nonblocking --rate 150 --format raw -o "$OUT/prof.raw" -- \
   python3 bench/vllm_gpu.py --rollout-only --skip-hf --no-two-engines --only "now: one seed per call, no logprobs" \
   --iters 4 --start-timeout 150 --out "$OUT/prof_run.json" > "$OUT/prof_run.log" 2>&1
 echo "profile rc=$?" ; date +%s > "$OUT/t1"

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Session 14, device call 3 of the second staging: engine knobs for RL batches (issue 19 item 4). Each
+# PYSPY: the py-spy the stage tool installed into its site (its bin/ folder).
 # arm is its own process; one compile cache for all (later starts reuse the compiled graphs).
 set -u
-export VLLM_CACHE_ROOT=/tmp/vllm-cache-s14
+export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$HOME/.cache/hpcrl-s14-vllm}  # shared by the calls while the machine stays up
 T0=$SECONDS
+SCRATCH=$(mktemp -d)  # the raw profile is hundreds of MB: summarised, not sent back
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 250 > "$OUT/smi.csv" &
 smi=$!
 ROWS="now: one seed per call, no logprobs|now, no logprobs"
@@ -17,11 +19,11 @@ arm() {  # name timeout args...
 }
 arm default 250 --only "$ROWS"
 echo "== profile start $((SECONDS - T0)) s"
-timeout 150 /tmp/site/bin/py-spy record --subprocesses --threads --nonblocking --rate 200 --format raw -o /tmp/prof.raw -- \
+timeout 150 "${PYSPY:-py-spy}" record --subprocesses --threads --nonblocking --rate 200 --format raw -o "$SCRATCH/prof.raw" -- \
   python3 bench/vllm_gpu.py --rollout-only --no-two-engines --skip-hf --iters 4 --start-timeout 120 \
   --only "now: one seed per call, no logprobs" --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1
 echo "== profile rc=$? end $((SECONDS - T0)) s"
-python3 bench/pyspy_summary.py /tmp/prof.raw --top 40 > "$OUT/profile_summary.txt" 2>&1
+python3 bench/pyspy_summary.py "$SCRATCH/prof.raw" --top 40 > "$OUT/profile_summary.txt" 2>&1
 head -c 1500 "$OUT/profile_summary.txt"
 arm noprefix_bs64 150 --skip-hf --only "$ROWS" --set rollout.enable_prefix_caching=false rollout.block_size=64
 if [ $((SECONDS - T0)) -lt 440 ]; then

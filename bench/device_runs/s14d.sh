@@ -2,7 +2,7 @@
 # Session 14, last call: the 8B-shape colocated step (today's safetensors path cannot carry 8.7 GB:
 # msgspec refuses bytes over 4 GiB), then rollout.block_size 64 against the default again, alternating.
 set -u
-export VLLM_CACHE_ROOT=/tmp/vllm-cache-s14
+export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$HOME/.cache/hpcrl-s14-vllm}  # shared by the calls while the machine stays up
 timeout 200 python3 bench/colocated_gpu.py --model qwen3_8b --layers 16 --share 0.3 --refits 3 --skip-old \
   --out "$OUT/colocated_8b.json" > "$OUT/colocated_8b.log" 2>&1
 echo "colocated rc=$?"; grep -v "it/s\]\|^\s*$" "$OUT/colocated_8b.log" | grep -v "^\[rank\|^ \|Warning\|warn" | tail -16
