@@ -52,15 +52,17 @@ OVERRIDES = ["model=qwen2_1p5b", "cluster=h200", "cluster.slurm.account=x", "clu
 
 class EngineActors:
     """The one part of the loop's ``Actors`` that ``generate_and_score`` uses, over one local engine;
-    completion texts replaced by the corpus's (module docstring)."""
+    completion texts replaced by the corpus's (module docstring). ``last``: when the engine handed over
+    its latest groups (``time.perf_counter``)."""
 
     def __init__(self, engine: Any, texts: list[str]) -> None:
-        self.engine, self.texts = engine, texts
+        self.engine, self.texts, self.last = engine, texts, 0.0
 
     def generate_stream(
         self, prompts: list[list[int]], settings: SamplingSettings
     ) -> Iterator[list[tuple[int, list[Completion]]]]:
         for part in self.engine.generate_stream(prompts, settings):
+            self.last = time.perf_counter()
             yield [(i, self.text(i, g, settings.n)) for i, g in part]
 
     def text(self, i: int, group: list[Completion], n: int) -> list[Completion]:
@@ -138,21 +140,11 @@ def main() -> int:
                     "lengths": lengths}  # fmt: skip
 
         def streamed() -> dict[str, float]:
-            last = [0.0]
-
-            def stamped() -> Iterator[list[tuple[int, list[Completion]]]]:
-                for part in actors.generate_stream(prompts, settings):
-                    last[0] = time.perf_counter()
-                    yield part
-
-            class Stamped:
-                generate_stream = staticmethod(lambda p, s: stamped())
-
             t0 = time.perf_counter()
-            scored = generate_and_score(Stamped(), pool, lambda text: by_prompt[text], examples, settings)  # type: ignore[arg-type]
+            scored = generate_and_score(actors, pool, lambda text: by_prompt[text], examples, settings)  # type: ignore[arg-type]
             t2 = time.perf_counter()
             tokens = sum(len(c.token_ids) for g in scored.groups for c in g)
-            return {"s": t2 - t0, "generate_s": last[0] - t0, "tail_s": t2 - last[0], "tokens": tokens,
+            return {"s": t2 - t0, "generate_s": actors.last - t0, "tail_s": t2 - actors.last, "tokens": tokens,
                     "mean_reward": float(scored.rewards.mean())}  # fmt: skip
 
         warm = then()  # compiles, warms the pool's processes

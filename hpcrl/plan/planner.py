@@ -281,9 +281,8 @@ def resolve_block_size(cfg: RunConfig) -> str:
         not isinstance(rollout, VLLMRolloutConfig)
         or rollout.block_size is not None
         or not on_gpus(cfg.cluster)
+        or cfg.model.family in OWN_BLOCK_SIZE
     ):
-        return ""
-    if cfg.model.family in OWN_BLOCK_SIZE:
         return ""
     rollout.block_size = GPU_BLOCK_SIZE
     return f"rollout.block_size={GPU_BLOCK_SIZE} (auto: fewer KV blocks per sequence, less engine CPU a step)"

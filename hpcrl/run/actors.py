@@ -59,18 +59,15 @@ class TrainerActor:
     def data_rank(self) -> tuple[int, int]:
         return self.trainer.data_rank()
 
-    def release_cache(self) -> float:
-        """Hand the CUDA caching allocator's free blocks back to the driver; the GB released. Without
+    def release_cache(self) -> None:
+        """Hand the CUDA caching allocator's free blocks back to the driver (a no-op off GPUs). Without
         it the step's activations stay reserved by torch, and colocated engines waking up after the
         step find that memory taken (the planner's colocated refit and generate phases count only the
         trainer's weights and optimizer state; one H200, 8B shape: 13-15 GB over the plan)."""
         import torch
 
-        if not torch.cuda.is_available():
-            return 0.0
-        before = torch.cuda.memory_reserved()
-        torch.cuda.empty_cache()
-        return (before - torch.cuda.memory_reserved()) / 1e9
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def ref_logprobs(self, batch: Any) -> Any:
         return self.trainer.logprobs(batch, reference=True)

@@ -105,10 +105,11 @@ def resumable(rollouts: list[Rollouts], step: int, lag: int) -> list[Rollouts]:
     may still train on: due within ``lag`` steps, and made by a policy at most ``lag`` versions older
     than the one that trains on them (a run resumed with a lower lag than it saved with)."""
 
-    def oldest(r: Rollouts) -> int:
-        return min((c.versions[0] for g in r.scored.groups for c in g), default=r.step - 1)
+    def stale(r: Rollouts) -> int:  # its oldest token's versions behind the policy that trains on it
+        trainer = r.step - 1
+        return trainer - min((c.versions[0] for g in r.scored.groups for c in g), default=trainer)
 
-    return [r for r in rollouts if r.step <= step + lag and (r.step - 1) - oldest(r) <= lag]
+    return [r for r in rollouts if r.step <= step + lag and stale(r) <= lag]
 
 
 def train_overlapped(
