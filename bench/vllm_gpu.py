@@ -150,6 +150,47 @@ def tok_per_s(fn, new_tokens: int, iters: int = 2, warm: bool = True) -> dict:  
     }
 
 
+class GCTimer:
+    """Milliseconds and count of Python's garbage collections per generation, in the process it is
+    installed in (``install`` runs here or, as a ``collective_rpc`` callable, in the engine core, where
+    a TP=1 engine's worker lives). ``threshold`` also moves the first generation's threshold there
+    (after freezing what exists), the knob under test."""
+
+    def __init__(self) -> None:
+        self.ms, self.n, self.t0 = [0.0, 0.0, 0.0], [0, 0, 0], 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.t0 = time.perf_counter()
+        else:
+            g = info["generation"]
+            self.ms[g] += 1e3 * (time.perf_counter() - self.t0)
+            self.n[g] += 1
+
+    def take(self) -> dict:
+        out = {"ms": [round(x, 2) for x in self.ms], "n": list(self.n)}
+        self.ms, self.n = [0.0, 0.0, 0.0], [0, 0, 0]
+        return out
+
+    @staticmethod
+    def install(worker=None, threshold: int = 0) -> list:  # type: ignore[no-untyped-def]
+        import gc
+
+        timer = GCTimer()
+        gc.callbacks.append(timer)
+        holder = worker if worker is not None else GCTimer
+        holder._hpcrl_gc = timer  # type: ignore[union-attr]
+        if threshold:
+            gc.collect()
+            gc.freeze()
+            gc.set_threshold(threshold, *gc.get_threshold()[1:])
+        return list(gc.get_threshold())
+
+    @staticmethod
+    def read(worker=None) -> dict:  # type: ignore[no-untyped-def]
+        return (worker if worker is not None else GCTimer)._hpcrl_gc.take()  # type: ignore[union-attr]
+
+
 def free_bytes() -> int:
     torch.cuda.synchronize()
     return int(torch.cuda.mem_get_info()[0])
@@ -173,6 +214,9 @@ def main() -> int:
     p.add_argument("--no-two-engines", action="store_true")
     p.add_argument("--iters", type=int, default=2, help="timed calls per rollout row")
     p.add_argument("--set", nargs="*", default=[], help="extra rollout overrides, e.g. rollout.block_size=64")
+    p.add_argument("--gc", type=int, default=-1,
+                   help="time Python's GC in the engine core and here per call (-1: off); N > 0 also "
+                   "sets the first generation's threshold to N in both")  # fmt: skip
     p.add_argument("--deadline-s", type=float, default=1e9,
                    help="skip the two-engine rows unless 100 s of this budget are left")  # fmt: skip
     args = p.parse_args()
@@ -246,9 +290,14 @@ def main() -> int:
         finally:
             signal.alarm(0)
 
+    if args.gc >= 0:  # the timer travels to the engine core as a pickled callable
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     engine = part("vllm engine start", start)
     if engine is None:
         return report(res, roof)
+    if args.gc >= 0:
+        res["gc_threshold"] = {"core": engine.llm.collective_rpc(GCTimer.install, args=(args.gc,))[0],
+                               "front_end": GCTimer.install(None, args.gc)}  # fmt: skip
     import vllm
 
     res["vllm"] = vllm.__version__
@@ -307,6 +356,9 @@ def main() -> int:
         r = part(name, lambda fn=fn, warm=warm: tok_per_s(fn, T, iters=args.iters, warm=warm))
         if r:
             rows[name] = r
+            if args.gc >= 0:  # the row's calls, warm-up included
+                r["gc"] = {"core": engine.llm.collective_rpc(GCTimer.read)[0], "front_end": GCTimer.read()}
+                print(f"  gc over {args.iters + warm} calls: {r['gc']}", flush=True)
     sizes = {B: variants[3][0], B // 2: variants[5][0], B // 4: variants[6][0]}
     if all(name in rows for name in sizes.values()):  # least squares: ms/step = fixed + per_seq x sequences
         xs, ys = list(sizes), [rows[name]["ms_per_step"] for name in sizes.values()]
@@ -459,6 +511,7 @@ def report(res: dict, roof: float) -> int:
         )
     for key in (
         "step_fit",
+        "gc_threshold",
         "engine_start_s",
         "engine_config",
         "sleep_source",
