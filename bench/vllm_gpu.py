@@ -225,6 +225,7 @@ def main() -> int:
     out_path = Path(args.out) if args.out else None
     gpu = "cpu" if args.cpu else torch.cuda.get_device_name()
     res: dict = {"gpu": gpu, "torch": torch.__version__, "errors": {}, "spans": {}, "set": args.set}
+    res["cpus"] = {"count": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0))}
 
     def save() -> None:
         if out_path:
@@ -359,6 +360,8 @@ def main() -> int:
             if args.gc >= 0:  # the row's calls, warm-up included
                 r["gc"] = {"core": engine.llm.collective_rpc(GCTimer.read)[0], "front_end": GCTimer.read()}
                 print(f"  gc over {args.iters + warm} calls: {r['gc']}", flush=True)
+            print(f"  seconds per call: {[round(x, 3) for x in r['seconds']]}", flush=True)
+            save()  # part() saved before the row was in
     sizes = {B: variants[3][0], B // 2: variants[5][0], B // 4: variants[6][0]}
     if all(name in rows for name in sizes.values()):  # least squares: ms/step = fixed + per_seq x sequences
         xs, ys = list(sizes), [rows[name]["ms_per_step"] for name in sizes.values()]
