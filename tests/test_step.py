@@ -82,7 +82,9 @@ def test_calls_come_in_order_and_micro_batches_cut_each_minibatch():
         "micro_batches(2, 2)",
         "forward_backward([2])",
         "optimizer_step",
+        "zero_grad",  # the gradients go before the step returns: a colocated engine wakes next
     ]
+    assert backend.table.grad is None
     assert metrics["grad_norm"] == 2.0 and metrics["entropy"] == pytest.approx(1.0)
     one = TrainStep(PolicyLoss(), minibatches=1, micro_batch_size=4)(FakeBackend(b), b, None, "cpu")
     assert set(one) == set(metrics)  # gen_kl_error too: from the forward's own log-probs

@@ -19,9 +19,10 @@ from one that cannot, before an allocation is spent finding out. Sources of each
 - colocated with ``rollout.sleep`` (vLLM sleep level 2): the engine releases its weights and KV cache
   while the trainer trains, wakes its weights for the refit (written through two buckets of
   ``rollout.weight_sync_bucket_mb``), then its KV cache to generate; the GPU's peak is the largest of
-  the three phases, not training plus the engine's share. The trainer keeps its weights, gradients
-  and optimizer state resident throughout (neither backend offloads; gradients are freed only at the
-  next step's ``zero_grad``).
+  the three phases, not training plus the engine's share. The trainer keeps its weights and
+  optimizer state resident throughout (neither backend offloads); its gradients exist only inside a
+  step (``trainer/step.py`` frees them after the last optimizer step), so the refit and generation
+  phases do not count them.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ class TrainMemory:
 
     @property
     def resident(self) -> float:
-        """What stays on the GPU between training steps (the rollout phase shares the GPU with it)."""
-        return self.weights + self.reference + self.grads + self.optimizer + self.overhead
+        """What stays on the GPU between training steps (the rollout phase shares the GPU with it):
+        no gradients, which the step frees after its last optimizer step."""
+        return self.weights + self.reference + self.optimizer + self.overhead
 
     @property
     def startup(self) -> float:
@@ -75,7 +77,7 @@ class TrainMemory:
 
     @property
     def peak(self) -> float:
-        return self.resident + self.activations + self.logits
+        return self.resident + self.grads + self.activations + self.logits
 
 
 @dataclass(frozen=True)
