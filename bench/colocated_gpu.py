@@ -177,6 +177,7 @@ def main() -> int:
     ph.run("release cache", torch.cuda.empty_cache)  # as Fleet.sync_weights has the trainers do
     ph.run("wake weights", lambda: engine.wake_up(["weights"]))
     result["step_refit"] = ph.run("refit ipc (step)", lambda: refit_ipc(trainer, engine, layout))
+    ph.run("release buckets", torch.cuda.empty_cache)  # the refit's buffers, as Fleet.sync_weights
     ph.run("wake kv cache", lambda: engine.wake_up(["kv_cache"]))
     again = ph.run("generate again", lambda: engine.generate(prompts, settings))
     result["generate_again_tok_s"] = (
@@ -184,7 +185,7 @@ def main() -> int:
     )
     result["phases"] = ph.rows
     step = ["generate", "rewards", "sleep", "train step", "release cache", "wake weights", "refit ipc (step)",
-            "wake kv cache"]  # fmt: skip
+            "release buckets", "wake kv cache"]  # fmt: skip
     result["step_s"] = sum(ph.rows[k]["s"] for k in step)
     print(json.dumps({k: v for k, v in result.items() if k != "phases"}, indent=1, default=str), flush=True)
     if args.out:
