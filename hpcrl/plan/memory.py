@@ -39,10 +39,11 @@ from hpcrl.trainer.config import FUSED_CHUNK_ELEMENTS, FSDPTrainerConfig, Megatr
 GB = 1e9
 RUNTIME_OVERHEAD_GB = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
 ENGINE_OVERHEAD_GB = 2.0  # vLLM activations and sampler workspace outside the KV cache
-ENGINE_ASLEEP_GB = 2.0
+ENGINE_ASLEEP_GB = 4.0
 """What a vLLM engine still holds on its GPU asleep at level 2: its CUDA context (~0.5 GB), the
 CUDA-graph pools and the allocator's cached blocks, which sleep mode does not release (vLLM reports
-1-3 GB "still in use" after sleeping)."""
+1-3 GB "still in use" after sleeping; measured 3.9 GB for an 8B shape on an H200, vLLM 0.26, graphs
+captured up to 512 sequences: bench/results, session 15)."""
 MIB = 2**20
 DTYPE_BYTES = {"float32": 4, "float": 4}
 """Bytes per engine weight by ``rollout.dtype``; every other dtype vLLM takes (bfloat16, float16,
