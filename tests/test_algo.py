@@ -131,6 +131,16 @@ class TestAggregationAndIS:
         err = gen_kl_error(t([lg(0.5), lg(0.9)]), t([lg(0.25), lg(0.9)]), t([1, 0]))
         assert float(err) == pytest.approx(0.5 - 1 + math.log(2))
 
+    def test_gen_kl_error_leaves_out_tokens_the_engine_sent_no_logprob_for(self):
+        # rollout.logprob_fraction: a NaN marks a completion without the engine's log-probs
+        err = gen_kl_error(t([lg(0.5), lg(0.9), lg(0.3)]), t([lg(0.25), math.nan, math.nan]), t([1, 1, 1]))
+        assert float(err) == pytest.approx(0.5 - 1 + math.log(2))
+        assert float(gen_kl_error(t([lg(0.5)]), t([math.nan]), t([1]))) == 0.0
+
+    def test_importance_weight_of_a_token_without_engine_logprob_is_one(self):
+        w = importance_weights(t([lg(0.6), lg(0.3)]), t([lg(0.2), math.nan]), ISCorrection.tis, cap=2.0)
+        assert w[0].tolist() == pytest.approx([2.0, 1.0])
+
     def test_full_loss_combines_terms(self):
         logp = t([lg(0.5)])
         loss = PolicyLoss(kl_coef=0.1, kl_type=KLType.k3, loss_agg=LossAgg.token)

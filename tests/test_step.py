@@ -4,6 +4,8 @@ accumulated gradient and metrics those of the whole minibatch. No model, no proc
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -186,6 +188,25 @@ def test_every_variant_accumulates_to_each_minibatch(loss, size):
         assert torch.allclose(backend.grads[k], table.grad, atol=1e-12), k
         losses.append(float(whole.loss.detach()))
     assert metrics["loss"] == pytest.approx(sum(losses) / 2, abs=1e-7)
+
+
+@pytest.mark.parametrize(("minibatches", "size"), [(1, 1), (1, 2), (1, 5), (2, 2)])
+def test_gen_kl_error_is_the_token_mean_over_the_completions_with_engine_logprobs(minibatches, size):
+    """rollout.logprob_fraction: rows 1, 2 and 4 came without the engine's log-probs (NaN); the metric
+    is the token mean over rows 0 and 3 alone, whichever micro-batches and minibatches hold them
+    (a micro-batch with none of them adds nothing and dilutes nothing)."""
+    b = numbered(batch())
+    rlp = b.rollout_logp.clone()
+    rlp[[1, 2, 4]] = float("nan")
+    sampled = TrainBatch(b.input_ids, b.attention_mask, b.loss_mask, b.advantages, rlp)
+    backend = FakeBackend(sampled)
+    metrics = TrainStep(PolicyLoss(), minibatches, size)(backend, sampled, None, "cpu")
+    first = FakeBackend(b).table.detach()  # the policy before the step: the old log-probs
+    rows = [0, 3]
+    want = gen_kl_error(first[rows], b.rollout_logp[rows], b.loss_mask[rows])
+    assert float(want) > 0.01  # rows 0 and 3 do differ from the engine's numbers
+    assert metrics["gen_kl_error"] == pytest.approx(float(want), abs=1e-7)
+    assert all(math.isfinite(v) for v in metrics.values())
 
 
 def test_old_policy_mismatch_is_the_whole_batch_mean_with_several_minibatches():

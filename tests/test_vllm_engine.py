@@ -163,6 +163,26 @@ def test_logprobs_off_gives_the_same_tokens_and_no_logprobs(engine):
     assert all(len(c.logprobs) == len(c.token_ids) for g in with_lps for c in g)
 
 
+def test_logprob_fraction_asks_every_kth_prompt_and_the_tokens_stay(engine):
+    """rollout.logprob_fraction=0.5: prompts 0, 2, ... carry the same logprobs as when all ask, the
+    others none; the sampled tokens do not change (batch and stream alike)."""
+    prompts = [[1, 5 + k, 6, 14 + k, 7] for k in range(4)]
+    settings = SamplingSettings(n=2, temperature=1.0, top_p=1.0, max_tokens=12, seed=5)
+    every = engine.generate(prompts, settings)
+    engine.logprob_every = 2  # what rollout.logprob_fraction=0.5 sets
+    try:
+        half = engine.generate(prompts, settings)
+        streamed = dict(pair for part in engine.generate_stream(prompts, settings) for pair in part)
+    finally:
+        engine.logprob_every = 1
+    for got in (half, [streamed[i] for i in range(len(prompts))]):
+        assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in every]
+        for i, (g, full) in enumerate(zip(got, every, strict=True)):
+            want = [c.logprobs for c in full] if i % 2 == 0 else [[] for _ in full]
+            assert [c.logprobs for c in g] == want, i
+    assert all(len(c.logprobs) == len(c.token_ids) > 0 for c in every[1])
+
+
 def test_streamed_groups_are_the_batch_groups_handed_over_as_they_finish(engine):
     """generate_stream: every prompt's group exactly once, equal to generate's with the same seed, in
     more than one hand-over when the lengths differ (short answers are scored before long ones end)."""

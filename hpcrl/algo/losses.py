@@ -107,8 +107,10 @@ def importance_weights(
 ) -> torch.Tensor:
     """Correction for the rollout engine's logprobs differing from the trainer's (no gradient).
 
-    tis: min(pi_train / pi_rollout, cap); icepop: the ratio itself, zeroed outside [1/cap, cap].
+    tis: min(pi_train / pi_rollout, cap); icepop: the ratio itself, zeroed outside [1/cap, cap]. A
+    token the engine sent no logprob for (NaN) weighs 1.
     """
+    rollout_logp = torch.where(torch.isnan(rollout_logp), train_logp, rollout_logp)
     ratio = torch.exp((train_logp - rollout_logp).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     if kind is ISCorrection.none:
         return torch.ones_like(ratio)
@@ -119,10 +121,13 @@ def importance_weights(
 
 
 def gen_kl_error(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean k3 KL between trainer and rollout-engine logprobs over generated tokens (should be ~0).
-    A 0-dim tensor, like every metric here: a GPU step converts its metrics to floats once, at
-    its end, instead of waiting for the GPU at each one."""
-    k3 = kl_penalty(train_logp.detach(), rollout_logp, KLType.k3)
+    """Mean k3 KL between trainer and rollout-engine logprobs over generated tokens (should be ~0);
+    tokens whose engine logprob is NaN (the engine sent none) do not count. A 0-dim tensor, like every
+    metric here: a GPU step converts its metrics to floats once, at its end, instead of waiting for
+    the GPU at each one."""
+    sent = ~torch.isnan(rollout_logp)
+    k3 = kl_penalty(train_logp.detach(), torch.where(sent, rollout_logp, train_logp.detach()), KLType.k3)
+    mask = mask * sent
     return (k3 * mask).sum() / mask.sum().clamp(min=1)
 
 

@@ -111,6 +111,12 @@ class RunConfig:
                 f"rollout.logprobs=false leaves algo.is_correction={self.algo.is_correction.value} without "
                 "the engine's log-probs: set rollout.logprobs=true or algo.is_correction=none"
             )
+        fraction = getattr(self.rollout, "logprob_fraction", None)
+        if fraction is not None and fraction < 1 and self.algo.is_correction.value != "none":
+            raise ConfigError(
+                f"rollout.logprob_fraction={fraction} leaves algo.is_correction={self.algo.is_correction.value} "
+                "without the engine's log-probs of most completions: drop it (null) or set it to 1"
+            )
         if self.algo.max_staleness and self.algo.is_correction.value == "none":
             raise ConfigError(
                 f"algo.max_staleness={self.algo.max_staleness} trains on samples of older policies, which "

@@ -173,7 +173,7 @@ def make_plan(cfg: RunConfig) -> Plan:
     )
     check_model_parallel(cfg)
     sleep = resolve_sleep(cfg, topo.placement)
-    chosen = tuple(filter(None, [resolve_block_size(cfg)]))
+    chosen = tuple(filter(None, [resolve_block_size(cfg), resolve_logprob_fraction(cfg)]))
     nvlink = check_nvlink(topo, cfg.cluster.nvlink_domain_nodes, cfg.cluster.slurm.segment)
     return Plan(cfg, topo, estimate_memory(cfg, topo), tuple(quirks), sleep, nvlink, engine_defaults=chosen)
 
@@ -286,6 +286,29 @@ def resolve_block_size(cfg: RunConfig) -> str:
         return ""
     rollout.block_size = GPU_BLOCK_SIZE
     return f"rollout.block_size={GPU_BLOCK_SIZE} (auto: fewer KV blocks per sequence, less engine CPU a step)"
+
+
+LOGPROB_SAMPLE = 0.125
+"""``rollout.logprob_fraction`` where no IS correction reads the engine's log-probs: only the
+``gen_kl_error`` metric does (a refit gone wrong shows there), and a sample serves it. Asking for them
+cost ~15 us of vLLM engine Python per sequence and step: 35% of the decode throughput on one H200
+(Qwen2-1.5B shape, 256 sequences; bench/results/README.md, session 13)."""
+
+
+def resolve_logprob_fraction(cfg: RunConfig) -> str:
+    """Set a vllm engine's ``rollout.logprob_fraction`` in place where it is None: 1 with an IS
+    correction, LOGPROB_SAMPLE without; the line ``hpcrl plan`` prints for the sample, else ""."""
+    rollout = cfg.rollout
+    if not isinstance(rollout, VLLMRolloutConfig) or rollout.logprob_fraction is not None:
+        return ""
+    if not rollout.logprobs or cfg.algo.is_correction.value != "none":
+        rollout.logprob_fraction = 1.0
+        return ""
+    rollout.logprob_fraction = LOGPROB_SAMPLE
+    return (
+        f"rollout.logprob_fraction={LOGPROB_SAMPLE} (auto: without an IS correction only gen_kl_error "
+        "reads the engine's log-probs; a sample of prompts carries them)"
+    )
 
 
 def check_cluster_layout(cfg: RunConfig) -> None:

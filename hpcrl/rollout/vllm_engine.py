@@ -9,7 +9,9 @@ Python in vLLM's front-end, which runs once per request and step: a ``dict`` and
 per token, the sampled token detokenized for the logprob entry, and the incremental detokenizer; with
 256 sequences that outran a ~4 ms GPU step. So: ``flat_logprobs`` (a flat list per completion),
 ``detokenize=False`` (which also skips the logprob entries' text), and each finished completion decoded
-once here (``batch_decode``, in Rust).
+once here (``batch_decode``, in Rust). Without an IS correction only the ``gen_kl_error`` metric reads
+the logprobs, and only every k-th prompt of a call asks for them (``rollout.logprob_fraction``, 1/8
+unless set); the engine core's per-request logprob work is for those requests alone.
 
 Sampling seeds: each call's seed reseeds the workers' generators (``hpcrl_seed``) before its requests go
 in, and no request carries a ``seed`` of its own. A seed per request cost twice: vLLM's V1 model runner
@@ -156,6 +158,8 @@ class VLLMEngine:
         self.stale_cache = False
         self.stop_token_ids = list(cfg.stop_token_ids)
         self.logprobs = cfg.logprobs
+        self.logprob_every = round(1 / cfg.logprob_fraction) if cfg.logprob_fraction else 1
+        """Every k-th prompt of a call asks for logprobs (``rollout.logprob_fraction``, resolved)."""
         self.ranks = cfg.tp
         self.weight_dtype = "float32" if on_cpu else cfg.dtype
 
@@ -164,7 +168,9 @@ class VLLMEngine:
 
         self._fresh_cache()
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], self._params(settings), use_tqdm=False
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            self._params(settings, len(prompts)),
+            use_tqdm=False,
         )
         v = self.gate.version
         return self._groups(outputs, [v] * len(outputs))
@@ -183,7 +189,7 @@ class VLLMEngine:
             yield list(enumerate(self.generate(prompts, settings)))
             return
         self._fresh_cache()
-        params = self._params(settings)
+        params = self._params(settings, len(prompts))
         self.llm.enqueue([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         started = self.gate.version  # every request starts under the weights in place now
         engine = self.llm.llm_engine
@@ -194,19 +200,27 @@ class VLLMEngine:
                 groups = self._groups(done, [started] * len(done))
                 yield [(int(o.request_id) - base, g) for o, g in zip(done, groups, strict=True)]
 
-    def _params(self, settings: SamplingSettings) -> Any:
-        """The requests' sampling parameters; reseeds the workers first (before the requests go in)."""
+    def _params(self, settings: SamplingSettings, count: int) -> Any:
+        """The sampling parameters of a call's ``count`` requests (one for all, or a list when only
+        every ``logprob_every``-th asks for logprobs); reseeds the workers first."""
         from vllm import SamplingParams
 
         self.llm.collective_rpc("hpcrl_seed", args=(settings.seed,))  # not per request: module docstring
-        return SamplingParams(
-            n=settings.n,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            max_tokens=settings.max_tokens,
-            stop_token_ids=self.stop_token_ids or None,
-            **vllm_compat.sampling_kwargs(self.logprobs),
-        )
+
+        def params(logprobs: bool) -> Any:
+            return SamplingParams(
+                n=settings.n,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                max_tokens=settings.max_tokens,
+                stop_token_ids=self.stop_token_ids or None,
+                **vllm_compat.sampling_kwargs(logprobs),
+            )
+
+        if not self.logprobs or self.logprob_every == 1:
+            return params(self.logprobs)
+        every, without = params(True), params(False)
+        return [every if i % self.logprob_every == 0 else without for i in range(count)]
 
     def _groups(self, outputs: list[Any], started: list[int]) -> list[list[Completion]]:
         """Each request's completions, stamped (version at its start, version now); every text decoded

@@ -18,7 +18,8 @@ class TrainBatch:
     advantages: torch.Tensor
     """[B] one advantage per sequence."""
     rollout_logp: torch.Tensor
-    """[B, T-1] the rollout engine's logprob of each generated target token (0 elsewhere)."""
+    """[B, T-1] the rollout engine's logprob of each generated target token (0 elsewhere; NaN over
+    completions the engine sent none for: ``rollout.logprob_fraction``, ``rollout.logprobs=false``)."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

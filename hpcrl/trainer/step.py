@@ -123,16 +123,18 @@ class TrainStep:
             totals.add(
                 "gen_kl_error", gen_kl_error(whole.old_logp, d.rollout_logp, d.loss_mask) * self.minibatches
             )
+        # the loss tokens with the engine's log-prob (a sample: rollout.logprob_fraction), over the batch
+        sent = batch.loss_mask * ~torch.isnan(batch.rollout_logp)
+        sent_total = float(sent.sum().clamp(min=1)) / self.minibatches  # means() divides by minibatches
         for rows in torch.arange(len(batch)).chunk(self.minibatches):
             # counts from the CPU tensors (no wait on the GPU), before a backend adds padding rows
             mask = batch.loss_mask[rows]
             parts = mask.split(self.micro_batch_size)
-            tokens = float(mask.sum().clamp(min=1))
             units = float(self.loss.units(mask).clamp(min=1))
             shares = Shares(
                 [float(self.loss.units(m)) / units for m in parts],
-                [float(m.sum()) / tokens for m in parts],
-                tokens,
+                float(mask.sum().clamp(min=1)),
+                [float(m.sum()) / sent_total for m in sent[rows].split(self.micro_batch_size)],
             )
             backend.zero_grad()
             micro = backend.micro_batches(whole.select(rows), self.micro_batch_size)
@@ -151,7 +153,7 @@ class TrainStep:
     ) -> tuple[torch.Tensor, Metrics]:
         """Micro-batch ``i``'s loss, weighted by its share of the minibatch's loss units (tokens or
         sequences, ``PolicyLoss.units``) so that accumulation reproduces the full-minibatch value."""
-        d, share, token_share = mb.data, shares.loss[i], shares.tokens[i]
+        d, share = mb.data, shares.loss[i]
         old = logp.detach() if mb.old_logp is None else mb.old_logp
         terms = self.loss(logp, old, mb.ref_logp, d.rollout_logp, d.advantages, d.loss_mask)
         metrics: Metrics = {
@@ -163,19 +165,22 @@ class TrainStep:
         }
         # the old policy is this forward's (else: scored over the whole batch)
         if mb.old_logp is None and self.engine_logprobs:
-            metrics["gen_kl_error"] = gen_kl_error(old, d.rollout_logp, d.loss_mask) * token_share
+            metrics["gen_kl_error"] = gen_kl_error(old, d.rollout_logp, d.loss_mask) * shares.sent[i]
         return terms.loss * share, metrics
 
 
 @dataclass(frozen=True)
 class Shares:
-    """Each micro-batch's share of its minibatch: of the loss's units (``PolicyLoss.units``), which
-    weigh the loss and its metrics, and of the loss tokens, which weigh the token-mean metrics."""
+    """Each micro-batch's share of its minibatch's loss units (``PolicyLoss.units``), which weigh the
+    loss and its metrics; the minibatch's loss tokens (the entropy's mean) and the micro-batch's share
+    of the tokens ``gen_kl_error`` averages over."""
 
     loss: list[float]
-    tokens: list[float]
     total_tokens: float
     """The minibatch's loss tokens (at least 1)."""
+    sent: list[float]
+    """Each micro-batch's loss tokens with the engine's log-prob, over the whole batch's (times the
+    number of minibatches, which ``Totals.means`` divides out): ``gen_kl_error`` is their token mean."""
 
 
 class Totals:
