@@ -61,6 +61,27 @@ def overrides(tp: int, pp: int, backend: str = "megatron") -> list[str]:
     ]
 
 
+def stepped_grads(trainer: Any, backend: str) -> dict[str, torch.Tensor]:
+    """Filled with the full gradients the step's last optimizer step used: the step frees them
+    before it returns (``TrainStep``), so they are taken each time it drops them, the last time
+    after that optimizer step. Every rank calls ``zero_grad`` together (megatron gathers over TP)."""
+    seen: dict[str, torch.Tensor] = {}
+    free = trainer.zero_grad
+
+    def zero_grad() -> None:
+        if backend == "megatron":
+            grads = trainer.export_weights(grads=True)
+        else:
+            grads = {n: _full(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None}
+        if grads:
+            seen.clear()
+            seen.update({k: v.detach().clone() for k, v in grads.items()})
+        free()
+
+    trainer.zero_grad = zero_grad
+    return seen
+
+
 def _full(grad: Any) -> torch.Tensor:
     """An FSDP2 gradient (a DTensor) as one plain tensor."""
     return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
@@ -106,12 +127,9 @@ def main() -> None:
         batch = after_checkpoint(batch)
     loaded = {k: v.clone() for k, v in trainer.export_weights().items()} if resume else {}  # TP=1: views
     ref = trainer.logprobs(batch, reference=True)
+    grads = stepped_grads(trainer, backend)
     metrics = trainer.train_step(batch, ref)
-    grads = (
-        trainer.export_weights(grads=True)
-        if backend == "megatron"
-        else {n: _full(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None}
-    )
+    assert grads or rank != 0, "no gradients were seen before the step freed them"
     weights = trainer.export_weights()
     # optimizer state elements held by each rank (sharded under the distributed optimizer)
     local = trainer.local_optimizer() if backend == "megatron" else trainer.optimizer

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from mamba_mixer_check import mixer_check  # beside this script (sys.path[0])
-from megatron_parity import _full, _state_round_trip, parity_batch
+from megatron_parity import _state_round_trip, parity_batch, stepped_grads
 from weight_stream_check import stream_check
 
 from hpcrl.config.compose import compose_config
@@ -73,12 +73,9 @@ def parity_step(trainer: Any, backend: str, world: int, out: Path) -> dict[str, 
     parity batch with a reference pass; rank 0's copy of the full gradients and weights."""
     batch = parity_batch()
     ref = trainer.logprobs(batch, reference=True)
+    grads = stepped_grads(trainer, backend)
     metrics = trainer.train_step(batch, ref)
-    grads = (
-        trainer.export_weights(grads=True)
-        if backend == "megatron"
-        else {n: _full(p.grad) for n, p in trainer.model.named_parameters() if p.grad is not None}
-    )
+    assert grads or dist.get_rank() != 0, "no gradients were seen before the step freed them"
     weights = trainer.export_weights()
     local = trainer.local_optimizer() if backend == "megatron" else trainer.optimizer
     held = sum(
