@@ -374,6 +374,10 @@ def test_logprob_fraction_is_a_sample_without_is_correction_and_all_with_it():
         (["rollout.logprob_fraction=0"], "rollout.logprob_fraction=0.0 must be in (0, 1]"),
         (["rollout.logprob_fraction=1.5"], "rollout.logprob_fraction=1.5 must be in (0, 1]"),
         (
+            ["rollout.logprob_fraction=0.5", "rollout.logprobs=false"],
+            "rollout.logprob_fraction=0.5 does nothing with rollout.logprobs=false",
+        ),
+        (
             ["rollout.logprob_fraction=0.5", "algo.is_correction=tis"],
             "rollout.logprob_fraction=0.5 leaves algo.is_correction=tis without",
         ),

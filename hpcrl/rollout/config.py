@@ -102,6 +102,11 @@ class VLLMRolloutConfig(RolloutConfig):
             raise ConfigError(
                 f"rollout.logprob_fraction={self.logprob_fraction} must be in (0, 1] (or null: derived)"
             )
+        if not self.logprobs and self.logprob_fraction is not None and self.logprob_fraction < 1:
+            raise ConfigError(
+                f"rollout.logprob_fraction={self.logprob_fraction} does nothing with rollout.logprobs=false "
+                "(no completion carries logprobs): drop one of the two"
+            )
 
 
 @dataclass
