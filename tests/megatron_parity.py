@@ -78,7 +78,7 @@ def stepped_grads(trainer: Any, backend: str) -> dict[str, torch.Tensor]:
             seen.update({k: v.detach().clone() for k, v in grads.items()})
         free()
 
-    trainer.zero_grad = zero_grad
+    trainer.zero_grad = zero_grad  # until the caller deletes it (the class's own shows again)
     return seen
 
 
@@ -129,6 +129,7 @@ def main() -> None:
     ref = trainer.logprobs(batch, reference=True)
     grads = stepped_grads(trainer, backend)
     metrics = trainer.train_step(batch, ref)
+    del trainer.zero_grad  # this step's gradients only (a second step may follow the checkpoint)
     assert grads or rank != 0, "no gradients were seen before the step freed them"
     weights = trainer.export_weights()
     # optimizer state elements held by each rank (sharded under the distributed optimizer)

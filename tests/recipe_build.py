@@ -75,6 +75,7 @@ def parity_step(trainer: Any, backend: str, world: int, out: Path) -> dict[str, 
     ref = trainer.logprobs(batch, reference=True)
     grads = stepped_grads(trainer, backend)
     metrics = trainer.train_step(batch, ref)
+    del trainer.zero_grad  # this step's gradients only
     assert grads or dist.get_rank() != 0, "no gradients were seen before the step freed them"
     weights = trainer.export_weights()
     local = trainer.local_optimizer() if backend == "megatron" else trainer.optimizer
