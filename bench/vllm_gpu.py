@@ -132,21 +132,49 @@ def seeded_generate(engine, prompts, settings, logprobs: bool) -> list[list[Comp
     ]
 
 
+def descendant_cpu_s() -> float:
+    """User + system CPU seconds of this process's descendants so far (the engine core and its
+    helpers): the engine's Python per step, which a host's noisy wall clock does not blur."""
+    tick, children, cpu = os.sysconf("SC_CLK_TCK"), {}, {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # exited meanwhile
+                continue
+            children.setdefault(int(f[1]), []).append(int(d.name))
+            cpu[int(d.name)] = (int(f[11]) + int(f[12])) / tick
+    total, todo = 0.0, list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
 def tok_per_s(fn, new_tokens: int, iters: int = 2, warm: bool = True) -> dict:  # type: ignore[no-untyped-def]
     if warm:
         fn()
-    times, tokens = [], 0
+    times, core_cpu, tokens, seqs = [], [], 0, 0
     for _ in range(iters):
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), descendant_cpu_s()
         groups = fn()
         times.append(time.perf_counter() - start)
+        core_cpu.append(descendant_cpu_s() - cpu0)
         tokens = sum(len(c.token_ids) for g in groups for c in g)
-    mean = sum(times) / len(times)
-    return {
-        "tokens_per_s": tokens / mean,
-        "tokens": tokens,
-        "seconds": times,
+        seqs = sum(len(g) for g in groups)
+    return summarise({"seconds": times, "core_cpu_s": core_cpu, "tokens": tokens, "sequences": seqs}, new_tokens)
+
+
+def summarise(r: dict, new_tokens: int) -> dict:
+    """tok/s, ms per decode step and the engine processes' CPU microseconds per sequence and step."""
+    mean = sum(r["seconds"]) / len(r["seconds"])
+    cpu = sum(r["core_cpu_s"]) / len(r["core_cpu_s"])
+    return r | {
+        "tokens_per_s": r["tokens"] / mean,
         "ms_per_step": 1e3 * mean / new_tokens,
+        "core_cpu_us_per_seq_step": 1e6 * cpu / max(1, r["sequences"] * new_tokens),
+        "core_cpu_share": cpu / mean,
     }
 
 
@@ -213,6 +241,7 @@ def main() -> int:
     )
     p.add_argument("--no-two-engines", action="store_true")
     p.add_argument("--iters", type=int, default=2, help="timed calls per rollout row")
+    p.add_argument("--rounds", type=int, default=1, help="times through the chosen rows, alternating")
     p.add_argument("--set", nargs="*", default=[], help="extra rollout overrides, e.g. rollout.block_size=64")
     p.add_argument("--gc", type=int, default=-1,
                    help="time Python's GC in the engine core and here per call (-1: off); N > 0 also "
@@ -327,13 +356,13 @@ def main() -> int:
     prompts = [torch.randint(3, vocab, (prompt_len,)).tolist() for _ in range(B)]
     s = SamplingSettings(1, 1.0, 1.0, T, 0)
 
-    def now(batch: list[list[int]], settings: SamplingSettings, logprobs: bool, eng=None):  # type: ignore[no-untyped-def]
+    def now(batch: list[list[int]], settings: SamplingSettings, logprobs: bool, eng=None, every: int = 1):  # type: ignore[no-untyped-def]
         eng = eng or engine
-        eng.logprobs = logprobs  # what rollout.logprobs sets
+        eng.logprobs, eng.logprob_every = logprobs, every  # what rollout.logprobs / logprob_fraction set
         try:
             return eng.generate(batch, settings)
         finally:
-            eng.logprobs = True
+            eng.logprobs, eng.logprob_every = True, 1
 
     # (row, call, warm-up first): the first call of each logprob setting compiles its kernels
     variants = [
@@ -341,6 +370,7 @@ def main() -> int:
         ("before: seed per request, no logprobs", lambda: seeded_generate(engine, prompts, s, False), True),
         ("now: one seed per call, flat logprobs", lambda: now(prompts, s, True), False),
         ("now: one seed per call, no logprobs", lambda: now(prompts, s, False), False),
+        ("now: logprobs for every 8th prompt (logprob_fraction=0.125)", lambda: now(prompts, s, True, every=8), False),
         (
             f"now, flat logprobs, {B // 8} prompts x n=8",
             lambda: now(prompts[: B // 8], SamplingSettings(8, 1.0, 1.0, T, 0), True),
@@ -350,19 +380,24 @@ def main() -> int:
         (f"now, no logprobs, {B // 4} prompts", lambda: now(prompts[: B // 4], s, False), False),
     ]
     wanted = [w for w in args.only.split("|") if w]
-    for name, fn, warm in variants:
-        if wanted and not any(w in name for w in wanted):
-            continue
-        warm = warm or bool(wanted)  # a filtered row may be the first to compile its kernels
-        r = part(name, lambda fn=fn, warm=warm: tok_per_s(fn, T, iters=args.iters, warm=warm))
-        if r:
+    chosen = [v for v in variants if not wanted or any(w in v[0] for w in wanted)]
+    for round_ in range(args.rounds):  # rounds alternate the rows: A B C A B C, one process
+        for name, fn, warm in chosen:
+            warm = round_ == 0 and (warm or bool(wanted))  # a filtered row may be the first to compile
+            r = part(name, lambda fn=fn, warm=warm: tok_per_s(fn, T, iters=args.iters, warm=warm))
+            if not r:
+                continue
+            if name in rows:  # a later round: the row's calls so far, and these
+                keep = ("seconds", "core_cpu_s")
+                r = summarise(r | {k: rows[name][k] + r[k] for k in keep}, T)
             rows[name] = r
             if args.gc >= 0:  # the row's calls, warm-up included
                 r["gc"] = {"core": engine.llm.collective_rpc(GCTimer.read)[0], "front_end": GCTimer.read()}
                 print(f"  gc over {args.iters + warm} calls: {r['gc']}", flush=True)
-            print(f"  seconds per call: {[round(x, 3) for x in r['seconds']]}", flush=True)
+            print(f"  seconds per call: {[round(x, 3) for x in r['seconds']]}; engine CPU "
+                  f"{r['core_cpu_us_per_seq_step']:.1f} us per sequence and step", flush=True)  # fmt: skip
             save()  # part() saved before the row was in
-    sizes = {B: variants[3][0], B // 2: variants[5][0], B // 4: variants[6][0]}
+    sizes = {B: variants[3][0], B // 2: variants[6][0], B // 4: variants[7][0]}
     if all(name in rows for name in sizes.values()):  # least squares: ms/step = fixed + per_seq x sequences
         xs, ys = list(sizes), [rows[name]["ms_per_step"] for name in sizes.values()]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -503,7 +538,8 @@ def two_engines(args, res, rows, cfg, model_dir, engine, prompts, s, now, part) 
 def report(res: dict, roof: float) -> int:
     rows = res.get("rows", {})
     base = next((r["tokens_per_s"] for k, r in rows.items() if k.startswith("hf engine")), None)
-    head = f"{'rollout ' + res.get('shape', ''):60s} {'tok/s':>9s} {'% roofline':>11s} {'x hf':>6s} {'ms/step':>8s}"
+    head = (f"{'rollout ' + res.get('shape', ''):60s} {'tok/s':>9s} {'% roofline':>11s} {'x hf':>6s} {'ms/step':>8s}"
+            f" {'core us/seq/step':>16s}")  # fmt: skip
     print("\n" + head)
     for name, r in rows.items():
         r["pct_roofline"] = 100 * r["tokens_per_s"] / roof
@@ -511,6 +547,7 @@ def report(res: dict, roof: float) -> int:
         x = f"{r['x_hf']:6.2f}" if base else "     -"
         print(
             f"{name:60s} {r['tokens_per_s']:9.0f} {r['pct_roofline']:10.1f}% {x} {r.get('ms_per_step', 0):8.2f}"
+            f" {r.get('core_cpu_us_per_seq_step', float('nan')):16.1f}"
         )
     for key in (
         "step_fit",
