@@ -163,7 +163,9 @@ def tok_per_s(fn, new_tokens: int, iters: int = 2, warm: bool = True) -> dict:  
         core_cpu.append(descendant_cpu_s() - cpu0)
         tokens = sum(len(c.token_ids) for g in groups for c in g)
         seqs = sum(len(g) for g in groups)
-    return summarise({"seconds": times, "core_cpu_s": core_cpu, "tokens": tokens, "sequences": seqs}, new_tokens)
+    return summarise(
+        {"seconds": times, "core_cpu_s": core_cpu, "tokens": tokens, "sequences": seqs}, new_tokens
+    )
 
 
 def summarise(r: dict, new_tokens: int) -> dict:
@@ -370,7 +372,11 @@ def main() -> int:
         ("before: seed per request, no logprobs", lambda: seeded_generate(engine, prompts, s, False), True),
         ("now: one seed per call, flat logprobs", lambda: now(prompts, s, True), False),
         ("now: one seed per call, no logprobs", lambda: now(prompts, s, False), False),
-        ("now: logprobs for every 8th prompt (logprob_fraction=0.125)", lambda: now(prompts, s, True, every=8), False),
+        (
+            "now: logprobs for every 8th prompt (logprob_fraction=0.125)",
+            lambda: now(prompts, s, True, every=8),
+            False,
+        ),
         (
             f"now, flat logprobs, {B // 8} prompts x n=8",
             lambda: now(prompts[: B // 8], SamplingSettings(8, 1.0, 1.0, T, 0), True),
