@@ -209,6 +209,17 @@ def test_gen_kl_error_is_the_token_mean_over_the_completions_with_engine_logprob
     assert all(math.isfinite(v) for v in metrics.values())
 
 
+def test_a_sample_without_engine_logprobs_gets_nan_on_its_completion_only():
+    """rollout.logprob_fraction: the engine hands back [] for a prompt it was not asked about."""
+    prompts, comps = [[1, 5, 6], [1, 7]], [[7, 2], [6, 5, 4]]
+    b = build_batch(prompts, comps, [[-0.5, -0.25], []], [1.0, -1.0], [1, 1], pad_id=0)
+    assert b.rollout_logp[0].tolist() == [0.0, 0.0, -0.5, -0.25]  # targets 2, 3 predict the completion
+    row = b.rollout_logp[1].tolist()
+    assert row[0] == 0.0 and all(math.isnan(x) for x in row[1:4])
+    with pytest.raises(ValueError, match="sample 1: 2 rollout logprobs for 3 completion tokens"):
+        build_batch(prompts, comps, [[-0.5, -0.25], [-1.0, -1.0]], [1.0, -1.0], [1, 1], pad_id=0)
+
+
 def test_old_policy_mismatch_is_the_whole_batch_mean_with_several_minibatches():
     b = numbered(batch())
     backend = FakeBackend(b)

@@ -16,7 +16,6 @@ recording fakes in milliseconds.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -224,7 +223,7 @@ def make_batch(run: Run, s: Scored, shaped: torch.Tensor) -> TrainBatch:
         for j, c in enumerate(g):
             prompts.append(p)
             comps.append(c.token_ids or [pad_id])
-            lps.append(c.logprobs or [math.nan])  # none from the engine: gen_kl_error leaves it out
+            lps.append(c.logprobs if c.token_ids else [])  # []: none from the engine (NaN in the batch)
             advs.append(float(adv[i, j]))
             keep.append(
                 float(truncation_mask(torch.tensor([c.truncated]))[0]) if algo.overlong_filter else 1.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,9 @@ def build_batch(
     keep: list[float],
     pad_id: int,
 ) -> TrainBatch:
-    """Right-padded batch; ``keep`` (0/1 per sample) zeroes the loss mask of filtered samples."""
+    """Right-padded batch; ``keep`` (0/1 per sample) zeroes the loss mask of filtered samples. A sample
+    without rollout logprobs (an empty list: the engine was not asked, ``rollout.logprob_fraction``)
+    gets NaN there, which the IS correction and ``gen_kl_error`` leave out."""
     rows = [p + c for p, c in zip(prompts, completions, strict=True)]
     width = max(len(r) for r in rows)
     n = len(rows)
@@ -69,5 +72,7 @@ def build_batch(
         attn[i, : len(p) + len(c)] = 1
         # target position j predicts ids[j+1]: completion tokens sit at targets len(p)-1 ... len(p)+len(c)-2
         loss_mask[i, len(p) - 1 : len(p) - 1 + len(c)] = keep[i]
-        rlp[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp, dtype=torch.float32)
+        if lp and len(lp) != len(c):
+            raise ValueError(f"sample {i}: {len(lp)} rollout logprobs for {len(c)} completion tokens")
+        rlp[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp, dtype=torch.float32) if lp else math.nan
     return TrainBatch(ids, attn, loss_mask, torch.tensor(advantages, dtype=torch.float32), rlp)
