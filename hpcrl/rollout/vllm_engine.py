@@ -83,6 +83,26 @@ class WeightReloader:
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)  # every device's generator too
 
+    def hpcrl_weights_digest(self) -> dict[str, tuple[int, int]]:
+        """Each parameter of this worker's model (vLLM's names, fused as vLLM holds them) as two
+        integers over its raw bits: their sum and a position-weighted sum. Equal digests mean the
+        same bits (a refit of the same weights must give the same digest); chunked, so no copy of a
+        whole tensor is made. On vLLM-CPU the linear layers compute from a prepacked copy made at load,
+        so there only the other parameters (embeddings, norms) show what was loaded."""
+        import torch
+
+        ints, out = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}, {}
+        for name, param in self.model_runner.model.named_parameters():
+            bits = param.detach().reshape(-1).view(ints[param.element_size()])
+            plain = weighted = 0
+            for start in range(0, bits.numel(), 1 << 22):
+                chunk = bits[start : start + (1 << 22)].to(torch.int64)
+                pos = torch.arange(start, start + chunk.numel(), device=chunk.device) % 65521 + 1
+                plain += int(chunk.sum())
+                weighted += int((chunk * pos).sum())
+            out[name] = (plain, weighted)
+        return out
+
     def hpcrl_reload_weights(self, payload: bytes) -> int:
         from safetensors.torch import load
 
@@ -279,6 +299,10 @@ class VLLMEngine:
         """One broadcast; the slowest worker's seconds on the wire and in the load."""
         parts = self.llm.collective_rpc("hpcrl_receive_weights")
         return max(parts, key=lambda p: p["receive_s"] + p["load_s"])
+
+    def weights_digest(self) -> list[dict[str, tuple[int, int]]]:
+        """Every engine rank's ``WeightReloader.hpcrl_weights_digest``: what a refit check compares."""
+        return list(self.llm.collective_rpc("hpcrl_weights_digest"))
 
     def load_weights(self, weights: dict[str, Any]) -> None:
         from safetensors.torch import save
