@@ -115,6 +115,11 @@ def sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
     return [float(step[tok].logprob) for step, tok in zip(logprobs, token_ids, strict=True)]
 
 
+def worker_model(worker: Any) -> Any:
+    """The ``nn.Module`` a vLLM worker runs (V1 and V2 runners, GPU and CPU)."""
+    return worker.model_runner.model
+
+
 def load_weights(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
     """Load HF-named tensors into a vLLM worker's model in place (see the module docstring)."""
     from vllm.platforms import current_platform

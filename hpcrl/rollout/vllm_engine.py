@@ -92,7 +92,7 @@ class WeightReloader:
         import torch
 
         ints, out = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}, {}
-        for name, param in self.model_runner.model.named_parameters():
+        for name, param in vllm_compat.worker_model(self).named_parameters():
             bits = param.detach().reshape(-1).view(ints[param.element_size()])
             plain = weighted = 0
             for start in range(0, bits.numel(), 1 << 22):
