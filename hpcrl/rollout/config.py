@@ -103,7 +103,9 @@ class VLLMRolloutConfig(RolloutConfig):
         if self.kv_cache_memory_gb is not None:
             positive("rollout.kv_cache_memory_gb", self.kv_cache_memory_gb)
         if self.executor not in (None, "uni", "mp"):
-            raise ConfigError(f"rollout.executor={self.executor!r} must be 'uni', 'mp' or null (vLLM's default)")
+            raise ConfigError(
+                f"rollout.executor={self.executor!r} must be 'uni', 'mp' or null (vLLM's default)"
+            )
         if self.logprob_fraction is not None and not 0 < self.logprob_fraction <= 1:
             raise ConfigError(
                 f"rollout.logprob_fraction={self.logprob_fraction} must be in (0, 1] (or null: derived)"
