@@ -3,6 +3,7 @@
 # model's worker in its own process, so the engine core's scheduler and the runner's input preparation
 # run on two CPUs). One process, no hf row (the device time left allows one engine start); compare with
 # the one-process ('uni') figures of sessions 14-16 (33-52k tok/s, 25.5 us per sequence-step).
+# rollout.executor existed for this run only (commit "rollout.executor: ..."); removed after it: no gain.
 set -u
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$HOME/.cache/hpcrl-s16-vllm}
 T0=$SECONDS

@@ -83,10 +83,6 @@ class VLLMRolloutConfig(RolloutConfig):
     prefill it once."""
     max_num_batched_tokens: int | None = None
     """Most tokens one engine step schedules (long prefills are chunked to it); None: vLLM's default."""
-    executor: str | None = None
-    """vLLM's executor: 'mp' runs the model's worker in a process of its own beside the engine core, so
-    the scheduler's Python and the runner's input preparation run on two CPUs; 'uni' keeps both in one
-    process. None: vLLM's default ('uni' for one GPU, 'mp' for tensor parallelism)."""
     inflight_update: bool = False
     """With ``algo.max_staleness`` >= 1: new weights reach the engines as soon as a train step ends,
     between two engine steps of the batch being generated, instead of after that batch. Requests keep
@@ -102,10 +98,6 @@ class VLLMRolloutConfig(RolloutConfig):
             positive("rollout.max_num_batched_tokens", self.max_num_batched_tokens)
         if self.kv_cache_memory_gb is not None:
             positive("rollout.kv_cache_memory_gb", self.kv_cache_memory_gb)
-        if self.executor not in (None, "uni", "mp"):
-            raise ConfigError(
-                f"rollout.executor={self.executor!r} must be 'uni', 'mp' or null (vLLM's default)"
-            )
         if self.logprob_fraction is not None and not 0 < self.logprob_fraction <= 1:
             raise ConfigError(
                 f"rollout.logprob_fraction={self.logprob_fraction} must be in (0, 1] (or null: derived)"

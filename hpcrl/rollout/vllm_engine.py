@@ -150,8 +150,6 @@ class VLLMEngine:
             kwargs["block_size"] = cfg.block_size
         if cfg.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-        if cfg.executor is not None:
-            kwargs["distributed_executor_backend"] = cfg.executor
         kv_gb = cfg.kv_cache_memory_gb if cfg.kv_cache_memory_gb is not None else kv_cache_gb
         if kv_gb is not None:
             # On CPU vLLM sizes memory from one NUMA node unless told; give it an explicit KV budget.
