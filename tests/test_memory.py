@@ -8,6 +8,7 @@ import pytest
 from rich.console import Console
 
 from hpcrl.errors import ConfigError
+from hpcrl.plan.memory import RolloutMemory
 from hpcrl.plan.planner import GPU_BLOCK_SIZE, LOGPROB_SAMPLE, OWN_BLOCK_SIZE, SLEEP_ON
 from hpcrl.plan.show import show_plan
 from hpcrl.plan.topology import Placement
@@ -386,3 +387,10 @@ def test_logprob_fraction_is_a_sample_without_is_correction_and_all_with_it():
 def test_logprob_fraction_refusals_name_the_key(overrides, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
         plan(*QWEN_TP2, *overrides)
+
+
+def test_cpu_kv_budget_is_twice_the_sequences_and_never_below_the_floor():
+    r = RolloutMemory(budget=1.0, weights=0.1, kv_per_sequence=0.01, sequence_len=512, wanted_sequences=8)
+    assert r.cpu_kv_gb() == pytest.approx(0.16)  # the fleet's engines: a step's sequences, twice
+    assert r.cpu_kv_gb(32) == pytest.approx(0.64)  # evaluation: max_num_seqs of them
+    assert r.cpu_kv_gb(1) == 0.05

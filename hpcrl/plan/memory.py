@@ -101,6 +101,13 @@ class RolloutMemory:
             return 0
         return max(0, int(self.kv_capacity // self.kv_per_sequence))
 
+    def cpu_kv_gb(self, sequences: int | None = None) -> float:
+        """The explicit KV budget of a vLLM engine on CPU, which would otherwise size its memory from one
+        NUMA node: ``sequences`` (default ``wanted_sequences``) twice over, headroom for vLLM's block
+        rounding and the groups' cached prefixes, and never under 0.05 GB."""
+        n = self.wanted_sequences if sequences is None else sequences
+        return max(0.05, 2 * n * self.kv_per_sequence)
+
 
 @dataclass(frozen=True)
 class ColocatedPeaks:

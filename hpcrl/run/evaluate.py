@@ -105,11 +105,11 @@ def make_engine(cfg: RunConfig, model_dir: Path, scratch: Path) -> Any:
 
 
 def _cpu_kv_gb(cfg: RunConfig) -> float:
-    """vLLM on CPU needs an explicit KV budget: the plan's per-sequence figure for max_num_seqs of them."""
+    """vLLM on CPU needs an explicit KV budget: the plan's, for the engine's max_num_seqs (evaluation
+    sends every problem's samples at once)."""
     from hpcrl.plan.planner import make_plan
 
-    r = make_plan(cfg).memory.rollout
-    return max(0.05, cfg.rollout.max_num_seqs * r.kv_per_sequence)
+    return make_plan(cfg).memory.rollout.cpu_kv_gb(cfg.rollout.max_num_seqs)
 
 
 def answer_all(cfg: RunConfig, model_dir: Path, examples: list[Example], log: Log) -> list[Problem]:

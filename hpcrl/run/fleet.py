@@ -57,9 +57,7 @@ class Fleet:
         master = ray.get(trainers[0].endpoint.remote())
         setups = [t.setup.remote(master) for t in trainers]
         engines_n = topo.rollout.engines if gpu_resources else 1
-        # On CPU the KV cache is sized from the plan (a step's sequences, twice over) instead of a memory share.
-        r = plan.memory.rollout
-        kv_gb = max(0.05, 2 * r.wanted_sequences * r.kv_per_sequence) if on_cpu else None
+        kv_gb = plan.memory.rollout.cpu_kv_gb() if on_cpu else None  # GPUs: a share of memory instead
         tp = cfg.rollout.tp
         # in-flight updates: a refit's pause arrives while generate_stream runs (the engine's WeightGate
         # orders them); otherwise one call at a time, as the loop makes them
