@@ -157,7 +157,8 @@ def tok_per_s(fn, new_tokens: int, iters: int = 2, warm: bool = True) -> dict:  
         fn()
     times, core_cpu, tokens, seqs = [], [], 0, 0
     for _ in range(iters):
-        start, cpu0 = time.perf_counter(), descendant_cpu_s()
+        cpu0 = descendant_cpu_s()  # before the clock starts: the /proc scan is not the call's
+        start = time.perf_counter()
         groups = fn()
         times.append(time.perf_counter() - start)
         core_cpu.append(descendant_cpu_s() - cpu0)
@@ -360,11 +361,12 @@ def main() -> int:
 
     def now(batch: list[list[int]], settings: SamplingSettings, logprobs: bool, eng=None, every: int = 1):  # type: ignore[no-untyped-def]
         eng = eng or engine
+        before = eng.logprobs, eng.logprob_every
         eng.logprobs, eng.logprob_every = logprobs, every  # what rollout.logprobs / logprob_fraction set
         try:
             return eng.generate(batch, settings)
         finally:
-            eng.logprobs, eng.logprob_every = True, 1
+            eng.logprobs, eng.logprob_every = before
 
     # (row, call, warm-up first): the first call of each logprob setting compiles its kernels
     variants = [

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from .conftest import ROOT, run_cli
 
@@ -58,11 +59,12 @@ def test_embedded_default_learns(tmp_path, model_cache):
         "perf/gen_tokens_per_s",
         "train/entropy",
     } <= set(last)
-    # the broadcast's refit, traced per phase (run/refit.py); never more than two buckets held
-    phases = {"export_s", "send_s", "receive_s", "load_s", "reset_s", "total_s"}
+    # the refit, traced per phase (run/refit.py): a broadcast on CPUs, CUDA IPC on one GPU
+    phases = {"export_s", "send_s", "reset_s", "total_s"}
+    phases |= set() if torch.cuda.is_available() else {"receive_s", "load_s"}
     assert {f"refit/{k}" for k in phases} <= set(last)
     assert all(0 <= last[f"refit/{k}"] <= last["refit/total_s"] for k in phases)
-    assert last["refit/bytes"] > 0 and 0 < last["refit/peak_bucket_fraction"] <= 2
+    assert last["refit/bytes"] > 0
     assert list((run_dir / "tensorboard").iterdir())
     assert (run_dir / "checkpoints" / "step_000030" / "meta.json").exists()  # committed
     assert "validation accuracy" in result.stdout and str(run_dir / "metrics.jsonl") in result.stdout

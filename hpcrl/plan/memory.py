@@ -103,8 +103,8 @@ class RolloutMemory:
 
     def cpu_kv_gb(self, sequences: int | None = None) -> float:
         """The explicit KV budget of a vLLM engine on CPU, which would otherwise size its memory from one
-        NUMA node: ``sequences`` (default ``wanted_sequences``) twice over, headroom for vLLM's block
-        rounding and the groups' cached prefixes, and never under 0.05 GB."""
+        NUMA node: ``sequences`` (default ``wanted_sequences``) twice over, because the CPU engine holds
+        its KV in float32, twice the 2 bytes a value ``kv_per_sequence`` plans for; never under 0.05 GB."""
         n = self.wanted_sequences if sequences is None else sequences
         return max(0.05, 2 * n * self.kv_per_sequence)
 

