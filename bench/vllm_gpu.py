@@ -268,10 +268,10 @@ def main() -> int:
         try:
             value = fn()
         except Exception as e:  # one failure must not lose the rest
-            res["errors"][name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"
+            res["errors"].setdefault(name, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}")
             print(f"[{name}] FAILED: {type(e).__name__}: {e}", flush=True)
             value = None
-        res["spans"][name] = [wall, time.time()]
+        res["spans"].setdefault(name, []).append([wall, time.time()])  # a row runs once a round
         print(f"[{name}] {time.perf_counter() - start:.1f} s", flush=True)
         save()
         return value
