@@ -27,6 +27,7 @@ The engine start runs under an alarm (``--start-timeout``): one first start on t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -135,20 +136,13 @@ def seeded_generate(engine, prompts, settings, logprobs: bool) -> list[list[Comp
 def descendant_cpu_s() -> float:
     """User + system CPU seconds of this process's descendants so far (the engine core and its
     helpers): the engine's Python per step, which a host's noisy wall clock does not blur."""
-    tick, children, cpu = os.sysconf("SC_CLK_TCK"), {}, {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:  # exited meanwhile
-                continue
-            children.setdefault(int(f[1]), []).append(int(d.name))
-            cpu[int(d.name)] = (int(f[11]) + int(f[12])) / tick
-    total, todo = 0.0, list(children.get(os.getpid(), []))
-    while todo:
-        pid = todo.pop()
-        total += cpu.get(pid, 0.0)
-        todo.extend(children.get(pid, []))
+    import psutil  # vLLM's own dependency
+
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):  # exited meanwhile
+            times = child.cpu_times()
+            total += times.user + times.system
     return total
 
 
@@ -369,11 +363,13 @@ def main() -> int:
             eng.logprobs, eng.logprob_every = before
 
     # (row, call, warm-up first): the first call of each logprob setting compiles its kernels
+    full, half, quarter = ("now: one seed per call, no logprobs", f"now, no logprobs, {B // 2} prompts",
+                           f"now, no logprobs, {B // 4} prompts")  # fmt: skip
     variants = [
         ("before: seed per request, flat logprobs", lambda: seeded_generate(engine, prompts, s, True), True),
         ("before: seed per request, no logprobs", lambda: seeded_generate(engine, prompts, s, False), True),
         ("now: one seed per call, flat logprobs", lambda: now(prompts, s, True), False),
-        ("now: one seed per call, no logprobs", lambda: now(prompts, s, False), False),
+        (full, lambda: now(prompts, s, False), False),
         (
             "now: logprobs for every 8th prompt (logprob_fraction=0.125)",
             lambda: now(prompts, s, True, every=8),
@@ -384,8 +380,8 @@ def main() -> int:
             lambda: now(prompts[: B // 8], SamplingSettings(8, 1.0, 1.0, T, 0), True),
             False,
         ),
-        (f"now, no logprobs, {B // 2} prompts", lambda: now(prompts[: B // 2], s, False), False),
-        (f"now, no logprobs, {B // 4} prompts", lambda: now(prompts[: B // 4], s, False), False),
+        (half, lambda: now(prompts[: B // 2], s, False), False),
+        (quarter, lambda: now(prompts[: B // 4], s, False), False),
     ]
     wanted = [w for w in args.only.split("|") if w]
     chosen = [v for v in variants if not wanted or any(w in v[0] for w in wanted)]
@@ -405,7 +401,7 @@ def main() -> int:
             print(f"  seconds per call: {[round(x, 3) for x in r['seconds']]}; engine CPU "
                   f"{r['core_cpu_us_per_seq_step']:.1f} us per sequence and step", flush=True)  # fmt: skip
             save()  # part() saved before the row was in
-    sizes = {B: variants[3][0], B // 2: variants[6][0], B // 4: variants[7][0]}
+    sizes = {B: full, B // 2: half, B // 4: quarter}
     if all(name in rows for name in sizes.values()):  # least squares: ms/step = fixed + per_seq x sequences
         xs, ys = list(sizes), [rows[name]["ms_per_step"] for name in sizes.values()]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)

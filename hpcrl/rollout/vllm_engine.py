@@ -95,12 +95,12 @@ class WeightReloader:
         ints, out = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}, {}
         for name, param in vllm_compat.worker_model(self).named_parameters():
             bits = param.detach().reshape(-1).view(ints[param.element_size()])
-            plain = weighted = 0
+            sums = torch.zeros(2, dtype=torch.int64, device=bits.device)  # on the device: one sync a tensor
             for start in range(0, bits.numel(), 1 << 22):
                 chunk = bits[start : start + (1 << 22)].to(torch.int64)
                 pos = torch.arange(start, start + chunk.numel(), device=chunk.device) % 65521 + 1
-                plain += int(chunk.sum())
-                weighted += int((chunk * pos).sum())
+                sums += torch.stack([chunk.sum(), (chunk * pos).sum()])
+            plain, weighted = sums.tolist()
             out[name] = (plain, weighted)
         return out
 
