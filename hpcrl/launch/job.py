@@ -209,12 +209,12 @@ class NodeTask:
         from hpcrl.run.preempt import REQUEST
 
         if self._driver is not None and self._driver.is_alive():
-            REQUEST.ask()
             budget = max(10.0, self.plan.cfg.cluster.slurm.signal_delay_s - 30.0)  # leave time to requeue
-            print(
+            print(  # before asking: the log then orders this line before the step that saves
                 f"hpcrl: warning signal: saving after the current step (waiting up to {budget:.0f}s)",
                 flush=True,
             )
+            REQUEST.ask()
             saved = REQUEST.wait(budget)
             print(
                 f"hpcrl: {'saved step ' + str(REQUEST.step) if saved else 'no save in time'}; requeueing",
