@@ -39,7 +39,7 @@ def parity(model_dir: Path) -> list[str]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from hpcrl.trainer.fsdp import token_logprobs
+    from hpcrl.trainer.forward import token_logprobs
     from hpcrl.trainer.logprob_head import install_logprob_head
     from tests.test_trainer import batch
 

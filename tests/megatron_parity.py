@@ -82,6 +82,34 @@ def stepped_grads(trainer: Any, backend: str) -> dict[str, torch.Tensor]:
     return seen
 
 
+def watch_forwards(trainer: Any) -> dict[str, Any]:
+    """What an fsdp step's forwards really ran, filled in as it runs: the token widths the model was
+    called on (``widths``: 1/cp of the padded batch under context parallel) and how often the first
+    decoder layer ran (``layer_calls``: twice per micro-batch under activation checkpointing).
+    ``stop`` removes the hooks."""
+    seen: dict[str, Any] = {"widths": set(), "layer_calls": 0}
+    model = trainer.model
+
+    def width(_module: Any, args: tuple) -> None:
+        seen["widths"].add(int(args[0].shape[1]))
+
+    def count(*_: Any) -> None:
+        seen["layer_calls"] += 1
+
+    hooks = [
+        model.get_input_embeddings().register_forward_pre_hook(width),
+        model.get_decoder().layers[0].register_forward_pre_hook(count),
+    ]
+
+    def stop() -> None:
+        for h in hooks:
+            h.remove()
+        seen["widths"] = sorted(seen["widths"])
+
+    seen["stop"] = stop
+    return seen
+
+
 def _full(grad: Any) -> torch.Tensor:
     """An FSDP2 gradient (a DTensor) as one plain tensor."""
     return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
@@ -128,7 +156,9 @@ def main() -> None:
     loaded = {k: v.clone() for k, v in trainer.export_weights().items()} if resume else {}  # TP=1: views
     ref = trainer.logprobs(batch, reference=True)
     grads = stepped_grads(trainer, backend)
+    forwards = watch_forwards(trainer) if backend == "fsdp" else {}
     metrics = trainer.train_step(batch, ref)
+    forwards.pop("stop", lambda: None)()
     del trainer.zero_grad  # this step's gradients only (a second step may follow the checkpoint)
     assert grads or rank != 0, "no gradients were seen before the step freed them"
     weights = trainer.export_weights()
@@ -148,7 +178,9 @@ def main() -> None:
     else:
         per_rank = [(held, restored)]
     # what the model really ran with (Megatron may not do what the config asks without saying so)
-    layout = {}
+    layout: dict[str, Any] = {}
+    if backend == "fsdp":
+        layout = {"cp": trainer.cp.size, "dp": trainer.data_rank()[1], **forwards}
     if backend == "megatron":
         mc = trainer.model.config
         layout = {

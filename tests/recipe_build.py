@@ -112,9 +112,10 @@ def parity_step(trainer: Any, backend: str, world: int, out: Path) -> dict[str, 
 
 
 def ran_layout(trainer: Any, world: int) -> dict[str, Any]:
-    """What the ranks ran: Megatron's groups as built (not as asked), fsdp's data-parallel world."""
+    """What the ranks ran: Megatron's groups as built (not as asked), fsdp's data-parallel and
+    context-parallel sizes."""
     if not hasattr(trainer, "ps"):
-        return {"dp": dist.get_world_size()}
+        return {"dp": trainer.data_rank()[1], "cp": trainer.cp.size}
     ps = trainer.ps
     return {
         "tp": ps.get_tensor_model_parallel_world_size(),

@@ -83,19 +83,23 @@ def test_plan_and_render_do_not_import_heavy_frameworks(tmp_path):
     assert "HEAVY=\n" in result.stdout, result.stdout[-500:] + result.stderr[-500:]
 
 
-def test_fsdp_recipe_with_context_parallel_plans_but_submit_refuses(tmp_path):
-    """The fsdp backend has no TP/CP: a recipe asking for CP plans (its layout shown) but is not run
-    as something else (plain data parallel, with more memory per GPU than the plan says)."""
+def test_fsdp_context_parallel_plans_and_what_fsdp_cannot_split_is_refused_before_submit(tmp_path):
+    """fsdp splits sequences over attention (trainer.cp): the CP2 recipe plans and may be submitted.
+    Tensor parallel, and CP over Mamba layers, are not run as something else (plain data parallel,
+    with more memory per GPU than the plan says): refused before anything is written."""
     site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh"]
     recipe = "+experiment=dapo-gemma4-e2b-it-1n8g-fsdp2cp2"
     plan = run_cli("plan", recipe, *site)
-    assert plan.returncode == 0, plan.stderr
-    assert "trainer=fsdp has no tensor or context parallelism yet (trainer.tp=1, trainer.cp=2)" in plan.stdout
-    submitted = run_cli("submit", recipe, f"run.output_root={tmp_path}", *site)
-    assert submitted.returncode == 2 and "set both to 1, or use trainer=megatron" in submitted.stderr
+    assert plan.returncode == 0 and "cannot submit yet" not in plan.stdout, plan.stdout + plan.stderr
+    refused = {
+        "trainer.tp=2": "trainer=fsdp has no tensor parallelism yet (trainer.tp=2): set trainer.tp=1",
+        "model=tiny_nemotronh": "trainer=fsdp splits sequences over attention only, and tiny_nemotronh has "
+        "Mamba layers: set trainer.cp=1",
+    }
+    for override, why in refused.items():
+        submitted = run_cli("submit", recipe, override, f"run.output_root={tmp_path}", *site)
+        assert submitted.returncode == 2 and why in " ".join(submitted.stderr.split()), submitted.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted
-    same_without_cp = run_cli("plan", recipe, "trainer.cp=1", *site)
-    assert "no tensor or context parallelism" not in same_without_cp.stdout
 
 
 def test_plan_shows_both_gb200_layouts_with_their_peaks(cli):

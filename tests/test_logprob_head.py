@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from hpcrl.trainer.fsdp import is_right_padded, logprob_and_entropy
+from hpcrl.trainer.forward import is_right_padded, logprob_and_entropy
 from hpcrl.trainer.logprob_head import LogprobHead, chunked_logprob, install_logprob_head
 
 
@@ -74,7 +74,7 @@ def test_soft_capped_gemma_gets_the_head_with_its_cap_and_the_logits_paths_numbe
     from transformers import AutoModelForCausalLM
 
     from hpcrl.trainer.batch import build_batch
-    from hpcrl.trainer.fsdp import token_logprobs
+    from hpcrl.trainer.forward import token_logprobs
 
     from .test_megatron import gemma4_model
 

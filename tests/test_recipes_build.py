@@ -3,8 +3,7 @@ fail in the job.
 
 Each recipe in conf/experiment (all of them, found on disk) is planned as ``hpcrl plan`` plans it, with
 a test site. One that does not fit or cannot be submitted is left out: a skipped id with the plan's
-reason, and a fast test checks the left-out set against what ``hpcrl plan`` prints (today the three
-FSDP2 CP2 recipes). Each other recipe maps to a case: a tiny random checkpoint of its catalog model's
+reason, and a fast test checks the left-out set against what ``hpcrl plan`` prints (today none). Each other recipe maps to a case: a tiny random checkpoint of its catalog model's
 family and layer kinds (tests/tiny_checkpoints.py), its backend, and its training layout scaled to CPU
 ranks: every degree above 1 (TP, PP, CP, EP, expert TP, DP; sequence parallel as the recipe has it)
 becomes 2, at most 4 ranks; a layout that needs more drops the fewest degrees, DP first (the id says
@@ -147,7 +146,7 @@ def expected_run(case: Case) -> dict[str, Any]:
     """What tests/recipe_build.py reads back from the ranks for this case."""
     lay = case.layout
     if case.backend != "megatron":
-        return {"dp": lay.dp}
+        return {"dp": lay.dp, "cp": lay.cp}
     keys = ["tp", "pp", "cp", "dp", "sequence_parallel"] + ["ep", "expert_tp"] * case.kinds.moe
     return {k: getattr(lay, k) for k in keys}
 
@@ -259,6 +258,10 @@ def test_recipes_map_to_their_tiny_layouts():
             Kinds(**{**gemma4.__dict__, "moe": True}),
             TinyLayout(ep=2, dp=2),
         ),
+        "dapo-gemma4-26ba4b-it-4n8g-fsdp2ep16cp2": (
+            Kinds(**{**gemma4.__dict__, "moe": True}),
+            TinyLayout(cp=2, ep=2, dp=2),
+        ),
         "grpo-tiny-1n1g-fsdp": (Kinds("qwen2", tied=True), TinyLayout()),
     }
     for recipe, (kinds, layout) in expected.items():
@@ -286,11 +289,7 @@ def test_only_recipes_plan_says_cannot_run_are_left_out():
         # the plan's own verdict line (the shipped-layouts table names its siblings' verdicts too)
         if shown.returncode != 0 or re.search(r"^cannot submit yet:", shown.stdout, re.MULTILINE):
             says_no.add(recipe)
-    assert set(LEFT_OUT) == says_no
-    assert len(LEFT_OUT) == 3  # today: the three FSDP2 CP2 recipes (fsdp has no context parallel yet)
-    assert all(
-        "trainer=fsdp has no tensor or context parallelism" in p.backend_gaps[0] for p in LEFT_OUT.values()
-    )
+    assert set(LEFT_OUT) == says_no == set()  # today every shipped recipe runs (fsdp CP2 included)
     covered = [r for recipes in CASES.values() for r in recipes]
     assert sorted(covered + list(LEFT_OUT)) == shipped_recipes() and len(covered) == len(set(covered))
 

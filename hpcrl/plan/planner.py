@@ -17,9 +17,9 @@ from hpcrl.plan.search import search_layouts
 from hpcrl.plan.topology import Placement, Topology, build_topology, on_gpus
 from hpcrl.rollout.config import VLLMRolloutConfig
 from hpcrl.trainer.config import (
-    MEGATRON_FAMILIES,
     FSDPTrainerConfig,
     MegatronTrainerConfig,
+    fsdp_build_gap,
     megatron_build_gap,
 )
 
@@ -93,14 +93,10 @@ class Plan:
             and trainer.moe_gap(cfg.model.name)
         ):
             gaps.append(trainer.moe_gap(cfg.model.name))
-        if isinstance(trainer, FSDPTrainerConfig) and (trainer.tp > 1 or trainer.cp > 1):
-            # It would run as plain data parallel over every GPU: right numbers, but not the memory
-            # layout planned above (activations split over TP/CP ranks).
-            gaps.append(
-                f"trainer=fsdp has no tensor or context parallelism yet (trainer.tp={trainer.tp}, "
-                f"trainer.cp={trainer.cp}): set both to 1, or use trainer=megatron (TP/PP/CP for "
-                f"{', '.join(MEGATRON_FAMILIES)})"
-            )
+        if isinstance(trainer, FSDPTrainerConfig) and (
+            gap := fsdp_build_gap(cfg.model, trainer.tp, trainer.cp)
+        ):
+            gaps.append(gap)
         return gaps
 
     def require_buildable(self) -> None:

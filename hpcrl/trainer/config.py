@@ -107,6 +107,26 @@ the two equal. ``nemotron_h`` (Mamba-2 + attention + LatentMoE) trains without i
 ``megatron_build_gap`` holds its parallelism limits."""
 
 
+def fsdp_build_gap(model: ModelConfig, tp: int = 1, cp: int = 1) -> str:
+    """Why ``trainer=fsdp`` cannot train this layout (empty: it can). Context parallel splits
+    sequences over attention (trainer/context_parallel.py): layers that carry state along the
+    sequence (Mamba) cannot be split that way."""
+    if tp > 1:
+        # It would run as plain data parallel over every GPU: right numbers, but not the memory
+        # layout the plan assumes (weights and activations split over TP ranks).
+        return (
+            f"trainer=fsdp has no tensor parallelism yet (trainer.tp={tp}): set trainer.tp=1 (and "
+            f"trainer.cp for long sequences), or use trainer=megatron (TP/PP/CP for "
+            f"{', '.join(MEGATRON_FAMILIES)})"
+        )
+    if cp > 1 and model.hybrid.mamba > 0:
+        return (
+            f"trainer=fsdp splits sequences over attention only, and {model.name} has Mamba layers: "
+            f"set trainer.cp=1, or use trainer=megatron (its Mamba mixer splits heads under CP)"
+        )
+    return ""
+
+
 def megatron_build_gap(model: ModelConfig, tp: int = 1, pp: int = 1, cp: int = 1) -> str:
     """Why ``trainer=megatron`` cannot build this catalog model at tensor / pipeline / context
     parallel ``tp`` / ``pp`` / ``cp`` yet (empty: it can). The backend refuses the same checkpoints

@@ -27,8 +27,10 @@ from hpcrl.sync.packer import let_go
 from hpcrl.trainer.base import CollectSink, WeightSink, freeze, numel_of
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import Precision
+from hpcrl.trainer.context_parallel import CPGroup, use_cp_attention
+from hpcrl.trainer.forward import is_right_padded, token_logprobs
 from hpcrl.trainer.hf_load import load_sharded, meta_model
-from hpcrl.trainer.logprob_head import LogprobHead, install_logprob_head
+from hpcrl.trainer.logprob_head import install_logprob_head
 from hpcrl.trainer.shards import ShardWriter
 from hpcrl.trainer.step import LossFn, Metrics, StepBatch, TrainStep
 
@@ -39,50 +41,9 @@ def init_process_group(rank: int, world: int, master: str, backend: str) -> None
     dist.init_process_group(backend=backend, init_method=f"tcp://{master}", rank=rank, world_size=world)
 
 
-def token_logprobs(
-    model: Any, batch: TrainBatch, right_padded: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability and entropy of every target token: [B, T-1] each. ``right_padded``: known
-    already (saves a check that waits on the GPU); None checks."""
-    # use_cache=False: HF would otherwise build a KV cache in every training forward (a copy of each
-    # layer's keys and values, and a per-layer guard that made torch.compile recompile every layer).
-    # Right padding sits after every real token, so under causal attention no real token sees it:
-    # the padding mask changes nothing that counts and, left out, lets SDPA take its flash kernel
-    # (with a mask it falls back to the memory-efficient kernel and repeats the GQA heads).
-    if right_padded is None:
-        right_padded = is_right_padded(batch.attention_mask)
-    mask = None if right_padded else batch.attention_mask
-    head = getattr(model, "lm_head", None)
-    if isinstance(head, LogprobHead):
-        targets = torch.nn.functional.pad(
-            batch.input_ids[:, 1:], (0, 1)
-        )  # the last position predicts nothing
-        with head.targets(targets):
-            out = model(input_ids=batch.input_ids, attention_mask=mask, use_cache=False).logits[:, :-1]
-        return out[..., 0], out[..., 1]
-    logits = model(input_ids=batch.input_ids, attention_mask=mask, use_cache=False).logits[:, :-1]
-    return logprob_and_entropy(logits, batch.input_ids[:, 1:])
-
-
 def frozen_buffers(model: torch.nn.Module, names: list[str]) -> set[str]:
     """State-dict names of the buffers ``trainer.freeze`` names (the match ``freeze`` uses)."""
     return {b for b, _ in model.named_buffers() if any(n in b for n in names)}
-
-
-def is_right_padded(mask: torch.Tensor) -> bool:
-    """Every row is ones then zeros (what ``build_batch`` makes)."""
-    return bool((mask[:, 1:] <= mask[:, :-1]).all())
-
-
-def logprob_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(target) = logit - logsumexp(logits), in fp32, without materialising a full log-softmax
-    (which at 8 x 2048 x 152k vocab is 10 GB, plus as much again for its gradient)."""
-    logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets[..., None]).squeeze(-1) - lse
-    with torch.no_grad():  # a metric only: keep it out of the autograd graph
-        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, entropy
 
 
 def checkpoint_names(model: Any, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -115,6 +76,7 @@ class FSDPTrainer:
         """Buffers ``trainer.freeze`` names (Nemotron-H's router correction bias): they never change,
         engines read them from the checkpoint, so refits leave them out; checkpoints keep them."""
         self.recurrent = has_recurrent_layers(model)
+        self.cp = self._context_parallel(model, world)
         self.model = shard_model(model, cfg, device, world)
         self.ref = None
         """The frozen reference policy for the KL term (``algo.kl_coef > 0``): a second model sharded
@@ -122,6 +84,8 @@ class FSDPTrainer:
         pass from the same checkpoint reads — never a whole copy on any rank."""
         if cfg.algo.kl_coef > 0:
             ref = self._empty_model(model_dir).eval().requires_grad_(False)
+            if self.cp.size > 1:
+                use_cp_attention(ref)
             self.ref = shard_model(ref, cfg, device, world)
         load_sharded([m for m in (self.model, self.ref) if m is not None], model_dir, device)
         self.optimizer = torch.optim.AdamW(
@@ -143,10 +107,30 @@ class FSDPTrainer:
         model = meta_model(model_dir)
         if self.cfg.trainer.chunked_logprob():
             install_logprob_head(model)
+        if self.cfg.trainer.activation_checkpointing:
+            # each decoder layer's forward runs again in the backward instead of keeping its
+            # activations; non-reentrant: FSDP's hooks run again too (torchtitan, NeMo RL's DTensor path)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
 
+    def _context_parallel(self, model: Any, world: int) -> CPGroup:
+        """``trainer.cp``'s groups; above 1 the model attends through them (trainer/context_parallel.py)."""
+        cp = self.cfg.trainer.cp
+        if cp > 1 and self.recurrent:
+            raise ValueError(
+                "trainer=fsdp splits sequences over attention only: a model with Mamba layers needs "
+                "trainer.cp=1 (or trainer=megatron, whose Mamba mixer splits heads under CP)"
+            )
+        group = CPGroup.make(world, cp) if cp > 1 else CPGroup(1, 0, None)
+        if cp > 1:
+            use_cp_attention(model)
+        return group
+
     def data_rank(self) -> tuple[int, int]:
-        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        """(data-parallel rank, size): the ranks of one CP group train the same rows."""
+        if not dist.is_initialized():
+            return 0, 1
+        return dist.get_rank() // self.cp.size, dist.get_world_size() // self.cp.size
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         model = self.ref if reference else self.model
@@ -156,7 +140,7 @@ class FSDPTrainer:
         out = []
         with torch.no_grad():
             for mb in self._micro_batches(batch):
-                out.append(token_logprobs(model, mb, right_padded=mask_ok)[0])
+                out.append(token_logprobs(model, mb, right_padded=mask_ok, cp=self.cp)[0])
         return _cat_padded(out).cpu()
 
     def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
@@ -183,7 +167,7 @@ class FSDPTrainer:
     def forward_backward(self, micro_batches: list[StepBatch], loss_fn: LossFn) -> list[Metrics]:
         out = []
         for i, mb in enumerate(micro_batches):
-            logp, entropy = token_logprobs(self.model, mb.data, right_padded=self._right_padded)
+            logp, entropy = token_logprobs(self.model, mb.data, right_padded=self._right_padded, cp=self.cp)
             loss, metrics = loss_fn(i, mb, logp, entropy)
             loss.backward()
             out.append(metrics)

@@ -1,0 +1,74 @@
+"""The fsdp backend's forward: per-token log-probs and entropy from a Hugging Face causal LM, over
+whole sequences or (``trainer.cp`` > 1) this rank's part of each (trainer/context_parallel.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hpcrl.trainer.batch import TrainBatch
+from hpcrl.trainer.context_parallel import CPGroup
+from hpcrl.trainer.logprob_head import LogprobHead
+
+
+def token_logprobs(
+    model: Any, batch: TrainBatch, right_padded: bool | None = None, cp: CPGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability and entropy of every target token: [B, T-1] each. ``right_padded``: known
+    already (saves a check that waits on the GPU); None checks. ``cp``: split each sequence over
+    this context-parallel group (right-padded batches only); the result is whole on every rank."""
+    # use_cache=False: HF would otherwise build a KV cache in every training forward (a copy of each
+    # layer's keys and values, and a per-layer guard that made torch.compile recompile every layer).
+    # Right padding sits after every real token, so under causal attention no real token sees it:
+    # the padding mask changes nothing that counts and, left out, lets SDPA take its flash kernel
+    # (with a mask it falls back to the memory-efficient kernel and repeats the GQA heads).
+    if right_padded is None:
+        right_padded = is_right_padded(batch.attention_mask)
+    if cp is not None and cp.size > 1:
+        if not right_padded:
+            raise ValueError("trainer.cp > 1 trains on right-padded batches only (what build_batch makes)")
+        return _split_logprobs(model, batch.input_ids, cp)
+    ids = batch.input_ids
+    mask = None if right_padded else batch.attention_mask
+    targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))  # the last position predicts nothing
+    logp, entropy = _logprobs(model, targets, input_ids=ids, attention_mask=mask)
+    return logp[:, :-1], entropy[:, :-1]
+
+
+def _split_logprobs(model: Any, ids: torch.Tensor, cp: CPGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    width = ids.shape[1]
+    layout = cp.layout(width, ids.device)
+    targets = layout.shard(torch.nn.functional.pad(ids[:, 1:], (0, 1)))
+    positions = layout.local[None].expand(ids.shape[0], -1)
+    logp, entropy = _logprobs(
+        model, targets, input_ids=layout.shard(ids), position_ids=positions, hpcrl_cp=layout
+    )
+    return layout.unshard(logp, width - 1), layout.unshard(entropy.detach(), width - 1)
+
+
+def _logprobs(model: Any, targets: torch.Tensor, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's log p(``targets``) and entropy at every input position: through the chunked head
+    where installed, else from the logits."""
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, LogprobHead):
+        with head.targets(targets):
+            out = model(**inputs, use_cache=False).logits
+        return out[..., 0], out[..., 1]
+    return logprob_and_entropy(model(**inputs, use_cache=False).logits, targets)
+
+
+def is_right_padded(mask: torch.Tensor) -> bool:
+    """Every row is ones then zeros (what ``build_batch`` makes)."""
+    return bool((mask[:, 1:] <= mask[:, :-1]).all())
+
+
+def logprob_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) = logit - logsumexp(logits), in fp32, without materialising a full log-softmax
+    (which at 8 x 2048 x 152k vocab is 10 GB, plus as much again for its gradient)."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[..., None]).squeeze(-1) - lse
+    with torch.no_grad():  # a metric only: keep it out of the autograd graph
+        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy

@@ -1,0 +1,67 @@
+"""fsdp's context parallel (trainer/context_parallel.py) and activation checkpointing: the same step
+as one rank, with the sequences really split and the layers really recomputed.
+
+The layout helpers are checked by hand; the slow tests run tests/megatron_parity.py under torchrun
+(gloo, CPU, fp32) on a small Gemma 4 vision-language model, whose sliding layers (window 4) see less
+than the parity batch's 8 positions, so a mask that ignored the window or the split would show.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpcrl.trainer.context_parallel import CPLayout, rank_positions
+
+from .megatron_parity import parity_batch
+from .test_megatron import _assert_same_step, _torchrun, gemma4_model
+
+
+def test_each_rank_holds_an_early_and_a_late_chunk():
+    """2 x cp chunks; rank r gets r and 2cp-1-r: at cp=2 over 8 positions, [0,1,6,7] and [2,3,4,5]."""
+    assert rank_positions(0, 2, 2).tolist() == [0, 1, 6, 7]
+    assert rank_positions(1, 2, 2).tolist() == [2, 3, 4, 5]
+    assert rank_positions(2, 3, 1).tolist() == [2, 3]
+
+
+def test_a_layout_pads_shards_and_masks_by_true_positions():
+    layout = CPLayout.of(7, 2, 1, None, "cpu")  # 7 positions pad to 8
+    assert layout.width == 8 and layout.local.tolist() == [2, 3, 4, 5]
+    assert layout.gathered.tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    ids = torch.arange(14).view(2, 7)
+    assert layout.shard(ids, pad=-1).tolist() == [[2, 3, 4, 5], [9, 10, 11, 12]]
+    causal = layout.mask(None)
+    # query at position 3 sees keys 0, 1, 2, 3 (gathered columns 0, 1, 4, 5), not 6, 7 or 4, 5
+    assert causal[1].tolist() == [True, True, False, False, True, True, False, False]
+    windowed = layout.mask(2)  # position 5 sees 4 and 5 only
+    assert windowed[3].tolist() == [False, False, False, False, False, False, True, True]
+
+
+@pytest.fixture(scope="module")
+def gemma4_vlm_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gemma4_vlm_cp")
+    gemma4_model(vlm=True).save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "algo",
+    [(), ("algo.policy_loss=gspo", "algo.loss_agg=sequence", "algo.num_minibatches=2")],
+    ids=["grpo", "gspo-2-minibatches"],
+)
+def test_context_parallel_with_recompute_takes_the_one_rank_step(gemma4_vlm_dir, tmp_path, algo):
+    """CP=2 with activation checkpointing equals one rank without: log-probs (the reference pass),
+    the step's metrics, gradients and updated weights; GSPO's sequence-level ratio and the separate
+    old-policy pass (two minibatches) too. The ranks ran 4 of the batch's 8 positions, and the first
+    layer ran twice per training micro-batch: 7 rows are 4 micro-batches of 2 (two minibatches: 2 + 2),
+    and the old-policy pass (no backward, so no recompute) adds 4 more."""
+    mask = parity_batch().loss_mask.bool()
+    base = _torchrun(gemma4_vlm_dir, tmp_path / "one.pt", 1, 1, backend="fsdp", algo=algo)
+    split = ("trainer.cp=2", "trainer.activation_checkpointing=true", *algo)
+    run = _torchrun(gemma4_vlm_dir, tmp_path / "cp2.pt", 1, 1, port=29653, backend="fsdp", cp=2, algo=split)
+    _assert_same_step(run, base, mask, "fsdp CP=2 + recompute")
+    old_pass = 4 if algo else 0
+    assert base["layout"] == {"cp": 1, "dp": 1, "widths": [8], "layer_calls": old_pass + 4}
+    assert run["layout"] == {"cp": 2, "dp": 1, "widths": [4], "layer_calls": old_pass + 2 * 4}
+    assert all(run["state_restored"]), run["state_restored"]
