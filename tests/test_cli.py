@@ -85,19 +85,28 @@ def test_plan_and_render_do_not_import_heavy_frameworks(tmp_path):
 
 def test_fsdp_context_parallel_plans_and_what_fsdp_cannot_split_is_refused_before_submit(tmp_path):
     """fsdp splits sequences over attention (trainer.cp): the CP2 recipe plans and may be submitted.
-    Tensor parallel, and CP over Mamba layers, are not run as something else (plain data parallel,
-    with more memory per GPU than the plan says): refused before anything is written."""
+    Tensor parallel and CP over Mamba layers are not run as something else (plain data parallel, with
+    more memory per GPU than the plan says), nor an expert degree fsdp would not apply: refused before
+    anything is written."""
     site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh"]
     recipe = "+experiment=dapo-gemma4-e2b-it-1n8g-fsdp2cp2"
     plan = run_cli("plan", recipe, *site)
     assert plan.returncode == 0 and "cannot submit yet" not in plan.stdout, plan.stdout + plan.stderr
-    refused = {
-        "trainer.tp=2": "trainer=fsdp has no tensor parallelism yet (trainer.tp=2): set trainer.tp=1",
-        "model=tiny_nemotronh": "trainer=fsdp splits sequences over attention only, and tiny_nemotronh has "
-        "Mamba layers: set trainer.cp=1",
-    }
-    for override, why in refused.items():
-        submitted = run_cli("submit", recipe, override, f"run.output_root={tmp_path}", *site)
+    moe = "+experiment=dapo-gemma4-26ba4b-it-4n8g-fsdp2ep16cp2"
+    refused = [
+        (
+            (recipe, "trainer.tp=2"),
+            "trainer=fsdp has no tensor parallelism yet (trainer.tp=2): set trainer.tp=1",
+        ),
+        (
+            (recipe, "model=tiny_nemotronh"),
+            "trainer=fsdp splits sequences over attention only, and tiny_nemotronh has Mamba layers: "
+            "set trainer.cp=1",
+        ),
+        ((moe, "trainer.ep=16"), "trainer=fsdp has no expert parallelism (trainer.ep=16): it shards every"),
+    ]
+    for overrides, why in refused:
+        submitted = run_cli("submit", *overrides, f"run.output_root={tmp_path}", *site)
         assert submitted.returncode == 2 and why in " ".join(submitted.stderr.split()), submitted.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted
 

@@ -14,7 +14,7 @@ import torch
 from hpcrl.trainer.context_parallel import CPLayout, rank_positions
 
 from .megatron_parity import parity_batch
-from .test_megatron import _assert_same_step, _torchrun, gemma4_model
+from .test_megatron import _assert_same_step, _torchrun, gemma3_model, gemma4_model
 
 
 def test_each_rank_holds_an_early_and_a_late_chunk():
@@ -65,3 +65,24 @@ def test_context_parallel_with_recompute_takes_the_one_rank_step(gemma4_vlm_dir,
     assert base["layout"] == {"cp": 1, "dp": 1, "widths": [8], "layer_calls": old_pass + 4}
     assert run["layout"] == {"cp": 2, "dp": 1, "widths": [4], "layer_calls": old_pass + 2 * 4}
     assert all(run["state_restored"]), run["state_restored"]
+
+
+@pytest.mark.slow
+def test_context_parallel_applies_gemma3s_sliding_window(tmp_path):
+    """Gemma 3 (window 4, local and global layers; NeMo RL's DTensor CP fails on its window): CP=2
+    takes the one-rank step."""
+    gemma3_model().save_pretrained(tmp_path / "gemma3")
+    mask = parity_batch().loss_mask.bool()
+    base = _torchrun(tmp_path / "gemma3", tmp_path / "one.pt", 1, 1, backend="fsdp")
+    run = _torchrun(
+        tmp_path / "gemma3",
+        tmp_path / "cp2.pt",
+        1,
+        1,
+        port=29654,
+        backend="fsdp",
+        cp=2,
+        algo=("trainer.cp=2",),
+    )
+    _assert_same_step(run, base, mask, "gemma3 fsdp CP=2")
+    assert run["layout"]["widths"] == [4] and base["layout"]["widths"] == [8]

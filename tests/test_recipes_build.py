@@ -8,8 +8,7 @@ family and layer kinds (tests/tiny_checkpoints.py), its backend, and its trainin
 ranks: every degree above 1 (TP, PP, CP, EP, expert TP, DP; sequence parallel as the recipe has it)
 becomes 2, at most 4 ranks; a layout that needs more drops the fewest degrees, DP first (the id says
 which: dapo-gemma4-31b-it-4n8g-megatron's TP4 x PP2 x DP4 runs as "TP2xPP2xSP-no-DP"). Recipes with the
-same case share one run; the id names them all. fsdp has no EP of its own (experts are data parallel
-like everything else): its cases keep the recipe's EP, scaled, in the config, over DP ranks only.
+same case share one run; the id names them all. fsdp has no EP (the plan refuses trainer.ep > 1 there).
 
 The slow tests build each case's trainer under torchrun (gloo, CPU, fp32) and run one step on
 tests/megatron_parity.py's batch (tests/recipe_build.py, one torchrun per world size): the loss is
@@ -254,13 +253,10 @@ def test_recipes_map_to_their_tiny_layouts():
             gemma4,
             TinyLayout(tp=2, pp=2, sequence_parallel=True, dropped=("dp",)),
         ),
-        "dapo-gemma4-26ba4b-it-4n8g-fsdp2": (
-            Kinds(**{**gemma4.__dict__, "moe": True}),
-            TinyLayout(ep=2, dp=2),
-        ),
+        "dapo-gemma4-26ba4b-it-4n8g-fsdp2": (Kinds(**{**gemma4.__dict__, "moe": True}), TinyLayout(dp=2)),
         "dapo-gemma4-26ba4b-it-4n8g-fsdp2ep16cp2": (
             Kinds(**{**gemma4.__dict__, "moe": True}),
-            TinyLayout(cp=2, ep=2, dp=2),
+            TinyLayout(cp=2, dp=2),
         ),
         "grpo-tiny-1n1g-fsdp": (Kinds("qwen2", tied=True), TinyLayout()),
     }

@@ -31,10 +31,6 @@ CASES = {
         "nemotron_super fits no layout on gb200 (4 x 189 GB per node, up to 128 node(s)) with "
         "trainer=megatron, keeping layout.rollout_nodes layout.train_nodes trainer.ep as typed: training needs",
     ),
-    "quirk_forbidden_cp": (
-        ["+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1", *SITE, "trainer.cp=2"],
-        "trainer.cp=2 is not allowed for gemma3_1b",
-    ),
     "quirk_forbidden_block_size": (
         ["+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1", *SITE, "rollout.block_size=16"],
         "rollout.block_size=16 is not allowed for gemma3_1b",

@@ -94,7 +94,7 @@ class Plan:
         ):
             gaps.append(trainer.moe_gap(cfg.model.name))
         if isinstance(trainer, FSDPTrainerConfig) and (
-            gap := fsdp_build_gap(cfg.model, trainer.tp, trainer.cp)
+            gap := fsdp_build_gap(cfg.model, trainer.tp, trainer.cp, trainer.ep)
         ):
             gaps.append(gap)
         return gaps

@@ -158,21 +158,6 @@ def _nemotron_h_settings(cfg: RunConfig) -> list[Setting]:
 
 QUIRKS: list[Quirk] = [
     Quirk("gemma3", _family("gemma3"), _gemma3_settings),
-    # DTensor's context parallel (NeMo RL's, and what an fsdp CP would be) fails on the sliding-window
-    # attention bias; trainer=megatron's CP attention applies the window itself (attention.SDPAttention:
-    # CP2 = CP1 in tests/test_megatron.py), so only the other backends keep the ban.
-    Quirk(
-        "gemma3-dtensor-cp",
-        lambda cfg: cfg.model.family == "gemma3" and cfg.trainer.backend != "megatron",
-        forbids=[
-            Forbid(
-                "trainer.cp",
-                lambda v: isinstance(v, int) and v > 1,
-                "context parallel fails on Gemma 3's non-null sliding-window attention bias",
-                "set trainer.cp=1, or use trainer=megatron (its CP applies the window itself)",
-            )
-        ],
-    ),
     Quirk("gemma4", _family("gemma4"), _gemma4_settings),
     Quirk(
         "gemma4-unified",

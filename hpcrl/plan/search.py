@@ -47,7 +47,7 @@ from hpcrl.plan.nvlink import check_nvlink, segment_for
 from hpcrl.plan.quirks import apply_quirks
 from hpcrl.plan.topology import Placement, Topology, build_topology, on_gpus
 from hpcrl.rollout.config import VLLMRolloutConfig
-from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig, megatron_build_gap
+from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig, fsdp_build_gap, megatron_build_gap
 
 SEARCH_MAX_NODES = 128
 """Where the search gives up on clusters without ``cluster.max_nodes``."""
@@ -91,10 +91,12 @@ class Search:
         recompute = self.options(
             "trainer.activation_checkpointing", sorted({trainer.activation_checkpointing, True})
         )
-        if isinstance(trainer, FSDPTrainerConfig):  # no TP/CP/PP there (Plan.backend_gaps)
-            fsdp = [self.options(f"trainer.{k}", [1]) for k in ("tp", "pp", "cp", "ep")]
+        if isinstance(trainer, FSDPTrainerConfig):  # CP only (fsdp_build_gap)
+            fsdp = [self.options(f"trainer.{k}", [1]) for k in ("tp", "pp", "ep")]
+            cps = self.options("trainer.cp", [c for c in (1, 2, 4, 8) if not fsdp_build_gap(model, cp=c)])
             return [
-                TrainChoice(tp, pp, cp, ep, 1, r) for tp, pp, cp, ep, r in itertools.product(*fsdp, recompute)
+                TrainChoice(tp, pp, cp, ep, 1, r)
+                for (tp, pp, ep), cp, r in itertools.product(itertools.product(*fsdp), cps, recompute)
             ]
         assert isinstance(trainer, MegatronTrainerConfig)
         heads = model.num_attention_heads

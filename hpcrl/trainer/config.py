@@ -107,7 +107,7 @@ the two equal. ``nemotron_h`` (Mamba-2 + attention + LatentMoE) trains without i
 ``megatron_build_gap`` holds its parallelism limits."""
 
 
-def fsdp_build_gap(model: ModelConfig, tp: int = 1, cp: int = 1) -> str:
+def fsdp_build_gap(model: ModelConfig, tp: int = 1, cp: int = 1, ep: int = 1) -> str:
     """Why ``trainer=fsdp`` cannot train this layout (empty: it can). Context parallel splits
     sequences over attention (trainer/context_parallel.py): layers that carry state along the
     sequence (Mamba) cannot be split that way."""
@@ -117,6 +117,14 @@ def fsdp_build_gap(model: ModelConfig, tp: int = 1, cp: int = 1) -> str:
         return (
             f"trainer=fsdp has no tensor parallelism yet (trainer.tp={tp}): set trainer.tp=1 (and "
             f"trainer.cp for long sequences), or use trainer=megatron (TP/PP/CP for "
+            f"{', '.join(MEGATRON_FAMILIES)})"
+        )
+    if ep > 1:
+        # FSDP2 shards every expert over all the training ranks like any other weight: an expert
+        # degree would change nothing it runs, only what the plan shows.
+        return (
+            f"trainer=fsdp has no expert parallelism (trainer.ep={ep}): it shards every expert over all "
+            f"the training ranks like any weight; set trainer.ep=1, or use trainer=megatron (EP for "
             f"{', '.join(MEGATRON_FAMILIES)})"
         )
     if cp > 1 and model.hybrid.mamba > 0:

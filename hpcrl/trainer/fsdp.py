@@ -8,6 +8,10 @@ optimizer step (the gradient norm clipped over the sharded gradients, then AdamW
 The model is built on the meta device and sharded before it has storage; each rank then reads only
 its rows of every checkpoint tensor (trainer/hf_load.py), so no rank ever holds the whole model.
 
+``trainer.cp`` > 1 splits each sequence over consecutive ranks (trainer/context_parallel.py): FSDP
+still shards over every rank; the ranks of a CP group train the same rows (``data_rank``).
+``trainer.activation_checkpointing`` recomputes each decoder layer in the backward.
+
 MoE models take the quirks' settings: ``trainer.router_dtype=fp32`` makes each router an fp32 unit
 under bf16 compute; no load-balancing loss is ever added (``trainer.moe_aux_loss_coeff`` is 0 by the
 quirk); buffers ``trainer.freeze`` names (Nemotron-H's correction bias) stay out of refits.
