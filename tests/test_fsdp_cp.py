@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from hpcrl.trainer.context_parallel import CPLayout, rank_positions
+from hpcrl.trainer.context_parallel import CPLayout, attend_chunks, rank_positions, window_mask
 
 from .megatron_parity import parity_batch
 from .test_megatron import _assert_same_step, _torchrun, gemma3_model, gemma4_model
@@ -24,17 +25,37 @@ def test_each_rank_holds_an_early_and_a_late_chunk():
     assert rank_positions(2, 3, 1).tolist() == [2, 3]
 
 
-def test_a_layout_pads_shards_and_masks_by_true_positions():
+def test_a_layout_pads_and_shards_by_true_positions():
     layout = CPLayout.of(7, 2, 1, None, "cpu")  # 7 positions pad to 8
     assert layout.width == 8 and layout.local.tolist() == [2, 3, 4, 5]
     assert layout.gathered.tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert layout.in_order.tolist() == [0, 1, 4, 5, 6, 7, 2, 3]
     ids = torch.arange(14).view(2, 7)
     assert layout.shard(ids, pad=-1).tolist() == [[2, 3, 4, 5], [9, 10, 11, 12]]
-    causal = layout.mask(None)
-    # query at position 3 sees keys 0, 1, 2, 3 (gathered columns 0, 1, 4, 5), not 6, 7 or 4, 5
-    assert causal[1].tolist() == [True, True, False, False, True, True, False, False]
-    windowed = layout.mask(2)  # position 5 sees 4 and 5 only
-    assert windowed[3].tolist() == [False, False, False, False, False, False, True, True]
+    assert layout.shard(ids, pad=-1)[:, 3].tolist() == [5, 12]
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("window", [None, 3, 100])
+def test_each_ranks_chunks_attend_as_the_whole_sequence_does(cp, window):
+    """``attend_chunks`` on every rank's queries = full causal (or sliding-window) attention at those
+    positions: 4 query heads over 2 KV heads, 2 x cp chunks of 3 positions."""
+    gen = torch.Generator().manual_seed(0)
+    t = 2 * cp * 3
+    q, k, v = (torch.randn(1, h, t, 8, generator=gen) for h in (4, 2, 2))
+    allowed = window_mask(t, window or t, torch.device("cpu"))
+    whole = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+
+    def sdpa(q, k, v, causal):
+        mask = None if causal is True else causal
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal is True, enable_gqa=True
+        )
+
+    for rank in range(cp):
+        mine = rank_positions(rank, cp, 3)
+        out = attend_chunks(q[:, :, mine], k, v, rank, cp, window, sdpa)
+        assert torch.allclose(out, whole[:, :, mine], atol=1e-6), (rank, window)
 
 
 @pytest.fixture(scope="module")

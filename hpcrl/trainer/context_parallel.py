@@ -3,9 +3,10 @@
 The CP ranks of one data-parallel shard get the same rows. Each runs the model on 1/cp of every
 sequence's positions, so activations (and the logits) shrink by cp. Attention is the one place where
 positions meet: each layer all-gathers the keys and values of its CP group (the all-gather variant
-that Llama 3's training used; GQA keeps K/V a fraction of the activations) and attends its own
-queries to them under a mask built from positions. Everything else (MLPs, MoE, norms, the
-log-prob head) is per token.
+that Llama 3's training used; GQA keeps K/V a fraction of the activations) and each of its two query
+chunks attends to the keys up to its own (``attend_chunks``, which megatron's CP attention shares):
+causal within its own chunk (lower-right, a flash kernel on GPUs), a sliding window masked by true
+position. Everything else (MLPs, MoE, norms, the log-prob head) is per token.
 
 Load balance under the causal mask: the padded sequence is cut into 2 x cp chunks and rank r takes
 chunks r and 2cp-1-r, so every rank holds as many early (cheap) as late (costly) queries (Megatron's
@@ -22,11 +23,14 @@ refuses them under cp > 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 ATTENTION = "hpcrl_cp"
 """The name this module's attention function is registered under (transformers' AttentionInterface)."""
@@ -44,7 +48,11 @@ class CPLayout:
     """The padded width: a multiple of 2 x cp."""
     local: torch.Tensor
     gathered: torch.Tensor
-    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    @functools.cached_property
+    def in_order(self) -> torch.Tensor:
+        """Indices that put an all-gathered dim back in sequence order."""
+        return torch.argsort(self.gathered)
 
     @classmethod
     def of(cls, width: int, cp: int, rank: int, group: Any, device: torch.device | str) -> CPLayout:
@@ -61,16 +69,11 @@ class CPLayout:
     def unshard(self, local: torch.Tensor, width: int) -> torch.Tensor:
         """[b, width] whole rows from every rank's [b, T/cp] part (differentiable: the backward sums
         the group's gradients into each rank's slice)."""
-        everything = GatherSeq.apply(local, 1, self.group)
-        return everything[:, torch.argsort(self.gathered)][:, :width]
+        return self.gather(local, 1)[:, :width]
 
-    def mask(self, window: int | None) -> torch.Tensor:
-        """[local, gathered] True where a query may see a key: causal, within ``window`` if given."""
-        if window not in self._masks:
-            q, k = self.local[:, None], self.gathered[None, :]
-            seen = k <= q
-            self._masks[window] = seen if window is None else seen & (q - k < window)
-        return self._masks[window]
+    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's part of ``dim`` -> the whole of it in sequence order (differentiable)."""
+        return GatherSeq.apply(t, dim, self.group).index_select(dim, self.in_order)
 
 
 def rank_positions(rank: int, cp: int, chunk: int) -> torch.Tensor:
@@ -105,6 +108,9 @@ class GatherSeq(torch.autograd.Function):
         return summed.chunk(n, dim=ctx.dim)[rank].contiguous(), None, None
 
 
+# Eager even inside a compiled layer (as megatron's CP attention): compiled, the gradient of the K/V
+# all-gather came out wrong on 2 H200s there.
+@torch.compiler.disable
 def cp_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -117,20 +123,92 @@ def cp_attention(
     hpcrl_cp: CPLayout | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention call ([b, heads, s, d] each) with the group's keys and values.
-    ``hpcrl_cp``: the layout, passed to the model call as a keyword that transformers hands down to
-    every attention call (and that activation checkpointing keeps for the recompute)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    """transformers' attention call ([b, heads, s, d] each) with the group's keys and values;
+    returns [b, s, heads, d] as transformers' own. ``hpcrl_cp``: the layout, passed to the model call
+    as a keyword that transformers hands down to every attention call (and that activation
+    checkpointing keeps for the recompute)."""
     if hpcrl_cp is None:
         raise RuntimeError("trainer.cp > 1: call the model with hpcrl_cp=<its CPLayout>")
-    layout = hpcrl_cp
-    keys, values = GatherSeq.apply(key, 2, layout.group), GatherSeq.apply(value, 2, layout.group)
-    mask = layout.mask(sliding_window)[None, None]
-    kwargs.pop("is_causal", None)
-    return sdpa_attention_forward(
-        module, query, keys, values, mask, dropout=dropout, scaling=scaling, is_causal=False, **kwargs
-    )
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise ValueError(
+            "trainer=fsdp context parallel: attention logit soft-capping and sinks are not supported"
+        )
+    keys, values = hpcrl_cp.gather(key, 2), hpcrl_cp.gather(value, 2)
+    p = dropout if module.training else 0.0
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: Any) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=None if causal is True else causal,
+            is_causal=causal is True,
+            dropout_p=p,
+            scale=scaling,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+
+    out = attend_chunks(query, keys, values, hpcrl_cp.rank, hpcrl_cp.cp, sliding_window, sdpa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
+"""(q, k, v, causal) -> attention output; causal: True (top-left), a CausalBias or a boolean mask."""
+
+
+def attend_chunks(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rank: int,
+    cp: int,
+    window: int | None,
+    sdpa: Attend,
+) -> torch.Tensor:
+    """CP rank ``rank``'s attention, [b, heads, 2c, d]: its queries (chunks ``rank`` and
+    ``2cp-1-rank``, c positions each) against the whole sequence's keys and values ([b, kv_heads, 2cp x
+    c, d], in sequence order). Each chunk reads the keys up to its own end, causal within its own
+    chunk; a sliding-window layer (a query sees keys q - window < k <= q) only the keys its window
+    reaches, masked by true position."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    chunk = query.shape[2] // 2
+    outs = []
+    for j, g in enumerate((rank, 2 * cp - 1 - rank)):  # this rank's two chunks, by global index
+        q = query[:, :, j * chunk : (j + 1) * chunk]
+        seen = (g + 1) * chunk
+        first = 0 if window is None else max(0, g * chunk - window + 1)
+        k, v = keys[:, :, first:seen], values[:, :, first:seen]
+        causal: Any
+        if window is not None:
+            causal = window_mask(
+                chunk, window, q.device, first_query=g * chunk, first_key=first, keys=seen - first
+            )
+        else:
+            causal = True if g == 0 else causal_lower_right(chunk, seen)
+        outs.append(sdpa(q, k, v, causal))
+    return torch.cat(outs, dim=2)
+
+
+def window_mask(
+    s: int,
+    window: int,
+    device: torch.device,
+    first_query: int = 0,
+    first_key: int = 0,
+    keys: int | None = None,
+) -> torch.Tensor:
+    """[s, keys (default s)], True where the query at position ``first_query + i`` may read the key at
+    ``first_key + j``: key <= query and query - key < window (sliding-window causal)."""
+    q = torch.arange(first_query, first_query + s, device=device)
+    k = torch.arange(first_key, first_key + (s if keys is None else keys), device=device)
+    distance = q[:, None] - k[None, :]
+    return (distance >= 0) & (distance < window)
+
+
+def chunk_order(cp: int) -> list[int]:
+    """Where global chunk g sits in the CP all-gather (rank r contributes chunks r, 2·cp-1-r)."""
+    return [2 * g if g < cp else 2 * (2 * cp - 1 - g) + 1 for g in range(2 * cp)]
 
 
 def use_cp_attention(model: Any) -> None:

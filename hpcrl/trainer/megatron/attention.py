@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hpcrl.trainer.context_parallel import attend_chunks, chunk_order, window_mask
+
 
 class SDPAttention(torch.nn.Module):
     """Megatron's core-attention slot filled with torch SDPA: causal, GQA without repeating K/V.
@@ -86,29 +88,12 @@ class SDPAttention(torch.nn.Module):
     @torch.compiler.disable
     def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         from megatron.core import parallel_state as ps
-        from torch.nn.attention.bias import causal_lower_right
 
         group = ps.get_context_parallel_group()
-        cp, rank = group.size(), group.rank()
-        chunk = query.shape[0] // 2
         # every rank's queries read these keys/values: their gradients are summed back to the owner
-        k_all, v_all = (cp_gather(t, group, sum_grads=True) for t in (key, value))
-        outs = []
-        for j, g in enumerate((rank, 2 * cp - 1 - rank)):  # this rank's two chunks, by global index
-            q = query[j * chunk : (j + 1) * chunk].permute(1, 2, 0, 3)
-            seen = (g + 1) * chunk
-            # a sliding-window layer reads only the keys its window reaches (masked by global position)
-            first = 0 if self.window is None else max(0, g * chunk - self.window + 1)
-            k, v = (t[first:seen].permute(1, 2, 0, 3) for t in (k_all, v_all))
-            causal: Any
-            if self.window is not None:
-                causal = window_mask(
-                    chunk, self.window, q.device, first_query=g * chunk, first_key=first, keys=seen - first
-                )
-            else:
-                causal = True if g == 0 else causal_lower_right(chunk, seen)
-            outs.append(self._sdpa(q, k, v, causal=causal))
-        return torch.cat(outs, dim=2)
+        k_all, v_all = (cp_gather(t, group, sum_grads=True).permute(1, 2, 0, 3) for t in (key, value))
+        q = query.permute(1, 2, 0, 3)
+        return attend_chunks(q, k_all, v_all, group.rank(), group.size(), self.window, self._sdpa)
 
 
 def sliding_window(config: Any, layer_number: int) -> int | None:
@@ -156,27 +141,6 @@ def flex_window_attention(
     block = _window_block_mask(q.shape[2], window, q.device)
     run = kernel or _flex()
     return run(q, k, v, block_mask=block, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def window_mask(
-    s: int,
-    window: int,
-    device: torch.device,
-    first_query: int = 0,
-    first_key: int = 0,
-    keys: int | None = None,
-) -> torch.Tensor:
-    """[s, keys (default s)], True where the query at position ``first_query + i`` may read the key at
-    ``first_key + j``: key <= query and query - key < window (sliding-window causal)."""
-    q = torch.arange(first_query, first_query + s, device=device)
-    k = torch.arange(first_key, first_key + (s if keys is None else keys), device=device)
-    distance = q[:, None] - k[None, :]
-    return (distance >= 0) & (distance < window)
-
-
-def chunk_order(cp: int) -> list[int]:
-    """Where global chunk g sits in the CP all-gather (rank r contributes chunks r, 2·cp-1-r)."""
-    return [2 * g if g < cp else 2 * (2 * cp - 1 - g) + 1 for g in range(2 * cp)]
 
 
 def cp_gather(t: torch.Tensor, group: Any, *, sum_grads: bool) -> torch.Tensor:
