@@ -8,14 +8,18 @@ than the parity batch's 8 positions, so a mask that ignored the window or the sp
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from hpcrl.config.compose import compose_config
 from hpcrl.trainer.context_parallel import CPLayout, attend_chunks, rank_positions, window_mask
 
 from .megatron_parity import parity_batch
 from .test_megatron import _assert_same_step, _torchrun, gemma3_model, gemma4_model
+from .tiny_checkpoints import kinds_of, save_tiny
 
 
 def test_each_rank_holds_an_early_and_a_late_chunk():
@@ -88,15 +92,24 @@ def test_context_parallel_with_recompute_takes_the_one_rank_step(gemma4_vlm_dir,
     assert all(run["state_restored"]), run["state_restored"]
 
 
+def _gemma3(out: Path) -> None:
+    gemma3_model().save_pretrained(out)
+
+
+def _gemma4_unified(out: Path) -> None:
+    save_tiny(kinds_of(compose_config(["model=gemma4_12b"]).model), out)
+
+
 @pytest.mark.slow
-def test_context_parallel_applies_gemma3s_sliding_window(tmp_path):
-    """Gemma 3 (window 4, local and global layers; NeMo RL's DTensor CP fails on its window): CP=2
-    takes the one-rank step."""
-    gemma3_model().save_pretrained(tmp_path / "gemma3")
+@pytest.mark.parametrize("make", [_gemma3, _gemma4_unified], ids=["gemma3", "gemma4-unified"])
+def test_context_parallel_takes_the_one_rank_step_where_nemo_rl_keeps_cp1(tmp_path, make):
+    """Gemma 3 (window 4; NeMo RL's DTensor CP fails on its window) and Gemma 4 12B's gemma4_unified
+    checkpoint (no model-owned CP attention for NeMo RL): CP=2 takes the one-rank step."""
+    make(tmp_path / "model")
     mask = parity_batch().loss_mask.bool()
-    base = _torchrun(tmp_path / "gemma3", tmp_path / "one.pt", 1, 1, backend="fsdp")
+    base = _torchrun(tmp_path / "model", tmp_path / "one.pt", 1, 1, backend="fsdp")
     run = _torchrun(
-        tmp_path / "gemma3",
+        tmp_path / "model",
         tmp_path / "cp2.pt",
         1,
         1,
@@ -105,5 +118,5 @@ def test_context_parallel_applies_gemma3s_sliding_window(tmp_path):
         cp=2,
         algo=("trainer.cp=2",),
     )
-    _assert_same_step(run, base, mask, "gemma3 fsdp CP=2")
+    _assert_same_step(run, base, mask, f"{make.__name__} fsdp CP=2")
     assert run["layout"]["widths"] == [4] and base["layout"]["widths"] == [8]

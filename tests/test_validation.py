@@ -35,10 +35,6 @@ CASES = {
         ["+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1", *SITE, "rollout.block_size=16"],
         "rollout.block_size=16 is not allowed for gemma3_1b",
     ),
-    "gemma4_unified_cp": (
-        ["+experiment=dapo-gemma4-12b-it-2n8g-fsdp2", *SITE, "trainer.cp=2"],
-        "the gemma4_unified checkpoint has no model-owned CP attention",
-    ),
     "segment_does_not_divide": (
         [*GB200, "cluster.slurm.segment=2"],
         "cluster.slurm.segment=2 does not divide the job's 5 nodes",

@@ -115,7 +115,8 @@ class ModelConfig:
     vlm: bool = False
     """Checkpoint loads through an image-text class even when trained on text only."""
     unified: bool = False
-    """Gemma 4 ``gemma4_unified`` checkpoint (no model-owned CP attention)."""
+    """Gemma 4 ``gemma4_unified`` checkpoint (NeMo RL trains it at CP1 only: no model-owned CP
+    attention there; hpcrl's fsdp CP goes through transformers' attention interface and runs it)."""
     stated_params_b: float = MISSING
     """Total parameters the publisher states, in billions (checked against the architecture)."""
     max_position_embeddings: int = 8192

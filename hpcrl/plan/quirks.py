@@ -159,18 +159,6 @@ def _nemotron_h_settings(cfg: RunConfig) -> list[Setting]:
 QUIRKS: list[Quirk] = [
     Quirk("gemma3", _family("gemma3"), _gemma3_settings),
     Quirk("gemma4", _family("gemma4"), _gemma4_settings),
-    Quirk(
-        "gemma4-unified",
-        lambda cfg: cfg.model.family == "gemma4" and cfg.model.unified,
-        forbids=[
-            Forbid(
-                "trainer.cp",
-                lambda v: isinstance(v, int) and v > 1,
-                "the gemma4_unified checkpoint has no model-owned CP attention (CP1 only)",
-                "set trainer.cp=1",
-            )
-        ],
-    ),
     Quirk("moe", lambda cfg: cfg.model.is_moe, _moe_settings),
     Quirk(
         "nemotron_h", lambda cfg: cfg.model.family == "nemotron_h" and cfg.model.is_moe, _nemotron_h_settings
