@@ -58,6 +58,10 @@ CASES = {
         "the fsdp backend has no pipeline parallelism",
     ),
     "local_cluster_multi_node": (["layout.train_nodes=2"], "cluster=local runs on this machine only"),
+    "local_cluster_multi_gpu": (
+        ["cluster.gpus_per_node=2", "trainer.cp=2"],
+        "cluster=local runs one trainer rank and one rollout engine, but cluster.gpus_per_node=2",
+    ),
     "secret_in_env": (["+cluster.env.HF_TOKEN=abc"], "cluster.env.HF_TOKEN looks like a secret"),
     "overlong_buffer_too_long": (
         ["algo=dapo", "rollout.max_new_tokens=8"],

@@ -314,6 +314,13 @@ def check_cluster_layout(cfg: RunConfig) -> None:
             f"cluster=local runs on this machine only, but the layout asks for {nodes} nodes; "
             "pick a Slurm cluster (e.g. +cluster=gb200) or set layout.train_nodes=1 layout.rollout_nodes=0"
         )
+    if cluster.scheduler is Scheduler.local and cluster.gpus_per_node > 1:
+        # a local run places one trainer rank and one engine (run/fleet.py): a wider layout would plan
+        # memory and parallelism it never runs
+        raise ConfigError(
+            f"cluster=local runs one trainer rank and one rollout engine, but cluster.gpus_per_node="
+            f"{cluster.gpus_per_node}; set cluster.gpus_per_node=1, or pick a Slurm cluster for more GPUs"
+        )
     if cluster.max_nodes is not None and nodes > cluster.max_nodes:
         raise ConfigError(
             f"the layout asks for {nodes} nodes but cluster '{cluster.name}' has {cluster.max_nodes} "
