@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hpcrl.config.compose import compose_config
-from hpcrl.trainer.context_parallel import CPLayout, attend_chunks, rank_positions, window_mask
+from hpcrl.trainer.context_parallel import CPLayout, attend_chunks, rank_positions, sdpa, window_mask
 
 from .megatron_parity import parity_batch
 from .test_megatron import _assert_same_step, _torchrun, gemma3_model, gemma4_model
@@ -43,18 +43,13 @@ def test_a_layout_pads_and_shards_by_true_positions():
 @pytest.mark.parametrize("window", [None, 3, 100])
 def test_each_ranks_chunks_attend_as_the_whole_sequence_does(cp, window):
     """``attend_chunks`` on every rank's queries = full causal (or sliding-window) attention at those
-    positions: 4 query heads over 2 KV heads, 2 x cp chunks of 3 positions."""
+    positions: 4 query heads over 2 KV heads, 2 x cp chunks of 3 positions; a window of 100 reaches
+    every key (the causal path)."""
     gen = torch.Generator().manual_seed(0)
     t = 2 * cp * 3
     q, k, v = (torch.randn(1, h, t, 8, generator=gen) for h in (4, 2, 2))
     allowed = window_mask(t, window or t, torch.device("cpu"))
     whole = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
-
-    def sdpa(q, k, v, causal):
-        mask = None if causal is True else causal
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal is True, enable_gqa=True
-        )
 
     for rank in range(cp):
         mine = rank_positions(rank, cp, 3)
@@ -71,24 +66,29 @@ def gemma4_vlm_dir(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "algo",
-    [(), ("algo.policy_loss=gspo", "algo.loss_agg=sequence", "algo.num_minibatches=2")],
-    ids=["grpo", "gspo-2-minibatches"],
+    ("cp", "recompute", "algo"),
+    [
+        (2, True, ()),
+        (3, False, ("algo.policy_loss=gspo", "algo.loss_agg=sequence", "algo.num_minibatches=2")),
+    ],
+    ids=["cp2-recompute-grpo", "cp3-gspo-2-minibatches"],
 )
-def test_context_parallel_with_recompute_takes_the_one_rank_step(gemma4_vlm_dir, tmp_path, algo):
-    """CP=2 with activation checkpointing equals one rank without: log-probs (the reference pass),
-    the step's metrics, gradients and updated weights; GSPO's sequence-level ratio and the separate
-    old-policy pass (two minibatches) too. The ranks ran 4 of the batch's 8 positions, and the first
-    layer ran twice per training micro-batch: 7 rows are 4 micro-batches of 2 (two minibatches: 2 + 2),
-    and the old-policy pass (no backward, so no recompute) adds 4 more."""
+def test_context_parallel_takes_the_one_rank_step(gemma4_vlm_dir, tmp_path, cp, recompute, algo):
+    """CP equals one rank: log-probs (the reference pass), the step's metrics, gradients and updated
+    weights. CP2 with activation checkpointing, GRPO; CP3 (the batch's 8 positions padded to 12, then
+    cut back), GSPO's sequence-level ratio and the separate old-policy pass of two minibatches. The
+    ranks ran their 8/cp share of the positions (4 each), and with recompute the first layer ran twice
+    per training micro-batch: 7 rows are 4 micro-batches of 2 (two minibatches: 2 + 2), and the
+    old-policy pass (no backward, no recompute) adds 4 more."""
     mask = parity_batch().loss_mask.bool()
     base = _torchrun(gemma4_vlm_dir, tmp_path / "one.pt", 1, 1, backend="fsdp", algo=algo)
-    split = ("trainer.cp=2", "trainer.activation_checkpointing=true", *algo)
-    run = _torchrun(gemma4_vlm_dir, tmp_path / "cp2.pt", 1, 1, port=29653, backend="fsdp", cp=2, algo=split)
-    _assert_same_step(run, base, mask, "fsdp CP=2 + recompute")
+    split = (f"trainer.cp={cp}", f"trainer.activation_checkpointing={str(recompute).lower()}", *algo)
+    run = _torchrun(gemma4_vlm_dir, tmp_path / "cp.pt", 1, 1, port=29653, backend="fsdp", cp=cp, algo=split)
+    _assert_same_step(run, base, mask, f"fsdp CP={cp}, recompute {recompute}")
     old_pass = 4 if algo else 0
     assert base["layout"] == {"cp": 1, "dp": 1, "widths": [8], "layer_calls": old_pass + 4}
-    assert run["layout"] == {"cp": 2, "dp": 1, "widths": [4], "layer_calls": old_pass + 2 * 4}
+    calls = old_pass + 4 * (2 if recompute else 1)
+    assert run["layout"] == {"cp": cp, "dp": 1, "widths": [4], "layer_calls": calls}
     assert all(run["state_restored"]), run["state_restored"]
 
 
@@ -120,3 +120,15 @@ def test_context_parallel_takes_the_one_rank_step_where_nemo_rl_keeps_cp1(tmp_pa
     )
     _assert_same_step(run, base, mask, f"{make.__name__} fsdp CP=2")
     assert run["layout"]["widths"] == [4] and base["layout"]["widths"] == [8]
+
+
+def test_rope_scaled_by_the_longest_position_is_named():
+    from transformers import Gemma3TextConfig, Qwen2Config
+
+    from hpcrl.trainer.fsdp import position_dependent_rope
+
+    dynamic = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    assert position_dependent_rope(Qwen2Config(rope_parameters=dynamic)) == "dynamic"
+    assert position_dependent_rope(Qwen2Config()) == ""
+    per_layer = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4}, "full_attention": dynamic}
+    assert position_dependent_rope(Gemma3TextConfig(rope_parameters=per_layer)) == "dynamic"

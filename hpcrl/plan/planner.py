@@ -60,6 +60,10 @@ class Plan:
     def fits(self) -> bool:
         return not self.problems
 
+    def bigger_keys(self) -> str:
+        """The parallel degrees this backend can raise to fit (fsdp: context parallel only)."""
+        return "trainer.tp/pp/cp/ep" if isinstance(self.cfg.trainer, MegatronTrainerConfig) else "trainer.cp"
+
     def require_fit(self) -> None:
         if not self.fits:
             if self.no_layout:
@@ -73,7 +77,7 @@ class Plan:
             )
             raise DoesNotFitError(
                 f"{self.cfg.model.name} does not fit on {self.cfg.cluster.name}: {problems}. "
-                "Try more nodes, layout.rollout_nodes>=1 (split), larger trainer.tp/pp/ep, "
+                f"Try more nodes, layout.rollout_nodes>=1 (split), larger {self.bigger_keys()}, "
                 f"trainer.activation_checkpointing=true or a lower rollout.gpu_memory_utilization{hint}"
             )
 
@@ -377,7 +381,7 @@ def check_model_parallel(cfg: RunConfig) -> None:
         )
     if trainer.pp > model.num_layers:
         raise ConfigError(f"trainer.pp={trainer.pp} exceeds {model.name}'s {model.num_layers} layers")
-    if cfg.max_seq_len % trainer.cp:
+    if isinstance(trainer, MegatronTrainerConfig) and cfg.max_seq_len % trainer.cp:  # fsdp pads
         raise ConfigError(
             f"trainer.cp={trainer.cp} must divide the sequence length {cfg.max_seq_len} "
             "(data.max_prompt_tokens + rollout.max_new_tokens)"

@@ -123,7 +123,7 @@ class Fleet:
 
     def _data_ranks(self) -> list[tuple[int, int]]:
         """(data-parallel rank, data-parallel size) of every trainer rank: ranks that differ only in
-        TP/PP/CP hold the same shard of the batch (fsdp: every rank its own)."""
+        TP/PP/CP hold the same shard of the batch (fsdp: every CP group its own)."""
         import ray
 
         if not self.data_ranks:

@@ -134,21 +134,8 @@ def cp_attention(
             "trainer=fsdp context parallel: attention logit soft-capping and sinks are not supported"
         )
     keys, values = hpcrl_cp.gather(key, 2), hpcrl_cp.gather(value, 2)
-    p = dropout if module.training else 0.0
-
-    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: Any) -> torch.Tensor:
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=None if causal is True else causal,
-            is_causal=causal is True,
-            dropout_p=p,
-            scale=scaling,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-
-    out = attend_chunks(query, keys, values, hpcrl_cp.rank, hpcrl_cp.cp, sliding_window, sdpa)
+    attend = functools.partial(sdpa, dropout=dropout if module.training else 0.0, scale=scaling)
+    out = attend_chunks(query, keys, values, hpcrl_cp.rank, hpcrl_cp.cp, sliding_window, attend)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -177,17 +164,49 @@ def attend_chunks(
     for j, g in enumerate((rank, 2 * cp - 1 - rank)):  # this rank's two chunks, by global index
         q = query[:, :, j * chunk : (j + 1) * chunk]
         seen = (g + 1) * chunk
-        first = 0 if window is None else max(0, g * chunk - window + 1)
+        reach = None if window is None or seen <= window else window  # every key in reach: causal
+        first = 0 if reach is None else max(0, g * chunk - reach + 1)
         k, v = keys[:, :, first:seen], values[:, :, first:seen]
         causal: Any
-        if window is not None:
+        if reach is not None:
             causal = window_mask(
-                chunk, window, q.device, first_query=g * chunk, first_key=first, keys=seen - first
+                chunk, reach, q.device, first_query=g * chunk, first_key=first, keys=seen - first
             )
         else:
             causal = True if g == 0 else causal_lower_right(chunk, seen)
         outs.append(sdpa(q, k, v, causal))
     return torch.cat(outs, dim=2)
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: Any,
+    *,
+    dropout: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """torch SDPA on [b, heads, s, d] with fewer K/V heads than query heads (GQA). ``causal``: True
+    (top-left causal: flash), a ``CausalBias`` (lower-right: flash, GQA included) or a boolean mask.
+    With a mask, K/V heads are repeated first: SDPA runs GQA on the flash and math kernels only, and
+    flash takes no mask, so a mask with ``enable_gqa`` would fall to the math kernel and its fp32
+    [b, heads, s, keys] scores; repeated, the memory-efficient kernel takes it (transformers does
+    the same)."""
+    gqa = q.shape[1] != k.shape[1]
+    if isinstance(causal, torch.Tensor) and gqa:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        gqa = False
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=None if causal is True else causal,
+        is_causal=causal is True,
+        dropout_p=dropout,
+        scale=scale,
+        enable_gqa=gqa,
+    )
 
 
 def window_mask(
@@ -218,15 +237,16 @@ def use_cp_attention(model: Any) -> None:
 
     AttentionInterface.register(ATTENTION, cp_attention)
     config = model.config
+    # the text config only: set on a vision-language model's own config, transformers would switch its
+    # vision and audio towers too (never run in text RL, but they would then need a layout)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for c in {id(config): config, id(text): text}.values():
-        c._attn_implementation = ATTENTION
+    text._attn_implementation = ATTENTION
 
 
 @dataclass(frozen=True)
 class CPGroup:
-    """This rank's context-parallel group: ``size`` consecutive ranks (on one node, where the
-    per-layer all-gathers have NVLink), this rank ``rank`` among them."""
+    """This rank's context-parallel group: ``size`` consecutive ranks (on one node when cp is at
+    most the GPUs per node, so the per-layer all-gathers stay on NVLink), this rank ``rank`` among them."""
 
     size: int
     rank: int

@@ -125,6 +125,11 @@ class FSDPTrainer:
                 "trainer=fsdp splits sequences over attention only: a model with Mamba layers needs "
                 "trainer.cp=1 (or trainer=megatron, whose Mamba mixer splits heads under CP)"
             )
+        if cp > 1 and (kind := position_dependent_rope(model.config)):
+            raise ValueError(
+                f"trainer.cp={cp}: {kind} RoPE scales by the longest position in the call, which differs "
+                "between CP ranks; set trainer.cp=1"
+            )
         group = CPGroup.make(world, cp) if cp > 1 else CPGroup(1, 0, None)
         if cp > 1:
             use_cp_attention(model)
@@ -331,6 +336,15 @@ def apply_fsdp(
         fully_shard(layer, reshard_after_forward=reshard, **shard)
     fully_shard(model, **shard)
     return model
+
+
+def position_dependent_rope(config: Any) -> str:
+    """The model's RoPE type when its frequencies depend on the longest position seen ("dynamic",
+    "longrope"); "" otherwise. ``rope_parameters`` is one dict or one per layer type (Gemma)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    kinds = [rope.get("rope_type")] + [v.get("rope_type") for v in rope.values() if isinstance(v, dict)]
+    return next((k for k in kinds if k in ("dynamic", "longrope")), "")
 
 
 def routers(module: torch.nn.Module) -> list[torch.nn.Module]:

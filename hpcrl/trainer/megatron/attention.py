@@ -13,9 +13,8 @@ import functools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from hpcrl.trainer.context_parallel import attend_chunks, chunk_order, window_mask
+from hpcrl.trainer.context_parallel import attend_chunks, chunk_order, sdpa, window_mask
 
 
 class SDPAttention(torch.nn.Module):
@@ -71,17 +70,7 @@ class SDPAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: Any) -> torch.Tensor:
-        mask = None if causal is True else causal
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=causal is True,
-            dropout_p=self.dropout if self.training else 0.0,
-            scale=self.scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+        return sdpa(q, k, v, causal, dropout=self.dropout if self.training else 0.0, scale=self.scale)
 
     # Eager even inside a compiled layer: compiled, the gradient of the K/V all-gather (a reduce-scatter
     # in Megatron's autograd function) came out wrong on 2 H200s (grad norm 4.46 instead of 6.16).
