@@ -5,8 +5,8 @@ sequence's positions, so activations (and the logits) shrink by cp. Attention is
 positions meet: each layer all-gathers the keys and values of its CP group (the all-gather variant
 that Llama 3's training used; GQA keeps K/V a fraction of the activations) and each of its two query
 chunks attends to the keys up to its own (``attend_chunks``, which megatron's CP attention shares):
-causal within its own chunk (lower-right, a flash kernel on GPUs), a sliding window masked by true
-position. Everything else (MLPs, MoE, norms, the log-prob head) is per token.
+causal within its own chunk (lower-right: flash on GPUs up to head dim 256), a sliding window masked
+by true position (``sdpa``). Everything else (MLPs, MoE, norms, the log-prob head) is per token.
 
 Load balance under the causal mask: the padded sequence is cut into 2 x cp chunks and rank r takes
 chunks r and 2cp-1-r, so every rank holds as many early (cheap) as late (costly) queries (Megatron's
@@ -103,7 +103,9 @@ class GatherSeq(torch.autograd.Function):
             mine = torch.empty_like(parts[rank])
             dist.reduce_scatter(mine, parts, group=ctx.group)
             return mine, None, None
-        summed = grad.contiguous()  # gloo has no reduce-scatter: sum everything, keep this rank's slice
+        # gloo has no reduce-scatter: sum everything (in a copy: autograd's gradient is not ours to
+        # overwrite), keep this rank's slice
+        summed = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(summed, group=ctx.group)
         return summed.chunk(n, dim=ctx.dim)[rank].contiguous(), None, None
 
