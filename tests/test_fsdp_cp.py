@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hpcrl.config.compose import compose_config
-from hpcrl.trainer.context_parallel import CPLayout, attend_chunks, rank_positions, sdpa, window_mask
+from hpcrl.trainer.context_parallel import CPGroup, attend_chunks, rank_positions, sdpa, window_mask
 
 from .megatron_parity import parity_batch
 from .test_megatron import _assert_same_step, _torchrun, gemma3_model, gemma4_model
@@ -30,7 +30,7 @@ def test_each_rank_holds_an_early_and_a_late_chunk():
 
 
 def test_a_layout_pads_and_shards_by_true_positions():
-    layout = CPLayout.of(7, 2, 1, None, "cpu")  # 7 positions pad to 8
+    layout = CPGroup(2, 1, None).layout(7, "cpu")  # 7 positions pad to 8
     assert layout.width == 8 and layout.local.tolist() == [2, 3, 4, 5]
     assert layout.gathered.tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
     assert layout.in_order.tolist() == [0, 1, 4, 5, 6, 7, 2, 3]

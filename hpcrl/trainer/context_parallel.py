@@ -38,12 +38,10 @@ ATTENTION = "hpcrl_cp"
 
 @dataclass
 class CPLayout:
-    """Which positions of a width-``width`` batch this rank holds (``local``, in its order) and the
-    order the group's all-gather puts every rank's positions in (``gathered``)."""
+    """Which positions of a width-``width`` batch this rank of ``group`` holds (``local``, in its order)
+    and the order the group's all-gather puts every rank's positions in (``gathered``)."""
 
-    cp: int
-    rank: int
-    group: Any
+    group: CPGroup
     width: int
     """The padded width: a multiple of 2 x cp."""
     local: torch.Tensor
@@ -55,11 +53,11 @@ class CPLayout:
         return torch.argsort(self.gathered)
 
     @classmethod
-    def of(cls, width: int, cp: int, rank: int, group: Any, device: torch.device | str) -> CPLayout:
+    def of(cls, width: int, group: CPGroup, device: torch.device | str) -> CPLayout:
+        cp = group.size
         padded = -(-width // (2 * cp)) * 2 * cp
-        chunk = padded // (2 * cp)
-        parts = [rank_positions(r, cp, chunk) for r in range(cp)]
-        return cls(cp, rank, group, padded, parts[rank].to(device), torch.cat(parts).to(device))
+        parts = [rank_positions(r, cp, padded // (2 * cp)) for r in range(cp)]
+        return cls(group, padded, parts[group.rank].to(device), torch.cat(parts).to(device))
 
     def shard(self, t: torch.Tensor, pad: int | float = 0) -> torch.Tensor:
         """This rank's positions of ``t`` [b, T, ...] (padded to ``width`` with ``pad`` first)."""
@@ -73,7 +71,7 @@ class CPLayout:
 
     def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's part of ``dim`` -> the whole of it in sequence order (differentiable)."""
-        return GatherSeq.apply(t, dim, self.group).index_select(dim, self.in_order)
+        return GatherSeq.apply(t, dim, self.group.group).index_select(dim, self.in_order)
 
 
 def rank_positions(rank: int, cp: int, chunk: int) -> torch.Tensor:
@@ -137,7 +135,8 @@ def cp_attention(
         )
     keys, values = hpcrl_cp.gather(key, 2), hpcrl_cp.gather(value, 2)
     attend = functools.partial(sdpa, dropout=dropout if module.training else 0.0, scale=scaling)
-    out = attend_chunks(query, keys, values, hpcrl_cp.rank, hpcrl_cp.cp, sliding_window, attend)
+    group = hpcrl_cp.group
+    out = attend_chunks(query, keys, values, group.rank, group.size, sliding_window, attend)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -264,4 +263,4 @@ class CPGroup:
         return cls(cp, rank % cp, groups[rank // cp])
 
     def layout(self, width: int, device: torch.device | str) -> CPLayout:
-        return CPLayout.of(width, self.size, self.rank, self.group, device)
+        return CPLayout.of(width, self, device)

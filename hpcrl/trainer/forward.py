@@ -25,24 +25,27 @@ def token_logprobs(
     # (with a mask it falls back to the memory-efficient kernel and repeats the GQA heads).
     if right_padded is None:
         right_padded = is_right_padded(batch.attention_mask)
+    ids = batch.input_ids
+    targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))  # the last position predicts nothing
     if cp is not None and cp.size > 1:
         if not right_padded:
             raise ValueError("trainer.cp > 1 trains on right-padded batches only (what build_batch makes)")
-        return _split_logprobs(model, batch.input_ids, cp)
-    ids = batch.input_ids
+        return _split_logprobs(model, ids, targets, cp)
     mask = None if right_padded else batch.attention_mask
-    targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))  # the last position predicts nothing
     logp, entropy = _logprobs(model, targets, input_ids=ids, attention_mask=mask)
     return logp[:, :-1], entropy[:, :-1]
 
 
-def _split_logprobs(model: Any, ids: torch.Tensor, cp: CPGroup) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_logprobs(
+    model: Any, ids: torch.Tensor, targets: torch.Tensor, cp: CPGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's positions through the model (true positions to RoPE, the layout to attention),
+    the log-probs and entropy gathered back to whole rows."""
     width = ids.shape[1]
     layout = cp.layout(width, ids.device)
-    targets = layout.shard(torch.nn.functional.pad(ids[:, 1:], (0, 1)))
     positions = layout.local[None].expand(ids.shape[0], -1)
     logp, entropy = _logprobs(
-        model, targets, input_ids=layout.shard(ids), position_ids=positions, hpcrl_cp=layout
+        model, layout.shard(targets), input_ids=layout.shard(ids), position_ids=positions, hpcrl_cp=layout
     )
     return layout.unshard(logp, width - 1), layout.unshard(entropy.detach(), width - 1)
 

@@ -88,8 +88,6 @@ class FSDPTrainer:
         pass from the same checkpoint reads — never a whole copy on any rank."""
         if cfg.algo.kl_coef > 0:
             ref = self._empty_model(model_dir).eval().requires_grad_(False)
-            if self.cp.size > 1:
-                use_cp_attention(ref)
             self.ref = shard_model(ref, cfg, device, world)
         load_sharded([m for m in (self.model, self.ref) if m is not None], model_dir, device)
         self.optimizer = torch.optim.AdamW(
@@ -111,6 +109,8 @@ class FSDPTrainer:
         model = meta_model(model_dir)
         if self.cfg.trainer.chunked_logprob():
             install_logprob_head(model)
+        if self.cfg.trainer.cp > 1:
+            use_cp_attention(model)  # attention through the CP group (trainer/context_parallel.py)
         if self.cfg.trainer.activation_checkpointing:
             # each decoder layer's forward runs again in the backward instead of keeping its
             # activations; non-reentrant: FSDP's hooks run again too (torchtitan, NeMo RL's DTensor path)
@@ -118,7 +118,8 @@ class FSDPTrainer:
         return model
 
     def _context_parallel(self, model: Any, world: int) -> CPGroup:
-        """``trainer.cp``'s groups; above 1 the model attends through them (trainer/context_parallel.py)."""
+        """``trainer.cp``'s groups, after the checks the model's own config allows (the planner's read
+        the catalog)."""
         cp = self.cfg.trainer.cp
         if cp > 1 and self.recurrent:
             raise ValueError(
@@ -130,10 +131,7 @@ class FSDPTrainer:
                 f"trainer.cp={cp}: {kind} RoPE scales by the longest position in the call, which differs "
                 "between CP ranks; set trainer.cp=1"
             )
-        group = CPGroup.make(world, cp) if cp > 1 else CPGroup(1, 0, None)
-        if cp > 1:
-            use_cp_attention(model)
-        return group
+        return CPGroup.make(world, cp) if cp > 1 else CPGroup(1, 0, None)
 
     def data_rank(self) -> tuple[int, int]:
         """(data-parallel rank, size): the ranks of one CP group train the same rows."""
