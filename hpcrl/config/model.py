@@ -15,6 +15,7 @@ from hpcrl.errors import ConfigError
 
 LOCAL_PREFIX = "local/"
 """``model.hf_id`` of catalog entries hpcrl builds itself (run/tiny_model.py) instead of downloading."""
+FETCH_MODES = ("login", "job")
 TINY_FAMILIES = ("qwen2", "nemotron_h")
 """The families it builds (the keys of run/tiny_model.py's ``BUILDERS``; a test keeps them equal)."""
 
@@ -79,6 +80,14 @@ class ParamCounts:
 class ModelConfig:
     name: str = MISSING
     hf_id: str = MISSING
+    """A Hugging Face hub id (``org/name``: ``hpcrl fetch`` puts it in the site's cache, ``HF_HOME``, and
+    the job resolves it there offline), a local model directory, or ``local/...`` (built by hpcrl)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) to fetch and run; None: ``main`` as last fetched."""
+    fetch: str = "login"
+    """Where the model and ``hf:`` data sets are downloaded: ``login`` (by ``hpcrl fetch`` before
+    submitting; jobs run with ``HF_HUB_OFFLINE=1`` and the checks refuse what the cache lacks) or ``job``
+    (the job downloads them: only for sites whose compute nodes reach the hub)."""
     family: str = MISSING
     """Architecture family: qwen2, qwen3, qwen3_moe, llama, gemma3, gemma4, nemotron_h."""
     hf_class: str = MISSING
@@ -127,6 +136,11 @@ class ModelConfig:
 
     def check(self) -> None:
         self._check_buildable_here()
+        if self.fetch not in FETCH_MODES:
+            raise ConfigError(
+                f"model.fetch={self.fetch!r} must be one of {', '.join(FETCH_MODES)} "
+                "(login: `hpcrl fetch` before submitting; job: the job downloads)"
+            )
         for key in (
             "num_layers",
             "hidden_size",
