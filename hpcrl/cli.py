@@ -30,6 +30,10 @@ PLANNED: dict[str, tuple[str, Options | None]] = {
     ),
     "run": ("run the driver against a held debug session's Ray cluster (no restart)", opts.add_run),
     "doctor": ("check this node, or every node of a job, against what the plan needs", opts.add_doctor),
+    "fetch": (
+        "download the model and hf: data sets a config needs into the site's Hugging Face cache (login node)",
+        None,
+    ),
 }
 """Commands that compose a config from Hydra overrides, with their own options."""
 
@@ -135,6 +139,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from hpcrl.config.cluster import Scheduler
+    from hpcrl.hub.check import check_inputs
     from hpcrl.plan.planner import plan_from_overrides
 
     if args.multirun:
@@ -144,6 +149,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     plan = plan_from_overrides(args.overrides)
     plan.require_buildable()  # first: a model the backend cannot build is refused whatever it needs
     plan.require_fit()
+    check_inputs(plan.cfg)
     if plan.search:
         print(plan.search.summary())
     if plan.cfg.cluster.scheduler is Scheduler.local:
@@ -163,6 +169,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
     print(f"run dir {done.run_dir}")
     for path in done.logs:
         print(f"log     {path}")
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from hpcrl.config.compose import compose_config
+    from hpcrl.hub.fetch import fetch_all
+
+    cfg = compose_config(args.overrides)
+    for item in fetch_all(cfg, say=lambda line: print(f"hpcrl fetch: {line}", flush=True)):
+        print(item.line())
     return 0
 
 

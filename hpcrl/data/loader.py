@@ -50,18 +50,24 @@ def records_to_examples(
     return out
 
 
-def read_records(source: str, split: str) -> list[dict[str, Any]]:
+def read_records(source: str, split: str, hub: Path | None = None) -> list[dict[str, Any]]:
+    """``hf:`` sources are read from the Hugging Face cache ``hub`` (offline: ``hpcrl fetch`` put them
+    there; None: this process's ``HF_HOME``), the files of ``split`` as ``hpcrl/hub/files.py`` picks them."""
     if source.startswith("hf:"):
-        try:
-            import datasets
-        except ImportError as exc:
-            raise ConfigError(
-                "data.source='hf:...' needs the 'datasets' package (pip install datasets)"
-            ) from exc
-        return list(datasets.load_dataset(source[3:], split=split))
+        from hpcrl.hub.resolve import dataset_files
+
+        if hub is None:
+            from huggingface_hub import constants
+
+            hub = Path(constants.HF_HUB_CACHE)
+        return [rec for path in dataset_files(hub, source, split) for rec in read_file(path)]
     path = Path(source)
     if not path.exists():
         raise ConfigError(f"data.source file '{source}' does not exist")
+    return read_file(path)
+
+
+def read_file(path: Path) -> list[dict[str, Any]]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -72,8 +78,9 @@ def read_records(source: str, split: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def load_examples(cfg: DataConfig, seed: int) -> tuple[list[Example], list[Example]]:
-    """Training and validation examples; validation is ``val_source`` or a held-out slice."""
+def load_examples(cfg: DataConfig, seed: int, hub: Path | None = None) -> tuple[list[Example], list[Example]]:
+    """Training and validation examples; validation is ``val_source`` or a held-out slice. ``hub``: the
+    Hugging Face cache ``hf:`` sources are read from (``read_records``)."""
     if cfg.source == "synthetic":
         problems, held_out = synthetic_split(
             num_train=cfg.num_samples or 4096, num_val=cfg.max_val_samples, seed=seed
@@ -82,10 +89,10 @@ def load_examples(cfg: DataConfig, seed: int) -> tuple[list[Example], list[Examp
             [Example(render_prompt(cfg.template, p.prompt), p.answer) for p in problems],
             [Example(render_prompt(cfg.template, p.prompt), p.answer) for p in held_out],
         )
-    train = records_to_examples(read_records(cfg.source, cfg.split), cfg, cfg.source)
+    train = records_to_examples(read_records(cfg.source, cfg.split, hub), cfg, cfg.source)
     if cfg.val_source:
         val = records_to_examples(
-            read_records(cfg.val_source, cfg.val_split), cfg, cfg.val_source, validation=True
+            read_records(cfg.val_source, cfg.val_split, hub), cfg, cfg.val_source, validation=True
         )
     else:
         rng = random.Random(seed)

@@ -42,6 +42,8 @@ class Point:
 
 
 def plan_points(overrides: list[str]) -> list[Point]:
+    from hpcrl.hub.check import check_inputs
+
     points = expand(overrides)
     varying = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
     planned = []
@@ -50,6 +52,7 @@ def plan_points(overrides: list[str]) -> list[Point]:
             plan = plan_from_overrides(point)
             plan.require_fit()
             plan.require_buildable()
+            check_inputs(plan.cfg)
         except HpcrlError as exc:
             shown = " ".join(point[i] for i in varying)
             raise HpcrlError(f"sweep point {n} ({shown}): {exc}; nothing was submitted") from None

@@ -30,12 +30,40 @@ def say(msg: str) -> None:
 
 
 def prepare_model(plan: Plan) -> Path:
+    """The model's directory: built (tiny models), the snapshot in the Hugging Face cache (a hub id:
+    resolved offline, as fetched; ``model.fetch=job`` downloads it first) or a local directory."""
     model = plan.cfg.model
+    from hpcrl.hub.cache import hub_dir, is_hub_id
+    from hpcrl.hub.resolve import model_snapshot
     from hpcrl.run.tiny_model import ensure_tiny_model, is_tiny
 
     if is_tiny(model):
         return ensure_tiny_model(model, cache_dir(), seed=plan.cfg.run.seed, log=say)
-    return Path(model.hf_id)
+    if not is_hub_id(model.hf_id):
+        return Path(model.hf_id).expanduser()
+    hub = hub_dir(plan.cfg.cluster)
+    if model.fetch == "job":
+        from hpcrl.hub.fetch import fetch_model
+
+        fetch_model(hub, model.hf_id, model.revision, say)
+    path = model_snapshot(hub, model.hf_id, model.revision)
+    say(f"model {model.hf_id} (revision {model.revision or 'main'}): {path}")
+    return path
+
+
+def prepare_data(plan: Plan) -> tuple[list[Any], list[Any]]:
+    """Training and validation examples; ``hf:`` splits from the cache (``model.fetch=job``: fetched first)."""
+    from hpcrl.data.loader import load_examples
+    from hpcrl.hub.cache import hub_dir
+
+    cfg = plan.cfg
+    hub = hub_dir(cfg.cluster)
+    if cfg.model.fetch == "job":
+        from hpcrl.hub.fetch import fetch_split, wanted_sources
+
+        for key, source, split in wanted_sources(cfg):
+            fetch_split(hub, source, split, key, say)
+    return load_examples(cfg.data, cfg.run.seed, hub)
 
 
 def make_encoder(model_dir: Path, template: str) -> tuple[Callable[[str], list[int]], int]:
@@ -127,7 +155,7 @@ def _prepare(plan: Plan, run_dir: Path) -> _Prepared:
     """Model, tokenizer, data, the seeded RNGs, checkpoints and the metrics log, before Ray starts."""
     import torch
 
-    from hpcrl.data.loader import PromptStream, load_examples
+    from hpcrl.data.loader import PromptStream
     from hpcrl.run.checkpoint import CheckpointManager, check_resumable
     from hpcrl.run.metrics import MetricsLogger
     from hpcrl.run.rundir import config_yaml
@@ -135,7 +163,7 @@ def _prepare(plan: Plan, run_dir: Path) -> _Prepared:
     cfg = plan.cfg
     model_dir = prepare_model(plan)
     encode, pad_id = make_encoder(model_dir, cfg.data.template)
-    train_ex, val_ex = load_examples(cfg.data, cfg.run.seed)
+    train_ex, val_ex = prepare_data(plan)
     say(f"data: {len(train_ex)} training / {len(val_ex)} validation prompts ({cfg.data.name})")
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)

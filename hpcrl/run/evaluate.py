@@ -40,15 +40,16 @@ def say(msg: str) -> None:
 
 def eval_examples(cfg: RunConfig) -> list[Example]:
     from hpcrl.data.loader import load_examples, read_records, records_to_examples
+    from hpcrl.hub.cache import hub_dir
 
-    data = cfg.data
+    data, hub = cfg.data, hub_dir(cfg.cluster)
     if data.source == "synthetic":
         examples = load_examples(data, cfg.run.seed)[1]
     elif data.val_source:
-        records = read_records(data.val_source, data.val_split)
+        records = read_records(data.val_source, data.val_split, hub)
         examples = records_to_examples(records, data, data.val_source, validation=True)
     else:
-        examples = records_to_examples(read_records(data.source, data.split), data, data.source)
+        examples = records_to_examples(read_records(data.source, data.split, hub), data, data.source)
     return examples[: cfg.eval.max_problems or None]
 
 
