@@ -4,6 +4,7 @@ catalog match, the written file (which must compose), and the command on the rea
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 import yaml
 
 from hpcrl.config import compose
-from hpcrl.config.siteinit import Answers, catalog, choose, fill, match_clusters, render, template
+from hpcrl.config.siteinit import Answers, catalog, choose, fill, match_clusters, render, run_init, template
 from hpcrl.config.slurminfo import (
     Partition,
     arch_by_partition,
@@ -106,7 +107,7 @@ def test_catalog_match_by_gpus_arch_and_model(gres, arch, cpus, expected):
 
 def test_proposal_can_be_changed_when_asked_and_unmatched_nodes_need_a_cluster():
     parts = captured_partitions()
-    answers_given = iter(["h100", "lab-acc", ""])
+    answers_given = iter(["h100", "lab-acc", "", "~/hf"])
     asked: list[str] = []
 
     def ask(question: str, default: str) -> str:
@@ -117,6 +118,8 @@ def test_proposal_can_be_changed_when_asked_and_unmatched_nodes_need_a_cluster()
     assert (part.name, name) == ("debug", "h100") and asked == ["catalog cluster for these nodes [slurmtest]"]
     filled = fill(catalog()["h100"], Answers(), ask)
     assert (filled.account, filled.image) == ("lab-acc", None)  # h100 requires an image: asked, left empty
+    assert filled.hf_home == str(Path.home() / "hf")  # made absolute: the container mounts it as is
+    assert asked[-1].startswith("Hugging Face cache on shared storage, HF_HOME")
     with pytest.raises(
         HpcrlError, match=r"no catalog cluster has gpu's nodes \(4 GPUs, x86_64\); pass --cluster"
     ):
@@ -208,18 +211,23 @@ def test_init_asks_on_a_terminal(slurm_cluster, tmp_path, monkeypatch):
     import pty
 
     monkeypatch.setenv("HPCRL_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "shell-hf"))  # proposed; the answer typed wins
     master, terminal = pty.openpty()
     try:
-        os.write(master, b"\nlab-acc\n")
+        os.write(master, f"\nlab-acc\n{tmp_path / 'hf'}\n".encode())
         exe = Path(sys.executable).with_name("hpcrl")
         done = subprocess.run([str(exe), "init"], stdin=terminal, capture_output=True, text=True, timeout=120)
     finally:
         os.close(terminal)
         os.close(master)
     assert done.returncode == 0, done.stderr
-    assert "catalog cluster for these nodes [slurmtest]: Slurm account (empty: none) []: wrote" in done.stdout
+    assert (
+        "catalog cluster for these nodes [slurmtest]: Slurm account (empty: none) []: Hugging Face cache on "
+        f"shared storage, HF_HOME (`hpcrl fetch` fills it; empty: none) [{tmp_path / 'shell-hf'}]: wrote"
+    ) in done.stdout
     written = yaml.safe_load((tmp_path / "site.yaml").read_text())
     assert written["clusters"]["slurmtest"]["slurm"] == {"partition": "debug", "account": "lab-acc"}
+    assert written["clusters"]["slurmtest"]["env"] == {"HF_HOME": str(tmp_path / "hf")}
 
 
 def test_init_with_sinfo_and_scontrol_faked_at_the_edge(tmp_path, monkeypatch):
@@ -249,3 +257,41 @@ def test_init_with_sinfo_and_scontrol_faked_at_the_edge(tmp_path, monkeypatch):
             "container": {"image": "/img/rl.sqsh"},
         }
     }
+
+
+def test_init_writes_the_hf_cache_as_env_hf_home(tmp_path, monkeypatch):
+    """Non-interactive (flags only): HF_HOME from the answer, written as env: {HF_HOME: ...}, read back
+    by the composer; without an answer the entry stays commented and init says what to fill in."""
+    for key, value in no_slurm_env(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("HPCRL_COMPOSE_CACHE", "0")
+    said: list[str] = []
+    answers = Answers(cluster="gb200", account="acc", image="/img/hpcrl.sqsh", hf_home=str(tmp_path / "hf/"))
+    path = run_init(answers, False, None, said.append)
+    written = yaml.safe_load(path.read_text())["clusters"]["gb200"]
+    assert written["env"] == {"HF_HOME": str(tmp_path / "hf")}  # normalized: no trailing slash
+    assert f"note    HF_HOME {tmp_path / 'hf'} does not exist yet: `hpcrl fetch` creates it" in said
+    assert compose.compose_config(["+cluster=gb200"]).cluster.env["HF_HOME"] == str(tmp_path / "hf")
+
+    said.clear()
+    path = run_init(Answers(cluster="gb200", account="acc", image="/img/i.sqsh"), True, None, said.append)
+    assert "env" not in yaml.safe_load(path.read_text())["clusters"]["gb200"]
+    assert any(line.startswith("todo    set env.HF_HOME there") for line in said)
+    with pytest.raises(HpcrlError, match="HF_HOME 'hf-cache' is not an absolute path; give the cache's"):
+        run_init(Answers(cluster="gb200", hf_home="hf-cache"), True, None, said.append)
+
+
+def test_the_commented_optional_keys_compose_when_uncommented(tmp_path, monkeypatch):
+    """The starter file's commented setup, extra_sbatch and HF_HOME lines are valid site keys as written."""
+    monkeypatch.setenv("HPCRL_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setenv("HPCRL_COMPOSE_CACHE", "0")
+    text = render("gb200", catalog()["gb200"], None, Answers(account="acc", image="/img/i.sqsh"))
+    uncommented = "\n".join(
+        line.replace("# ", "", 1) if re.match(r"^ +# +(env|setup|HF_HOME|- |extra_sbatch)", line) else line
+        for line in text.splitlines()
+    )
+    (tmp_path / "site.yaml").write_text(uncommented)
+    cluster = compose.compose_config(["+cluster=gb200"]).cluster
+    assert cluster.setup == ["module load cuda/12.8", "source /shared/nccl/nccl_env.sh"]
+    assert cluster.slurm.extra_sbatch == {"mail_type": "END", "mail_user": "you@example.org"}
+    assert cluster.env["HF_HOME"] == "/shared/hf-cache"

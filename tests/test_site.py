@@ -171,6 +171,38 @@ def test_a_group_file_named_otherwise_than_its_option_is_refused(site):
             "container.mounts='/lustre:/lustre' is not a list[str]",
         ),
         ("clusters:\n  gb200:\n    slurm: [account]\n", 3, "clusters.gb200.slurm must be a mapping"),
+        (
+            "clusters:\n  gb200:\n    setup:\n      - module load cuda\n      - export HF_TOKEN=hf_live_value\n",
+            5,
+            "clusters.gb200.setup line looks like it carries a secret (HF_TOKEN=...); remove it and export",
+        ),
+        (
+            "clusters:\n  gb200:\n    setup: [huggingface-cli login --token abc123]\n",
+            3,
+            "clusters.gb200.setup line looks like it carries a secret (--token ...)",
+        ),
+        (
+            "clusters:\n  gb200:\n    slurm:\n      account: a\n      extra_sbatch:\n        nodelist: n1\n"
+            "        nodez: n2\n",
+            7,
+            "clusters.gb200.slurm.extra_sbatch.nodez: not an sbatch option hpcrl passes through; use one of: "
+            "acctg_freq, begin,",
+        ),
+        (
+            "clusters:\n  gb200:\n    slurm:\n      extra_sbatch: {time: '10:00'}\n",
+            4,
+            "clusters.gb200.slurm.extra_sbatch.time: hpcrl sets --time itself; use cluster.slurm.time",
+        ),
+        (
+            "clusters:\n  gb200:\n    slurm:\n      extra_sbatch:\n        gpus-per-node: '4'\n",
+            5,
+            "extra_sbatch.gpus-per-node: hpcrl sets --gpus-per-node itself; use cluster.gpus_per_node",
+        ),
+        (
+            "clusters:\n  gb200:\n    slurm:\n      extra_sbatch:\n        nice: 10\n",
+            5,
+            'clusters.gb200.slurm.extra_sbatch.nice must be a string; quote it (nice: "10")',
+        ),
     ],
 )
 def test_bad_site_file_fails_with_file_and_line(site, text, line, fragment):
@@ -179,6 +211,63 @@ def test_bad_site_file_fails_with_file_and_line(site, text, line, fragment):
         compose.compose_config(["+cluster=h100"])
     message = str(info.value)
     assert message.startswith(f"{path}:{line}: ") and fragment in message and "\n" not in message
+    assert "hf_live_value" not in message and "abc123" not in message  # a secret is named, never shown
+
+
+SETUP_SITE = """\
+clusters:
+  gb200:
+    slurm:
+      account: my-acc
+      extra_sbatch: {nodelist: "gb-[001-005]", mail-type: END}
+    container: {image: /shared/images/hpcrl.sqsh, mounts: ["/lustre:/lustre"]}
+    setup:
+      - module load cuda/12.8
+      - source /lustre/nccl/nccl_env.sh
+"""
+
+
+def test_setup_and_extra_sbatch_are_site_keys(site):
+    path = site("site.yaml", SETUP_SITE)
+    cfg = both("+cluster=gb200")
+    assert cfg.cluster.setup == ["module load cuda/12.8", "source /lustre/nccl/nccl_env.sh"]
+    assert cfg.cluster.slurm.extra_sbatch == {"nodelist": "gb-[001-005]", "mail-type": "END"}
+    assert both("+cluster=h100").cluster.setup == []  # gb200's lines stay with gb200
+    cfg = compose.compose_config(["+cluster=gb200", "cluster.setup=[module load cuda/13.0]"])  # list: Hydra
+    assert (
+        cfg.cluster.setup == ["module load cuda/13.0"]
+        and cfg.cluster.slurm.extra_sbatch["mail-type"] == "END"
+    )
+    result = run_cli("show", "+cluster=gb200")
+    assert f"# cluster.setup: {path}:7" in result.stdout
+    assert f"# cluster.slurm.extra_sbatch: {path}:5" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        (
+            "cluster.setup=['export WANDB_API_KEY=abc123']",
+            "cluster.setup[0] looks like it carries a secret (WANDB_API_KEY=...); remove it and export",
+        ),
+        ("cluster.setup=[echo hf_abcdefghijklmnopqrstuvwxyz]", "a string shaped like an access token"),
+    ],
+)
+def test_a_secret_in_a_setup_line_on_the_command_line_is_refused(site, override, fragment):
+    with pytest.raises(ConfigError) as info:
+        compose.compose_config(["+cluster=h100", override])
+    assert fragment in str(info.value) and "abc123" not in str(info.value) and "hf_abc" not in str(info.value)
+
+
+def test_a_setup_line_may_export_a_secret_by_reference(site):
+    lines = [
+        'export HF_TOKEN="$HF_TOKEN"',
+        "export HF_TOKEN=$(cat ~/.hf_token)",
+        "export TOKENIZERS_PARALLELISM=0",
+    ]
+    site("site.yaml", "clusters:\n  h100:\n    setup:\n" + "".join(f"      - '{line}'\n" for line in lines))
+    site_keys = ["cluster.slurm.account=a", "cluster.container.image=i"]
+    assert compose.compose_config(["+cluster=h100", *site_keys]).cluster.setup == lines
 
 
 def test_bad_site_file_through_the_cli(site):

@@ -1,7 +1,9 @@
 """Cluster schema: the hardware of one node kind and the site keys needed to submit to it.
 
 Site keys (partition, account, qos, time, container, reservation, segment, exclusive) are typed
-fields; the sbatch text is built from them by ``hpcrl.launch.sbatch``, never by gluing strings.
+fields; the sbatch text is built from them by ``hpcrl.launch.sbatch``, never by gluing strings. Two keys
+pass site text through, checked: ``setup`` (shell lines, no secrets) and ``slurm.extra_sbatch`` (sbatch
+options hpcrl does not set itself, by name from ``EXTRA_SBATCH``).
 """
 
 from __future__ import annotations
@@ -37,9 +39,19 @@ class SlurmSite:
     max_requeues: int = 3
     required: list[str] = field(default_factory=list)
     """Site keys this cluster cannot submit without, as dotted names under ``cluster.``."""
+    extra_sbatch: dict[str, str] = field(default_factory=dict)
+    """More ``#SBATCH`` options by Slurm's long name (``nodelist``, ``exclude``, ``dependency``,
+    ``mail_type``, ``mail_user``, ``comment`` ...: ``EXTRA_SBATCH``); what hpcrl sets itself (nodes, gpus,
+    time ...) has a typed key instead (``SET_BY_HPCRL``)."""
 
     def time_minutes(self) -> int:
         return parse_slurm_time(self.time)
+
+    def check_extra_sbatch(self) -> None:
+        for name in self.extra_sbatch:
+            problem = extra_sbatch_problem(name)
+            if problem:
+                raise ConfigError(f"cluster.slurm.extra_sbatch.{name}: {problem}")
 
 
 @dataclass
@@ -103,6 +115,10 @@ class ClusterConfig:
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
     env: dict[str, str] = field(default_factory=dict)
     """Environment for every task (NCCL settings and the like). Never put secrets here."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines the job script runs before hpcrl's own (``module load ...``, ``source .../nccl_env.sh``),
+    on the job's first node before ``srun`` starts a task on every node: what they export reaches every
+    task (and its container). A failing line ends the job. Never a secret value: export those in your shell."""
 
     def check(self) -> None:
         positive("cluster.gpus_per_node", self.gpus_per_node)
@@ -117,6 +133,7 @@ class ClusterConfig:
         positive("cluster.slurm.signal_delay_s", self.slurm.signal_delay_s)
         non_negative("cluster.slurm.max_requeues", self.slurm.max_requeues)
         self.slurm.time_minutes()
+        self.slurm.check_extra_sbatch()
         self.bootstrap.check()
         for mount in self.container.mounts:
             if ":" not in mount:
@@ -126,6 +143,13 @@ class ClusterConfig:
                 raise ConfigError(
                     f"cluster.env.{name} looks like a secret; export it in your shell instead "
                     "(hpcrl forwards it to the job without writing it anywhere)"
+                )
+        for i, line in enumerate(self.setup):
+            secret = secret_in_line(line)
+            if secret:
+                raise ConfigError(
+                    f"cluster.setup[{i}] looks like it carries a secret ({secret}); remove it and export "
+                    "the secret in your shell instead (sbatch forwards it to the job without writing it anywhere)"
                 )
         if self.scheduler is Scheduler.slurm:
             self.check_required_site_keys()
@@ -173,11 +197,129 @@ def site_snippet(cluster: str, keys: list[str]) -> str:
     return f"clusters: {{{cluster}: {flow(tree)}}}"
 
 
-SECRET_PATTERN = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|APIKEY|CREDENTIAL)", re.IGNORECASE)
+SECRET_PATTERN = re.compile(
+    r"(TOKEN|SECRETS?|PASSWORD|PASSWD|API_?KEY|CREDENTIALS?|PRIVATE_KEY)(_|$)", re.IGNORECASE
+)
+"""A secret's name ends a word with one of these (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY);
+TOKENIZERS_PARALLELISM or MAX_TOKENS do not."""
 
 
 def looks_secret(name: str) -> bool:
     return bool(SECRET_PATTERN.search(name))
+
+
+_ASSIGNMENT = re.compile(r"(?:^|[\s;&|(])(?:export\s+)?([A-Za-z_]\w*)=(\S*)")
+_SECRET_OPTION = re.compile(r"--?(token|password|passwd|api[-_]?key|secret)(?:=|\s+)(\S+)", re.IGNORECASE)
+_TOKEN_SHAPES = re.compile(
+    r"\b(hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_\w{20,}|sk-[\w-]{20,}|AKIA[0-9A-Z]{16}"
+    r"|xox[abprs]-[\w-]{10,})"
+)
+
+
+def secret_in_line(line: str) -> str | None:
+    """What in a shell line looks like a secret value (a name or a kind, never the value itself), or None.
+
+    A secret-looking variable may be exported by reference (``HF_TOKEN="$HF_TOKEN"``,
+    ``HF_TOKEN=$(cat ~/.hf_token)``): the value stays out of the script. A literal value, a
+    ``--token``/``--password`` option with one, or a string shaped like a known token is refused."""
+    for name, value in _ASSIGNMENT.findall(line):
+        if looks_secret(name) and value.strip("\"'") and not value.lstrip("\"'").startswith("$"):
+            return f"{name}=..."
+    for option, value in _SECRET_OPTION.findall(line):
+        if not value.lstrip("\"'").startswith("$"):
+            return f"--{option} ..."
+    if _TOKEN_SHAPES.search(line):
+        return "a string shaped like an access token"
+    return None
+
+
+EXTRA_SBATCH = (
+    "acctg_freq",
+    "begin",
+    "bb",
+    "bbf",
+    "cluster_constraint",
+    "comment",
+    "core_spec",
+    "cores_per_socket",
+    "cpu_freq",
+    "deadline",
+    "delay_boot",
+    "dependency",
+    "distribution",
+    "exclude",
+    "extra",
+    "gpu_bind",
+    "gpu_freq",
+    "gres_flags",
+    "hint",
+    "kill_on_invalid_dep",
+    "licenses",
+    "mail_type",
+    "mail_user",
+    "mcs_label",
+    "mem_bind",
+    "mincpus",
+    "network",
+    "nice",
+    "nodelist",
+    "ntasks_per_core",
+    "ntasks_per_socket",
+    "power",
+    "prefer",
+    "priority",
+    "profile",
+    "propagate",
+    "sockets_per_node",
+    "switches",
+    "thread_spec",
+    "threads_per_core",
+    "tmp",
+    "wait_all_nodes",
+    "wckey",
+)
+"""sbatch options (long names, ``-`` written ``_``) that ``cluster.slurm.extra_sbatch`` passes through."""
+
+SET_BY_HPCRL = {
+    "job_name": "run.name",
+    "nodes": "layout.train_nodes/layout.rollout_nodes",
+    "ntasks": "layout.train_nodes/layout.rollout_nodes (one task a node)",
+    "ntasks_per_node": "layout.train_nodes/layout.rollout_nodes (one task a node)",
+    "gpus": "cluster.gpus_per_node",
+    "gpus_per_node": "cluster.gpus_per_node",
+    "gpus_per_task": "cluster.gpus_per_node",
+    "gres": "cluster.gpus_per_node",
+    "cpus_per_task": "cluster.cpus_per_node",
+    "cpus_per_gpu": "cluster.cpus_per_node",
+    "time": "cluster.slurm.time",
+    "partition": "cluster.slurm.partition",
+    "account": "cluster.slurm.account",
+    "qos": "cluster.slurm.qos",
+    "constraint": "cluster.slurm.constraint",
+    "reservation": "cluster.slurm.reservation",
+    "segment": "cluster.slurm.segment",
+    "exclusive": "cluster.slurm.exclusive",
+    "mem": "cluster.slurm.exclusive (all of each node's memory)",
+    "mem_per_cpu": "cluster.slurm.exclusive (all of each node's memory)",
+    "mem_per_gpu": "cluster.slurm.exclusive (all of each node's memory)",
+    "signal": "cluster.slurm.signal_delay_s",
+    "requeue": "cluster.slurm.max_requeues",
+    "no_requeue": "cluster.slurm.max_requeues",
+    "output": "run.dir (logs go to <run dir>/slurm)",
+    "error": "run.dir (logs go to <run dir>/slurm)",
+    "open_mode": "run.dir (logs go to <run dir>/slurm)",
+}
+"""sbatch options hpcrl writes itself, and the key that sets each."""
+
+
+def extra_sbatch_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a ``cluster.slurm.extra_sbatch`` option (None: it can)."""
+    option = name.replace("-", "_")
+    if option in SET_BY_HPCRL:
+        return f"hpcrl sets --{option.replace('_', '-')} itself; use {SET_BY_HPCRL[option]}"
+    if option not in EXTRA_SBATCH:
+        return f"not an sbatch option hpcrl passes through; use one of: {', '.join(EXTRA_SBATCH)}"
+    return None
 
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")

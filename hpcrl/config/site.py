@@ -9,13 +9,15 @@
           slurm: {account: my-acc, partition: gb200nvl72, qos: normal}
           container: {image: /shared/images/hpcrl.sqsh, mounts: ["/lustre:/lustre"]}
           env: {HF_HOME: /lustre/hf}
+          setup: ["module load cuda/12.8"]
 
 - ``conf/``: extra config groups (the site's own clusters, models, recipes) in the layout of hpcrl's
   ``conf/``, searched after it. A site file may add options but not replace a shipped one: two files
   for one option would make the result depend on search order.
 
 Everything here is checked against the cluster schema when read: an unknown key, a value of the wrong
-type or a secret-looking variable fails with the file and line.
+type, a secret-looking variable or setup line, or an sbatch option in ``slurm.extra_sbatch`` that hpcrl does
+not pass through fails with the file and line.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from hpcrl.config.cluster import ClusterConfig, looks_secret
+from hpcrl.config.cluster import ClusterConfig, extra_sbatch_problem, looks_secret, secret_in_line
 from hpcrl.config.paths import conf_dirs, config_dir, group_options, site_file
 from hpcrl.errors import ConfigError
 
-SITE_FIELDS = ("slurm", "container", "env", "bootstrap", "imex", "python", "max_nodes")
+SITE_FIELDS = ("slurm", "container", "env", "setup", "bootstrap", "imex", "python", "max_nodes")
 """What differs between two sites with the same hardware: the cluster's other fields (gpu, gpus_per_node,
 memory, arch ...) describe the hardware and belong in a cluster file of the site's ``conf/cluster/``."""
 
@@ -135,7 +137,11 @@ def _leaves(path: Path, node: Any, schema: type, where: str, prefix: str) -> Any
         elif key == "env":
             for var_node, val_node in _mapping(path, value_node, f"{where}.env"):
                 yield _env_key(path, where, var_node, val_node)
+        elif key == "slurm.extra_sbatch":  # one key, the whole map: compose's Hydra path adds no entries
+            yield SiteKey(key, _extra_sbatch(path, f"{where}.extra_sbatch", value_node), line)
         else:
+            if key == "setup":
+                _check_setup_lines(path, f"{where}.setup", value_node)
             yield SiteKey(key, _typed(path, line, f"{where}.{name}", kind, fields[name], value_node), line)
 
 
@@ -160,6 +166,38 @@ def _env_key(path: Path, where: str, var_node: Any, val_node: Any) -> SiteKey:
     if not isinstance(value, str):
         raise ConfigError(f'{path}:{line}: {where}.env.{name} must be a string; quote it ({name}: "{value}")')
     return SiteKey(f"env.{name}", value, line)
+
+
+def _extra_sbatch(path: Path, where: str, node: Any) -> dict[str, str]:
+    """The ``slurm.extra_sbatch`` map, each option checked on its own line."""
+    options = {}
+    for opt_node, val_node in _mapping(path, node, where):
+        name, line = opt_node.value, opt_node.start_mark.line + 1
+        problem = extra_sbatch_problem(name)
+        if problem:
+            raise ConfigError(f"{path}:{line}: {where}.{name}: {problem}")
+        value = _construct(val_node)
+        if not isinstance(value, str):
+            raise ConfigError(f'{path}:{line}: {where}.{name} must be a string; quote it ({name}: "{value}")')
+        options[name] = value
+    return options
+
+
+def _check_setup_lines(path: Path, where: str, node: Any) -> None:
+    """Each line of ``setup`` is written into the job script: none may carry a secret (named by the
+    file and line of the entry, never by its value)."""
+    import yaml
+
+    items = node.value if isinstance(node, yaml.SequenceNode) else []
+    for item in items:
+        value = _construct(item)
+        secret = secret_in_line(value) if isinstance(value, str) else None
+        if secret:
+            raise ConfigError(
+                f"{path}:{item.start_mark.line + 1}: {where} line looks like it carries a secret ({secret}); "
+                "remove it and export the secret in your shell instead (sbatch forwards it to the job "
+                "without writing it anywhere)"
+            )
 
 
 def _typed(path: Path, line: int, where: str, kind: Any, field: dataclasses.Field[Any], node: Any) -> Any:

@@ -1,11 +1,12 @@
 """``hpcrl init``: a starter site.yaml. On a Slurm login node it reads the GPU partitions
-(``slurminfo``), proposes the catalog cluster with the same node hardware, asks for the account and
-image (or takes them from flags) and writes the keys this site needs; without Slurm it writes a
-commented template. The text is built here, line by line, so that it can carry comments."""
+(``slurminfo``), proposes the catalog cluster with the same node hardware, asks for the account, the
+image and the shared Hugging Face cache (or takes them from flags) and writes the keys this site needs;
+without Slurm it writes a commented template. The text is built here, line by line, so that it can carry comments."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ class Answers:
     account: str | None = None
     image: str | None = None
     partition: str | None = None
+    hf_home: str | None = None
+    """The site's Hugging Face cache on shared storage (``env.HF_HOME``)."""
 
 
 @dataclass(frozen=True)
@@ -116,13 +119,32 @@ def choose(
 
 
 def fill(cluster: ClusterConfig, answers: Answers, ask: Ask | None) -> Answers:
-    """Account (always asked) and image (asked where the cluster requires one): flags win, empty skips."""
-    account, image = answers.account, answers.image
+    """Account and HF cache (always asked) and image (asked where the cluster requires one): flags win,
+    empty skips. The cache question proposes this shell's ``HF_HOME``."""
+    account, image, hf_home = answers.account, answers.image, answers.hf_home
     if ask is not None and account is None:
         account = ask("Slurm account (empty: none)", "")
     if ask is not None and image is None and "container.image" in cluster.slurm.required:
         image = ask("container image (squashfs path or registry image)", "")
-    return Answers(answers.cluster, account or None, image or None, answers.partition)
+    if ask is not None and hf_home is None:
+        hf_home = ask(
+            "Hugging Face cache on shared storage, HF_HOME (`hpcrl fetch` fills it; empty: none)",
+            os.environ.get("HF_HOME", ""),
+        )
+    return Answers(answers.cluster, account or None, image or None, answers.partition, shared_dir(hf_home))
+
+
+def shared_dir(path: str | None) -> str | None:
+    """An absolute directory (``~`` expanded), as the job's container mounts it; None for no answer."""
+    if not path:
+        return None
+    full = os.path.expanduser(path)
+    if not os.path.isabs(full):
+        raise HpcrlError(
+            f"HF_HOME '{path}' is not an absolute path; give the cache's directory on shared storage "
+            "(the job's container mounts it at the same path)"
+        )
+    return os.path.normpath(full)
 
 
 def _q(value: str) -> str:
@@ -156,12 +178,28 @@ def render(name: str, cluster: ClusterConfig, part: Partition | None, answers: A
     lines += slurm
     if not answers.account:
         lines.append(_key("account", None, "<your Slurm account>", "slurm.account" in cluster.slurm.required))
+    lines.append("    #   extra_sbatch: {mail_type: END, mail_user: you@example.org}  # more #SBATCH options")
     lines.append("    container:" if answers.image else "    # container:")
     needed = "container.image" in cluster.slurm.required
     lines.append(_key("image", answers.image, "<squashfs path or registry image>", needed))
-    lines.append('    #   mounts: ["/lustre:/lustre"]  # src:dst, the shared filesystem at least')
-    lines += ["    # env:", "    #   HF_HOME: /shared/hf-cache  # never a secret: export those in your shell"]
-    return "\n".join(lines) + "\n"
+    lines.append(
+        '    #   mounts: ["/lustre:/lustre"]  # src:dst, the shared filesystem (the run dir and HF_HOME are added)'
+    )
+    if answers.hf_home:
+        lines += ["    env:", f"      HF_HOME: {_q(answers.hf_home)}  # {HF_NOTE}"]
+    else:
+        lines += ["    # env:", f"    #   HF_HOME: /shared/hf-cache  # {HF_NOTE}"]
+    return "\n".join([*lines, *OPTIONAL]) + "\n"
+
+
+HF_NOTE = "the shared Hugging Face cache: `hpcrl fetch` fills it, jobs read it offline"
+
+OPTIONAL = [
+    "    # setup:  # shell lines the job script runs first; never a secret (export those in your shell)",
+    "    #   - module load cuda/12.8",
+    "    #   - source /shared/nccl/nccl_env.sh",
+]
+"""Site keys most sites need later, commented out."""
 
 
 def _key(key: str, value: str | None, placeholder: str, required: bool) -> str:
@@ -184,9 +222,10 @@ TEMPLATE = """\
 # cluster, and the command line wins over them. A cluster of your own goes in {conf}/<name>.yaml.
 # clusters:
 #   gb200:
-#     slurm: {{account: my-acc, partition: gb200nvl72, qos: normal}}
+#     slurm: {{account: my-acc, partition: gb200nvl72, qos: normal}}  # more #SBATCH: extra_sbatch: {{...}}
 #     container: {{image: /shared/images/hpcrl.sqsh, mounts: ["/lustre:/lustre"]}}
-#     env: {{HF_HOME: /lustre/hf}}
+#     env: {{HF_HOME: /lustre/hf}}  # the shared Hugging Face cache (`hpcrl fetch` fills it)
+#     setup: ["module load cuda/12.8"]  # shell lines the job script runs first
 """
 
 
@@ -196,7 +235,12 @@ def template(clusters: dict[str, ClusterConfig]) -> str:
 
 
 def init_from_cli(
-    cluster: str | None, account: str | None, image: str | None, partition: str | None, force: bool
+    cluster: str | None,
+    account: str | None,
+    image: str | None,
+    partition: str | None,
+    force: bool,
+    hf_home: str | None = None,
 ) -> int:
     """``hpcrl init``: asks what the flags leave open when stdin is a terminal, else asks nothing."""
     import sys
@@ -204,7 +248,8 @@ def init_from_cli(
     def ask(question: str, default: str) -> str:
         return input(f"{question} [{default}]: ").strip() or default
 
-    run_init(Answers(cluster, account, image, partition), force, ask if sys.stdin.isatty() else None, print)
+    answers = Answers(cluster, account, image, partition, hf_home)
+    run_init(answers, force, ask if sys.stdin.isatty() else None, print)
     return 0
 
 
@@ -241,6 +286,12 @@ def run_init(answers: Answers, force: bool, ask: Ask | None, say: Callable[[str]
     missing = [key for key in clusters[name].slurm.required if not given.get(key)]
     if missing:
         say(f"todo    fill in {', '.join(missing)} there before submitting")
+    if not filled.hf_home:
+        say(
+            "todo    set env.HF_HOME there: the Hugging Face cache on shared storage that `hpcrl fetch` fills"
+        )
+    elif not Path(filled.hf_home).is_dir():
+        say(f"note    HF_HOME {filled.hf_home} does not exist yet: `hpcrl fetch` creates it")
     say(f"next    hpcrl plan +cluster={name}")
     return path
 
