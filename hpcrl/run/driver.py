@@ -45,7 +45,7 @@ def prepare_model(plan: Plan) -> Path:
     if model.fetch == "job":
         from hpcrl.hub.fetch import fetch_model
 
-        fetch_model(hub, model.hf_id, model.revision, say)
+        fetch_model(hub, model.hf_id, model.revision, say, gguf=model.gguf)
     path = model_snapshot(hub, model.hf_id, model.revision)
     say(f"model {model.hf_id} (revision {model.revision or 'main'}): {path}")
     return path
