@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -46,3 +47,16 @@ def test_split_recipe_runs_one_task_per_node_fail_fast():
     assert "#SBATCH --segment=5\n" in text and "--kill-on-bad-exit=1" in text
     assert "export HPCRL_ROLES=rollout,train,train,train,train" in text
     assert "--container-image=IMAGE" in text and "NCCL_MNNVL_ENABLE=1" in text
+
+
+@pytest.mark.parametrize("recipe", SLURM_RECIPES)
+def test_the_container_mounts_the_run_dir_and_cache_and_jobs_run_offline(recipe):
+    """No site mount shows /RUN_DIR or /HF_HOME, so both are mounted as themselves; a GB200 job (IMEX on,
+    no fixed channel) also gets the channel directory Slurm fills at run time."""
+    text = (GOLDEN_DIR / f"{recipe}.sbatch").read_text()
+    (mounts,) = re.findall(r" --container-mounts=(\S+) ", text)
+    expected = [f"/RUN_DIR/{recipe}:/RUN_DIR/{recipe}", "/HF_HOME:/HF_HOME"]
+    if "NCCL_MNNVL_ENABLE=1" in text:  # the GB200 recipes
+        expected.append("/dev/nvidia-caps-imex-channels:/dev/nvidia-caps-imex-channels")
+    assert mounts.split(",") == expected
+    assert "\nexport HF_HUB_OFFLINE=1 " in text and "\nexport HF_HOME=/HF_HOME\n" in text

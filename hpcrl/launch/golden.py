@@ -1,9 +1,9 @@
 """Golden sbatch scripts: every shipped Slurm recipe rendered into ``sbatch/<recipe>.sbatch``.
 
-Site keys a real site supplies (account, container image) are filled with placeholders, the run
-directory is ``/RUN_DIR/<recipe>``, and a cluster whose ``python`` is this machine's interpreter (the
-namespace test cluster) gets ``/VENV/bin/python``, so the files are the same on every machine (no site
-file is read).
+Site keys a real site supplies (account, container image, the Hugging Face cache) are filled with
+placeholders, the run directory is ``/RUN_DIR/<recipe>``, and a cluster whose ``python`` is this
+machine's interpreter (the namespace test cluster) gets ``/VENV/bin/python``, so the files are the same
+on every machine (no site file is read).
 Refresh after an intended change: ``.venv/bin/python -m hpcrl.launch.golden``.
 """
 
@@ -17,7 +17,11 @@ from hpcrl.config.compose import compose_config, conf_dir
 from hpcrl.launch.sbatch import render_sbatch
 from hpcrl.plan.planner import make_plan
 
-SITE_PLACEHOLDERS = ["cluster.slurm.account=ACCOUNT", "cluster.container.image=IMAGE"]
+SITE_PLACEHOLDERS = [
+    "cluster.slurm.account=ACCOUNT",
+    "cluster.container.image=IMAGE",
+    "+cluster.env.HF_HOME=/HF_HOME",
+]
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "sbatch"
 
 

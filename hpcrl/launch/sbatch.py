@@ -3,6 +3,7 @@
 ``render_sbatch`` and ``hpcrl submit`` build the executor with the same function, so the text
 ``hpcrl render`` shows is the text that gets submitted. Secrets are never written: sbatch
 exports the submitting shell's environment (HF_TOKEN, WANDB_API_KEY) to the job by itself.
+The srun arguments depend on the run directory: the container mounts it (``launch/mounts.py``).
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.config.cluster import ClusterConfig
+from hpcrl.launch.mounts import job_mounts
 from hpcrl.plan.planner import Plan
 
 SUBMITIT_DIR = "slurm"
 """Run-directory subfolder where submitit keeps its pickles and per-task logs."""
 
 
-def slurm_parameters(plan: Plan) -> dict[str, Any]:
-    """submitit ``update_parameters`` arguments for this plan (one task per node)."""
+def slurm_parameters(plan: Plan, run_dir: Path | None = None) -> dict[str, Any]:
+    """submitit ``update_parameters`` arguments for this plan (one task per node); ``run_dir`` None
+    (``hpcrl plan``'s summary) leaves the run directory's mount out of ``srun_args``."""
     cfg, cluster = plan.cfg, plan.cfg.cluster
     site = cluster.slurm
     params: dict[str, Any] = {
@@ -31,7 +34,7 @@ def slurm_parameters(plan: Plan) -> dict[str, Any]:
         "cpus_per_task": cluster.cpus_per_node,
         "time": site.time_minutes(),
         "signal_delay_s": site.signal_delay_s,
-        "srun_args": srun_args(cluster),
+        "srun_args": srun_args(cluster, run_dir),
         "setup": setup_lines(plan),
     }
     optional = {
@@ -49,27 +52,25 @@ def slurm_parameters(plan: Plan) -> dict[str, Any]:
         extra["reservation"] = site.reservation
     if site.segment:
         extra["segment"] = site.segment
+    # checked by SlurmSite.check_extra_sbatch: none of them is one hpcrl sets above
+    extra.update({name.replace("-", "_"): value for name, value in site.extra_sbatch.items()})
     params["additional_parameters"] = extra
     return params
 
 
-def container_args(cluster: ClusterConfig) -> list[str]:
-    """The pyxis container flags of ``srun_args`` (what a later ``srun --overlap`` into the job repeats)."""
-    return [a for a in srun_args(cluster) if a.startswith(("--container", "--no-container"))]
+def container_args(cluster: ClusterConfig, run_dir: Path | None = None) -> list[str]:
+    """The pyxis container flags of ``srun_args``: what a later ``srun --overlap`` into the job repeats
+    (``hpcrl attach``, ``doctor --job``), so it sees the same files; ``run_dir``: the job's."""
+    return [a for a in srun_args(cluster, run_dir) if a.startswith(("--container", "--no-container"))]
 
 
-def srun_args(cluster: ClusterConfig) -> list[str]:
+def srun_args(cluster: ClusterConfig, run_dir: Path | None) -> list[str]:
     # --kill-on-bad-exit: one node's task failing ends the step at once instead of idling the others.
     args = ["--kill-on-bad-exit=1", "--cpu-bind=none"]
     container = cluster.container
     if container.image:
         args.append(f"--container-image={container.image}")
-        mounts = list(container.mounts)
-        if cluster.imex.enabled and cluster.imex.channel is not None:
-            dev = "/dev/nvidia-caps-imex-channels"
-            mounts.append(f"{dev}:{dev}")
-        if mounts:
-            args.append("--container-mounts=" + ",".join(mounts))
+        args.append("--container-mounts=" + ",".join(job_mounts(cluster, run_dir)))
         if container.workdir:
             args.append(f"--container-workdir={container.workdir}")
         args.append("--no-container-mount-home")
@@ -77,13 +78,21 @@ def srun_args(cluster: ClusterConfig) -> list[str]:
 
 
 def setup_lines(plan: Plan) -> list[str]:
-    cluster = plan.cfg.cluster
-    lines = [
-        "set -euo pipefail",
+    """The batch script's lines before srun: the site's ``cluster.setup`` first, then hpcrl's."""
+    cfg = plan.cfg
+    cluster = cfg.cluster
+    if cluster.setup:
+        # -u after the site's lines: module scripts read variables that may be unset
+        lines = ["set -eo pipefail", "# cluster.setup", *cluster.setup, "set -u"]
+    else:
+        lines = ["set -euo pipefail"]
+    lines += [
         'ulimit -Sn "$(ulimit -Hn)" 2>/dev/null || true  # Ray opens many sockets per worker',
         f"export HPCRL_ROLES={shlex.quote(','.join(plan.topology.node_roles()))}",
         'export HPCRL_JOB_START="$(date +%s.%N)"  # the head reports seconds from here to "Ray ready"',
     ]
+    if cfg.model.fetch != "job" and "HF_HUB_OFFLINE" not in cluster.env:
+        lines.append("export HF_HUB_OFFLINE=1  # models and data sets come from HF_HOME (`hpcrl fetch`)")
     for name in sorted(cluster.env):
         lines.append(f"export {name}={shlex.quote(str(cluster.env[name]))}")
     if cluster.imex.enabled and cluster.imex.channel is not None:
@@ -114,7 +123,7 @@ def make_executor(plan: Plan, run_dir: Path, *, offline: bool = False) -> Any:
         max_num_timeout=plan.cfg.cluster.slurm.max_requeues,
         python=plan.cfg.cluster.python or shlex.quote(sys.executable),
     )
-    executor.update_parameters(**slurm_parameters(plan))
+    executor.update_parameters(**slurm_parameters(plan, run_dir))
     return executor
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from hpcrl.errors import HpcrlError
 from hpcrl.launch.doctor import expect_from_plan
 from hpcrl.launch.job import NodeTask
+from hpcrl.launch.mounts import check_mounts
 from hpcrl.launch.ray_cluster import make_token
 from hpcrl.launch.sbatch import SUBMITIT_DIR, container_args, make_executor, render_sbatch
 from hpcrl.plan.planner import Plan
@@ -43,6 +44,8 @@ def submit(
     run_dir = new_run_dir(cfg).resolve()
     if suffix:
         run_dir = run_dir.with_name(f"{run_dir.name}-{suffix}")
+    # checks before any file of the run is written
+    check_mounts(plan, run_dir)  # paths the job's container would not see
     run_dir.mkdir(parents=True, exist_ok=True)
     write_resolved_config(cfg, run_dir)
     make_token(run_dir)  # 0600, on the shared filesystem: the job's nodes and `hpcrl run` read it
@@ -91,7 +94,7 @@ def record_job(
         "debug": debug,
         "gpus_per_node": cfg.cluster.gpus_per_node,
         "python": cfg.cluster.python,
-        "container_args": container_args(cfg.cluster),
+        "container_args": container_args(cfg.cluster, run_dir),
     }
     atomic_write_text(run_dir / "job.json", json.dumps(meta, indent=1))
     index = Path(cfg.run.output_root) / JOBS_INDEX
