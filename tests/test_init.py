@@ -230,9 +230,8 @@ def test_init_asks_on_a_terminal(slurm_cluster, tmp_path, monkeypatch):
     assert written["clusters"]["slurmtest"]["env"] == {"HF_HOME": str(tmp_path / "hf")}
 
 
-def test_init_with_sinfo_and_scontrol_faked_at_the_edge(tmp_path, monkeypatch):
-    """An 8-GPU partition whose GRES names no model matches three catalog clusters: init proposes one
-    (same CPU count first), names the others, and writes the partition's shorter time limit."""
+def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sinfo``/``scontrol`` that print an 8-GPU partition (GRES names no model), first on PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     outputs = {
@@ -245,6 +244,33 @@ def test_init_with_sinfo_and_scontrol_faked_at_the_edge(tmp_path, monkeypatch):
         (bin_dir / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}/usr/bin:/bin")
     monkeypatch.setenv("HPCRL_CONFIG_DIR", str(tmp_path / "cfg"))
+
+
+def test_init_asks_for_the_hf_cache_on_a_terminal(tmp_path, monkeypatch):
+    """stdin a terminal: Enter takes the proposed cluster, then account, image and HF cache are typed."""
+    import pty
+
+    fake_slurm(tmp_path, monkeypatch)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "shell-hf"))  # proposed; the answer typed wins
+    master, terminal = pty.openpty()
+    try:
+        os.write(master, f"\nlab\n/img/rl.sqsh\n{tmp_path / 'hf'}\n".encode())
+        exe = Path(sys.executable).with_name("hpcrl")
+        done = subprocess.run([str(exe), "init"], stdin=terminal, capture_output=True, text=True, timeout=120)
+    finally:
+        os.close(terminal)
+        os.close(master)
+    assert done.returncode == 0, done.stderr
+    assert f"HF_HOME (`hpcrl fetch` fills it; empty: none) [{tmp_path / 'shell-hf'}]: wrote" in done.stdout
+    written = yaml.safe_load((tmp_path / "cfg" / "site.yaml").read_text())["clusters"]["h100"]
+    assert written["env"] == {"HF_HOME": str(tmp_path / "hf")} and written["slurm"]["account"] == "lab"
+    assert f"note    HF_HOME {tmp_path / 'hf'} does not exist yet" in done.stdout
+
+
+def test_init_with_sinfo_and_scontrol_faked_at_the_edge(tmp_path, monkeypatch):
+    """An 8-GPU partition whose GRES names no model matches three catalog clusters: init proposes one
+    (same CPU count first), names the others, and writes the partition's shorter time limit."""
+    fake_slurm(tmp_path, monkeypatch)
     result = run_cli("init", "--account", "lab", "--image", "/img/rl.sqsh")
     assert result.returncode == 0, result.stderr
     assert "found   partition gpu: 32 x86_64 nodes dgx[01-32], 8 GPUs, 192 CPUs" in result.stdout
