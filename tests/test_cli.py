@@ -21,14 +21,15 @@ def test_plan_default_prints_tables_and_fits(cli):
         assert title in result.stdout
 
 
-def test_documented_form_plans_an_auto_layout_and_points_to_a_recipe(cli):
-    """Issue 21: the default layout does not fit, so auto layout plans one that does (exit 0); the
-    shipped recipes for the pair are still listed."""
+def test_documented_form_plans_the_seed_recipe_and_lists_the_other_layout(cli):
+    """Issue 32: the headline command plans the model's default recipe for the cluster (the seed's
+    DAPO + Megatron job, exit 0), says so, and lists the other shipped layout beside it."""
     result = cli("plan", "+cluster=gb200", "+model=nemotron_super", *SITE)
     assert result.returncode == 0, result.stderr
-    assert "auto layout: the configured layout (1 node colocated) does not fit" in result.stdout
-    assert "Nodes: 5 x 4 GPUs, split" in result.stdout
-    assert "+experiment=dapo-nemotron-super-5n4g-megatron" in result.stdout
+    assert result.stdout.startswith("DAPO · megatron · data dapo_math_17k")
+    assert "recipe dapo-nemotron-super-5n4g-megatron: the default for nemotron_super on" in result.stdout
+    assert "auto layout" not in result.stdout and "Nodes: 5 x 4 GPUs, split" in result.stdout
+    assert "+experiment=dapo-nemotron-super-5n4g-megatron-tp4cp4ep4etp4" in result.stdout
 
 
 def test_plan_shows_quirks_and_sbatch(cli):

@@ -81,7 +81,7 @@ def test_group_files_do_not_restate_schema_defaults(path):
 
 def _without_body(recipe: str) -> RunConfig:
     """What recipe ``recipe`` would compose to without its own keys: its group choices, on top of
-    the recipes it builds on."""
+    the recipes it builds on (``+experiment=none``: not a model's default recipe for its cluster either)."""
     defaults, _ = _body(CONF / "experiment" / f"{recipe}.yaml")
     overrides = []
     for entry in defaults:
@@ -90,6 +90,8 @@ def _without_body(recipe: str) -> RunConfig:
         elif isinstance(entry, dict):
             ((key, option),) = entry.items()
             overrides.append(f"{key.removeprefix('override /')}={option}")
+    if not any(item.startswith("+experiment=") for item in overrides):
+        overrides.insert(0, "+experiment=none")
     return compose._compose_fast(overrides) or compose._compose_hydra(overrides)
 
 

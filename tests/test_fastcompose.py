@@ -11,6 +11,7 @@ import pytest
 
 from hpcrl.config import compose, fastcompose
 from hpcrl.config.compose import conf_dir, normalize_overrides
+from hpcrl.config.defaults import with_defaults
 from hpcrl.config.schema import GROUP_SCHEMAS, RunConfig
 from hpcrl.errors import ConfigError
 
@@ -33,7 +34,7 @@ PLAIN = [
 
 
 def _fast(overrides: list[str]) -> RunConfig | None:
-    normalized = normalize_overrides(compose.with_embedded_default(overrides))
+    normalized = normalize_overrides(with_defaults(overrides))
     return fastcompose.compose(conf_dir(), normalized, GROUP_SCHEMAS, RunConfig)
 
 

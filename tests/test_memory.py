@@ -66,8 +66,9 @@ def test_llama_8b_fsdp_hand_computed():
     assert m.grads == pytest.approx(4 * shard / GB)
     assert m.optimizer == pytest.approx(8 * shard / GB)
     # the chunked log-prob head: one chunk of bf16 logits + its gradient (at most 2^30 elements; here
-    # the micro-batch, 4 x (64 prompt + 1024 new) tokens, is smaller than a chunk)
-    assert m.logits == pytest.approx(4 * (64 + 1024) * 128256 * 2 * 2 / GB)
+    # the micro-batch, 4 x (1024 prompt (dapo_math_17k, a real model's default data) + 1024 new)
+    # tokens, is smaller than a chunk)
+    assert m.logits == pytest.approx(4 * (1024 + 1024) * 128256 * 2 * 2 / GB)
     plain = plan("model=llama3p1_8b", "trainer=fsdp", "cluster=h100", "trainer.fused_logprob=false", *SITE)
     assert plain.memory.train.logits == pytest.approx(2 * m.logits)  # fp32 logits + gradient, all tokens
 

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from hpcrl.config.defaults import with_defaults
 from hpcrl.config.paths import conf_dir, conf_dirs
 from hpcrl.config.schema import GROUP_SCHEMAS, GROUPS, RunConfig, register_schemas
 from hpcrl.errors import ConfigError
@@ -32,17 +33,6 @@ def normalize_overrides(overrides: list[str]) -> list[str]:
 
 DICT_KEYS = ("cluster.env.",)
 """Free-form maps where ``+key=value`` legitimately adds an entry."""
-
-
-EMBEDDED_DEFAULT = "grpo-tiny-1n1g-fsdp"
-"""The recipe a bare command runs: no cluster, model or experiment chosen means this one."""
-
-
-def with_embedded_default(overrides: list[str]) -> list[str]:
-    chosen = {item.lstrip("+").split("=", 1)[0] for item in overrides}
-    if chosen & {"cluster", "model", "experiment"}:
-        return overrides
-    return [f"+experiment={EMBEDDED_DEFAULT}", *overrides]
 
 
 NAMED_GROUPS = ("cluster", "model", "algo", "data")
@@ -78,7 +68,7 @@ def _hydra_compose(overrides: list[str]) -> tuple[Any, dict[str, str]]:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             raw = compose(
                 config_name="config",
-                overrides=[*normalize_overrides(with_embedded_default(overrides)), *search],
+                overrides=[*normalize_overrides(with_defaults(overrides)), *search],
                 return_hydra_config=True,
             )
     except (HydraException, OmegaConfBaseException) as exc:
@@ -194,7 +184,7 @@ def _compose_fast(overrides: list[str]) -> RunConfig | None:
         applied, _ = site_split(cluster, overrides)
         return [(key.dotted, key.value) for key in applied]
 
-    normalized = normalize_overrides(with_embedded_default(overrides))
+    normalized = normalize_overrides(with_defaults(overrides))
     found = fastcompose.compose_with_choices(conf_dirs(), normalized, GROUP_SCHEMAS, RunConfig, site)
     if found is None or not isinstance(found[0], RunConfig):
         return None

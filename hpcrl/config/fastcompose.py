@@ -158,7 +158,7 @@ def _compose(
     group_cli, experiments, values = _parse_overrides(overrides, selected)
     experiment_body: dict[str, Any] = {}
     for name in experiments:
-        experiment_body = _experiment(roots, name, selected, seen=())
+        experiment_body = read_recipe(roots, name, selected, seen=())
     selected.update(group_cli)  # the command line wins over a recipe's overrides, as in Hydra
 
     merged: dict[str, Any] = {}
@@ -292,7 +292,7 @@ def _strip_optional(kind: Any) -> Any:
     return kind
 
 
-def _experiment(roots: tuple[Path, ...], name: str, selected: dict[str, str], seen: tuple[str, ...]) -> Any:
+def read_recipe(roots: tuple[Path, ...], name: str, selected: dict[str, str], seen: tuple[str, ...]) -> Any:
     """The merged body of recipe ``name`` and the recipes it builds on; applies their group overrides
     to ``selected`` (a recipe's own overrides after those of the recipes it names)."""
     if name in seen or len(seen) > 8:
@@ -308,7 +308,7 @@ def _experiment(roots: tuple[Path, ...], name: str, selected: dict[str, str], se
         if entry == "_self_":
             continue
         if isinstance(entry, str):  # another recipe of the same group, merged first
-            _merge(merged, _experiment(roots, entry, selected, (*seen, name)))
+            _merge(merged, read_recipe(roots, entry, selected, (*seen, name)))
             continue
         if not isinstance(entry, dict) or len(entry) != 1:
             raise Unsupported(f"defaults entry {entry!r}")

@@ -9,9 +9,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from hpcrl.config.checks import divisors
-from hpcrl.config.model import ModelConfig
+from hpcrl.config.model import LOCAL_PREFIX, ModelConfig
+from hpcrl.config.paths import conf_dirs, group_options
 from hpcrl.data.config import DataConfig
+from hpcrl.data.procedural import is_procedural
 from hpcrl.errors import ConfigError
 from hpcrl.trainer.config import MegatronTrainerConfig, TrainerConfig
 
@@ -19,6 +23,7 @@ from hpcrl.trainer.config import MegatronTrainerConfig, TrainerConfig
 def check_run(data: DataConfig, model: ModelConfig, trainer: TrainerConfig) -> None:
     """The checks that depend on the config alone (their result is cached with it)."""
     check_template(data)
+    check_synthetic(data, model)
     check_pipeline_stages(model, trainer)
 
 
@@ -37,6 +42,32 @@ def check_template(data: DataConfig) -> None:
             f"data.template={data.template} is not a prompt template; use one of: {', '.join(TEMPLATES)} "
             "(hpcrl/data/templates.py)"
         )
+
+
+def check_synthetic(data: DataConfig, model: ModelConfig) -> None:
+    """The built-in arithmetic task (character-level, 64-token prompts) is what the tiny ``local/`` models
+    learn on a laptop; any other model would spend its allocation on it. A real model without a data
+    choice gets a real data set instead (``hpcrl.config.defaults``): this refuses an explicit choice."""
+    if data.source != "synthetic" or model.hf_id.startswith(LOCAL_PREFIX):
+        return
+    raise ConfigError(
+        f"data={data.name} with data.source=synthetic is the built-in arithmetic task, for the tiny local "
+        f"models only; {model.name} needs a real data set: data= one of {', '.join(real_data_options())} "
+        "(`hpcrl show --groups` lists them)"
+    )
+
+
+def real_data_options() -> list[str]:
+    """The ``data`` options (hpcrl's and the site's) whose source is not the synthetic task."""
+    from hpcrl.config import fastcompose
+
+    real = []
+    for option in group_options("data"):
+        path = fastcompose.find(conf_dirs(), f"data/{option}.yaml")
+        body = yaml.load(path.read_text(), fastcompose.yaml_loader())
+        if not isinstance(body, dict) or body.get("source") != "synthetic":
+            real.append(option)
+    return real
 
 
 def check_verifier(data: DataConfig) -> None:
@@ -87,7 +118,7 @@ def check_paths(data: DataConfig) -> None:
         ("data.val_source", data.val_source, *val_fields),
     )
     for key, source, *fields in sources:
-        if not source or source == "synthetic" or source.startswith("hf:"):
+        if not source or source == "synthetic" or source.startswith("hf:") or is_procedural(source):
             continue
         if not Path(source).exists():
             raise ConfigError(

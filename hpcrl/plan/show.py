@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.markup import escape
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
-from hpcrl.plan.planner import Plan, shipped_layouts
+from hpcrl.config.defaults import default_recipes
+from hpcrl.config.schema import RunConfig
+from hpcrl.plan.planner import Plan, ShippedLayout, shipped_layouts
 from hpcrl.trainer.config import MegatronTrainerConfig
 
 
@@ -22,11 +27,16 @@ def show_plan(plan: Plan, console: Console, sbatch: dict[str, Any] | None = None
     counts = cfg.model.param_counts()
     # MTP blocks are in the checkpoint but neither trained nor served (ParamCounts.mtp)
     mtp = f", checkpoint {_b(counts.checkpoint)} with MTP" if counts.mtp else ""
+    console.print(escape(header(cfg)))
     console.print(
-        f"[bold]{cfg.run.name}[/]  {cfg.algo.name.upper()} · {cfg.model.name} "
-        f"({_b(counts.total)} params, {_b(counts.active)} active{mtp}) · trainer={cfg.trainer.backend} "
-        f"· rollout={cfg.rollout.backend} · cluster={cfg.cluster.name} ({cfg.cluster.gpu})"
+        f"[bold]{escape(cfg.run.name)}[/]  {cfg.model.name} ({_b(counts.total)} params, {_b(counts.active)} "
+        f"active{mtp}) · rollout={cfg.rollout.backend} · cluster={cfg.cluster.name} ({cfg.cluster.gpu})"
     )
+    if cfg.run.name == default_recipes().get((cfg.model.name, cfg.cluster.name)):
+        console.print(
+            f"recipe {cfg.run.name}: the default for {cfg.model.name} on {cfg.cluster.name} "
+            "(+experiment=none plans without it)"
+        )
     if plan.search is not None:
         _search(plan, console)
     console.print(_nodes(plan))
@@ -48,6 +58,18 @@ def show_plan(plan: Plan, console: Console, sbatch: dict[str, Any] | None = None
         console.print(quirks)
     if sbatch is not None:
         console.print(_sbatch(plan, sbatch))
+
+
+def header(cfg: RunConfig) -> str:
+    """The run in one line: algorithm, training backend, data set (source, template, verifier) and the
+    validation set, e.g. ``DAPO · megatron · data dapo_math_17k (hf:..., template dapo, verifier math)
+    · val hf:HuggingFaceH4/MATH-500``."""
+    data = cfg.data
+    val = data.val_source or f"{data.val_fraction:.0%} of the training set held out"
+    return (
+        f"{cfg.algo.name.upper()} · {cfg.trainer.backend} · data {data.name} ({data.source}, template "
+        f"{data.template}, verifier {data.verifier}) · val {val}"
+    )
 
 
 def _search(plan: Plan, console: Console) -> None:
@@ -198,44 +220,44 @@ def _verdict(plan: Plan, console: Console) -> None:
         console.print(f"[red]auto layout[/]: {plan.no_layout}")
 
 
-def _layouts(plan: Plan) -> Table | None:
-    """The shipped recipes for this model and cluster side by side, each with its own per-GPU peak
-    and verdict (this plan's row marked), so that a layout that does not fit is never offered as one."""
+def _layouts(plan: Plan) -> Group | None:
+    """The shipped recipes for this model and cluster, one paragraph each with its own layout, per-GPU
+    peak and verdict (this plan's marked), so that a layout that does not fit is never offered as one.
+    Not a table: a recipe's name is what the user types, so it must stay whole at 80 columns, and a
+    47-character name leaves a table's other five columns too little room."""
     cfg = plan.cfg
     layouts = shipped_layouts(plan)
     if not layouts:
         return None
-    table = _table(
-        f"Shipped layouts for {cfg.model.name} on {cfg.cluster.name}",
-        "recipe",
-        "nodes (rollout + train)",
-        "train TP x CP x PP x EP x ETP (DP)",
-        "rollout",
-        "peak GB / GPU",
-        "verdict",
+    title = (
+        f"Shipped layouts for {cfg.model.name} on {cfg.cluster.name}: nodes (rollout + train) · train "
+        "TP x CP x PP x EP x ETP (DP) · rollout engines x TP · peak GB / GPU · verdict"
     )
-    for layout in layouts:
-        name = f"+experiment={layout.recipe}" + (" (this plan)" if layout.recipe == cfg.run.name else "")
-        if layout.plan is None:
-            table.add_row(name, "", "", "", "", f"[red]error[/]: {layout.error}")
-            continue
-        topo, mem = layout.plan.topology, layout.plan.memory
-        tr = topo.train
-        fits = layout.plan.fits
-        verdict = "[green]fits[/]" if fits else "[red]does not fit[/]: " + "; ".join(layout.plan.problems)
-        if layout.plan.backend_gaps:
-            verdict += " (cannot submit yet)"
-        table.add_row(
+    rows = [Padding(Text.from_markup(_layout_row(layout, cfg.run.name)), (0, 0, 0, 2)) for layout in layouts]
+    return Group(Text(title, style="italic"), *rows)
+
+
+def _layout_row(layout: ShippedLayout, this_plan: str) -> str:
+    name = f"+experiment={layout.recipe}" + (" (this plan)" if layout.recipe == this_plan else "")
+    if layout.plan is None:
+        return f"{name} · [red]error[/]: {escape(layout.error)}"
+    topo, mem, fits = layout.plan.topology, layout.plan.memory, layout.plan.fits
+    tr = topo.train
+    verdict = "[green]fits[/]" if fits else "[red]does not fit[/]: " + escape("; ".join(layout.plan.problems))
+    if layout.plan.backend_gaps:
+        verdict += " (cannot submit yet)"
+    split = topo.rollout_nodes > 0
+    nodes = f"{topo.rollout_nodes} + {topo.train_nodes} nodes" if split else f"{topo.nodes} nodes colocated"
+    return " · ".join(
+        [
             name,
-            f"{topo.rollout_nodes} + {topo.train_nodes}"
-            if topo.rollout_nodes
-            else f"{topo.train_nodes} colocated",
-            f"{tr.tp} x {tr.cp} x {tr.pp} x {tr.ep} x {tr.expert_tp} ({tr.dp})",
-            f"{topo.rollout.engines} x TP{topo.rollout.tp}",
-            f"{mem.train_gpu_peak:.0f} / {mem.capacity:.0f}",
+            nodes,
+            f"train {tr.tp} x {tr.cp} x {tr.pp} x {tr.ep} x {tr.expert_tp} ({tr.dp})",
+            f"rollout {topo.rollout.engines} x TP{topo.rollout.tp}",
+            f"{mem.train_gpu_peak:.0f} / {mem.capacity:.0f} GB",
             verdict,
-        )
-    return table
+        ]
+    )
 
 
 def _sbatch(plan: Plan, params: dict[str, Any]) -> Table:
