@@ -32,11 +32,9 @@ def show_plan(plan: Plan, console: Console, sbatch: dict[str, Any] | None = None
         f"[bold]{escape(cfg.run.name)}[/]  {cfg.model.name} ({_b(counts.total)} params, {_b(counts.active)} "
         f"active{mtp}) · rollout={cfg.rollout.backend} · cluster={cfg.cluster.name} ({cfg.cluster.gpu})"
     )
-    if cfg.run.name == default_recipes().get((cfg.model.name, cfg.cluster.name)):
-        console.print(
-            f"recipe {cfg.run.name}: the default for {cfg.model.name} on {cfg.cluster.name} "
-            "(+experiment=none plans without it)"
-        )
+    recipe = recipe_line(cfg)
+    if recipe:
+        console.print(recipe)
     if plan.search is not None:
         _search(plan, console)
     console.print(_nodes(plan))
@@ -69,6 +67,17 @@ def header(cfg: RunConfig) -> str:
     return (
         f"{cfg.algo.name.upper()} · {cfg.trainer.backend} · data {data.name} ({data.source}, template "
         f"{data.template}, verifier {data.verifier}) · val {val}"
+    )
+
+
+def recipe_line(cfg: RunConfig) -> str:
+    """One line when the run is its model's default recipe on its cluster (``hpcrl.config.defaults``),
+    which a bare ``+cluster=C +model=M`` chooses; "" otherwise."""
+    if cfg.run.name != default_recipes().get((cfg.model.name, cfg.cluster.name)):
+        return ""
+    return (
+        f"recipe {cfg.run.name}: the default for {cfg.model.name} on {cfg.cluster.name} "
+        "(+experiment=none plans without it)"
     )
 
 
