@@ -123,6 +123,10 @@ def cmd_render(args: argparse.Namespace) -> int:
     if plan.search:
         print(plan.search.summary())
     run_dir = args.out or new_run_dir(plan.cfg)
+    if plan.cfg.cluster.scheduler is Scheduler.slurm:
+        from hpcrl.launch.mounts import check_mounts
+
+        check_mounts(plan, run_dir.resolve())
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = write_resolved_config(plan.cfg, run_dir)
     print(f"config  {config_path}")
@@ -302,7 +306,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_init(args: argparse.Namespace) -> int:
     from hpcrl.config.siteinit import init_from_cli
 
-    return init_from_cli(args.cluster, args.account, args.image, args.partition, args.force)
+    return init_from_cli(args.cluster, args.account, args.image, args.partition, args.force, args.hf_home)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -144,7 +144,7 @@ def test_a_broken_transfer_resumes_where_it_stopped_and_an_interrupted_fetch_kee
     monkeypatch.setattr(
         constants, "HUGGINGFACE_CO_URL_TEMPLATE", failing.url + "/{repo_id}/resolve/{revision}/{filename}"
     )
-    failing.cut_after = _always_cut("extra-00002.safetensors", 1000)
+    failing.cut_after = _AlwaysCut("extra-00002.safetensors", 1000)
     try:
         with pytest.raises(HpcrlError):
             fetch_model(cache2, "org/tiny-math", None, lambda _: None)
@@ -160,7 +160,9 @@ def test_a_broken_transfer_resumes_where_it_stopped_and_an_interrupted_fetch_kee
     assert (model_snapshot(cache2, "org/tiny-math", None) / "extra-00002.safetensors").read_bytes() == shard
 
 
-class _always_cut(dict):  # noqa: N801 (a dict that never forgets its cut: every GET of the file breaks)
+class _AlwaysCut(dict):
+    """A cut that is never forgotten: every GET of the file breaks off."""
+
     def __init__(self, name: str, after: int) -> None:
         super().__init__({name: after})
         self._name, self._after = name, after
@@ -262,3 +264,30 @@ def test_submit_refuses_what_the_cache_lacks_before_writing_anything(
     assert not (tmp_path / "runs").exists()  # refused before any run directory was written
     local = submit("model.hf_id=./no/such/dir")
     assert local.returncode == 2 and "model.hf_id=./no/such/dir is neither a model directory" in local.stderr
+
+
+def test_doctor_checks_the_model_snapshot_and_data_files_the_job_reads(tiny_dir, hub_env, monkeypatch):
+    from hpcrl.launch.doctor import check_paths, expect_from_plan
+
+    from .conftest import plan
+
+    hub = standin({"org/tiny-math": model_repo(tiny_dir), "org/gsm": data_repo()}, monkeypatch)
+    try:
+        fetch_model(hub_env, "org/tiny-math", None, lambda _: None)
+        fetch_split(hub_env, "hf:org/gsm:main", "train", "data.source", lambda _: None)
+    finally:
+        hub.__exit__()
+    monkeypatch.setenv("HF_HOME", str(hub_env.parent))
+    overrides = ["model.hf_id=org/tiny-math", "data.source=hf:org/gsm:main", "data.prompt_field=question"]
+    expect = expect_from_plan(plan(*overrides))
+    snapshot = model_snapshot(hub_env, "org/tiny-math", None)
+    data = dataset_files(hub_env, "hf:org/gsm:main", "train")[0]
+    assert expect.paths == {
+        "HF_HOME": str(hub_env.parent),
+        "model": str(snapshot),
+        "data.source[0]": str(data),
+    }
+    assert check_paths(expect).ok
+    data.resolve().unlink()  # the blob behind the snapshot's link: what an unmounted cache looks like
+    result = check_paths(expect)
+    assert not result.ok and f"data.source[0]={data}" in result.detail, result

@@ -149,15 +149,44 @@ def test_client_without_token_is_refused_and_a_dead_node_ends_the_job(slurm_clus
     assert "Ray on node 2 (hpcrl-node3) exited with code" in logs, logs[-3000:]
 
 
+def fetch_tiny_from_a_standin_hub(overrides: list[str], hf_home: Path) -> None:
+    """The warm-started tiny model, published on a STAND-IN hub (tests/hub_standin.py) as org/tiny-math,
+    fetched by `hpcrl fetch` into ``hf_home``; the stand-in is gone before anything is submitted."""
+    from hpcrl.config.compose import cache_dir
+    from hpcrl.run.tiny_model import ensure_tiny_model
+
+    from .conftest import compose
+    from .hub_standin import HubStandIn, Repo
+
+    cfg = compose(*overrides)
+    built = ensure_tiny_model(cfg.model, cache_dir(), seed=cfg.run.seed, log=lambda _: None)
+    with HubStandIn({"org/tiny-math": Repo({p.name: p.read_bytes() for p in built.iterdir()})}) as hub:
+        env = {
+            **os.environ,
+            "HF_ENDPOINT": hub.url,
+            "HF_HOME": str(hf_home),
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        }
+        env.pop("HF_HUB_OFFLINE", None)
+        cmd = [sys.executable, "-m", "hpcrl.cli", "fetch", *overrides, "model.hf_id=org/tiny-math"]
+        fetched = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert fetched.returncode == 0, fetched.stderr
+    assert re.search(r"^model org/tiny-math: fetched \d+ of \d+ files", fetched.stdout, re.M), fetched.stdout
+
+
 def test_split_tiny_run_learns_with_its_trainer_context_parallel_over_two_nodes(slurm_cluster, tmp_path):
     """Issue 4 item 9: the tiny recipe split, through `hpcrl submit`: 1 rollout node, and here 2 train
     nodes whose fsdp ranks split every sequence (trainer.cp=2, gloo between the nodes). The engine gets
-    exactly the trained weights (gen_kl_error ~0) and the run learns."""
+    exactly the trained weights (gen_kl_error ~0) and the run learns. Issue 32: the model comes by hub id,
+    fetched beforehand into a Hugging Face cache on the shared filesystem; the job resolves it offline."""
+    overrides = ["+experiment=grpo-tiny-2n1g-fsdp-split", "layout.train_nodes=2", "trainer.cp=2"]
+    hf_home = tmp_path / "hf"
+    fetch_tiny_from_a_standin_hub(overrides, hf_home)
     result = run_cli(
         "submit",
-        "+experiment=grpo-tiny-2n1g-fsdp-split",
-        "layout.train_nodes=2",
-        "trainer.cp=2",
+        *overrides,
+        "model.hf_id=org/tiny-math",
+        f"+cluster.env.HF_HOME={hf_home}",
         f"run.output_root={tmp_path}",
     )
     assert result.returncode == 0, result.stderr
@@ -185,6 +214,9 @@ def test_split_tiny_run_learns_with_its_trainer_context_parallel_over_two_nodes(
     assert vals[-1] > vals[0] + 0.05, vals
     assert "validation accuracy" in logs
     assert "placed: train x2 on hpcrl-node2, hpcrl-node3; rollout x1 on hpcrl-node1" in logs
+    snapshot = next((hf_home / "hub" / "models--org--tiny-math" / "snapshots").iterdir())
+    assert f"model org/tiny-math (revision main): {snapshot}" in logs
+    assert "export HF_HUB_OFFLINE=1" in (run_dir / "sbatch.sh").read_text()
 
 
 def test_state_falls_back_to_scontrol_without_accounting(monkeypatch):

@@ -102,6 +102,11 @@ def add_init(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition", default=None, help="Slurm partition (default: the default GPU partition)")
     p.add_argument("--account", default=None, help="Slurm account (asked when stdin is a terminal)")
     p.add_argument("--image", default=None, help="container image (asked where the cluster requires one)")
+    p.add_argument(
+        "--hf-home",
+        default=None,
+        help="the site's shared Hugging Face cache, HF_HOME (asked when stdin is a terminal; hpcrl fetch fills it)",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing site.yaml")
 
 

