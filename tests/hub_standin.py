@@ -166,3 +166,21 @@ class HubStandIn:
         req.end_headers()
         if payload:
             req.wfile.write(payload)
+
+
+def publish_for(model_id: str, sources: list[tuple[str, str]]) -> dict[str, Repo]:
+    """Stand-in repositories for a config that names a model and ``hf:`` splits ((source, split) pairs):
+    a model repository with a config and one small safetensors file, and per data set one JSONL file per
+    split, named as the split (under the subset's folder for ``hf:<repo>:<subset>``). Enough for
+    ``hpcrl fetch`` to fill a cache the checks before submit accept, not a model that runs."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    weights = save({"w": np.zeros((2, 2), dtype=np.float32)})
+    repos = {model_id: Repo({"config.json": b'{"model_type": "stand-in"}', "model.safetensors": weights})}
+    for source, split in sources:
+        repo_id, _, subset = source.removeprefix("hf:").partition(":")
+        name = f"{subset}/{split}.jsonl" if subset else f"{split}.jsonl"
+        repo = repos.setdefault(repo_id, Repo({}, kind="dataset"))
+        repo.files[name] = json.dumps({"problem": "1+1?", "answer": "2"}).encode() + b"\n"
+    return repos

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import ROOT, SITE, run_cli
+from .conftest import ROOT, SITE, compose, run_cli
+from .hub_standin import HubStandIn, publish_for
 
 
 def test_plan_default_prints_tables_and_fits(cli):
@@ -145,8 +146,27 @@ def test_super_recipes_are_accepted_by_submit(recipe, tmp_path):
         tool.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     out = tmp_path / "runs"
-    site = ["cluster.slurm.account=ACCOUNT", "cluster.container.image=IMAGE"]  # the goldens' placeholders
+    hf_home = tmp_path / "hf"
+    # the goldens' placeholders; the model and data sets fetched into a cache first, from a stand-in hub
+    site = [
+        "cluster.slurm.account=ACCOUNT",
+        "cluster.container.image=IMAGE",
+        f"+cluster.env.HF_HOME={hf_home}",
+    ]
     exe = Path(sys.executable).with_name("hpcrl")
+    cfg = compose(f"+experiment={recipe}", *site)
+    sources = [(cfg.data.source, cfg.data.split), (cfg.data.val_source, cfg.data.val_split)]
+    with HubStandIn(publish_for(cfg.model.hf_id, sources)) as hub:
+        fetched = subprocess.run(
+            [str(exe), "fetch", f"+experiment={recipe}", *site],
+            capture_output=True,
+            text=True,
+            env={**env, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_PROGRESS_BARS": "1"},
+            timeout=120,
+            cwd=ROOT,
+        )
+    assert fetched.returncode == 0, fetched.stderr
+    assert fetched.stdout.count("fetched") == 3, fetched.stdout  # the model, the training and validation sets
     result = subprocess.run(
         [str(exe), "submit", f"+experiment={recipe}", f"run.output_root={out}", *site],
         capture_output=True,
@@ -159,4 +179,5 @@ def test_super_recipes_are_accepted_by_submit(recipe, tmp_path):
     assert "job     4242" in result.stdout
     run_dir = Path(re.search(r"^run dir (.+)$", result.stdout, re.M).group(1))
     golden = (ROOT / "sbatch" / f"{recipe}.sbatch").read_text()
-    assert (tmp_path / "submitted.sh").read_text() == golden.replace(f"/RUN_DIR/{recipe}", str(run_dir))
+    expected = golden.replace(f"/RUN_DIR/{recipe}", str(run_dir)).replace("/HF_HOME", str(hf_home))
+    assert (tmp_path / "submitted.sh").read_text() == expected
