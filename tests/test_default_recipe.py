@@ -146,6 +146,8 @@ def test_a_recipe_that_chooses_synthetic_data_refuses_a_real_model():
     with pytest.raises(ConfigError, match=r"data=dapo_math_17k with data\.source=synthetic is the built-in"):
         compose("model=qwen2_1p5b", "data.source=synthetic")
     assert compose("+experiment=grpo-tiny-1n1g-fsdp").data.source == "synthetic"  # tiny: fine
+    served = compose("model.hf_id=org/tiny-math")  # the tiny network from a hub is still the tiny model
+    assert served.data.source == "synthetic" and served.model.hf_id == "org/tiny-math"
 
 
 def test_a_real_model_alone_plans_on_a_real_data_set(cli):

@@ -7,7 +7,7 @@ the two paths cannot disagree about them, and ``hpcrl show`` prints what ``plan`
    (``+cluster=gb200 +model=nemotron_super`` is the seed's DAPO + Megatron job on DAPO-Math-17k).
    The rest of the command line applies on top of it, as after ``+experiment=...``;
    ``+experiment=none`` opts out (the catalog's defaults for the pair, laid out automatically).
-3. A real model (not a ``local/`` one) and no data set chosen by the command line or the recipe:
+3. A real model (not a catalog model whose ``hf_id`` is ``local/...``) and no data set chosen by the command line or the recipe:
    ``data=dapo_math_17k``. The built-in synthetic task is for the tiny models alone
    (``preflight.check_synthetic`` refuses it with any other).
 
@@ -25,8 +25,8 @@ from pathlib import Path
 import yaml
 
 from hpcrl.config import fastcompose
-from hpcrl.config.model import LOCAL_PREFIX
 from hpcrl.config.paths import conf_dirs
+from hpcrl.config.preflight import local_in_catalog
 from hpcrl.config.schema import GROUPS
 from hpcrl.errors import ConfigError
 
@@ -64,10 +64,7 @@ def with_defaults(overrides: list[str]) -> list[str]:
     if groups is None or "data" in groups:
         return overrides
     model = chosen.get("model") or groups.get("model")
-    if model is None:  # the catalog's default model is the tiny one
-        return overrides
-    hf_id = chosen.get("model.hf_id") or _model_hf_id(model)
-    if hf_id is None or hf_id.startswith(LOCAL_PREFIX):
+    if model is None or local_in_catalog(model) is not False:  # the catalog's default model is tiny
         return overrides
     return [*overrides, f"data={REAL_DATA}"]
 
@@ -116,15 +113,3 @@ def recipe_groups(name: str) -> dict[str, str] | None:
     except (fastcompose.Unsupported, OSError, yaml.YAMLError):
         return None
     return {group: option for group, option in chosen.items() if option}
-
-
-def _model_hf_id(option: str) -> str | None:
-    """``hf_id`` of the catalog model ``option`` (None: no such model; composing it says so)."""
-    try:
-        body = yaml.load(
-            fastcompose.find(conf_dirs(), f"model/{option}.yaml").read_text(), fastcompose.yaml_loader()
-        )
-    except (fastcompose.Unsupported, OSError, yaml.YAMLError):
-        return None
-    hf_id = body.get("hf_id") if isinstance(body, dict) else None
-    return hf_id if isinstance(hf_id, str) else None

@@ -48,13 +48,31 @@ def check_synthetic(data: DataConfig, model: ModelConfig) -> None:
     """The built-in arithmetic task (character-level, 64-token prompts) is what the tiny ``local/`` models
     learn on a laptop; any other model would spend its allocation on it. A real model without a data
     choice gets a real data set instead (``hpcrl.config.defaults``): this refuses an explicit choice."""
-    if data.source != "synthetic" or model.hf_id.startswith(LOCAL_PREFIX):
+    if data.source != "synthetic":
+        return
+    local = local_in_catalog(model.name)
+    if local or (local is None and model.hf_id.startswith(LOCAL_PREFIX)):
         return
     raise ConfigError(
         f"data={data.name} with data.source=synthetic is the built-in arithmetic task, for the tiny local "
         f"models only; {model.name} needs a real data set: data= one of {', '.join(real_data_options())} "
         "(`hpcrl show --groups` lists them)"
     )
+
+
+def local_in_catalog(model: str) -> bool | None:
+    """Whether the catalog's ``model`` is one hpcrl builds itself (its file's ``hf_id`` is ``local/...``:
+    the tiny models), whatever ``model.hf_id`` a command line gives it (the same tiny network served from
+    a hub stays tiny); None: no catalog file of that name."""
+    from hpcrl.config import fastcompose
+
+    try:
+        path = fastcompose.find(conf_dirs(), f"model/{model}.yaml")
+        body = yaml.load(path.read_text(), fastcompose.yaml_loader())
+    except (fastcompose.Unsupported, OSError, yaml.YAMLError):
+        return None
+    hf_id = body.get("hf_id") if isinstance(body, dict) else None
+    return hf_id.startswith(LOCAL_PREFIX) if isinstance(hf_id, str) else None
 
 
 def real_data_options() -> list[str]:
