@@ -7,9 +7,9 @@ the two paths cannot disagree about them, and ``hpcrl show`` prints what ``plan`
    (``+cluster=gb200 +model=nemotron_super`` is the seed's DAPO + Megatron job on DAPO-Math-17k).
    The rest of the command line applies on top of it, as after ``+experiment=...``;
    ``+experiment=none`` opts out (the catalog's defaults for the pair, laid out automatically).
-3. A real model (not a catalog model whose ``hf_id`` is ``local/...``) and no data set chosen by the command line or the recipe:
-   ``data=dapo_math_17k``. The built-in synthetic task is for the tiny models alone
-   (``preflight.check_synthetic`` refuses it with any other).
+3. A real model (not a catalog model whose ``hf_id`` is ``local/...``) and no data set chosen by the
+   command line or the recipe: ``data=dapo_math_17k``. The built-in synthetic task is for the tiny
+   models alone (``preflight.check_synthetic`` refuses it with any other).
 
 Where "this recipe is the job for this model on this cluster" lives: in the recipe, as a
 ``# @hpcrl default-recipe`` line. The model and cluster are the recipe's own ``override /model`` and
