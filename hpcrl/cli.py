@@ -124,9 +124,13 @@ def cmd_render(args: argparse.Namespace) -> int:
         print(plan.search.summary())
     run_dir = args.out or new_run_dir(plan.cfg)
     if plan.cfg.cluster.scheduler is Scheduler.slurm:
+        from hpcrl.errors import ConfigError
         from hpcrl.launch.mounts import check_mounts
 
-        check_mounts(plan, run_dir.resolve())
+        try:  # render shows the script all the same; submit refuses it
+            check_mounts(plan, run_dir.resolve())
+        except ConfigError as exc:
+            print(f"hpcrl: warning: {exc} (`hpcrl submit` refuses this)", file=sys.stderr)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = write_resolved_config(plan.cfg, run_dir)
     print(f"config  {config_path}")
@@ -145,6 +149,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from hpcrl.config.cluster import Scheduler
     from hpcrl.hub.check import check_inputs
     from hpcrl.plan.planner import plan_from_overrides
+    from hpcrl.plan.show import header, recipe_line
 
     if args.multirun:
         from hpcrl.launch.sweep import submit_multirun
@@ -154,6 +159,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     plan.require_buildable()  # first: a model the backend cannot build is refused whatever it needs
     plan.require_fit()
     check_inputs(plan.cfg)
+    print(header(plan.cfg))
+    if line := recipe_line(plan.cfg):
+        print(line)
     if plan.search:
         print(plan.search.summary())
     if plan.cfg.cluster.scheduler is Scheduler.local:

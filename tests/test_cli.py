@@ -181,3 +181,19 @@ def test_super_recipes_are_accepted_by_submit(recipe, tmp_path):
     golden = (ROOT / "sbatch" / f"{recipe}.sbatch").read_text()
     expected = golden.replace(f"/RUN_DIR/{recipe}", str(run_dir)).replace("/HF_HOME", str(hf_home))
     assert (tmp_path / "submitted.sh").read_text() == expected
+
+
+def test_render_warns_of_what_submit_would_refuse_and_still_writes_the_script(cli, tmp_path):
+    missing = tmp_path / "no-cache"
+    out = tmp_path / "run"
+    result = cli(
+        "render",
+        "+experiment=dapo-nemotron-super-5n4g-megatron",
+        *SITE,
+        f"+cluster.env.HF_HOME={missing}",
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 0 and (out / "sbatch.sh").is_file(), result.stderr
+    assert result.stderr.startswith("hpcrl: warning: HF_HOME") and str(missing) in result.stderr
+    assert "(`hpcrl submit` refuses this)" in result.stderr

@@ -31,7 +31,7 @@ def normalize_overrides(overrides: list[str]) -> list[str]:
     return out
 
 
-DICT_KEYS = ("cluster.env.",)
+DICT_KEYS = ("cluster.env.", "cluster.slurm.extra_sbatch.")
 """Free-form maps where ``+key=value`` legitimately adds an entry."""
 
 

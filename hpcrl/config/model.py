@@ -140,11 +140,7 @@ class ModelConfig:
 
     def check(self) -> None:
         self._check_buildable_here()
-        if self.fetch not in FETCH_MODES:
-            raise ConfigError(
-                f"model.fetch={self.fetch!r} must be one of {', '.join(FETCH_MODES)} "
-                "(login: `hpcrl fetch` before submitting; job: the job downloads)"
-            )
+        self._check_fetch()
         for key in (
             "num_layers",
             "hidden_size",
@@ -200,6 +196,13 @@ class ModelConfig:
                     f"model.hybrid.pattern={h.pattern!r} has {counts['M']} M, {counts['*']} *, "
                     f"{counts['E']} E, {counts['-']} -: set model.hybrid.mamba/attention/moe/mlp to match"
                 )
+
+    def _check_fetch(self) -> None:
+        if self.fetch not in FETCH_MODES:
+            raise ConfigError(
+                f"model.fetch={self.fetch!r} must be one of {', '.join(FETCH_MODES)} "
+                "(login: `hpcrl fetch` before submitting; job: the job downloads)"
+            )
 
     def _check_buildable_here(self) -> None:
         """Refused before a job: the tiny builder (run/tiny_model.py) has no network of this family."""
