@@ -195,5 +195,5 @@ def test_render_warns_of_what_submit_would_refuse_and_still_writes_the_script(cl
         str(out),
     )
     assert result.returncode == 0 and (out / "sbatch.sh").is_file(), result.stderr
-    assert result.stderr.startswith("hpcrl: warning: HF_HOME") and str(missing) in result.stderr
+    assert result.stderr.startswith(f"hpcrl: warning: cluster.env.HF_HOME={missing} does not exist")
     assert "(`hpcrl submit` refuses this)" in result.stderr
