@@ -110,6 +110,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         sbatch = slurm_parameters(plan)
     show_plan(plan, Console(), sbatch)
+    from hpcrl.errors import ConfigError
+    from hpcrl.hub.check import check_inputs
+
+    try:  # what the cache lacks: the plan holds, but submit would refuse it
+        check_inputs(plan.cfg)
+    except ConfigError as exc:
+        print(f"hpcrl: warning: {exc} (`hpcrl submit` refuses this)", file=sys.stderr)
     return 0 if plan.fits else 1
 
 

@@ -15,6 +15,7 @@ from hpcrl.errors import ConfigError, HpcrlError
 from hpcrl.hub.fetch import fetch_model, fetch_split
 from hpcrl.hub.files import split_files
 from hpcrl.hub.resolve import dataset_files, model_snapshot
+from tests.conftest import SITE
 from tests.hub_standin import HubStandIn, Repo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,3 +292,13 @@ def test_doctor_checks_the_model_snapshot_and_data_files_the_job_reads(tiny_dir,
     data.resolve().unlink()  # the blob behind the snapshot's link: what an unmounted cache looks like
     result = check_paths(expect)
     assert not result.ok and f"data.source[0]={data}" in result.detail, result
+
+
+def test_plan_warns_of_what_the_cache_lacks(cli, tmp_path):
+    result = cli("plan", "+cluster=gb200", "+model=nemotron_super", *SITE, f"+cluster.env.HF_HOME={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith(
+        "hpcrl: warning: model.hf_id=nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-Base-BF16 (revision main) is not "
+        f"in the Hugging Face cache {tmp_path / 'hub'}: run `hpcrl fetch`"
+    )
+    assert result.stderr.rstrip().endswith("(`hpcrl submit` refuses this)")
