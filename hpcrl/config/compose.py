@@ -31,8 +31,9 @@ def normalize_overrides(overrides: list[str]) -> list[str]:
     return out
 
 
-DICT_KEYS = ("cluster.env.", "cluster.slurm.extra_sbatch.")
-"""Free-form maps where ``+key=value`` legitimately adds an entry."""
+DICT_KEYS = ("cluster.env.", "cluster.slurm.extra_sbatch.", "data.task_options.")
+"""Free-form maps where ``+key=value`` legitimately adds an entry (a task option: its own check names
+the task's options, ``hpcrl/data/procedural.py``)."""
 
 
 NAMED_GROUPS = ("cluster", "model", "algo", "data")

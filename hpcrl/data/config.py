@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from hpcrl.config.checks import MISSING, in_range, positive
+from hpcrl.data.procedural import check_task, is_procedural, task_of
 from hpcrl.errors import ConfigError
+
+REASONING_GYM = "reasoning_gym"
+"""The verifier of reasoning_gym sources (the task's own ``score_answer``)."""
 
 
 @dataclass
 class DataConfig:
     name: str = MISSING
     source: str = MISSING
-    """'synthetic' (built-in arithmetic task), a .jsonl/.parquet path, or 'hf:<dataset name>'."""
+    """'synthetic' (built-in arithmetic task), a .jsonl/.parquet path, 'hf:<dataset name>' or
+    'reasoning_gym:<task>' (procedural, hpcrl/data/procedural.py)."""
     split: str = "train"
     val_source: str | None = None
     """Validation set; None holds out ``val_fraction`` of the training source."""
@@ -23,6 +29,9 @@ class DataConfig:
     """Record field holding the problem (dotted for nested fields, e.g. ``prompt.0.content``)."""
     answer_field: str = "answer"
     """Record field holding the reference answer (e.g. ``reward_model.ground_truth``)."""
+    answer_after: str | None = None
+    """The reference answer is what follows the last occurrence of this marker in the answer field, where
+    it occurs (GSM8K: ``####`` ends a worked solution); None: the whole field."""
     val_prompt_field: str | None = None
     """Field names of ``val_source`` when they differ from the training set's (None: the same)."""
     val_answer_field: str | None = None
@@ -32,7 +41,9 @@ class DataConfig:
     verifier: str = "math"
     """Reward function by registry name."""
     num_samples: int = 0
-    """Synthetic task only: how many problems to generate (0 = default)."""
+    """Generated sources (synthetic, reasoning_gym) only: how many training problems (0 = 4096)."""
+    task_options: dict[str, Any] = field(default_factory=dict)
+    """reasoning_gym sources only: the task's config fields, e.g. ``{min_terms: 2, max_digits: 1}``."""
     check_source: bool = True
     """Check before submitting that a file ``source``/``val_source`` exists on the submitting machine
     (relative paths: from the directory you submit in); false for a path only the compute nodes see."""
@@ -45,7 +56,35 @@ class DataConfig:
             self.source == "synthetic"
             or self.source.startswith("hf:")
             or self.source.endswith((".jsonl", ".json", ".parquet"))
+            or is_procedural(self.source)
         ):
             raise ConfigError(
-                f"data.source='{self.source}' must be 'synthetic', 'hf:<dataset>' or a .jsonl/.parquet file"
+                f"data.source='{self.source}' must be 'synthetic', 'hf:<dataset>', 'reasoning_gym:<task>' "
+                "or a .jsonl/.parquet file"
             )
+        self.check_procedural()
+
+    def check_procedural(self) -> None:
+        """A reasoning_gym source generates its validation set and is scored by its own checker."""
+        if not is_procedural(self.source):
+            if self.verifier == REASONING_GYM:
+                raise ConfigError(
+                    f"data.verifier={REASONING_GYM} scores reasoning-gym problems only; data.source={self.source} "
+                    "needs another verifier (math, exact, ...)"
+                )
+            if self.task_options:
+                raise ConfigError(
+                    f"data.task_options are for data.source=reasoning_gym:<task>, not {self.source}; drop them"
+                )
+            return
+        if self.verifier != REASONING_GYM:
+            raise ConfigError(
+                f"data.source={self.source} is scored by the task's own checker: set data.verifier={REASONING_GYM} "
+                f"(not {self.verifier})"
+            )
+        if self.val_source:
+            raise ConfigError(
+                f"data.val_source={self.val_source}: a reasoning_gym source generates its own validation set "
+                "(another seed, no question in both); drop data.val_source"
+            )
+        check_task(task_of(self.source), self.task_options)

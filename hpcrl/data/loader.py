@@ -1,5 +1,6 @@
-"""Prompt data: the synthetic task, local JSONL/Parquet files and Hugging Face datasets by name,
-mapped to (prompt, answer) pairs through ``data.prompt_field`` / ``data.answer_field`` and a template."""
+"""Prompt data: the synthetic task, reasoning-gym tasks, local JSONL/Parquet files and Hugging Face
+datasets by name, mapped to (prompt, answer) pairs through ``data.prompt_field`` / ``data.answer_field``
+and a template. A record repeated in a file is one example (DAPO-Math-17k ships each prompt ~100 times)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcrl.data import procedural
 from hpcrl.data.config import DataConfig
 from hpcrl.data.synthetic import synthetic_split
 from hpcrl.data.templates import render_prompt
@@ -40,14 +42,16 @@ def records_to_examples(
 ) -> list[Example]:
     prompt_field = (cfg.val_prompt_field if validation else None) or cfg.prompt_field
     answer_field = (cfg.val_answer_field if validation else None) or cfg.answer_field
-    out = []
+    out: dict[Example, None] = {}  # insertion-ordered set: a repeated record is one example
     for rec in records:
         problem = record_field(rec, prompt_field, source)
         if isinstance(problem, list):  # chat-style prompt: [{"role": "user", "content": ...}]
             problem = problem[-1]["content"] if problem and isinstance(problem[-1], dict) else str(problem)
-        answer = record_field(rec, answer_field, source)
-        out.append(Example(render_prompt(cfg.template, str(problem)), str(answer)))
-    return out
+        answer = str(record_field(rec, answer_field, source))
+        if cfg.answer_after and cfg.answer_after in answer:
+            answer = answer.rsplit(cfg.answer_after, 1)[1].strip()
+        out[Example(render_prompt(cfg.template, str(problem)), answer)] = None
+    return list(out)
 
 
 def read_records(source: str, split: str, hub: Path | None = None) -> list[dict[str, Any]]:
@@ -88,6 +92,14 @@ def load_examples(cfg: DataConfig, seed: int, hub: Path | None = None) -> tuple[
         return (
             [Example(render_prompt(cfg.template, p.prompt), p.answer) for p in problems],
             [Example(render_prompt(cfg.template, p.prompt), p.answer) for p in held_out],
+        )
+    if procedural.is_procedural(cfg.source):
+        train_pairs, val_pairs = procedural.generate(
+            cfg.source, cfg.task_options, cfg.num_samples or 4096, cfg.max_val_samples, seed
+        )
+        return (
+            [Example(render_prompt(cfg.template, q), a) for q, a in train_pairs],
+            [Example(render_prompt(cfg.template, q), a) for q, a in val_pairs],
         )
     train = records_to_examples(read_records(cfg.source, cfg.split, hub), cfg, cfg.source)
     if cfg.val_source:

@@ -1,5 +1,9 @@
 """Prompt templates by name (``data.template``): how a data set's problem becomes the prompt. A module
-of its own, without the loader's imports, so that ``hpcrl plan`` can check the name cheaply."""
+of its own, without the loader's imports, so that ``hpcrl plan`` can check the name cheaply.
+
+A problem that already carries the template's instruction is left as it is: DAPO-Math-17k's prompts are
+DAPO's instruction around the problem, word for word the ``dapo`` template, and its validation set
+(MATH-500) gets the same instruction from the template, once each."""
 
 from __future__ import annotations
 
@@ -13,10 +17,16 @@ TEMPLATES = {
         "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
         'Remember to put your answer on its own line after "Answer:".'
     ),
+    # reasoning-gym's prompts ask for the final answer in tags; its verifier reads the last pair
+    "answer_tags": "{problem}\nGive your final answer between <answer> and </answer> tags.",
 }
 
 
 def render_prompt(template: str, problem: str) -> str:
     if template not in TEMPLATES:
         raise ConfigError(f"data.template='{template}' is unknown; use one of {', '.join(TEMPLATES)}")
-    return TEMPLATES[template].format(problem=problem)
+    before, after = TEMPLATES[template].format(problem="\0").split("\0")
+    text = problem.strip()
+    if (before.strip() or after.strip()) and text.startswith(before.strip()) and text.endswith(after.strip()):
+        return problem  # the instruction is there already (DAPO-Math-17k's prompts)
+    return before + problem + after

@@ -132,3 +132,17 @@ def exact_match(completion: str, answer: str, prompt: str = "") -> Verdict:
     if not text:
         return Verdict(Outcome.parse_error)
     return Verdict(Outcome.correct if text == answer.strip() else Outcome.wrong)
+
+
+@register("reasoning_gym")
+def reasoning_gym_verify(completion: str, answer: str, prompt: str = "") -> Verdict:
+    """reasoning-gym's own checker (the task's ``score_answer``) on the completion's final answer (the
+    last ``<answer>...</answer>``, else the whole completion), for ``data.source=reasoning_gym:<task>``;
+    ``answer`` carries the task's entry (``hpcrl/data/procedural.py``). Only a full score is ``correct``;
+    the partial credit some tasks give a tagged answer is the reward of a ``wrong`` one."""
+    from hpcrl.data.procedural import score
+
+    reward = score(completion, answer)
+    if reward is None:
+        return Verdict(Outcome.parse_error)
+    return Verdict(Outcome.correct if reward == 1.0 else Outcome.wrong, reward=reward)
