@@ -4,6 +4,8 @@ registry and reward pool. Real reasoning-gym throughout; the loop itself: tests/
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from hpcrl.data import procedural
@@ -39,12 +41,18 @@ def test_generated_from_the_seed_with_train_and_validation_disjoint():
 
 def test_a_small_task_still_holds_its_validation_problems_out():
     """basic_arithmetic with two numbers up to 10: 242 problems, 128 of them for validation; training
-    draws from the rest only (with repeats)."""
+    draws from the rest only (with repeats). The prompt is the entry's bare expression, completed with
+    "=" (the tiny models' format): the task's question asks the same."""
     cfg = compose("data=reasoning_gym_basic_arithmetic").data
     train, val = load_examples(cfg, seed=0)
     assert len(train) == 4096 and len(val) == 128
     assert not {e.prompt for e in train} & {e.prompt for e in val}
-    assert all(len(e.prompt) + 1 <= 24 for e in train + val)  # fits data.max_prompt_tokens (+ BOS)
+    for e in train[:200] + val:
+        assert re.fullmatch(r"(10|\d) [+-] (10|\d) =", e.prompt), e.prompt
+        entry = procedural.decode_answer(e.answer)[2]
+        assert entry["question"] == f"Calculate {e.prompt[:-2]}." and entry["answer"] == str(
+            eval(e.prompt[:-2])
+        )
     too_many = compose("data=reasoning_gym_basic_arithmetic", "data.max_val_samples=300").data
     with pytest.raises(ConfigError, match="too few distinct problems"):
         load_examples(too_many, seed=0)
@@ -80,7 +88,9 @@ def test_its_own_checker_scores_through_the_verifier_registry():
 def test_metadata_survives_the_trip_to_the_reward_process():
     """arc_agi's entries hold tuples that its checker compares with: plain JSON would turn them into
     lists and score the oracle answer 0.05 instead of 1."""
-    cfg = DataConfig(name="arc", source="reasoning_gym:arc_agi", verifier="reasoning_gym", template="plain")
+    cfg = DataConfig(
+        name="arc", source="reasoning_gym:arc_agi", verifier="reasoning_gym", prompt_field="question"
+    )
     cfg.num_samples, cfg.max_val_samples = 2, 1
     train, _ = load_examples(cfg, seed=0)
     for example in train:
@@ -130,6 +140,11 @@ RG = "data=reasoning_gym_chain_sum"
         (
             [RG, "data.task_options.min_terms=0"],
             "is refused by reasoning-gym's chain_sum: min_terms must be positive",
+        ),
+        (
+            [RG, "data.prompt_field=problem"],
+            "data.prompt_field=problem is not a field of reasoning-gym's chain_sum entries; use one of: "
+            "question, metadata.source_dataset, metadata.source_index, metadata.num_terms",
         ),
         (
             [RG, "data.verifier=math"],

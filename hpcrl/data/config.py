@@ -87,4 +87,4 @@ class DataConfig:
                 f"data.val_source={self.val_source}: a reasoning_gym source generates its own validation set "
                 "(another seed, no question in both); drop data.val_source"
             )
-        check_task(task_of(self.source), self.task_options)
+        check_task(task_of(self.source), self.task_options, self.prompt_field)

@@ -95,7 +95,7 @@ def load_examples(cfg: DataConfig, seed: int, hub: Path | None = None) -> tuple[
         )
     if procedural.is_procedural(cfg.source):
         train_pairs, val_pairs = procedural.generate(
-            cfg.source, cfg.task_options, cfg.num_samples or 4096, cfg.max_val_samples, seed
+            cfg.source, cfg.task_options, cfg.prompt_field, cfg.num_samples or 4096, cfg.max_val_samples, seed
         )
         return (
             [Example(render_prompt(cfg.template, q), a) for q, a in train_pairs],

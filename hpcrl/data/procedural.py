@@ -2,9 +2,12 @@
 run's seed, no download, scored by the task's own checker.
 
 Training problems come from ``run.seed``, validation problems from a seed ``VAL_SEED_OFFSET`` away, and
-a training problem whose question is also a validation question is skipped: the two sets are disjoint
-and the same on every run. ``data.task_options`` are the task's own config fields (reasoning-gym's
+a training problem whose prompt is also a validation prompt is skipped: the two sets are disjoint and
+the same on every run. ``data.task_options`` are the task's own config fields (reasoning-gym's
 ``<Task>Config``: ``min_terms``, ``max_digits``, ...), checked against them before anything runs.
+``data.prompt_field`` picks the entry's field the prompt is made of: ``question``, or a field of its
+metadata (``metadata.expression``: the bare sum, as NeMo RL's reasoning-gym loader builds prompts of
+its own from the metadata for some tasks).
 
 Each example's answer is the task's entry (question, oracle answer, metadata) with the task's name and
 options, JSON-encoded (``encode_answer``): it travels with the sample to the reward processes, where
@@ -24,7 +27,7 @@ from hpcrl.errors import ConfigError
 PREFIX = "reasoning_gym:"
 VAL_SEED_OFFSET = 10_000_019
 """Validation is generated from ``run.seed + VAL_SEED_OFFSET``: reasoning-gym derives problem ``i`` from
-``seed + i``, so the two seed ranges do not meet (the question filter holds them apart regardless)."""
+``seed + i``, so the two seed ranges do not meet (the prompt filter holds them apart regardless)."""
 MAX_DRAWS = 8
 """Problems drawn per problem kept, at most, before a task is found too small for the sizes asked."""
 SET_BY_HPCRL = {"seed": "run.seed", "size": "data.num_samples / data.max_val_samples"}
@@ -50,18 +53,18 @@ def _gym() -> Any:
     return reasoning_gym
 
 
-def check_task(task: str, options: dict[str, Any]) -> None:
-    """An unknown task, an unknown option or one the task's own config refuses: one ConfigError line.
-    Skipped where reasoning-gym is not installed (a login node with hpcrl's light dependencies): the job
-    checks the same when it generates the problems."""
+def check_task(task: str, options: dict[str, Any], prompt_field: str) -> None:
+    """An unknown task, an unknown option, one the task's own config refuses, or a prompt field its
+    entries lack: one ConfigError line. Skipped where reasoning-gym is not installed (a login node with
+    hpcrl's light dependencies): the job checks the same when it generates the problems."""
     try:
         import reasoning_gym  # noqa: F401
     except ImportError:
         return
-    _config_fields(task, options)
+    _check(task, options, prompt_field)
 
 
-def _config_fields(task: str, options: dict[str, Any]) -> None:
+def _check(task: str, options: dict[str, Any], prompt_field: str) -> None:
     datasets = _gym().factory.DATASETS
     if task not in datasets:
         raise ConfigError(
@@ -77,48 +80,69 @@ def _config_fields(task: str, options: dict[str, Any]) -> None:
                 f"{', '.join(fields)}"
             )
     try:
-        _gym().create_dataset(task, seed=0, size=1, **options)
+        entry = _gym().create_dataset(task, seed=0, size=1, **options)[0]
     except (AssertionError, ValueError, TypeError) as exc:  # the task config's own validate()
         raise ConfigError(
             f"data.task_options={options} is refused by reasoning-gym's {task}: {exc or type(exc).__name__}"
         ) from None
+    if _field(entry, prompt_field) is None:
+        names = ["question", *(f"metadata.{k}" for k in entry.get("metadata", {}))]
+        raise ConfigError(
+            f"data.prompt_field={prompt_field} is not a field of reasoning-gym's {task} entries; use one of: "
+            f"{', '.join(names)}"
+        )
+
+
+def _field(entry: dict[str, Any], path: str) -> str | None:
+    node: Any = entry
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return None if isinstance(node, dict | list) else str(node)
 
 
 def generate(
-    source: str, options: dict[str, Any], num_train: int, num_val: int, seed: int
+    source: str, options: dict[str, Any], prompt_field: str, num_train: int, num_val: int, seed: int
 ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(question, encoded answer) pairs: ``num_train`` training problems from ``seed`` and ``num_val``
-    distinct validation problems from ``seed + VAL_SEED_OFFSET``, no question in both."""
+    """(problem, encoded answer) pairs, the problem being the entry's ``prompt_field``: ``num_train``
+    training problems from ``seed`` and ``num_val`` distinct validation problems from
+    ``seed + VAL_SEED_OFFSET``, no problem in both."""
     task = task_of(source)
-    _config_fields(task, options)
-    val = _draw(task, options, seed + VAL_SEED_OFFSET, num_val, exclude=set(), distinct=True)
-    held_out = {question for question, _ in val}
-    train = _draw(task, options, seed, num_train, exclude=held_out, distinct=False)
+    _check(task, options, prompt_field)
+    draw = Draw(task, options, prompt_field)
+    val = draw(seed + VAL_SEED_OFFSET, num_val, exclude=set(), distinct=True)
+    train = draw(seed, num_train, exclude={problem for problem, _ in val}, distinct=False)
     return train, val
 
 
-def _draw(
-    task: str, options: dict[str, Any], seed: int, count: int, exclude: set[str], distinct: bool
-) -> list[tuple[str, str]]:
-    draws = count * MAX_DRAWS
-    dataset = _gym().create_dataset(task, seed=seed, size=draws, **options)
-    out: list[tuple[str, str]] = []
-    seen = set(exclude)
-    for i in range(draws):
-        entry = dataset[i]
-        if entry["question"] in seen:
-            continue
-        if distinct:
-            seen.add(entry["question"])
-        out.append((entry["question"], encode_answer(task, options, entry)))
-        if len(out) == count:
-            return out
-    kind = "distinct validation" if distinct else "training"
-    raise ConfigError(
-        f"{PREFIX}{task} with data.task_options={options} gave {len(out)} {kind} problems of the {count} "
-        f"asked in {draws} draws: too few distinct problems; widen data.task_options or lower "
-        "data.max_val_samples / data.num_samples"
-    )
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    task: str
+    options: dict[str, Any]
+    prompt_field: str
+
+    def __call__(self, seed: int, count: int, exclude: set[str], distinct: bool) -> list[tuple[str, str]]:
+        draws = count * MAX_DRAWS
+        dataset = _gym().create_dataset(self.task, seed=seed, size=draws, **self.options)
+        out: list[tuple[str, str]] = []
+        seen = set(exclude)
+        for i in range(draws):
+            entry = dataset[i]
+            problem = _field(entry, self.prompt_field) or ""
+            if problem in seen:
+                continue
+            if distinct:
+                seen.add(problem)
+            out.append((problem, encode_answer(self.task, self.options, entry)))
+            if len(out) == count:
+                return out
+        kind = "distinct validation" if distinct else "training"
+        raise ConfigError(
+            f"{PREFIX}{self.task} with data.task_options={self.options} gave {len(out)} {kind} problems of "
+            f"the {count} asked in {draws} draws: too few distinct problems; widen data.task_options or "
+            "lower data.max_val_samples / data.num_samples"
+        )
 
 
 def encode_answer(task: str, options: dict[str, Any], entry: dict[str, Any]) -> str:

@@ -19,6 +19,8 @@ TEMPLATES = {
     ),
     # reasoning-gym's prompts ask for the final answer in tags; its verifier reads the last pair
     "answer_tags": "{problem}\nGive your final answer between <answer> and </answer> tags.",
+    # an expression to complete, as the tiny models learned arithmetic ("7 + 9 =")
+    "equals": "{problem} =",
 }
 
 
