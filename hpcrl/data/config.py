@@ -26,7 +26,8 @@ class DataConfig:
     val_fraction: float = 0.05
     max_val_samples: int = 256
     prompt_field: str = "problem"
-    """Record field holding the problem (dotted for nested fields, e.g. ``prompt.0.content``)."""
+    """Record field holding the problem (dotted for nested fields, e.g. ``prompt.0.content``); for a
+    reasoning_gym source, the entry's ``question`` or ``metadata.<key>``."""
     answer_field: str = "answer"
     """Record field holding the reference answer (e.g. ``reward_model.ground_truth``)."""
     answer_after: str | None = None
