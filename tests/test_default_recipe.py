@@ -164,11 +164,13 @@ def test_the_header_names_algorithm_backend_data_template_verifier_and_validatio
         "DAPO · megatron · data dapo_math_17k (hf:BytedTsinghua-SIA/DAPO-Math-17k, template dapo, "
         "verifier math) · val hf:HuggingFaceH4/MATH-500"
     )
-    tiny = compose("data.verifier=math", "data.val_fraction=0.1")
+    tiny = compose("data.verifier=math", "data.max_val_samples=100")
     assert header(tiny) == (
-        "GRPO · fsdp · data synthetic_math (synthetic, template plain, verifier math) · val 10% of the "
-        "training set held out"
+        "GRPO · fsdp · data synthetic_math (synthetic, template plain, verifier math) · val 100 generated "
+        "problems, none of them trained on"
     )
+    held_out = compose("data=gsm8k", "data.val_source=null", "data.val_fraction=0.1")
+    assert header(held_out).endswith(" · val 10% of the training set held out")
 
 
 def _plan_text(overrides: list[str], width: int) -> str:

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from hpcrl.config.defaults import default_recipes
 from hpcrl.config.schema import RunConfig
+from hpcrl.data.procedural import is_procedural
 from hpcrl.plan.planner import Plan, ShippedLayout, shipped_layouts
 from hpcrl.trainer.config import MegatronTrainerConfig
 
@@ -63,7 +64,10 @@ def header(cfg: RunConfig) -> str:
     validation set, e.g. ``DAPO · megatron · data dapo_math_17k (hf:..., template dapo, verifier math)
     · val hf:HuggingFaceH4/MATH-500``."""
     data = cfg.data
-    val = data.val_source or f"{data.val_fraction:.0%} of the training set held out"
+    if data.source == "synthetic" or is_procedural(data.source):
+        val = f"{data.max_val_samples} generated problems, none of them trained on"
+    else:
+        val = data.val_source or f"{data.val_fraction:.0%} of the training set held out"
     return (
         f"{cfg.algo.name.upper()} · {cfg.trainer.backend} · data {data.name} ({data.source}, template "
         f"{data.template}, verifier {data.verifier}) · val {val}"

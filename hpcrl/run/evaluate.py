@@ -40,10 +40,11 @@ def say(msg: str) -> None:
 
 def eval_examples(cfg: RunConfig) -> list[Example]:
     from hpcrl.data.loader import load_examples, read_records, records_to_examples
+    from hpcrl.data.procedural import is_procedural
     from hpcrl.hub.cache import hub_dir
 
     data, hub = cfg.data, hub_dir(cfg.cluster)
-    if data.source == "synthetic":
+    if data.source == "synthetic" or is_procedural(data.source):  # generated: the validation problems
         examples = load_examples(data, cfg.run.seed)[1]
     elif data.val_source:
         records = read_records(data.val_source, data.val_split, hub)
@@ -120,7 +121,7 @@ def answer_all(cfg: RunConfig, model_dir: Path, examples: list[Example], log: Lo
     from hpcrl.run.driver import make_encoder
 
     e, r = cfg.eval, cfg.rollout
-    encode, _pad = make_encoder(model_dir, cfg.data.template)
+    encode, _pad = make_encoder(model_dir, cfg.data)
     prompts = [encode(x.prompt) for x in examples]
     limit = cfg.data.max_prompt_tokens
     if too_long := [len(p) for p in prompts if len(p) > limit]:
