@@ -170,3 +170,11 @@ def test_an_unknown_task_is_one_line_from_the_cli():
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "no_such_task is not a reasoning-gym task" in lines[0], result.stderr
     assert "basic_arithmetic" in lines[0] and "chain_sum" in lines[0]  # the choices
+
+
+def test_eval_reads_the_generated_validation_problems():
+    from hpcrl.run.evaluate import eval_examples
+
+    cfg = compose("data=reasoning_gym_chain_sum", "data.max_val_samples=12")
+    examples = eval_examples(cfg)
+    assert examples == load_examples(cfg.data, cfg.run.seed)[1] and len(examples) == 12
