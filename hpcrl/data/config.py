@@ -45,6 +45,11 @@ class DataConfig:
     """Generated sources (synthetic, reasoning_gym) only: how many training problems (0 = 4096)."""
     task_options: dict[str, Any] = field(default_factory=dict)
     """reasoning_gym sources only: the task's config fields, e.g. ``{min_terms: 2, max_digits: 1}``."""
+    fewshot: dict[str, str] = field(default_factory=dict)
+    """Solved problems shown before every prompt as earlier turns of the chat: problem -> the assistant's
+    reply, in order (each problem through ``template``, as the prompts are). They show a small model the
+    answer's form: SmolLM2-135M-Instruct tags half of its chain_sum answers after two, none without
+    (bench/results/README.md, session 17). Needs the chat template (not ``template=plain``)."""
     check_source: bool = True
     """Check before submitting that a file ``source``/``val_source`` exists on the submitting machine
     (relative paths: from the directory you submit in); false for a path only the compute nodes see."""
@@ -62,6 +67,11 @@ class DataConfig:
             raise ConfigError(
                 f"data.source='{self.source}' must be 'synthetic', 'hf:<dataset>', 'reasoning_gym:<task>' "
                 "or a .jsonl/.parquet file"
+            )
+        if self.fewshot and self.template == "plain":
+            raise ConfigError(
+                "data.fewshot is shown as earlier chat turns, and data.template=plain prompts without the "
+                "chat template: use another data.template or drop data.fewshot"
             )
         self.check_procedural()
 

@@ -16,6 +16,7 @@ from hpcrl.run.rundir import new_run_dir, write_resolved_config
 
 def start_local_ray(plan: Plan, scratch: Path) -> None:
     """Ray reads its auth settings when first imported, so the environment is set before ``import ray``."""
+    from hpcrl.plan.topology import on_gpus
     from hpcrl.run.actors import ROLLOUT_RESOURCE, TRAIN_RESOURCE
 
     if "ray" in sys.modules:
@@ -30,6 +31,9 @@ def start_local_ray(plan: Plan, scratch: Path) -> None:
 
     ray.init(
         num_cpus=os.cpu_count() or 1,
+        # the GPU the plan found (cluster.gpu=auto: plan/local_gpu.py), or none: Ray's own detection
+        # would also claim a GPU the plan was told not to use (cluster.gpu=cpu)
+        num_gpus=plan.topology.gpus_per_node if on_gpus(plan.cfg.cluster) else 0,
         resources={TRAIN_RESOURCE: 1, ROLLOUT_RESOURCE: plan.cfg.rollout.tp},
         include_dashboard=False,
         _temp_dir=str(scratch / "ray"),

@@ -10,6 +10,7 @@ from hpcrl.config.compose import compose_config, conf_dir
 from hpcrl.config.schema import RunConfig
 from hpcrl.errors import ConfigError, DoesNotFitError, HpcrlError
 from hpcrl.plan.layout import LayoutSearch, typed_layout_keys
+from hpcrl.plan.local_gpu import resolve_local_gpu
 from hpcrl.plan.memory import MemoryEstimate, estimate_memory
 from hpcrl.plan.nvlink import NvlinkCheck, check_nvlink
 from hpcrl.plan.quirks import AppliedQuirk, apply_quirks
@@ -155,6 +156,7 @@ def matching_recipes(model: str, cluster: str) -> list[str]:
 
 def make_plan(cfg: RunConfig) -> Plan:
     """Check cross-component rules and derive the plan; raises ConfigError on the first problem."""
+    resolve_local_gpu(cfg.cluster)  # cluster=local: this machine's GPU, before anything reads it
     check_cluster_layout(cfg)
     quirks = apply_quirks(cfg)
     check_algo(cfg)
@@ -187,6 +189,7 @@ def plan_config(cfg: RunConfig, fixed: frozenset[str] = frozenset()) -> Plan:
     ``layout.auto=true``, the best layout the search finds (``plan/search.py``), keeping the layout keys
     in ``fixed`` (typed on the command line) as they are. ``layout.auto=false`` keeps the config's
     layout whatever it needs; so does a search that finds nothing, with the reason (``no_layout``)."""
+    resolve_local_gpu(cfg.cluster)  # the search sizes layouts by the GPU's memory
     auto = cfg.layout.auto
     if auto is True:
         return auto_plan(cfg, "layout.auto=true", fixed)

@@ -111,8 +111,11 @@ class Topology:
 
 def on_gpus(cluster: ClusterConfig) -> bool:
     """Whether the run's devices are GPUs, as the cluster says: ``cluster.gpu`` names a GPU model, or
-    ``cpu`` (cluster=local and the namespace test cluster; a local run on a GPU machine names its GPU
-    with ``cluster.gpu=...``)."""
+    ``cpu`` (the namespace test cluster); ``auto`` (cluster=local) is resolved first to this machine's
+    GPU or ``cpu`` (``plan/local_gpu.py``)."""
+    from hpcrl.plan.local_gpu import resolve_local_gpu
+
+    resolve_local_gpu(cluster)
     return cluster.gpu.strip().lower() != "cpu"
 
 

@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcrl.config.compose import cache_dir
+from hpcrl.errors import HpcrlError
 from hpcrl.plan.planner import Plan
 
 if TYPE_CHECKING:
     from hpcrl.config.schema import RunConfig
+    from hpcrl.data.config import DataConfig
     from hpcrl.run.loop import Actors, Run, Scorer
 
 
@@ -66,17 +68,38 @@ def prepare_data(plan: Plan) -> tuple[list[Any], list[Any]]:
     return load_examples(cfg.data, cfg.run.seed, hub)
 
 
-def make_encoder(model_dir: Path, template: str) -> tuple[Callable[[str], list[int]], int]:
+def make_encoder(model_dir: Path, data: DataConfig) -> tuple[Callable[[str], list[int]], int]:
+    """Prompt text -> token ids, and the pad id. Through the model's chat template unless
+    ``data.template`` is ``plain`` (or the tokenizer has none); ``data.fewshot``'s solved problems come
+    first as earlier turns of the same chat (each problem through ``data.template``, as the prompts)."""
     from transformers import AutoTokenizer
+
+    from hpcrl.data.templates import render_prompt
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    if tok.chat_template and template != "plain":
+    if tok.chat_template and data.template != "plain":
+        earlier = [
+            turn
+            for problem, reply in data.fewshot.items()
+            for turn in (
+                {"role": "user", "content": render_prompt(data.template, problem)},
+                {"role": "assistant", "content": reply},
+            )
+        ]
 
         def encode(prompt: str) -> list[int]:
-            msgs = [{"role": "user", "content": prompt}]
-            return list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+            msgs = [*earlier, {"role": "user", "content": prompt}]
+            # text first: with tokenize=True transformers 5 returns a BatchEncoding (list() of it gives
+            # its keys), 4.x a list of ids; the template writes every special token itself
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            return list(tok.encode(text, add_special_tokens=False))
     else:
+        if data.fewshot:  # data.template=plain is refused by DataConfig.check
+            raise HpcrlError(
+                f"data.fewshot is shown as earlier chat turns, and the tokenizer of {model_dir} has no "
+                "chat template: drop data.fewshot"
+            )
         bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
 
         def encode(prompt: str) -> list[int]:
@@ -89,7 +112,8 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
     """Connect to Ray (``connect(scratch)``), start the actors, train, summarise.
 
     ``slurm``: actors ask for the job's GPUs (real or the test cluster's fake ones) and are spread
-    over the topology's nodes; locally there is one trainer and one engine without GPU requests."""
+    over the topology's nodes; locally there is one trainer and one engine, which share the machine's
+    GPU where the plan found one (``cluster.gpu=auto``) and ask for none on a CPU."""
     from hpcrl.rewards.pool import RewardPool
     from hpcrl.run.loop import train
     from hpcrl.run.overlap import train_overlapped
@@ -162,7 +186,7 @@ def _prepare(plan: Plan, run_dir: Path) -> _Prepared:
 
     cfg = plan.cfg
     model_dir = prepare_model(plan)
-    encode, pad_id = make_encoder(model_dir, cfg.data.template)
+    encode, pad_id = make_encoder(model_dir, cfg.data)
     train_ex, val_ex = prepare_data(plan)
     say(f"data: {len(train_ex)} training / {len(val_ex)} validation prompts ({cfg.data.name})")
     random.seed(cfg.run.seed)
@@ -188,12 +212,20 @@ def _start_actors(plan: Plan, model_dir: Path, scratch: Path, run_dir: Path, *, 
     """The trainer ranks and rollout engines (``Fleet``), placed; where each landed goes to placement.json."""
     import torch
 
+    from hpcrl.plan.topology import on_gpus
     from hpcrl.run.fleet import Fleet
     from hpcrl.run.rundir import atomic_write_text
 
     say("starting trainer and rollout actors")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    actors = Fleet.start(plan, model_dir, scratch, device=device, gpu_resources=slurm)
+    # the plan's devices: the namespace test cluster's fake GPUs run on the CPU (gpu: cpu)
+    device = "cuda" if on_gpus(plan.cfg.cluster) else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise HpcrlError(
+            f"cluster.gpu={plan.cfg.cluster.gpu} but torch {torch.__version__} sees no CUDA GPU here; "
+            "install a CUDA build of torch, or plan for the CPU (cluster.gpu=cpu)"
+        )
+    # a local run on a GPU asks Ray for it as a Slurm job does, so each actor sees that GPU
+    actors = Fleet.start(plan, model_dir, scratch, device=device, gpu_resources=slurm or device == "cuda")
     say(f"placed: {actors.describe()}")
     atomic_write_text(run_dir / "placement.json", json.dumps({"actors": actors.placement}, indent=1))
     return actors

@@ -121,7 +121,7 @@ def answer_all(cfg: RunConfig, model_dir: Path, examples: list[Example], log: Lo
     from hpcrl.run.driver import make_encoder
 
     e, r = cfg.eval, cfg.rollout
-    encode, _pad = make_encoder(model_dir, cfg.data.template)
+    encode, _pad = make_encoder(model_dir, cfg.data)
     prompts = [encode(x.prompt) for x in examples]
     limit = cfg.data.max_prompt_tokens
     if too_long := [len(p) for p in prompts if len(p) > limit]:

@@ -36,7 +36,9 @@ class Fleet:
     def start(cls, plan: Plan, model_dir: Path, scratch: Path, *, device: str, gpu_resources: bool) -> Fleet:
         """Trainer ranks on the train role's GPUs, engines on the rollout role's.
 
-        ``gpu_resources`` false (a local run): one trainer and one engine, no GPU requests."""
+        ``gpu_resources`` false (a local run on the CPU): one trainer and one engine, no GPU requests.
+        True: the topology's ranks and engines, each asking Ray for its GPU (a share of it where they
+        are colocated), so Ray sets ``CUDA_VISIBLE_DEVICES`` for each (a Slurm job, a local GPU)."""
         import ray
 
         cfg = plan.cfg
