@@ -30,6 +30,7 @@ def model_repo(tiny_dir: Path, big_shard: bytes = b"") -> Repo:
         files["extra-00002.safetensors"] = big_shard
         index = {"weight_map": {"a": "model.safetensors", "b": "extra-00002.safetensors"}}
         files["model.safetensors.index.json"] = json.dumps(index).encode()
+        files["consolidated.safetensors"] = b"\2" * 4096  # the publisher's own copy, not in the index
     return Repo(files)
 
 
@@ -130,6 +131,7 @@ def test_a_broken_transfer_resumes_where_it_stopped_and_an_interrupted_fetch_kee
         fetch_model(hub_env, "org/tiny-math", None, lambda _: None)
     finally:
         hub.__exit__()
+    assert not any(p.endswith("consolidated.safetensors") for _, p, _ in hub.requests)
     ranges = [r for m, p, r in hub.requests if m == "GET" and p.endswith("extra-00002.safetensors")]
     assert ranges == ["", f"bytes={10 * MIB}-"], ranges
     path = model_snapshot(hub_env, "org/tiny-math", None)
@@ -149,8 +151,12 @@ def test_a_broken_transfer_resumes_where_it_stopped_and_an_interrupted_fetch_kee
     try:
         with pytest.raises(HpcrlError):
             fetch_model(cache2, "org/tiny-math", None, lambda _: None)
-        with pytest.raises(ConfigError, match=r"incomplete in the cache .*extra-00002\.safetensors missing"):
+        # the ref is written once the snapshot is complete: a job never resolves a partial one
+        with pytest.raises(ConfigError, match=r"\(revision main\) is not in the Hugging Face cache"):
             model_snapshot(cache2, "org/tiny-math", None)
+        commit = next((cache2 / "models--org--tiny-math" / "snapshots").iterdir()).name
+        with pytest.raises(ConfigError, match=r"incomplete in the cache .*extra-00002\.safetensors missing"):
+            model_snapshot(cache2, "org/tiny-math", commit)
         failing.cut_after = {}
         failing.requests.clear()
         done = fetch_model(cache2, "org/tiny-math", None, lambda _: None)
@@ -285,7 +291,7 @@ def test_doctor_checks_the_model_snapshot_and_data_files_the_job_reads(tiny_dir,
     data = dataset_files(hub_env, "hf:org/gsm:main", "train")[0]
     assert expect.paths == {
         "HF_HOME": str(hub_env.parent),
-        "model": str(snapshot),
+        "model": str(snapshot / "config.json"),
         "data.source[0]": str(data),
     }
     assert check_paths(expect).ok
@@ -302,3 +308,21 @@ def test_plan_warns_of_what_the_cache_lacks(cli, tmp_path):
         f"in the Hugging Face cache {tmp_path / 'hub'}: run `hpcrl fetch`"
     )
     assert result.stderr.rstrip().endswith("(`hpcrl submit` refuses this)")
+
+
+def test_submit_pins_the_commit_it_checked_and_makes_paths_absolute(tiny_dir, hub_env, monkeypatch, tmp_path):
+    from hpcrl.hub.check import pin_inputs
+
+    from .conftest import compose
+
+    hub = standin({"org/tiny-math": model_repo(tiny_dir)}, monkeypatch)
+    try:
+        got = fetch_model(hub_env, "org/tiny-math", None, lambda _: None)
+    finally:
+        hub.__exit__()
+    monkeypatch.setenv("HF_HOME", str(hub_env.parent))
+    monkeypatch.chdir(tmp_path)
+    cfg = compose("model.hf_id=org/tiny-math", "checkpoint.dir=rel/ckpt")
+    pin_inputs(cfg)
+    assert cfg.model.revision == got.commit and cfg.checkpoint.dir == str(tmp_path / "rel" / "ckpt")
+    assert model_snapshot(hub_env, "org/tiny-math", cfg.model.revision) == got.path

@@ -11,6 +11,8 @@ huggingface_hub and never written anywhere. The job then resolves the same commi
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import time
 from collections.abc import Callable
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from hpcrl.errors import ConfigError, HpcrlError
 from hpcrl.hub.cache import hub_dir, is_hub_id
 from hpcrl.hub.files import model_files, split_files
-from hpcrl.hub.resolve import cached_snapshot, parse_hf_source
+from hpcrl.hub.resolve import cached_snapshot, parse_hf_source, write_ref
 
 if TYPE_CHECKING:
     from hpcrl.config.schema import RunConfig
@@ -66,10 +68,22 @@ def wanted_sources(cfg: RunConfig) -> list[tuple[str, str, str]]:
 
 def fetch_all(cfg: RunConfig, say: Callable[[str], None] = print) -> list[Fetched]:
     """Fetch the model (when ``model.hf_id`` names a hub repository) and every ``hf:`` split."""
+    try:
+        import huggingface_hub  # noqa: F401 (the light install of hpcrl plans; fetching needs the client)
+    except ImportError:
+        raise ConfigError(
+            "hpcrl fetch needs huggingface_hub: install hpcrl's cpu extra here (pip install 'hpcrl[cpu]') "
+            "or pip install huggingface_hub"
+        ) from None
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
         raise ConfigError("HF_HUB_OFFLINE is set in this shell: unset it to fetch (hpcrl fetch downloads)")
     hub = hub_dir(cfg.cluster)
-    hub.mkdir(parents=True, exist_ok=True)
+    try:
+        hub.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create the cache {hub} ({exc.strerror}): set cluster.env.HF_HOME to a writable shared directory"
+        ) from None
     say(
         f"cache {hub}"
         + (
@@ -104,7 +118,10 @@ def fetch_model(
     api = _api()
     listing = _hub_call(lambda: _listing(api, repo, "model", revision), f"model.hf_id={repo}", revision)
     commit, sizes = listing
-    wanted = model_files(list(sizes))
+    shards = None
+    if "model.safetensors.index.json" in sizes:  # fetched first: it says which shards are the model
+        shards = _index_shards(hub, repo, commit)
+    wanted = model_files(list(sizes), shards)
     if not any(name.endswith(".safetensors") for name in wanted):
         raise ConfigError(
             f"model.hf_id={repo} (revision {revision}) has no .safetensors weights at its top level; "
@@ -157,35 +174,38 @@ def _download(
     if todo:
         say(f"{label}: fetching {len(todo)} of {len(wanted)} files ({size_text(nbytes)} in all)")
         started = time.perf_counter()
-        path = _hub_call(
+        # by commit: huggingface_hub then leaves refs/ alone; the ref is written below, once complete
+        _hub_call(
             lambda: snapshot_download(
-                repo, repo_type=kind, revision=revision, cache_dir=hub, allow_patterns=wanted, max_workers=8
+                repo, repo_type=kind, revision=commit, cache_dir=hub, allow_patterns=wanted, max_workers=8
             ),
             label,
             revision,
         )
         say(f"{label}: done in {time.perf_counter() - started:.0f}s")
-    else:
-        path = str(before.path) if before else ""
-        # the job resolves the revision through refs/: point it at this commit even when nothing was new
-        _write_ref(hub, repo, kind, revision, commit)
     after = cached_snapshot(hub, repo, kind, commit)
     if after is None or after.missing(wanted):
         raise HpcrlError(
             f"{label}: the cache at {hub} is still incomplete after fetching; run `hpcrl fetch` again"
         )
-    return Fetched(label, commit, revision, len(wanted), nbytes, len(todo), Path(path))
+    try:  # the job resolves the revision through refs/
+        write_ref(hub, repo, kind, revision, commit)
+    except OSError as exc:
+        raise ConfigError(
+            f"{label}: cannot write to the cache {hub} ({exc.strerror}); check cluster.env.HF_HOME"
+        ) from None
+    return Fetched(label, commit, revision, len(wanted), nbytes, len(todo), after.path)
 
 
-def _write_ref(hub: Path, repo: str, kind: str, revision: str, commit: str) -> None:
-    from hpcrl.hub.resolve import repo_folder
+def _index_shards(hub: Path, repo: str, commit: str) -> list[str]:
+    from huggingface_hub import hf_hub_download
 
-    if revision == commit:
-        return
-    ref = repo_folder(hub, repo, kind) / "refs" / revision
-    ref.parent.mkdir(parents=True, exist_ok=True)
-    if not ref.is_file() or ref.read_text().strip() != commit:
-        ref.write_text(commit)
+    index = _hub_call(
+        lambda: hf_hub_download(repo, "model.safetensors.index.json", revision=commit, cache_dir=hub),
+        f"model.hf_id={repo}",
+        commit,
+    )
+    return sorted(set(json.loads(Path(index).read_text()).get("weight_map", {}).values()))
 
 
 def _api() -> Any:
@@ -233,8 +253,22 @@ def _hub_call(call: Callable[[], Any], what: str, revision: str) -> Any:
         raise HpcrlError(
             f"{what}: the hub answered {exc.response.status_code} ({constants.ENDPOINT})"
         ) from None
-    except (OSError, httpx2.TransportError, LocalEntryNotFoundError) as exc:
-        raise HpcrlError(
-            f"{what}: cannot reach {constants.ENDPOINT} ({type(exc).__name__}: {str(exc)[:160]}); "
-            "hpcrl fetch runs where the hub is reachable (a login node); what finished is kept, run it again"
-        ) from None
+    except OSError as exc:
+        if exc.errno in _LOCAL_ERRNOS:  # the cache's filesystem, not the network
+            raise ConfigError(
+                f"{what}: cannot write to the cache ({exc.strerror}: {exc.filename or ''}); check "
+                "cluster.env.HF_HOME: a shared directory you can write, with space for the model"
+            ) from None
+        raise _unreachable(what, exc, constants.ENDPOINT) from None
+    except (httpx2.TransportError, LocalEntryNotFoundError) as exc:
+        raise _unreachable(what, exc, constants.ENDPOINT) from None
+
+
+_LOCAL_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
+def _unreachable(what: str, exc: Exception, endpoint: str) -> HpcrlError:
+    return HpcrlError(
+        f"{what}: cannot reach {endpoint} ({type(exc).__name__}: {str(exc)[:160]}); "
+        "hpcrl fetch runs where the hub is reachable (a login node); what finished is kept, run it again"
+    )

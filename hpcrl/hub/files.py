@@ -43,9 +43,21 @@ SPLIT_NAMES = {
 """Split keywords of file names, as the ``datasets`` library infers splits without a card's ``configs``."""
 
 
-def model_files(paths: list[str]) -> list[str]:
-    """The model files among a repository's ``paths``."""
-    return sorted(p for p in paths if "/" not in p and any(_glob(g).match(p) for g in MODEL_FILES))
+def model_files(paths: list[str], shards: list[str] | None = None) -> list[str]:
+    """The model files among a repository's ``paths``; with the safetensors index's ``shards``, only the
+    shards it names (a publisher's ``consolidated.safetensors`` beside them is another copy)."""
+    files = [p for p in paths if "/" not in p and any(_glob(g).match(p) for g in MODEL_FILES)]
+    if shards is not None:
+        files = [p for p in files if not p.endswith(".safetensors") or p in shards]
+    return sorted(files)
+
+
+def index_shards(snapshot: Path) -> list[str] | None:
+    """The shards the snapshot's safetensors index names (None: no index there)."""
+    index = snapshot / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    return sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
 
 
 def missing_shards(snapshot: Path) -> list[str]:
@@ -115,7 +127,18 @@ def _from_configs(
         for entry in files:
             path = entry.get("path", [])
             patterns[str(entry.get("split", "train"))] = [path] if isinstance(path, str) else list(path)
-    return sorted(p for p in paths if any(_glob(g).match(p) for g in patterns.get(split, [])))
+    if split not in patterns:
+        raise ConfigError(
+            f"the data set has no split '{split}'; its card names: {', '.join(sorted(patterns))}"
+        )
+    found = [p for p in paths if any(_glob(g).match(p) for g in patterns[split])]
+    unreadable = [p for p in found if not p.endswith(DATA_SUFFIXES)]
+    if unreadable:
+        raise ConfigError(
+            f"split '{split}' is in files hpcrl does not read ({', '.join(unreadable[:2])}); "
+            "it reads .parquet, .jsonl and .json"
+        )
+    return sorted(found)
 
 
 def _names_split(path: str, words: tuple[str, ...]) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.errors import ConfigError
-from hpcrl.hub.resolve import cached_snapshot, repo_folder
+from hpcrl.hub.resolve import cached_snapshot, repo_folder, write_ref
 
 
 def gguf_path(spec: str) -> Path:
@@ -48,7 +48,7 @@ def convert_gguf(
     commit = _sha1(source)
     snap = cached_snapshot(hub, repo, "model", commit)
     if snap is not None and not snap.missing(snap.listing):
-        _ref(hub, repo, revision, commit)
+        write_ref(hub, repo, "model", revision, commit)
         return commit, snap.path, False
     say(f"model {repo}: converting {source.name} ({source.stat().st_size / 1e6:.0f} MB) to safetensors")
     started = time.perf_counter()
@@ -67,7 +67,7 @@ def convert_gguf(
         os.replace(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _ref(hub, repo, revision, commit)
+    write_ref(hub, repo, "model", revision, commit)
     say(f"model {repo}: converted in {time.perf_counter() - started:.0f}s")
     return commit, final, True
 
@@ -96,12 +96,6 @@ def write_converted(source: Path, out: Path) -> None:
     fresh.tie_weights()
     fresh.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-
-
-def _ref(hub: Path, repo: str, revision: str, commit: str) -> None:
-    ref = repo_folder(hub, repo, "model") / "refs" / revision
-    ref.parent.mkdir(parents=True, exist_ok=True)
-    ref.write_text(commit)
 
 
 def _sha1(path: Path) -> str:

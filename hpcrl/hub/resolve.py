@@ -10,12 +10,13 @@ commit (written by huggingface_hub when it fetched), which says what a complete 
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.errors import ConfigError
-from hpcrl.hub.files import missing_shards, model_files, split_files
+from hpcrl.hub.files import index_shards, missing_shards, model_files, split_files
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 FETCH_HINT = "run `hpcrl fetch` with this command's overrides on a login node (it fills the cache)"
@@ -38,6 +39,18 @@ class Snapshot:
 
 def repo_folder(hub: Path, repo: str, kind: str) -> Path:
     return hub / f"{kind}s--{repo.replace('/', '--')}"
+
+
+def write_ref(hub: Path, repo: str, kind: str, revision: str, commit: str) -> None:
+    """Point ``refs/<revision>`` at ``commit``, atomically (a job reading it never sees half a ref); only
+    once the snapshot is complete, so a ref never names a partial one."""
+    if revision == commit:
+        return
+    ref = repo_folder(hub, repo, kind) / "refs" / revision
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
+    tmp.write_text(commit)
+    os.replace(tmp, ref)
 
 
 def cached_snapshot(hub: Path, repo: str, kind: str, revision: str | None) -> Snapshot | None:
@@ -69,7 +82,7 @@ def model_snapshot(hub: Path, repo: str, revision: str | None) -> Path:
     where = f"model.hf_id={repo} (revision {revision or 'main'})"
     if snap is None:
         raise ConfigError(f"{where} is not in the Hugging Face cache {hub}: {FETCH_HINT}")
-    missing = snap.missing(model_files(snap.listing)) or missing_shards(snap.path)
+    missing = snap.missing(model_files(snap.listing, index_shards(snap.path))) or missing_shards(snap.path)
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise ConfigError(

@@ -155,7 +155,7 @@ def input_paths(cfg: RunConfig) -> dict[str, str]:
     hub = hub_dir(cluster)
     try:
         if is_hub_id(model.hf_id) and model.fetch == "login":
-            paths["model"] = str(model_snapshot(hub, model.hf_id, model.revision))
+            paths["model"] = str(model_snapshot(hub, model.hf_id, model.revision) / "config.json")
         for key, source, split in wanted_sources(cfg) if model.fetch == "login" else []:
             for n, path in enumerate(dataset_files(hub, source, split, key)):
                 paths[f"{key}[{n}]"] = str(path)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.errors import HpcrlError
+from hpcrl.hub.check import pin_inputs
 from hpcrl.launch.doctor import expect_from_plan
 from hpcrl.launch.job import NodeTask
 from hpcrl.launch.mounts import check_mounts
@@ -46,6 +47,7 @@ def submit(
         run_dir = run_dir.with_name(f"{run_dir.name}-{suffix}")
     # checks before any file of the run is written
     check_mounts(plan, run_dir)  # paths the job's container would not see
+    pin_inputs(cfg)  # the commit the cache holds now, absolute paths: what the job resolves
     run_dir.mkdir(parents=True, exist_ok=True)
     write_resolved_config(cfg, run_dir)
     make_token(run_dir)  # 0600, on the shared filesystem: the job's nodes and `hpcrl run` read it
