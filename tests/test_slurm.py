@@ -215,7 +215,7 @@ def test_split_tiny_run_learns_with_its_trainer_context_parallel_over_two_nodes(
     assert "validation accuracy" in logs
     assert "placed: train x2 on hpcrl-node2, hpcrl-node3; rollout x1 on hpcrl-node1" in logs
     snapshot = next((hf_home / "hub" / "models--org--tiny-math" / "snapshots").iterdir())
-    assert f"model org/tiny-math (revision main): {snapshot}" in logs
+    assert f"model org/tiny-math (revision {snapshot.name}): {snapshot}" in logs  # pinned at submit
     assert "export HF_HUB_OFFLINE=1" in (run_dir / "sbatch.sh").read_text()
 
 
