@@ -191,3 +191,24 @@ def test_gsm8k_reference_is_the_number_after_the_four_hashes(tmp_path):
     assert val.answer == "1,203"
     assert scores(cfg, train, "24 + 48 = 72. \\boxed{72}", "\\boxed{24}") == (Outcome.correct, Outcome.wrong)
     assert scores(cfg, val, "\\boxed{1203}", "\\boxed{1200}") == (Outcome.correct, Outcome.wrong)
+
+
+def test_a_parquet_file_is_read_for_the_fields_the_run_uses_only(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hpcrl.data.loader import read_file
+
+    path = tmp_path / "dapo.parquet"
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"p{i}"}],
+            "reward_model": {"ground_truth": str(i)},
+            "extra_info": {"index": i},
+        }
+        for i in range(3)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    read = read_file(path, ("prompt", "reward_model.ground_truth"))
+    assert [sorted(r) for r in read] == 3 * [["prompt", "reward_model"]]
+    assert read[2]["reward_model"]["ground_truth"] == "2" and "extra_info" in read_file(path)[0]

@@ -54,9 +54,12 @@ def records_to_examples(
     return list(out)
 
 
-def read_records(source: str, split: str, hub: Path | None = None) -> list[dict[str, Any]]:
+def read_records(
+    source: str, split: str, hub: Path | None = None, fields: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
     """``hf:`` sources are read from the Hugging Face cache ``hub`` (offline: ``hpcrl fetch`` put them
-    there; None: this process's ``HF_HOME``), the files of ``split`` as ``hpcrl/hub/files.py`` picks them."""
+    there; None: this process's ``HF_HOME``), the files of ``split`` as ``hpcrl/hub/files.py`` picks them.
+    ``fields``: the (dotted) fields the run reads; a Parquet file's other columns are not loaded."""
     if source.startswith("hf:"):
         from hpcrl.hub.resolve import dataset_files
 
@@ -64,18 +67,21 @@ def read_records(source: str, split: str, hub: Path | None = None) -> list[dict[
             from huggingface_hub import constants
 
             hub = Path(constants.HF_HUB_CACHE)
-        return [rec for path in dataset_files(hub, source, split) for rec in read_file(path)]
+        return [rec for path in dataset_files(hub, source, split) for rec in read_file(path, fields)]
     path = Path(source)
     if not path.exists():
         raise ConfigError(f"data.source file '{source}' does not exist")
-    return read_file(path)
+    return read_file(path, fields)
 
 
-def read_file(path: Path) -> list[dict[str, Any]]:
+def read_file(path: Path, fields: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return list(pq.read_table(path).to_pylist())
+        # DAPO-Math-17k's 1.79M rows as Python dicts of every column would take GBs and a minute
+        names = set(pq.read_schema(path).names)
+        columns = sorted({f.split(".")[0] for f in fields} & names) if fields else None
+        return list(pq.read_table(path, columns=columns or None).to_pylist())
     if path.suffix == ".json":
         return list(json.loads(path.read_text()))
     with path.open() as f:
@@ -101,11 +107,12 @@ def load_examples(cfg: DataConfig, seed: int, hub: Path | None = None) -> tuple[
             [Example(render_prompt(cfg.template, q), a) for q, a in train_pairs],
             [Example(render_prompt(cfg.template, q), a) for q, a in val_pairs],
         )
-    train = records_to_examples(read_records(cfg.source, cfg.split, hub), cfg, cfg.source)
+    fields = (cfg.prompt_field, cfg.answer_field)
+    train = records_to_examples(read_records(cfg.source, cfg.split, hub, fields), cfg, cfg.source)
     if cfg.val_source:
-        val = records_to_examples(
-            read_records(cfg.val_source, cfg.val_split, hub), cfg, cfg.val_source, validation=True
-        )
+        val_fields = (cfg.val_prompt_field or cfg.prompt_field, cfg.val_answer_field or cfg.answer_field)
+        records = read_records(cfg.val_source, cfg.val_split, hub, val_fields)
+        val = records_to_examples(records, cfg, cfg.val_source, validation=True)
     else:
         rng = random.Random(seed)
         train = train[:]
