@@ -52,17 +52,25 @@ configs:
 
 
 def data_repo() -> Repo:
+    """GSM8K's layout: two subsets, each split a Parquet file (``datasets``' own format on the hub)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     def rows(n: int, tag: str) -> bytes:
-        return b"".join(
-            json.dumps({"question": f"{tag} {i}+1?", "answer": f"#### {i + 1}"}).encode() + b"\n"
-            for i in range(n)
+        table = pa.Table.from_pylist(
+            [{"question": f"{tag} {i}+1?", "answer": f"#### {i + 1}"} for i in range(n)]
         )
+        out = io.BytesIO()
+        pq.write_table(table, out)
+        return out.getvalue()
 
     files = {
         "README.md": DATA_CARD,
-        "main/train-00000-of-00001.jsonl": rows(8, "main-train"),
-        "main/test-00000-of-00001.jsonl": rows(3, "main-test"),
-        "socratic/train-00000-of-00001.jsonl": rows(5, "socratic"),
+        "main/train-00000-of-00001.parquet": rows(8, "main-train"),
+        "main/test-00000-of-00001.parquet": rows(3, "main-test"),
+        "socratic/train-00000-of-00001.parquet": rows(5, "socratic"),
     }
     return Repo(files, kind="dataset")
 
@@ -202,7 +210,7 @@ def test_data_set_splits_by_their_card_fetched_and_read_offline(hub_env, monkeyp
         hub.__exit__()
     assert train.files == 2  # the split's file and the card
     files = dataset_files(hub_env, "hf:org/gsm:main", "train")
-    assert [f.name for f in files] == ["train-00000-of-00001.jsonl"] and files[0].parent.name == "main"
+    assert [f.name for f in files] == ["train-00000-of-00001.parquet"] and files[0].parent.name == "main"
     assert not (files[0].parents[1] / "socratic").exists()  # another subset is not fetched
     from hpcrl.data.loader import read_records
 
