@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,32 @@ def compose(*overrides: str) -> RunConfig:
 
 def plan(*overrides: str) -> Plan:
     return make_plan(compose(*overrides))
+
+
+ONE_GPU = "H200:150.8"
+"""``HPCRL_LOCAL_GPU`` for a one-GPU recipe of cluster=local: the lent H200 as nvidia-smi shows it."""
+
+
+@contextlib.contextmanager
+def local_gpu(value: str | None) -> Iterator[None]:
+    """``HPCRL_LOCAL_GPU`` set (None: as it is) while the block plans."""
+    old = os.environ.get("HPCRL_LOCAL_GPU")
+    if value is not None:
+        os.environ["HPCRL_LOCAL_GPU"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("HPCRL_LOCAL_GPU", None)
+        else:
+            os.environ["HPCRL_LOCAL_GPU"] = old
+
+
+def recipe_gpu(recipe: str) -> str | None:
+    """The ``HPCRL_LOCAL_GPU`` a shipped recipe is planned with: ONE_GPU for a cluster=local recipe sized
+    for a GPU (it does not fit this machine's CPU, as ``hpcrl plan`` here says), else None."""
+    p = plan(f"+experiment={recipe}", *SITE)
+    return ONE_GPU if p.cfg.cluster.name == "local" and not p.fits else None
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,7 @@ from hpcrl.errors import ConfigError, DoesNotFitError
 from hpcrl.plan.nvlink import NvlinkCheck, check_nvlink, segment_for
 from hpcrl.plan.planner import plan_from_overrides
 from hpcrl.plan.topology import build_topology
-from tests.conftest import SITE, compose, plan
+from tests.conftest import SITE, compose, local_gpu, plan, recipe_gpu
 
 GB200_SUPER = ["+experiment=none", "+cluster=gb200", "+model=nemotron_super", *SITE]
 """The catalog's nemotron_super on gb200 without its default recipe (GRPO + FSDP on DAPO-Math-17k):
@@ -98,8 +98,9 @@ def test_keys_typed_on_the_command_line_stay_as_typed():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_shipped_layouts_that_fit_are_kept_exactly(recipe):
-    auto = plan_from_overrides([f"+experiment={recipe}", *SITE])
-    own = plan(f"+experiment={recipe}", *SITE)
+    with local_gpu(recipe_gpu(recipe)):  # a one-GPU recipe of cluster=local: on the GPU it is written for
+        auto = plan_from_overrides([f"+experiment={recipe}", *SITE])
+        own = plan(f"+experiment={recipe}", *SITE)
     assert own.fits and auto.search is None
     assert auto.topology == own.topology and auto.cfg == own.cfg
 

@@ -24,6 +24,7 @@ def smi(tmp_path, monkeypatch):
     tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("HPCRL_LOCAL_GPU", raising=False)
     local_gpu.probe.cache_clear()
     yield out, calls
     local_gpu.probe.cache_clear()
@@ -77,6 +78,7 @@ def test_named_or_cpu_cluster_gpu_skips_the_probe(smi):
 def test_no_nvidia_smi_is_the_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("HPCRL_LOCAL_GPU", raising=False)
     local_gpu.probe.cache_clear()
     try:
         assert make_plan(compose_config([])).cfg.cluster.gpu == "cpu"
@@ -93,3 +95,16 @@ def test_auto_on_a_slurm_cluster_is_refused():
         str(err.value)
         == "cluster.gpu=auto is for cluster=local (this machine); cluster 'slurmtest' must name its GPU"
     )
+
+
+def test_hpcrl_local_gpu_answers_for_the_probe(smi, monkeypatch):
+    out, calls = smi
+    out.write_text("NVIDIA H200, 143771\n")
+    monkeypatch.setenv("HPCRL_LOCAL_GPU", "H100:80")
+    assert (make_plan(compose_config([])).cfg.cluster.gpu_memory_gb, calls.exists()) == (80.0, False)
+    monkeypatch.setenv("HPCRL_LOCAL_GPU", "cpu")
+    assert make_plan(compose_config([])).cfg.cluster.gpu == "cpu"
+    monkeypatch.setenv("HPCRL_LOCAL_GPU", "H200")
+    with pytest.raises(ConfigError) as err:
+        make_plan(compose_config([]))
+    assert str(err.value) == "HPCRL_LOCAL_GPU=H200 must be NAME:GB (e.g. H200:141) or cpu"

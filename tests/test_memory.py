@@ -13,7 +13,7 @@ from hpcrl.plan.planner import GPU_BLOCK_SIZE, LOGPROB_SAMPLE, OWN_BLOCK_SIZE, S
 from hpcrl.plan.show import show_plan
 from hpcrl.plan.topology import Placement
 
-from .conftest import ROOT, SITE, plan
+from .conftest import ROOT, SITE, local_gpu, plan, recipe_gpu
 
 GB = 1e9
 
@@ -142,7 +142,8 @@ RECIPES = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_shipped_recipe_starts_and_trains_within_its_gpus(recipe):
-    p = plan(f"+experiment={recipe}", *SITE)
+    with local_gpu(recipe_gpu(recipe)):  # a one-GPU recipe of cluster=local: on the GPU it is written for
+        p = plan(f"+experiment={recipe}", *SITE)
     m, t = p.memory, p.memory.train
     numbers = (
         f"{recipe}: start-up {t.startup:.1f} GB, training peak {m.train_gpu_peak:.1f} GB (reference "

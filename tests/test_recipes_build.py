@@ -35,7 +35,7 @@ from hpcrl.plan.planner import Plan, plan_from_overrides
 from hpcrl.plan.topology import TrainParallel
 from hpcrl.trainer.config import MegatronTrainerConfig
 
-from .conftest import TorchrunCase, register_torchrun_case, run_cli
+from .conftest import TorchrunCase, local_gpu, recipe_gpu, register_torchrun_case, run_cli
 from .tiny_checkpoints import Kinds, kinds_of, save_tiny
 
 SITE = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh"]
@@ -52,7 +52,9 @@ def shipped_recipes() -> list[str]:
 
 
 def recipe_plan(recipe: str) -> Plan:
-    return plan_from_overrides([f"+experiment={recipe}", *SITE])
+    """A one-GPU recipe of cluster=local planned on the GPU it is written for (conftest.recipe_gpu)."""
+    with local_gpu(recipe_gpu(recipe)):
+        return plan_from_overrides([f"+experiment={recipe}", *SITE])
 
 
 def submittable(plan: Plan) -> bool:
@@ -281,7 +283,8 @@ def test_only_recipes_plan_says_cannot_run_are_left_out():
     recipe; every other shipped recipe is in a case."""
     says_no = set()
     for recipe in shipped_recipes():
-        shown = run_cli("plan", f"+experiment={recipe}", *SITE)
+        with local_gpu(recipe_gpu(recipe)):  # the CLI inherits HPCRL_LOCAL_GPU
+            shown = run_cli("plan", f"+experiment={recipe}", *SITE)
         # the plan's own verdict line (the shipped-layouts table names its siblings' verdicts too)
         if shown.returncode != 0 or re.search(r"^cannot submit yet:", shown.stdout, re.MULTILINE):
             says_no.add(recipe)

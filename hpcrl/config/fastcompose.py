@@ -394,19 +394,6 @@ def _scalar(kind: Any, value: Any) -> Any:
         return value
     if kind is float and is_number:
         return float(value)
-    if kind is str and isinstance(value, str):
-        return value
-    if kind is Any and _plain(value):  # e.g. data.task_options: OmegaConf keeps such values as they are
+    if kind is Any or (kind is str and isinstance(value, str)):  # Any: YAML data as is (data.task_options)
         return copy.deepcopy(value)
     raise Unsupported(f"{value!r} for {kind}")
-
-
-def _plain(value: Any) -> bool:
-    """A YAML scalar, or a list or string-keyed mapping of them (no MISSING, no interpolation)."""
-    if isinstance(value, list):
-        return all(_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
-    if isinstance(value, str):
-        return value != MISSING and "${" not in value
-    return value is None or isinstance(value, (bool, int, float))

@@ -8,7 +8,9 @@ actors ask Ray for the GPU (``run/fleet.py``). A local run places one trainer ra
 
 ``nvidia-smi`` is asked, not torch: planning stays torch-free and fast (a machine without the tool
 costs one ``PATH`` lookup). ``CUDA_VISIBLE_DEVICES=`` (empty) keeps a GPU machine on its CPU;
-``cluster.gpu=cpu`` or a named GPU on the command line skips the probe.
+``cluster.gpu=cpu`` or a named GPU on the command line skips the probe. ``HPCRL_LOCAL_GPU=H200:141``
+(name:GB, or ``cpu``) answers for the probe: plan a one-GPU recipe from a laptop for the workstation it
+will run on (the tests plan such shipped recipes so on a CPU-only CI machine).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from functools import cache
 from pathlib import Path
 
 from hpcrl.config.cluster import ClusterConfig, Scheduler
+from hpcrl.errors import ConfigError
 
 AUTO = "auto"
+OVERRIDE = "HPCRL_LOCAL_GPU"
 PROBE_TIMEOUT_S = 20.0
 
 
@@ -42,12 +46,11 @@ def resolve_local_gpu(cluster: ClusterConfig, conf: Path | None = None) -> None:
     if cluster.gpu.strip().lower() != AUTO:
         return
     if cluster.scheduler is not Scheduler.local:
-        from hpcrl.errors import ConfigError
-
         raise ConfigError(
             f"cluster.gpu=auto is for cluster=local (this machine); cluster '{cluster.name}' must name its GPU"
         )
-    gpu = probe(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    told = os.environ.get(OVERRIDE)
+    gpu = stated(told) if told else probe(os.environ.get("CUDA_VISIBLE_DEVICES"))
     if gpu is None:
         cluster.gpu = "cpu"
         return
@@ -55,6 +58,20 @@ def resolve_local_gpu(cluster: ClusterConfig, conf: Path | None = None) -> None:
     cluster.gpu_memory_gb = gpu.memory_gb
     if not cluster.gpu_bf16_tflops:
         cluster.gpu_bf16_tflops = catalog_tflops(gpu.name, conf)
+
+
+def stated(value: str) -> LocalGpu | None:
+    """``HPCRL_LOCAL_GPU``: ``NAME:GB`` (``H200:141``) or ``cpu``."""
+    if value.strip().lower() == "cpu":
+        return None
+    name, _, gb = value.rpartition(":")
+    try:
+        memory_gb = float(gb)
+    except ValueError:
+        memory_gb = 0.0
+    if not name.strip() or memory_gb <= 0:
+        raise ConfigError(f"{OVERRIDE}={value} must be NAME:GB (e.g. H200:141) or cpu")
+    return LocalGpu(name.strip(), memory_gb)
 
 
 @cache
