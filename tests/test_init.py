@@ -208,18 +208,10 @@ def test_init_on_the_slurm_test_cluster(slurm_cluster, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_init_asks_on_a_terminal(slurm_cluster, tmp_path, monkeypatch):
     """stdin a terminal: the proposal is confirmed with Enter, the account typed in."""
-    import pty
 
     monkeypatch.setenv("HPCRL_CONFIG_DIR", str(tmp_path))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "shell-hf"))  # proposed; the answer typed wins
-    master, terminal = pty.openpty()
-    try:
-        os.write(master, f"\nlab-acc\n{tmp_path / 'hf'}\n".encode())
-        exe = Path(sys.executable).with_name("hpcrl")
-        done = subprocess.run([str(exe), "init"], stdin=terminal, capture_output=True, text=True, timeout=120)
-    finally:
-        os.close(terminal)
-        os.close(master)
+    done = init_on_a_terminal(f"\nlab-acc\n{tmp_path / 'hf'}\n")
     assert done.returncode == 0, done.stderr
     assert (
         "catalog cluster for these nodes [slurmtest]: Slurm account (empty: none) []: Hugging Face cache on "
@@ -228,6 +220,20 @@ def test_init_asks_on_a_terminal(slurm_cluster, tmp_path, monkeypatch):
     written = yaml.safe_load((tmp_path / "site.yaml").read_text())
     assert written["clusters"]["slurmtest"]["slurm"] == {"partition": "debug", "account": "lab-acc"}
     assert written["clusters"]["slurmtest"]["env"] == {"HF_HOME": str(tmp_path / "hf")}
+
+
+def init_on_a_terminal(answers: str) -> subprocess.CompletedProcess[str]:
+    """`hpcrl init` with stdin a terminal (a pty) that has ``answers`` typed in already."""
+    import pty
+
+    master, terminal = pty.openpty()
+    try:
+        os.write(master, answers.encode())
+        exe = Path(sys.executable).with_name("hpcrl")
+        return subprocess.run([str(exe), "init"], stdin=terminal, capture_output=True, text=True, timeout=120)
+    finally:
+        os.close(terminal)
+        os.close(master)
 
 
 def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -248,18 +254,10 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_init_asks_for_the_hf_cache_on_a_terminal(tmp_path, monkeypatch):
     """stdin a terminal: Enter takes the proposed cluster, then account, image and HF cache are typed."""
-    import pty
 
     fake_slurm(tmp_path, monkeypatch)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "shell-hf"))  # proposed; the answer typed wins
-    master, terminal = pty.openpty()
-    try:
-        os.write(master, f"\nlab\n/img/rl.sqsh\n{tmp_path / 'hf'}\n".encode())
-        exe = Path(sys.executable).with_name("hpcrl")
-        done = subprocess.run([str(exe), "init"], stdin=terminal, capture_output=True, text=True, timeout=120)
-    finally:
-        os.close(terminal)
-        os.close(master)
+    done = init_on_a_terminal(f"\nlab\n/img/rl.sqsh\n{tmp_path / 'hf'}\n")
     assert done.returncode == 0, done.stderr
     assert f"HF_HOME (`hpcrl fetch` fills it; empty: none) [{tmp_path / 'shell-hf'}]: wrote" in done.stdout
     written = yaml.safe_load((tmp_path / "cfg" / "site.yaml").read_text())["clusters"]["h100"]

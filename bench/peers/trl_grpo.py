@@ -56,7 +56,7 @@ def main() -> None:
 
     from hpcrl.config.compose import compose_config
     from hpcrl.data.loader import load_examples
-    from hpcrl.data.templates import render_prompt
+    from hpcrl.data.templates import fewshot_turns
     from hpcrl.hub.cache import hub_dir
     from hpcrl.hub.resolve import model_snapshot
     from hpcrl.rewards.verifiers import get_verifier, reward_of
@@ -66,14 +66,7 @@ def main() -> None:
     steps = args.steps or algo.max_steps
     model_dir = model_snapshot(hub_dir(cfg.cluster), cfg.model.hf_id, cfg.model.revision)
     train_ex, val_ex = load_examples(data, cfg.run.seed, hub_dir(cfg.cluster))
-    earlier = [
-        turn
-        for problem, reply in data.fewshot.items()
-        for turn in (
-            {"role": "user", "content": render_prompt(data.template, problem)},
-            {"role": "assistant", "content": reply},
-        )
-    ]
+    earlier = fewshot_turns(data.fewshot, data.template)
 
     def chat(prompt: str) -> list[dict[str, str]]:
         return [*earlier, {"role": "user", "content": prompt}]

@@ -32,3 +32,16 @@ def render_prompt(template: str, problem: str) -> str:
     if (before.strip() or after.strip()) and text.startswith(before.strip()) and text.endswith(after.strip()):
         return problem  # the instruction is there already (DAPO-Math-17k's prompts)
     return before + problem + after
+
+
+def fewshot_turns(fewshot: dict[str, str], template: str) -> list[dict[str, str]]:
+    """``data.fewshot``'s solved problems as the earlier turns of a chat: each problem through
+    ``template``, as the prompts are, then its reply."""
+    return [
+        turn
+        for problem, reply in fewshot.items()
+        for turn in (
+            {"role": "user", "content": render_prompt(template, problem)},
+            {"role": "assistant", "content": reply},
+        )
+    ]

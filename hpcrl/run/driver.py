@@ -74,19 +74,12 @@ def make_encoder(model_dir: Path, data: DataConfig) -> tuple[Callable[[str], lis
     first as earlier turns of the same chat (each problem through ``data.template``, as the prompts)."""
     from transformers import AutoTokenizer
 
-    from hpcrl.data.templates import render_prompt
+    from hpcrl.data.templates import fewshot_turns
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if tok.chat_template and data.template != "plain":
-        earlier = [
-            turn
-            for problem, reply in data.fewshot.items()
-            for turn in (
-                {"role": "user", "content": render_prompt(data.template, problem)},
-                {"role": "assistant", "content": reply},
-            )
-        ]
+        earlier = fewshot_turns(data.fewshot, data.template)
 
         def encode(prompt: str) -> list[int]:
             msgs = [*earlier, {"role": "user", "content": prompt}]
