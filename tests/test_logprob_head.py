@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -109,3 +111,43 @@ def test_soft_capped_gemma_gets_the_head_with_its_cap_and_the_logits_paths_numbe
 def test_right_padding_detection():
     assert is_right_padded(torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]]))
     assert not is_right_padded(torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]]))  # left padding keeps its mask
+
+
+@pytest.mark.parametrize("install", [False, True])
+def test_the_head_runs_from_the_first_loss_target_only_with_the_same_numbers(install, tmp_path):
+    """build_batch's ``loss_from`` (shortest prompt - 1) has the model compute its head on the last
+    T - loss_from positions only (``logits_to_keep``): log-probs, entropy and gradients over the loss
+    tokens are the whole head's, with the plain head and the chunked one."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from hpcrl.trainer.batch import build_batch
+    from hpcrl.trainer.forward import token_logprobs
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    prompts = [[1, 5, 9, 20, 3, 3], [1, 7, 8, 9], [2, 4, 6, 8, 10]]
+    comps = [[33, 7, 12], [40, 41, 42, 43, 44], [50]]
+    batch = build_batch(
+        prompts, comps, [[-1.0] * len(c) for c in comps], [1.0, -1.0, 0.5], [1, 1, 1], pad_id=0
+    )
+    assert batch.loss_from == 3
+    runs = []
+    for loss_from in (0, batch.loss_from):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path)
+        head = install_logprob_head(model) if install else model.lm_head
+        widths: list[int] = []
+        head.register_forward_hook(lambda _m, args, _out, seen=widths: seen.append(args[0].shape[1]))
+        trimmed = dataclasses.replace(batch, loss_from=loss_from)
+        logp, entropy = token_logprobs(model, trimmed)
+        (logp * batch.loss_mask).sum().backward()
+        runs.append((logp, entropy, model.get_input_embeddings().weight.grad.clone(), widths))
+    (logp0, ent0, grad0, widths0), (logp1, ent1, grad1, widths1) = runs
+    width = batch.input_ids.shape[1]
+    assert widths0 == [width] and widths1 == [width - batch.loss_from]
+    mask = batch.loss_mask.bool()
+    torch.testing.assert_close(logp1[mask], logp0[mask])
+    torch.testing.assert_close(ent1[mask], ent0[mask])
+    assert (logp1[:, : batch.loss_from] == 0).all()
+    torch.testing.assert_close(grad1, grad0)
+    assert grad0.abs().max() > 0

@@ -21,6 +21,10 @@ class TrainBatch:
     rollout_logp: torch.Tensor
     """[B, T-1] the rollout engine's logprob of each generated target token (0 elsewhere; NaN over
     completions the engine sent none for: ``rollout.logprob_fraction``, ``rollout.logprobs=false``)."""
+    loss_from: int = 0
+    """No row has a loss target before this position (``build_batch``: the shortest prompt - 1), so
+    the trainer runs the LM head from here on only: at 185 prompt tokens and ~20 generated, the head
+    and its log-softmax over the vocabulary would otherwise be 90% wasted (TRL's ``logits_to_keep``)."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -36,7 +40,8 @@ class TrainBatch:
                     self.advantages,
                     self.rollout_logp,
                 )
-            )
+            ),
+            self.loss_from,
         )
 
     def select(self, idx: slice | torch.Tensor) -> TrainBatch:
@@ -46,6 +51,7 @@ class TrainBatch:
             self.loss_mask[idx],
             self.advantages[idx],
             self.rollout_logp[idx],
+            self.loss_from,
         )
 
 
@@ -75,4 +81,5 @@ def build_batch(
         if lp and len(lp) != len(c):
             raise ValueError(f"sample {i}: {len(lp)} rollout logprobs for {len(c)} completion tokens")
         rlp[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp, dtype=torch.float32) if lp else math.nan
-    return TrainBatch(ids, attn, loss_mask, torch.tensor(advantages, dtype=torch.float32), rlp)
+    loss_from = max(0, min(len(p) for p in prompts) - 1)
+    return TrainBatch(ids, attn, loss_mask, torch.tensor(advantages, dtype=torch.float32), rlp, loss_from)

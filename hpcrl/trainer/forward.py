@@ -3,6 +3,7 @@ whole sequences or (``trainer.cp`` > 1) this rank's part of each (trainer/contex
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -32,8 +33,31 @@ def token_logprobs(
             raise ValueError("trainer.cp > 1 trains on right-padded batches only (what build_batch makes)")
         return _split_logprobs(model, ids, targets, cp)
     mask = None if right_padded else batch.attention_mask
-    logp, entropy = _logprobs(model, targets, input_ids=ids, attention_mask=mask)
-    return logp[:, :-1], entropy[:, :-1]
+    skip = batch.loss_from if takes_logits_to_keep(model) else 0
+    if skip <= 0:
+        logp, entropy = _logprobs(model, targets, input_ids=ids, attention_mask=mask)
+        return logp[:, :-1], entropy[:, :-1]
+    # the head only where a loss target can be: the last T - skip positions; zeros before them
+    logp, entropy = _logprobs(
+        model, targets[:, skip:], input_ids=ids, attention_mask=mask, logits_to_keep=ids.shape[1] - skip
+    )
+    return _left_pad(logp, skip)[:, :-1], _left_pad(entropy, skip)[:, :-1]
+
+
+def _left_pad(values: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(values, (width, 0))
+
+
+_KEEPS: dict[type, bool] = {}
+
+
+def takes_logits_to_keep(model: Any) -> bool:
+    """Whether the model's forward computes its head on the last ``logits_to_keep`` positions only
+    (transformers' causal LMs do)."""
+    kind = type(model)
+    if kind not in _KEEPS:
+        _KEEPS[kind] = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return _KEEPS[kind]
 
 
 def _split_logprobs(
