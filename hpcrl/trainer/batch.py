@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -30,18 +31,13 @@ class TrainBatch:
         return int(self.input_ids.shape[0])
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        return TrainBatch(
-            *(
-                t.to(device)
-                for t in (
-                    self.input_ids,
-                    self.attention_mask,
-                    self.loss_mask,
-                    self.advantages,
-                    self.rollout_logp,
-                )
-            ),
-            self.loss_from,
+        return dataclasses.replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            loss_mask=self.loss_mask.to(device),
+            advantages=self.advantages.to(device),
+            rollout_logp=self.rollout_logp.to(device),
         )
 
     def select(self, idx: slice | torch.Tensor) -> TrainBatch:

@@ -166,12 +166,11 @@ def fit(t: torch.Tensor | None, rows: slice, like: torch.Tensor) -> torch.Tensor
 
 
 def _concat(parts: list[TrainBatch]) -> TrainBatch:
-    return TrainBatch(
-        *(
-            torch.cat([getattr(p, f) for p in parts])
-            for f in ("input_ids", "attention_mask", "loss_mask", "advantages", "rollout_logp")
-        )
-    )
+    cat = {
+        f: torch.cat([getattr(p, f) for p in parts])
+        for f in ("input_ids", "attention_mask", "loss_mask", "advantages", "rollout_logp")
+    }
+    return TrainBatch(**cat, loss_from=min(p.loss_from for p in parts))
 
 
 def _widen(batch: TrainBatch, width: int) -> TrainBatch:
