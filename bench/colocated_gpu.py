@@ -103,6 +103,8 @@ def main() -> int:
     p.add_argument("--share", type=float, default=0.5, help="rollout.gpu_memory_utilization")
     p.add_argument("--refits", type=int, default=5)
     p.add_argument("--skip-old", action="store_true", help="skip today's safetensors refit")
+    p.add_argument("--steps", type=int, default=1, help="colocated steps; medians over steps 2..")
+    p.add_argument("--model-dir", default="", help="a model directory of the shape (else random weights)")
     p.add_argument("--out", default="")
     args = p.parse_args()
 
@@ -117,7 +119,7 @@ def main() -> int:
     col = plan.memory.colocated
     result: dict = {"model": args.model, "layers": cfg.model.num_layers, "overrides": overrides,
                     "plan_gb": {"train": col.train, "refit": col.refit, "generate": col.generate} if col else {}}  # fmt: skip
-    model_dir = make_model_dir(cfg)
+    model_dir = Path(args.model_dir) if args.model_dir else make_model_dir(cfg)
     ph = Phases()
     trainer = ph.run(
         "trainer start", lambda: FSDPTrainer(model_dir, cfg, device="cuda", master=f"127.0.0.1:{free_port()}")
@@ -165,7 +167,7 @@ def main() -> int:
         ph.run("refit safetensors (today)", old)
         result["refit_safetensors_s"] = ph.rows["refit safetensors (today)"]["s"]
 
-    # -- one colocated GRPO step ----------------------------------------------------------------------
+    # -- colocated GRPO steps (--steps; medians over steps 2.. when there are several) ----------------
     from hpcrl.algo.advantages import group_advantages
     from hpcrl.rewards.verifiers import exact_match  # math-verify is not on the device
 
@@ -173,31 +175,36 @@ def main() -> int:
     prompts = [torch.randint(3, cfg.model.vocab_size, (args.prompt_len,), generator=gen).tolist()
                for _ in range(args.prompts)]  # fmt: skip
     settings = SamplingSettings(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.gen, seed=0)
-    groups = ph.run("generate", lambda: engine.generate(prompts, settings))
-    tokens = sum(len(c.token_ids) for g in groups for c in g)
-    result["generate_tok_s"] = tokens / ph.rows["generate"]["s"]
-    rewards = ph.run(
-        "rewards", lambda: torch.tensor([[exact_match(c.text, "4").reward for c in g] for g in groups])
-    )
-    adv = group_advantages(rewards + torch.rand(rewards.shape, generator=gen) * 1e-3)  # random text: jitter
-    flat = [(prompts[i], c) for i, g in enumerate(groups) for c in g]
-    batch = build_batch([p for p, _ in flat], [c.token_ids for _, c in flat], [c.logprobs for _, c in flat],
-                        adv.flatten().tolist(), [1.0] * len(flat), pad_id=0)  # fmt: skip
-    ph.run("sleep", engine.sleep)
-    result["train_metrics"] = ph.run("train step", lambda: trainer.train_step(batch, None))
-    ph.run("release cache", torch.cuda.empty_cache)  # as Fleet.sync_weights has the trainers do
-    ph.run("wake weights", lambda: engine.wake_up(["weights"]))
-    result["step_refit"] = ph.run("refit ipc (step)", lambda: refit_ipc(trainer, engine, layout))
-    ph.run("release buckets", torch.cuda.empty_cache)  # the refit's buffers, as Fleet.sync_weights
-    ph.run("wake kv cache", lambda: engine.wake_up(["kv_cache"]))
-    again = ph.run("generate again", lambda: engine.generate(prompts, settings))
-    result["generate_again_tok_s"] = (
-        sum(len(c.token_ids) for g in again for c in g) / ph.rows["generate again"]["s"]
-    )
-    result["phases"] = ph.rows
     step = ["generate", "rewards", "sleep", "train step", "release cache", "wake weights", "refit ipc (step)",
             "release buckets", "wake kv cache"]  # fmt: skip
-    result["step_s"] = sum(ph.rows[k]["s"] for k in step)
+    per_step: list[dict[str, float]] = []
+    for i in range(args.steps):
+        groups = ph.run("generate", lambda: engine.generate(prompts, settings))
+        tokens = sum(len(c.token_ids) for g in groups for c in g)
+        result["generate_tok_s"] = tokens / ph.rows["generate"]["s"]
+        rewards = ph.run(
+            "rewards",
+            lambda gs=groups: torch.tensor([[exact_match(c.text, "4").reward for c in g] for g in gs]),
+        )
+        jitter = torch.rand(rewards.shape, generator=gen) * 1e-3  # random text: all rewards equal
+        adv = group_advantages(rewards + jitter)
+        flat = [(prompts[j], c) for j, g in enumerate(groups) for c in g]
+        batch = build_batch([p for p, _ in flat], [c.token_ids for _, c in flat], [c.logprobs for _, c in flat],
+                            adv.flatten().tolist(), [1.0] * len(flat), pad_id=0)  # fmt: skip
+        ph.run("sleep", engine.sleep)
+        result["train_metrics"] = ph.run("train step", lambda b=batch: trainer.train_step(b, None))
+        ph.run("release cache", torch.cuda.empty_cache)  # as Fleet.sync_weights has the trainers do
+        ph.run("wake weights", lambda: engine.wake_up(["weights"]))
+        result["step_refit"] = ph.run("refit ipc (step)", lambda: refit_ipc(trainer, engine, layout))
+        ph.run("release buckets", torch.cuda.empty_cache)  # the refit's buffers, as Fleet.sync_weights
+        ph.run("wake kv cache", lambda: engine.wake_up(["kv_cache"]))
+        per_step.append({k: ph.rows[k]["s"] for k in step} | {"tokens": tokens})
+        print(f"== step {i + 1}: {sum(per_step[-1][k] for k in step):.3f} s", flush=True)
+    steady = per_step[1:] or per_step
+    result["steps"] = per_step
+    result["median_s"] = {k: statistics.median(r[k] for r in steady) for k in [*step, "tokens"]}
+    result["phases"] = ph.rows
+    result["step_s"] = sum(result["median_s"][k] for k in step)
     print(json.dumps({k: v for k, v in result.items() if k != "phases"}, indent=1, default=str), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1, default=str))

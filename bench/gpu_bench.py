@@ -148,6 +148,10 @@ def make_model_dir(cfg) -> Path:
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=m.head_dim))
+    elif m.family == "llama":  # SmolLM2, Llama 3: no q/k/v bias
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(**common, head_dim=m.head_dim))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     out = Path(tempfile.mkdtemp()) / f"{m.name}-random"
