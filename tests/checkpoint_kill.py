@@ -69,7 +69,7 @@ def main() -> None:
         return
     shards = SyncedShards(trainer)
     for step in (1, 2):
-        trainer.train_step(batch(), None)
+        trainer.train_step(batch())
         weights = trainer.export_weights()
         if rank == 0:
             torch.save(weights, run_dir / f"step{step}.pt")

@@ -64,7 +64,7 @@ def main() -> None:
     master = ray.get(trainers[0].endpoint.remote())
     ray.get([t.setup.remote(master) for t in trainers])
     fleet = Fleet(trainers, [])
-    ray.get([t.train_step.remote(parity_batch(), None) for t in trainers])
+    ray.get([t.train_step.remote(parity_batch()) for t in trainers])
     ckpt = CheckpointManager(
         out / "checkpoints", 2, "m", True, about={"backend": "fsdp"}, model_dir=model_dir
     )

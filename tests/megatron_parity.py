@@ -154,10 +154,10 @@ def main() -> None:
         trainer.load_checkpoint(resume)
         batch = after_checkpoint(batch)
     loaded = {k: v.clone() for k, v in trainer.export_weights().items()} if resume else {}  # TP=1: views
-    ref = trainer.logprobs(batch, reference=True)
+    ref = trainer.logprobs(batch, reference=True)  # the loaded weights' log-probs (the step scores its own)
     grads = stepped_grads(trainer, backend)
     forwards = watch_forwards(trainer) if backend == "fsdp" else {}
-    metrics = trainer.train_step(batch, ref)
+    metrics = trainer.train_step(batch)
     forwards.pop("stop", lambda: None)()
     del trainer.zero_grad  # this step's gradients only (a second step may follow the checkpoint)
     assert grads or rank != 0, "no gradients were seen before the step freed them"
@@ -170,7 +170,7 @@ def main() -> None:
     restored = _state_round_trip(trainer, local, out)
     after = {}
     if os.environ.get("HPCRL_PARITY_SECOND_STEP"):  # the step after the checkpoint, for a resume to repeat
-        trainer.train_step(after_checkpoint(batch), ref)
+        trainer.train_step(after_checkpoint(batch))
         after = trainer.export_weights()
     per_rank: list[Any] = [None] * world
     if world > 1:

@@ -55,9 +55,7 @@ def run_case(case: dict[str, Any], rank: int, world: int, master: str, out: Path
     elif record == "parity":
         result = parity_step(trainer, cfg.trainer.backend, world, out / f"{case['id']}.pt")
     else:
-        batch = parity_batch()
-        ref = trainer.logprobs(batch, reference=True) if cfg.algo.kl_coef > 0 else None
-        metrics = trainer.train_step(batch, ref)
+        metrics = trainer.train_step(parity_batch())
         result = {"metrics": metrics, "layout": ran_layout(trainer, world)}
     del trainer
     gc.collect()
@@ -72,9 +70,9 @@ def parity_step(trainer: Any, backend: str, world: int, out: Path) -> dict[str, 
     """tests/megatron_parity.py's run of one layout (no resume, no second step): one step on the
     parity batch with a reference pass; rank 0's copy of the full gradients and weights."""
     batch = parity_batch()
-    ref = trainer.logprobs(batch, reference=True)
+    ref = trainer.logprobs(batch, reference=True)  # the loaded weights' log-probs (the step scores its own)
     grads = stepped_grads(trainer, backend)
-    metrics = trainer.train_step(batch, ref)
+    metrics = trainer.train_step(batch)
     del trainer.zero_grad  # this step's gradients only
     assert grads or dist.get_rank() != 0, "no gradients were seen before the step freed them"
     weights = trainer.export_weights()

@@ -63,7 +63,7 @@ def test_an_fsdp_checkpoint_exports_to_the_trained_weights_and_vllm_serves_it(ti
     trainer = FSDPTrainer(
         tiny_dir, compose("algo.kl_coef=0", "algo.lr=1e-3"), master=f"127.0.0.1:{free_port()}"
     )
-    trainer.train_step(batch(), None)
+    trainer.train_step(batch())
     about = {"model": "tiny", "backend": "fsdp", "layout": {"world": 1}, "source": str(tiny_dir)}
     ckpt = CheckpointManager(tmp_path / "run" / "checkpoints", 3, "m", True, about=about, model_dir=tiny_dir)
     ckpt.save(1, trainer, {"step": 1}, {"m": 1.0}, async_save=True)

@@ -79,17 +79,13 @@ class FakeActors:
             self.handed.append(sum(1 for i in range(len(groups)) if i % 2 == parity))
             yield [(i, g) for i, g in enumerate(groups) if i % 2 == parity]
 
-    def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        self.calls.append(("ref_logprobs", len(batch)))
-        return torch.zeros(batch.loss_mask.shape)
-
-    def train_step(self, batch: TrainBatch, ref: torch.Tensor | None) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
         self.steps += 1
-        self.calls.append(("train_step", len(batch), ref is not None))
+        self.calls.append(("train_step", len(batch)))
         self.batches.append(batch)
         if self.steps == self.preempt_at:
             REQUEST.ask()  # as the USR2 handler would, in the middle of the step
-        return {"loss": 0.25, "grad_norm": 1.0}
+        return {"loss": 0.25, "grad_norm": 1.0, "time/ref_logprobs": 0.125}
 
     def sleep_engines(self) -> None:
         self.calls.append(("sleep_engines",))
@@ -178,8 +174,8 @@ def test_dynamic_sampling_validation_and_checkpoints_in_order(tmp_path: Path) ->
     actors = FakeActors(["right", "mixed"] * 3)
     last, ckpt, logger, said = run(cfg, actors, tmp_path)
 
-    step_ops = [("generate", 3, 2), ("generate", 3, 2), ("sleep_engines",), ("ref_logprobs", 6)]
-    step_ops.append(("train_step", 6, True))  # the engines sleep after generating, before training
+    # the engines sleep after generating, before training; the trainers score the reference themselves
+    step_ops = [("generate", 3, 2), ("generate", 3, 2), ("sleep_engines",), ("train_step", 6)]
     step_ops.append(("sync_weights",))
     val = ("validate", 4, 1)
     assert actors.calls == [
@@ -221,7 +217,7 @@ def test_dynamic_sampling_validation_and_checkpoints_in_order(tmp_path: Path) ->
     assert torch.load(ckpt.list()[0].path / "trainer" / "weights.pt").item() == 2.0
     blocked = {step: m["time/checkpoint_blocked"] for step, m in metrics.items() if step}
     assert blocked == {1: 0.0, 2: 0.5, 3: 0.25 + 0.5 + 0.25}  # step 3: waits for step 2's, saves its own
-    assert last["train/loss"] == 0.25
+    assert last["train/loss"] == 0.25 and last["time/ref_logprobs"] == 0.125  # the trainers' own phase
     assert said[-1].startswith("step   3/3")
 
 

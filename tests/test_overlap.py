@@ -58,8 +58,8 @@ class VersionedActors(FakeActors):
                 self.generated.setdefault(len(self.gen_versions), threading.Event()).set()
         return groups
 
-    def train_step(self, batch: TrainBatch, ref: torch.Tensor | None) -> dict[str, float]:
-        out = super().train_step(batch, ref)
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        out = super().train_step(batch)
         with self.lock:
             nxt = self.generated.setdefault(self.steps + 1, threading.Event())
         self.overlapped.append(nxt.wait(timeout=5.0))
@@ -217,8 +217,8 @@ class InflightActors(VersionedActors):
             self.synced_during.append(came)
         return super().generate(prompts, settings)
 
-    def train_step(self, batch: TrainBatch, ref: torch.Tensor | None) -> dict[str, float]:
-        return FakeActors.train_step(self, batch, ref)  # no wait for the next batch here
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        return FakeActors.train_step(self, batch)  # no wait for the next batch here
 
     def sync_weights(self, version: int) -> dict[str, float]:
         with self.version_seen:

@@ -136,7 +136,7 @@ def test_fsdp_step_trains_the_model_but_not_the_correction_bias(nh_dir, tmp_path
     trainer = FSDPTrainer(nh_dir, cfg, master=MASTER)
     before = {k: v.clone() for k, v in trainer.export_weights().items()}  # a CPU rank exports its own tensors
     bias_before = biases(trainer.model)
-    metrics = trainer.train_step(batch(), None)
+    metrics = trainer.train_step(batch())
     assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["grad_norm"] > 0
     after = trainer.export_weights()
     on_disk = load_file(nh_dir / "model.safetensors")
@@ -165,7 +165,7 @@ def test_a_left_padded_training_batch_is_refused_for_mamba_layers(nh_dir):
     b = batch()
     b.attention_mask = b.attention_mask.flip(1)  # ones after zeros: left padding
     with pytest.raises(ValueError, match="right-padded batches only"):
-        trainer.train_step(b, None)
+        trainer.train_step(b)
 
 
 @pytest.mark.parametrize("router_fp32", [True, False])
@@ -230,7 +230,7 @@ def test_refit_lands_every_trained_weight_in_the_engine(nh_dir):
     from hpcrl.rollout.hf_engine import checkpoint_views
 
     trainer = FSDPTrainer(nh_dir, plan(RECIPE, "algo.lr=1e-2").cfg, master=MASTER)
-    trainer.train_step(batch(), None)
+    trainer.train_step(batch())
     engine = HFEngine(nh_dir, compose(RECIPE).rollout, device="cpu")
     assert len(checkpoint_views(engine.model)) == 104  # every tensor viewed: nothing needs the by-name path
     engine.load_weights(trainer.export_weights())

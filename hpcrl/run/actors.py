@@ -70,11 +70,8 @@ class TrainerActor:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def ref_logprobs(self, batch: Any) -> Any:
-        return self.trainer.logprobs(batch, reference=True)
-
-    def train_step(self, batch: Any, ref_logp: Any) -> dict[str, float]:
-        return self.trainer.train_step(batch, ref_logp)
+    def train_step(self, batch: Any) -> dict[str, float]:
+        return self.trainer.train_step(batch)
 
     # -- weights to the engines (hpcrl/run/refit.py): streamed, bucket by bucket -------------------
     def weight_metas(self) -> list[tuple[str, tuple[int, ...]]]:

@@ -1,7 +1,8 @@
 """The driver's handle on the Ray actors of one run: trainer ranks and rollout engines.
 
 ``Fleet`` hides how many actors there are: generation is spread over the engines, training
-over the trainer ranks (each takes its shard of the batch), weights go trainer -> every engine.
+over the trainer ranks (each takes its shard of the batch; what derives from it, the reference
+log-probs and the metrics' reduction, stays with the ranks), weights go trainer -> every engine.
 """
 
 from __future__ import annotations
@@ -137,29 +138,13 @@ class Fleet:
     def _shards(self, batch: TrainBatch) -> list[TrainBatch]:
         return [batch.select(slice(r, None, n)) for r, n in self._data_ranks()]
 
-    def ref_logprobs(self, batch: TrainBatch) -> Any:
-        import ray
-        import torch
-
-        parts = ray.get(
-            [t.ref_logprobs.remote(s) for t, s in zip(self.trainers, self._shards(batch), strict=True)]
-        )
-        first: dict[int, Any] = {}  # one answer per data-parallel shard
-        for (r, _n), part in zip(self._data_ranks(), parts, strict=True):
-            first.setdefault(r, part)
-        ordered = [first[r] for r in sorted(first)]
-        return _interleave(ordered) if len(ordered) > 1 else ordered[0] if ordered else torch.empty(0)
-
-    def train_step(self, batch: TrainBatch, ref_logp: Any) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Every trainer rank trains on its shard (scoring it under its reference model first, for
+        the KL term); the metrics come back reduced over the ranks, the whole batch's on each."""
         import ray
 
-        ranks = self._data_ranks()
-        refs = [None if ref_logp is None else ref_logp[r::n] for r, n in ranks]
         results = ray.get(
-            [
-                t.train_step.remote(s, r)
-                for t, s, r in zip(self.trainers, self._shards(batch), refs, strict=True)
-            ]
+            [t.train_step.remote(s) for t, s in zip(self.trainers, self._shards(batch), strict=True)]
         )
         return dict(results[0])
 
@@ -250,15 +235,3 @@ def merge_streams(streams: list[tuple[int, Any]], k: int) -> Iterator[list[tuple
             raise part
         else:
             yield [(i + j * k, group) for j, group in part]
-
-
-def _interleave(parts: list[Any]) -> Any:
-    import torch
-
-    n = len(parts)
-    width = max(p.shape[1] for p in parts)
-    total = sum(p.shape[0] for p in parts)
-    out = torch.zeros((total, width), dtype=parts[0].dtype)
-    for r, p in enumerate(parts):
-        out[r::n, : p.shape[1]] = p
-    return out

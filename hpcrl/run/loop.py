@@ -5,13 +5,15 @@
         sample prompts; generate n completions each on the rollout engines
         score them with the verifier (a pool of processes, hard time limit per sample)
         shape rewards (overlong penalty, scaling); DAPO: drop groups with equal rewards, sample more
-        group-relative advantages; clipped-surrogate + KL loss on the trainer ranks
+        group-relative advantages; clipped-surrogate + KL loss on the trainer ranks, each on its shard
+            (the reference log-probs computed there, the metrics reduced over the ranks)
         broadcast the new weights to the engines; validate, checkpoint and log when due
 
-``train`` is that loop and ``one_step`` one pass of it. The driver hands it one ``Run``: the config and
-the run's actors, reward pool, tokenizer, prompts, checkpoints and logs. The loop sees the actors and the
-reward pool only through the ``Actors`` and ``Scorer`` protocols, so tests/test_loop.py drives it with
-recording fakes in milliseconds.
+``train`` is that loop and ``one_step`` one pass of it, which the overlapped loop (run/overlap.py)
+shares: the two differ only in where a step's batch comes from (``Batches``). The driver hands it one
+``Run``: the config and the run's actors, reward pool, tokenizer, prompts, checkpoints and logs. The
+loop sees the actors and the reward pool only through the ``Actors`` and ``Scorer`` protocols, so
+tests/test_loop.py drives it with recording fakes in milliseconds.
 """
 
 from __future__ import annotations
@@ -41,7 +43,10 @@ from hpcrl.trainer.batch import TrainBatch, build_batch
 
 @dataclass
 class Timer:
+    """Per-phase seconds of one step, from ``start``."""
+
     times: dict[str, float] = field(default_factory=dict)
+    start: float = field(default_factory=time.perf_counter)
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -94,8 +99,10 @@ class Actors(Protocol):
         """(prompt index, its group) pairs, handed over as the engines finish them."""
         ...
 
-    def ref_logprobs(self, batch: TrainBatch) -> Any: ...
-    def train_step(self, batch: TrainBatch, ref: Any) -> dict[str, float]: ...
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """The trainer ranks' step, each on its shard; the whole batch's metrics."""
+        ...
+
     def sleep_engines(self) -> None: ...
     def sync_weights(self, version: int) -> dict[str, float]: ...
     def save_checkpoint(self, path: str, async_save: bool) -> float: ...
@@ -253,8 +260,9 @@ def train(run: Run, start_step: int = 0) -> dict[str, float]:
             "loop.train is the on-policy loop: algo.max_staleness > 0 is overlap.train_overlapped"
         )
     last = validate_first(run) if start_step == 0 else {}
+    batches = OnPolicy(run)
     for step in range(start_step + 1, algo.max_steps + 1):
-        metrics = one_step(run, step)
+        metrics = one_step(run, step, batches)
         stop = save_when_due(run, step, metrics, partial(run_state, run.stream, step))
         last = {**last, **metrics}
         report(run, step, metrics, stop)
@@ -269,6 +277,10 @@ def validate_first(run: Run) -> dict[str, float]:
     run.logger.log(0, metrics)
     run.say(f"step   0/{run.cfg.algo.max_steps} | val {metrics['val/accuracy']:.3f} (before training)")
     return metrics
+
+
+def validation_due(cfg: RunConfig, step: int) -> bool:
+    return step % cfg.algo.val_period == 0 or step == cfg.algo.max_steps
 
 
 def checkpoint_due(cfg: RunConfig, step: int) -> bool:
@@ -304,29 +316,75 @@ def report(run: Run, step: int, metrics: dict[str, float], stop: bool) -> None:
             raise Preempted(step)
 
 
-def one_step(run: Run, step: int) -> dict[str, float]:
-    """Rollouts and rewards, reference log-probs (KL only), the train step, the weight sync, and the
-    validation when due; returns the step's metrics with per-phase times."""
-    algo, actors = run.cfg.algo, run.actors
-    timer, t0 = Timer(), time.perf_counter()
-    with timer("rollout"):
-        scored, shaped, metrics = collect(run, step)
-    actors.sleep_engines()  # rollout.sleep: colocated engines free their GPU memory for training
-    batch = make_batch(run, scored, shaped)
-    with timer("ref_logprobs"):
-        ref = actors.ref_logprobs(batch) if algo.kl_coef > 0 else None
-    with timer("train"):
-        metrics.update({f"train/{k}": v for k, v in actors.train_step(batch, ref).items()})
+@dataclass
+class Rollouts:
+    """One step's batch as the engines made it. Which policy made it is stamped on each completion
+    (``Completion.versions``, by the engines): with ``rollout.inflight_update`` one batch can span
+    several."""
+
+    step: int
+    """The step that trains on it."""
+    scored: Scored
+    """Prompts, completions (with their versions), raw rewards, outcomes."""
+    shaped: torch.Tensor
+    metrics: dict[str, float]
+    seconds: float
+    """Generation and scoring."""
+
+
+class Batches(Protocol):
+    """Where each step's batch comes from: generated when the step starts (``OnPolicy``), or ahead
+    of it by older weights (run/overlap.py's ``Pipeline``)."""
+
+    def take(self, step: int, timer: Timer) -> Rollouts:
+        """Step ``step``'s batch; the wait for it is ``timer``'s "rollout" phase."""
+        ...
+
+    def before_refit(self, step: int, timer: Timer) -> None:
+        """After training, before the weights change: generation under way finishes first, unless
+        the weights may change under it."""
+        ...
+
+
+@dataclass(frozen=True)
+class OnPolicy:
+    """The on-policy loop's batches: generated by the weights about to be trained."""
+
+    run: Run
+
+    def take(self, step: int, timer: Timer) -> Rollouts:
+        with timer("rollout"):
+            scored, shaped, metrics = collect(self.run, step)
+        self.run.actors.sleep_engines()  # rollout.sleep: colocated engines free their GPU memory for training
+        return Rollouts(step, scored, shaped, metrics, timer.times["time/rollout"])
+
+    def before_refit(self, step: int, timer: Timer) -> None:
+        """Nothing generates while the trainers train."""
+
+
+def one_step(run: Run, step: int, batches: Batches) -> dict[str, float]:
+    """The batch, the train step (the trainer ranks score their shards under the reference policy
+    for the KL term and reduce the metrics over themselves), the weight sync, and the validation
+    when due; returns the step's metrics with per-phase times."""
+    actors = run.actors
+    timer = Timer()
+    got = batches.take(step, timer)
+    metrics = dict(got.metrics)
+    batch = make_batch(run, got.scored, got.shaped)
+    with timer("train"):  # the trainers' reference pass within it: time/ref_logprobs
+        trained = actors.train_step(batch)
+    metrics.update({k if k.startswith("time/") else f"train/{k}": v for k, v in trained.items()})
+    batches.before_refit(step, timer)
     with timer("weight_sync"):
         # asleep: wakes the engines' weights, refits, wakes their KV cache; the refit's phases
         metrics.update({f"refit/{k}": v for k, v in actors.sync_weights(step).items()})
-    metrics["train/reward"] = float(shaped.mean())
-    if step % algo.val_period == 0 or step == algo.max_steps:
+    metrics["train/reward"] = float(got.shaped.mean())
+    if validation_due(run.cfg, step):
         with timer("validation"):
             metrics.update(validate(run))
     metrics.update(timer.times)
-    metrics["time/step"] = time.perf_counter() - t0
-    metrics["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(timer.times["time/rollout"], 1e-9)
+    metrics["time/step"] = time.perf_counter() - timer.start
+    metrics["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(got.seconds, 1e-9)
     return metrics
 
 

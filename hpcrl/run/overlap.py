@@ -20,40 +20,23 @@ behaviour policy: decoupled PPO as AReaL writes it. Each sample carries the vers
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from hpcrl.rollout.base import Completion
 from hpcrl.run import loop
-
-
-@dataclass
-class Rollouts:
-    """One step's batch as the engines made it. Which policy made it is stamped on each completion
-    (``Completion.versions``, by the engines): with ``rollout.inflight_update`` one batch can span
-    several."""
-
-    step: int
-    """The step that trains on it."""
-    scored: Any
-    """``loop.Scored``: prompts, completions (with their versions), raw rewards, outcomes."""
-    shaped: torch.Tensor
-    metrics: dict[str, float]
-    seconds: float
-    """Generation and scoring, in the background."""
+from hpcrl.run.loop import Rollouts  # here too: checkpoints written before it moved to loop.py name it here
 
 
 class Pipeline:
-    """Batches in flight or waiting, by step. One producer thread: the engines take one batch at a
-    time, and the reward pool serves one caller at a time."""
+    """Batches in flight or waiting, by step: ``loop.one_step``'s batches in the overlapped loop. One
+    producer thread: the engines take one batch at a time, and the reward pool serves one caller at
+    a time."""
 
-    def __init__(self, produce: Callable[[int], tuple[Any, torch.Tensor, dict[str, float]]]) -> None:
-        self.produce = produce
+    def __init__(self, run: loop.Run) -> None:
+        self.run = run
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="hpcrl-rollout")
         self.batches: dict[int, Future[Rollouts]] = {}
 
@@ -62,7 +45,7 @@ class Pipeline:
 
     def _make(self, step: int) -> Rollouts:
         t0 = time.perf_counter()
-        scored, shaped, metrics = self.produce(step)  # the engines stamp each completion's versions
+        scored, shaped, metrics = loop.collect(self.run, step)  # the engines stamp each completion's versions
         return Rollouts(step, scored, shaped, metrics, time.perf_counter() - t0)
 
     def restore(self, saved: list[Rollouts]) -> None:
@@ -74,8 +57,23 @@ class Pipeline:
     def last_step(self, default: int) -> int:
         return max(self.batches, default=default)
 
-    def take(self, step: int) -> Rollouts:
-        return self.batches.pop(step).result()
+    def take(self, step: int, timer: loop.Timer) -> Rollouts:
+        """Batch ``step``, with how stale it is and how long it took to make (in the background)."""
+        with timer("rollout"):  # the part of generation the trainers wait for
+            got = self.batches.pop(step).result()
+        more = {**staleness_metrics(got.scored.groups, step - 1), "time/generate": got.seconds}
+        return dataclasses.replace(got, metrics={**got.metrics, **more})
+
+    def before_refit(self, step: int, timer: loop.Timer) -> None:
+        """The engines finish the batch in flight before the weights change, unless they may change
+        under it (``rollout.inflight_update``) and this step does not validate or save, which need
+        the engines idle and the batch whole."""
+        cfg = self.run.cfg
+        inflight = getattr(cfg.rollout, "inflight_update", False)
+        if inflight and not (loop.validation_due(cfg, step) or loop.checkpoint_due(cfg, step)):
+            return
+        with timer("rollout_after_train"):  # generation outlasting the train step: the engines are the limit
+            self.settle()
 
     def settle(self) -> list[Rollouts]:
         """Wait for every batch started; all of them, in step order (what a checkpoint keeps)."""
@@ -119,14 +117,14 @@ def train_overlapped(
     batches a checkpoint restored."""
     algo, lag = run.cfg.algo, run.cfg.algo.max_staleness
     last = loop.validate_first(run) if start_step == 0 else {}
-    pipe = Pipeline(lambda j: loop.collect(run, j))
+    pipe = Pipeline(run)
     pipe.restore(restored or [])
     try:
         # fill the pipeline: every batch up to start + 1 + N comes from the weights the engines hold now
         for j in range(pipe.last_step(start_step) + 1, min(start_step + 1 + lag, algo.max_steps) + 1):
             pipe.start(j)
         for step in range(start_step + 1, algo.max_steps + 1):
-            metrics = overlapped_step(run, pipe, step, loop.checkpoint_due(run.cfg, step))
+            metrics = loop.one_step(run, step, pipe)
 
             def state(s: int = step) -> dict[str, Any]:  # with the batches older policies made
                 return {**loop.run_state(run.stream, s), "rollouts": pipe.settle()}
@@ -139,35 +137,3 @@ def train_overlapped(
     finally:
         pipe.close()
     return last
-
-
-def overlapped_step(run: loop.Run, pipe: Pipeline, step: int, checkpoint_due: bool) -> dict[str, float]:
-    """Train on batch ``step`` while the next is generated, then hand the engines the new weights:
-    after that batch, or under it (``rollout.inflight_update``) unless this step validates or saves,
-    which need the engines idle and the batch whole."""
-    cfg, algo, actors = run.cfg, run.cfg.algo, run.actors
-    validate = step % algo.val_period == 0 or step == algo.max_steps
-    inflight = getattr(cfg.rollout, "inflight_update", False) and not (validate or checkpoint_due)
-    timer, t0 = loop.Timer(), time.perf_counter()
-    with timer("rollout"):  # the part of generation the trainers wait for
-        got = pipe.take(step)
-    metrics = {**got.metrics, **staleness_metrics(got.scored.groups, step - 1)}
-    batch = loop.make_batch(run, got.scored, got.shaped)
-    with timer("ref_logprobs"):
-        ref = actors.ref_logprobs(batch) if algo.kl_coef > 0 else None
-    with timer("train"):
-        metrics.update({f"train/{k}": v for k, v in actors.train_step(batch, ref).items()})
-    if not inflight:
-        with timer("rollout_after_train"):  # generation outlasting the train step: the engines are the limit
-            pipe.settle()
-    with timer("weight_sync"):
-        metrics.update({f"refit/{k}": v for k, v in actors.sync_weights(step).items()})
-    metrics["train/reward"] = float(got.shaped.mean())
-    if validate:
-        with timer("validation"):
-            metrics.update(loop.validate(run))
-    metrics.update(timer.times)
-    metrics["time/generate"] = got.seconds
-    metrics["time/step"] = time.perf_counter() - t0
-    metrics["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(got.seconds, 1e-9)
-    return metrics

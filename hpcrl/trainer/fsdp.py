@@ -81,6 +81,8 @@ class FSDPTrainer:
         engines read them from the checkpoint, so refits leave them out; checkpoints keep them."""
         self.recurrent = has_recurrent_layers(model)
         self.cp = self._context_parallel(model, world)
+        self.data_group = data_parallel_group(world, self.cp.size)
+        """The ranks that train different rows (``data_rank``): the step's metrics are reduced over them."""
         self.model = shard_model(model, cfg, device, world)
         self.ref = None
         """The frozen reference policy for the KL term (``algo.kl_coef > 0``): a second model sharded
@@ -154,13 +156,13 @@ class FSDPTrainer:
         size = self.cfg.trainer.micro_batch_size
         return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
 
-    def train_step(self, batch: TrainBatch, ref_logp: torch.Tensor | None) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
         self._right_padded = is_right_padded(batch.attention_mask)  # on the driver's CPU tensors, once
         if self.recurrent and not self._right_padded:
             # the fused Mamba training kernel (GPUs) does not mask padding after its convolution
             raise ValueError("fsdp: a model with Mamba layers trains on right-padded batches only")
         self.model.train()
-        metrics = self.step(self, batch, ref_logp, self.device)
+        metrics = self.step(self, batch, self.device)
         self.model.eval()
         return metrics
 
@@ -286,6 +288,17 @@ class FSDPTrainer:
                 optim_state_dict=state["optim"],
                 options=opts,
             )
+
+
+def data_parallel_group(world: int, cp: int) -> dist.ProcessGroup | None:
+    """The ranks holding the same positions of different rows: one of each CP group (every rank
+    creates every group, as torch asks); None where one group trains every row."""
+    if world // cp == 1:
+        return None
+    if cp == 1:
+        return dist.group.WORLD
+    groups = [dist.new_group(list(range(c, world, cp))) for c in range(cp)]
+    return groups[dist.get_rank() % cp]
 
 
 def shard_model(model: Any, cfg: RunConfig, device: str, world: int) -> Any:

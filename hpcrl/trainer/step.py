@@ -1,14 +1,18 @@
 """One training step, written once for every backend: minibatches, micro-batches, token shares,
 the loss call, metric sums, and the order of zeroing, backward, clipping and stepping.
 
-When a batch takes several optimizer steps (``algo.num_minibatches`` > 1) the policy that generated
-the rollouts is scored first (the "old" log-probs). Each minibatch: gradients zeroed, its rows cut
-into micro-batches, forward and backward over them with ``PolicyLoss`` weighted by each micro-batch's
+Each rank trains on its shard of the batch, where it lives: with a KL term (``algo.kl_coef`` > 0)
+the frozen reference policy scores the shard first, on this rank's own copy of it. When a batch
+takes several optimizer steps (``algo.num_minibatches`` > 1) the policy that generated the rollouts
+is scored next (the "old" log-probs). Each minibatch: gradients zeroed, its rows cut into
+micro-batches, forward and backward over them with ``PolicyLoss`` weighted by each micro-batch's
 share of what the loss averages over in the minibatch (its loss tokens, or for a sequence-level
 ``algo.loss_agg`` its sequences: so accumulation gives the whole minibatch's value), then the
 gradients are clipped and the optimizer steps. Metrics are those share-weighted sums, averaged over
 the minibatches; entropy and ``gen_kl_error`` (the rollout engine's log-probs against the old
-policy's) are token means.
+policy's) are token means. Over data-parallel ranks (``StepBackend.data_group``) each minibatch's
+means are combined by their weights, the loss units or tokens each rank's shard held there: the
+metrics describe the whole batch, as one rank training on all of it would log them.
 
 A backend implements ``StepBackend``: its forward (log-probs and entropy of micro-batches, however
 it computes them: fsdp's model call, megatron's pipeline schedule) and its optimizer step.
@@ -16,12 +20,14 @@ it computes them: fsdp's model call, megatron's pipeline schedule) and its optim
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from hpcrl.algo.losses import PolicyLoss, gen_kl_error
 from hpcrl.config.schema import RunConfig
@@ -61,6 +67,10 @@ LossFn = Callable[[int, StepBatch, torch.Tensor, torch.Tensor], tuple[torch.Tens
 
 class StepBackend(Protocol):
     """What a training backend supplies to the step: its forward and its optimizer step."""
+
+    data_group: dist.ProcessGroup | None
+    """The data-parallel ranks, whose shards make up the batch (one of each model-parallel position):
+    the step's metrics are reduced over them. None: this rank's shard is the whole batch."""
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor: ...
 
@@ -103,50 +113,53 @@ class TrainStep:
         return cls(loss, cfg.algo.num_minibatches, cfg.trainer.micro_batch_size, logprobs)
 
     def __call__(
-        self,
-        backend: StepBackend,
-        batch: TrainBatch,
-        ref_logp: torch.Tensor | None,
-        device: torch.device | str,
+        self, backend: StepBackend, batch: TrainBatch, device: torch.device | str
     ) -> dict[str, float]:
-        """One optimizer step per minibatch of ``batch`` (the driver's CPU tensors)."""
+        """One optimizer step per minibatch of ``batch`` (this rank's shard, the driver's CPU tensors);
+        the metrics of the whole batch, the same on every data-parallel rank."""
+        start = time.perf_counter()
+        # the reference scores the rows on the rank that trains on them (the logprobs come back to the host)
+        ref_logp = backend.logprobs(batch, reference=True) if self.loss.kl_coef > 0 else None
+        totals = Totals()
+        totals.add("time/ref_logprobs", time.perf_counter() - start, WHOLE)
         # The "old" policy is the one that generated the rollouts, as the trainer computes it. With a
         # single optimizer step per batch it equals the current policy, so its logprobs come free from
         # the training forward pass (logp.detach()) instead of a separate forward over the batch.
         old_logp = None if self.minibatches == 1 else backend.logprobs(batch)
         whole = StepBatch(batch, old_logp, ref_logp).to(device)
-        totals = Totals()
-        if whole.old_logp is not None and self.engine_logprobs:
-            # the rollouts' mismatch with the old policy, over the whole batch; times the number of
-            # minibatches, which the average over them divides out
-            d = whole.data
-            totals.add(
-                "gen_kl_error", gen_kl_error(whole.old_logp, d.rollout_logp, d.loss_mask) * self.minibatches
-            )
         # the loss tokens with the engine's log-prob (a sample: rollout.logprob_fraction), over the batch
         sent = batch.loss_mask * ~torch.isnan(batch.rollout_logp)
-        sent_total = float(sent.sum().clamp(min=1)) / self.minibatches  # means() divides by minibatches
-        for rows in torch.arange(len(batch)).chunk(self.minibatches):
+        sent_tokens = float(sent.sum())
+        if whole.old_logp is not None and self.engine_logprobs:
+            # the rollouts' mismatch with the old policy, over the whole batch
+            d = whole.data
+            totals.add(
+                "gen_kl_error", gen_kl_error(whole.old_logp, d.rollout_logp, d.loss_mask), WHOLE, sent_tokens
+            )
+        for part, rows in enumerate(torch.arange(len(batch)).chunk(self.minibatches)):
             # counts from the CPU tensors (no wait on the GPU), before a backend adds padding rows
             mask = batch.loss_mask[rows]
             parts = mask.split(self.micro_batch_size)
-            units = float(self.loss.units(mask).clamp(min=1))
+            units, tokens = float(self.loss.units(mask)), float(mask.sum())
             shares = Shares(
-                [float(self.loss.units(m)) / units for m in parts],
-                float(mask.sum().clamp(min=1)),
-                [float(m.sum()) / sent_total for m in sent[rows].split(self.micro_batch_size)],
+                [float(self.loss.units(m)) / max(units, 1.0) for m in parts],
+                max(tokens, 1.0),
+                [float(m.sum()) / max(sent_tokens, 1.0) for m in sent[rows].split(self.micro_batch_size)],
             )
+            # what each metric is a mean over in this minibatch (its weight among the ranks): the loss's
+            # units, but for these
+            weights = {"entropy": tokens, "gen_kl_error": sent_tokens}
             backend.zero_grad()
             micro = backend.micro_batches(whole.select(rows), self.micro_batch_size)
             assert len(micro) == len(parts), "micro_batches must cut runs of micro_batch_size rows"
             for metrics in backend.forward_backward(micro, partial(self.micro_loss, shares)):
                 for key, value in metrics.items():
-                    totals.add(key, value)
-            totals.add("grad_norm", backend.optimizer_step())
+                    totals.add(key, value, part, weights.get(key, units))
+            totals.add("grad_norm", backend.optimizer_step(), part)  # the same on every rank
         # Free the gradients now, not at the next step: between steps a colocated engine generates on
         # this GPU (4 bytes a parameter shard: 17 GB of an 8B shape on one GPU).
         backend.zero_grad()
-        return totals.means(self.minibatches)
+        return totals.means(backend.data_group, device)
 
     def micro_loss(
         self, shares: Shares, i: int, mb: StepBatch, logp: torch.Tensor, entropy: torch.Tensor
@@ -179,24 +192,52 @@ class Shares:
     total_tokens: float
     """The minibatch's loss tokens (at least 1)."""
     sent: list[float]
-    """Each micro-batch's loss tokens with the engine's log-prob, over the whole batch's (times the
-    number of minibatches, which ``Totals.means`` divides out): ``gen_kl_error`` is their token mean."""
+    """Each micro-batch's loss tokens with the engine's log-prob, over the whole batch's (one
+    minibatch: ``gen_kl_error`` is their token mean)."""
+
+
+WHOLE = -1
+"""The part of a metric taken over the whole batch rather than per minibatch (``Totals.add``)."""
 
 
 class Totals:
-    """Sums of the step's metrics. 0-dim tensors stay on their device until ``means``: a float() per
-    metric would stall the CPU on the GPU before every backward and optimizer launch; floats (a
-    backend that had to bring them to the host, as megatron's pipeline broadcast does) add as floats."""
+    """Sums of the step's metrics, kept per part of the batch (a minibatch, or ``WHOLE``) with this
+    rank's weight there: what the metric is a mean over in that part (loss units, loss tokens), or 1
+    for a value every rank holds alike (the gradient norm). 0-dim tensors stay on their device until
+    ``means``: a float() per metric would stall the CPU on the GPU before every backward and optimizer
+    launch; floats (a backend that had to bring them to the host, as megatron's pipeline broadcast
+    does) add as floats."""
 
     def __init__(self) -> None:
-        self.sums: Metrics = {}
+        self.sums: dict[tuple[str, int], torch.Tensor | float] = {}
+        self.weights: dict[tuple[str, int], float] = {}
 
-    def add(self, key: str, value: torch.Tensor | float) -> None:
-        self.sums[key] = self.sums[key] + value if key in self.sums else value
+    def add(self, key: str, value: torch.Tensor | float, part: int = 0, weight: float = 1.0) -> None:
+        at = (key, part)
+        self.sums[at] = self.sums[at] + value if at in self.sums else value
+        self.weights[at] = weight
 
-    def means(self, n: int) -> dict[str, float]:
-        """Each sum / ``n``, as floats: the step's one host sync."""
-        tensors = {k: v for k, v in self.sums.items() if isinstance(v, torch.Tensor)}
-        values = torch.stack([v.float() for v in tensors.values()]).tolist() if tensors else []
-        on_host = dict(zip(tensors, values, strict=True))
-        return {k: float(on_host.get(k, v)) / n for k, v in self.sums.items()}
+    def means(
+        self, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"
+    ) -> dict[str, float]:
+        """Each metric's mean over its parts, as floats: the step's one host sync. With ``group`` (the
+        data-parallel ranks) each part is first combined over the ranks, sum(value x weight) /
+        sum(weight): the mean over the whole batch's part, as one rank holding all of it computes it."""
+        if not self.sums:
+            return {}
+        values = torch.stack([_float64(v, device) for v in self.sums.values()])
+        if group is not None:
+            weights = torch.tensor(list(self.weights.values()), dtype=torch.float64, device=device)
+            both = torch.stack([values * weights, weights])
+            dist.all_reduce(both, group=group)
+            values = both[0] / both[1].clamp(min=1)  # weights are counts: none anywhere, the sum is 0
+        per_key: dict[str, list[float]] = {}
+        for (key, _), value in zip(self.sums, values.tolist(), strict=True):
+            per_key.setdefault(key, []).append(value)
+        return {key: sum(v) / len(v) for key, v in per_key.items()}
+
+
+def _float64(value: torch.Tensor | float, device: torch.device | str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float64)
+    return torch.tensor(value, dtype=torch.float64, device=device)

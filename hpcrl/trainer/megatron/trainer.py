@@ -77,6 +77,8 @@ class MegatronTrainer:
         init_process_group(rank, world, master, "nccl" if device.startswith("cuda") else "gloo")
         init_parallel(self.par, experts > 0, cfg.run.seed)
         self.ps = ps
+        self.data_group = ps.get_data_parallel_group() if self.par.dp > 1 else None
+        """The ranks that train different rows (``data_rank``): the step's metrics are reduced over them."""
         self.tied = bool(getattr(hf, "tie_word_embeddings", False))
         self.shape = model_shape(hf, self.arch, self.par.tp)
         # HF <-> Megatron names: a hybrid model's own mapping, or the GPT families'
@@ -226,9 +228,9 @@ class MegatronTrainer:
         logp = torch.cat([o["logp"] for o in outs])[:n, :width] if outs else None
         return self.pipeline.from_last_stage(logp)
 
-    def train_step(self, batch: TrainBatch, ref_logp: torch.Tensor | None) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
         self.model.train()
-        metrics = self.step(self, batch, ref_logp, self.device)
+        metrics = self.step(self, batch, self.device)
         self.model.eval()
         return metrics
 
