@@ -193,6 +193,8 @@ class TorchrunCases:
 
         from hpcrl.trainer.fsdp import free_port
 
+        from .zygote import torchrun
+
         out = self.root / f"run{len(list(self.root.glob('run*')))}"
         out.mkdir()
         spec = [
@@ -206,17 +208,15 @@ class TorchrunCases:
             for c in cases
         ]
         (out / "cases.json").write_text(json.dumps(spec))
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cases[0].world}"]
-        cmd += [f"--master_port={free_port()}", str(ROOT / "tests" / "recipe_build.py")]
-        cmd += [str(out / "cases.json"), str(out)]
+        script, args = ROOT / "tests" / "recipe_build.py", [str(out / "cases.json"), str(out)]
         try:  # a hung case ends the run on its own (recipe_build.py's per-case watchdog)
-            done = subprocess.run(
-                cmd,
-                capture_output=True,
-                text=True,
+            done = torchrun(
+                script,
+                args,
+                cases[0].world,
+                free_port(),
                 timeout=300 + 300 * len(cases),
-                cwd=ROOT,
-                env=dict(os.environ) | dict(cases[0].env),
+                start_env=dict(cases[0].env),
             )
             error = "" if done.returncode == 0 else (done.stdout + done.stderr)[-6000:]
         except subprocess.TimeoutExpired as exc:

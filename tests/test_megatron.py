@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from hpcrl.trainer.megatron.weights import (
 
 from .conftest import ROOT, run_cli
 from .megatron_parity import parity_batch
+from .zygote import torchrun
 
 
 def _hf_model(kind: str) -> tuple[dict[str, torch.Tensor], Shape, bool]:
@@ -383,19 +382,6 @@ def _torchrun(
 ) -> dict:
     """One parity run (tests/megatron_parity.py); ``env``: its HPCRL_PARITY_* switches (a second
     step after the checkpoint, or a resume from one); ``algo``: overrides for either backend."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={max(1, tp * pp * cp * dp)}",
-        f"--master_port={port}",
-        str(ROOT / "tests" / "megatron_parity.py"),
-        str(model_dir),
-        str(out),
-        str(tp),
-        str(pp),
-        backend,
-    ]
     env = {
         **os.environ,
         "HPCRL_PARITY_OVERRIDES": " ".join(
@@ -403,7 +389,9 @@ def _torchrun(
         ),
         **(env or {}),
     }
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    args = [str(model_dir), str(out), str(tp), str(pp), backend]
+    script = ROOT / "tests" / "megatron_parity.py"
+    done = torchrun(script, args, max(1, tp * pp * cp * dp), port, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(out)
 
@@ -738,17 +726,8 @@ def test_grouped_experts_equal_megatrons_loop_and_autocast_per_expert(qwen3_moe_
     counts and an expert that gets none: Megatron's per-expert loop in fp32, and a per-expert F.linear
     loop under bf16 autocast (the cast GPUs take), give its outputs and gradients."""
     out = tmp_path / "experts.pt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=1",
-        "--master_port=29791",
-        str(ROOT / "tests" / "megatron_experts_check.py"),
-        str(qwen3_moe_dir),
-        str(out),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    script = ROOT / "tests" / "megatron_experts_check.py"
+    done = torchrun(script, [str(qwen3_moe_dir), str(out)], 1, 29791, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     r = torch.load(out)
     assert r["module"] == "GroupedExperts"
