@@ -8,8 +8,9 @@ import pytest
 from rich.console import Console
 
 from hpcrl.errors import ConfigError
+from hpcrl.plan.engine_defaults import GPU_BLOCK_SIZE, LOGPROB_SAMPLE, OWN_BLOCK_SIZE
 from hpcrl.plan.memory import RolloutMemory
-from hpcrl.plan.planner import GPU_BLOCK_SIZE, LOGPROB_SAMPLE, OWN_BLOCK_SIZE, SLEEP_ON
+from hpcrl.plan.planner import SLEEP_ON
 from hpcrl.plan.show import show_plan
 from hpcrl.plan.topology import Placement
 
@@ -356,6 +357,19 @@ def test_block_size_auto_leaves_cpu_explicit_quirk_and_own_block_families_alone(
     p = plan(super_, *SITE)  # hybrid Mamba: vLLM aligns its blocks with the Mamba state
     assert p.cfg.model.family == "nemotron_h" and "nemotron_h" in OWN_BLOCK_SIZE
     assert p.cfg.rollout.block_size is None and "rollout.block_size" not in plan_text(super_, *SITE)
+
+
+def test_plan_names_the_engine_its_sequences_at_once_and_why_on_gpus():
+    """The engine line (plan/engine_defaults.py): engine, max_num_seqs, the measured reason; none on CPUs."""
+    vllm = [line for line in plan(*QWEN_TP2).engine_defaults if line.startswith("rollout=")]
+    assert (
+        vllm == [line for line in vllm if "rollout=vllm max_num_seqs=256 (in-flight generation" in line] != []
+    )
+    hf = plan(*QWEN_TP2, "rollout=hf")
+    assert hf.cfg.rollout.max_num_seqs == 256  # 2.0-2.2x the tokens/s of 64 (bench session 18)
+    assert "rollout=hf max_num_seqs=256 (256 sequences at once" in plan_text(*QWEN_TP2, "rollout=hf")
+    assert "rollout=hf max_num_seqs=512" in plan_text(*QWEN_TP2, "rollout=hf", "rollout.max_num_seqs=512")
+    assert not [line for line in plan().engine_defaults if line.startswith("rollout=")]  # the local CPU run
 
 
 def test_logprob_fraction_is_a_sample_without_is_correction_and_all_with_it():

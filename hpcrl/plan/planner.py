@@ -9,6 +9,7 @@ from hpcrl.config.cluster import Scheduler
 from hpcrl.config.compose import compose_config, conf_dir
 from hpcrl.config.schema import RunConfig
 from hpcrl.errors import ConfigError, DoesNotFitError, HpcrlError
+from hpcrl.plan.engine_defaults import engine_line, resolve_block_size, resolve_logprob_fraction
 from hpcrl.plan.layout import LayoutSearch, typed_layout_keys
 from hpcrl.plan.local_gpu import resolve_local_gpu
 from hpcrl.plan.memory import MemoryEstimate, estimate_memory
@@ -175,7 +176,7 @@ def make_plan(cfg: RunConfig) -> Plan:
     )
     check_model_parallel(cfg)
     sleep = resolve_sleep(cfg, topo.placement)
-    chosen = tuple(filter(None, [resolve_block_size(cfg), resolve_logprob_fraction(cfg)]))
+    chosen = tuple(filter(None, [resolve_block_size(cfg), resolve_logprob_fraction(cfg), engine_line(cfg)]))
     nvlink = check_nvlink(topo, cfg.cluster.nvlink_domain_nodes, cfg.cluster.slurm.segment)
     return Plan(cfg, topo, estimate_memory(cfg, topo), tuple(quirks), sleep, nvlink, engine_defaults=chosen)
 
@@ -262,56 +263,6 @@ def resolve_sleep(cfg: RunConfig, placement: Placement) -> SleepChoice | None:
         raise ConfigError(f"rollout.sleep=true needs colocated GPUs ({blocker}); drop it{gpu}")
     reason = blocker or (SLEEP_ON if rollout.sleep else SLEEP_OFF)
     return SleepChoice(rollout.sleep, explicit=explicit, reason=reason)
-
-
-GPU_BLOCK_SIZE = 64
-"""KV-cache block size of vLLM engines on GPUs where neither the config nor a quirk sets one. vLLM's
-16 costs engine CPU per sequence and step that an RL batch (hundreds of sequences decoding together)
-feels: on one H200 (GPU vLLM 0.26, Qwen2-1.5B shape, 256 x (128 + 256)) 64 took the step from 5.85 and
-6.53 ms to 4.89 and 5.55 ms in two paired runs (+20%, +18% tokens/s; bench/results/README.md, session 14)."""
-OWN_BLOCK_SIZE = {
-    "nemotron_h": "hybrid Mamba: vLLM sizes attention blocks to align with the Mamba state itself",
-    "gemma4": "512-wide global heads run on vLLM's Triton attention, not measured with 64",
-}
-"""Families whose engines keep vLLM's own block size, and why."""
-
-
-def resolve_block_size(cfg: RunConfig) -> str:
-    """Set ``rollout.block_size`` to GPU_BLOCK_SIZE in place where it is None on a vllm engine on GPUs
-    (not for OWN_BLOCK_SIZE families); the line ``hpcrl plan`` prints, "" when nothing was chosen."""
-    rollout = cfg.rollout
-    if (
-        not isinstance(rollout, VLLMRolloutConfig)
-        or rollout.block_size is not None
-        or not on_gpus(cfg.cluster)
-        or cfg.model.family in OWN_BLOCK_SIZE
-    ):
-        return ""
-    rollout.block_size = GPU_BLOCK_SIZE
-    return f"rollout.block_size={GPU_BLOCK_SIZE} (auto: fewer KV blocks per sequence, less engine CPU a step)"
-
-
-LOGPROB_SAMPLE = 0.125
-"""``rollout.logprob_fraction`` where no IS correction reads the engine's log-probs: only the
-``gen_kl_error`` metric does (a refit gone wrong shows there), and a sample serves it. Asking for them
-cost ~15 us of vLLM engine Python per sequence and step: 35% of the decode throughput on one H200
-(Qwen2-1.5B shape, 256 sequences; bench/results/README.md, session 13)."""
-
-
-def resolve_logprob_fraction(cfg: RunConfig) -> str:
-    """Set a vllm engine's ``rollout.logprob_fraction`` in place where it is None: 1 with an IS
-    correction, LOGPROB_SAMPLE without; the line ``hpcrl plan`` prints for the sample, else ""."""
-    rollout = cfg.rollout
-    if not isinstance(rollout, VLLMRolloutConfig) or rollout.logprob_fraction is not None:
-        return ""
-    if not rollout.logprobs or cfg.algo.is_correction.value != "none":
-        rollout.logprob_fraction = 1.0
-        return ""
-    rollout.logprob_fraction = LOGPROB_SAMPLE
-    return (
-        f"rollout.logprob_fraction={LOGPROB_SAMPLE} (auto: without an IS correction only gen_kl_error "
-        "reads the engine's log-probs; a sample of prompts carries them)"
-    )
 
 
 def check_cluster_layout(cfg: RunConfig) -> None:

@@ -1,0 +1,83 @@
+"""Engine settings the plan decides where the config leaves them open, each with the line ``hpcrl
+plan`` prints: the KV block size and the share of prompts that carry log-probs (vLLM on GPUs), and
+which engine generates how many sequences at once, with why (the measurements behind each)."""
+
+from __future__ import annotations
+
+from hpcrl.config.schema import RunConfig
+from hpcrl.plan.topology import on_gpus
+from hpcrl.rollout.config import VLLMRolloutConfig
+
+GPU_BLOCK_SIZE = 64
+"""KV-cache block size of vLLM engines on GPUs where neither the config nor a quirk sets one. vLLM's
+16 costs engine CPU per sequence and step that an RL batch (hundreds of sequences decoding together)
+feels: on one H200 (GPU vLLM 0.26, Qwen2-1.5B shape, 256 x (128 + 256)) 64 took the step from 5.85 and
+6.53 ms to 4.89 and 5.55 ms in two paired runs (+20%, +18% tokens/s; bench/results/README.md, session 14)."""
+OWN_BLOCK_SIZE = {
+    "nemotron_h": "hybrid Mamba: vLLM sizes attention blocks to align with the Mamba state itself",
+    "gemma4": "512-wide global heads run on vLLM's Triton attention, not measured with 64",
+}
+"""Families whose engines keep vLLM's own block size, and why."""
+
+
+def resolve_block_size(cfg: RunConfig) -> str:
+    """Set ``rollout.block_size`` to GPU_BLOCK_SIZE in place where it is None on a vllm engine on GPUs
+    (not for OWN_BLOCK_SIZE families); the line ``hpcrl plan`` prints, "" when nothing was chosen."""
+    rollout = cfg.rollout
+    if (
+        not isinstance(rollout, VLLMRolloutConfig)
+        or rollout.block_size is not None
+        or not on_gpus(cfg.cluster)
+        or cfg.model.family in OWN_BLOCK_SIZE
+    ):
+        return ""
+    rollout.block_size = GPU_BLOCK_SIZE
+    return f"rollout.block_size={GPU_BLOCK_SIZE} (auto: fewer KV blocks per sequence, less engine CPU a step)"
+
+
+ENGINE_WHY = {
+    "vllm": (
+        "in-flight generation with streamed rewards, prefix caching over a prompt's samples and paged KV "
+        "for mixed lengths; its tokens/s is flat from 256 to 512 sequences at once"
+    ),
+    "hf": "256 sequences at once generate 2.0-2.2x the tokens/s of 64; no streaming, no prefix caching",
+}
+"""Why the rollout engine and its ``max_num_seqs`` default, as ``hpcrl plan`` prints it: on one H200
+(GPU vLLM 0.26, SmolLM2-135M and Qwen2-1.5B shapes, 512 x (192 + 256); bench/results/README.md,
+session 18) the hf engine at 256 generated 59.7k / 36.0k tok/s, vLLM 28.3k / 28.5k at its best; vLLM
+stays the default for what the loop uses beyond raw generation (not yet measured in the loop)."""
+
+
+def engine_line(cfg: RunConfig) -> str:
+    """The line ``hpcrl plan`` prints for the rollout engine on GPUs: which, how many sequences at
+    once, and why (ENGINE_WHY); "" on CPUs."""
+    rollout = cfg.rollout
+    why = ENGINE_WHY.get(rollout.backend)
+    if not on_gpus(cfg.cluster) or why is None:
+        return ""
+    return (
+        f"rollout={rollout.backend} max_num_seqs={rollout.max_num_seqs} ({why}; measured, bench session 18)"
+    )
+
+
+LOGPROB_SAMPLE = 0.125
+"""``rollout.logprob_fraction`` where no IS correction reads the engine's log-probs: only the
+``gen_kl_error`` metric does (a refit gone wrong shows there), and a sample serves it. Asking for them
+cost ~15 us of vLLM engine Python per sequence and step: 35% of the decode throughput on one H200
+(Qwen2-1.5B shape, 256 sequences; bench/results/README.md, session 13)."""
+
+
+def resolve_logprob_fraction(cfg: RunConfig) -> str:
+    """Set a vllm engine's ``rollout.logprob_fraction`` in place where it is None: 1 with an IS
+    correction, LOGPROB_SAMPLE without; the line ``hpcrl plan`` prints for the sample, else ""."""
+    rollout = cfg.rollout
+    if not isinstance(rollout, VLLMRolloutConfig) or rollout.logprob_fraction is not None:
+        return ""
+    if not rollout.logprobs or cfg.algo.is_correction.value != "none":
+        rollout.logprob_fraction = 1.0
+        return ""
+    rollout.logprob_fraction = LOGPROB_SAMPLE
+    return (
+        f"rollout.logprob_fraction={LOGPROB_SAMPLE} (auto: without an IS correction only gen_kl_error "
+        "reads the engine's log-probs; a sample of prompts carries them)"
+    )
