@@ -11,7 +11,9 @@ Rows, all on ``--prompts`` prompts of ``--prompt-len`` random token ids, one com
 - ``vllm, S at once``: one ``VLLMEngine`` (block 64, log-probs for every 8th prompt: the plan's defaults
   without an IS correction), fed S prompts per call until all are done. With every completion of equal
   length, waves of S are what ``max_num_seqs=S`` makes of one call (one engine start serves all S);
-- ``2 vllm engines``: a second engine on the GPU, each given half the prompts at once, in a thread each.
+- ``2 vllm engines``: a second engine on the GPU, each given half the prompts at once, in a thread each;
+- ``--procs N``: N engines in N processes (as N rollout actors would be), each given 1/N of the prompts at
+  once, started together after each one's warm-up; tok/s = all tokens / (last end - first start).
 Each row: one warm-up call, then ``--iters`` timed; tok/s = generated tokens / seconds.
 """
 
@@ -62,7 +64,12 @@ def main() -> int:
     p.add_argument("--skip-two", action="store_true")
     p.add_argument("--out", default="")
     p.add_argument("--deadline-s", type=float, default=1e9, help="skip rows that would start after this")
+    p.add_argument("--procs", type=int, default=0, help="only the row of N engines in N processes")
+    p.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--sync", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.procs and args.worker < 0:
+        return processes(args)
     t0 = time.time()
     base = [f"model={args.model}", "cluster=h200", "cluster.slurm.account=x", "cluster.container.image=x",
             "cluster.gpus_per_node=1", f"rollout.max_new_tokens={args.gen}"]  # fmt: skip
@@ -98,7 +105,7 @@ def main() -> int:
             )
         save()
 
-    if not args.skip_hf:
+    if not args.skip_hf and args.worker < 0:
         from hpcrl.rollout.hf_engine import HFEngine
 
         cfg = compose_config([*base, "rollout=hf"])
@@ -125,6 +132,8 @@ def main() -> int:
         print(f"vllm engine started in {res['vllm_start_s'][-1]:.1f} s", flush=True)
         return eng
 
+    if args.worker >= 0:
+        return worker(args, engine(args.worker), prompts, settings)
     first = engine(0)
 
     def waves(eng: VLLMEngine, batch: list[list[int]], size: int) -> list:
@@ -158,6 +167,62 @@ def main() -> int:
         row(f"2 vllm engines, {half} each at once", both)
     print(json.dumps({k: v.get("tok_s", v) for k, v in res["rows"].items()}, indent=1), flush=True)
     save()
+    return 0
+
+
+def worker(args: argparse.Namespace, eng, prompts: list, settings) -> int:  # type: ignore[no-untyped-def]
+    """One of ``--procs`` engines: warm up on its share, say ready, wait for the others, then generate
+    ``--iters`` times, writing start and end times (wall clock, shared by the processes) and tokens."""
+    sync = Path(args.sync)
+    (sync / f"started.{args.worker}").touch()
+    mine = prompts[args.worker :: args.procs]
+    eng.generate(mine, settings)
+    (sync / f"ready.{args.worker}").touch()
+    while len(list(sync.glob("ready.*"))) < args.procs:
+        time.sleep(0.01)
+    runs = []
+    for _ in range(args.iters):
+        start = time.time()
+        groups = eng.generate(mine, settings)
+        runs.append(
+            {"start": start, "end": time.time(), "tokens": sum(len(c.token_ids) for g in groups for c in g)}
+        )
+    (sync / f"result.{args.worker}.json").write_text(json.dumps(runs))
+    return 0
+
+
+def processes(args: argparse.Namespace) -> int:
+    """``--procs N`` engines in N processes on the GPU, each with 1/N of the prompts (and of the memory)."""
+    import subprocess
+
+    sync = Path(tempfile.mkdtemp(prefix="sweep-sync-"))
+    share = min(args.share, 0.85 / args.procs)
+    argv = [a for a in sys.argv[1:]]
+    procs = []
+    for i in range(args.procs):  # one at a time: vLLM's start-up memory profile must not see another's
+        procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--worker", str(i), "--sync", str(sync),
+                                       "--share", str(share)]))  # fmt: skip
+        while not (sync / f"started.{i}").exists() and procs[-1].poll() is None:
+            time.sleep(0.2)
+    codes = [p.wait() for p in procs]
+    runs = [json.loads((sync / f"result.{i}.json").read_text()) for i in range(args.procs) if not codes[i]]
+    name = f"{args.procs} vllm engines in processes, {args.prompts // args.procs} each at once"
+    if len(runs) < args.procs:
+        print(f"{name:40s} FAILED (exit codes {codes})", flush=True)
+        return 1
+    per_iter = []
+    for i in range(args.iters):
+        rows = [r[i] for r in runs]
+        secs = max(r["end"] for r in rows) - min(r["start"] for r in rows)
+        per_iter.append((secs, sum(r["tokens"] for r in rows)))
+    tok_s = statistics.median(t / s for s, t in per_iter)
+    print(f"{name:40s} {tok_s:10.0f} tok/s  ({', '.join(f'{s:.2f}' for s, _ in per_iter)} s)", flush=True)
+    if args.out:
+        out = Path(args.out)
+        res = json.loads(out.read_text()) if out.exists() else {"model": args.model, "rows": {}}
+        res["rows"][name] = {"s": [s for s, _ in per_iter], "tokens": per_iter[0][1], "tok_s": tok_s,
+                             "share": share}  # fmt: skip
+        out.write_text(json.dumps(res, indent=1))
     return 0
 
 

