@@ -159,7 +159,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from hpcrl.plan.show import header, recipe_line
 
     if args.multirun:
-        from hpcrl.launch.sweep import submit_multirun
+        from hpcrl.tools.sweep import submit_multirun
 
         return submit_multirun(args.overrides)
     plan = plan_from_overrides(args.overrides)
@@ -193,7 +193,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     from hpcrl.config.compose import compose_config
-    from hpcrl.hub.fetch import fetch_all
+    from hpcrl.tools.fetch import fetch_all
 
     cfg = compose_config(args.overrides)
     for item in fetch_all(cfg, say=lambda line: print(f"hpcrl fetch: {line}", flush=True)):
@@ -209,7 +209,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from hpcrl.launch.doctor_run import doctor_command
+    from hpcrl.tools.doctor_run import doctor_command
 
     return doctor_command(args.overrides, job=args.job, here=args.here, expect_json=args.expect)
 
@@ -286,7 +286,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if getattr(args, "plot", False) and sweep is None:
         raise HpcrlError("hpcrl ls --plot plots a sweep: add --sweep DIR (one run: hpcrl plot RUN_DIR)")
     if sweep is not None:
-        from hpcrl.launch.sweep import print_summary
+        from hpcrl.tools.sweep import print_summary
 
         print_summary(sweep)
         if args.plot:
@@ -319,26 +319,26 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    from hpcrl.config.siteinit import init_from_cli
+    from hpcrl.tools.siteinit import init_from_cli
 
     return init_from_cli(args.cluster, args.account, args.image, args.partition, args.force, args.hf_home)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from hpcrl.run.export import export
+    from hpcrl.tools.export import export
 
     export(args.checkpoint, args.out, args.dtype)
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from hpcrl.run.evaluate import run_eval
+    from hpcrl.tools.evaluate import run_eval
 
     return run_eval(list(args.overrides), args.model, args.out, args.compare)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from hpcrl.run.plot import plot_runs
+    from hpcrl.tools.plot import plot_runs
 
     for path in plot_runs(list(args.runs), args.out):
         print(path)

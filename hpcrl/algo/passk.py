@@ -1,7 +1,7 @@
 """Evaluation statistics: pass@k, maj@k and a paired bootstrap for before/after differences.
 
 Pure functions over per-problem verdicts (no torch, no engines), used by ``hpcrl eval``
-(``hpcrl/run/evaluate.py``).
+(``hpcrl/tools/evaluate.py``).
 
 - pass@k: the unbiased estimator of Chen et al. (2021, the Codex paper) from ``n`` samples of which
   ``c`` are correct: ``1 - C(n-c, k) / C(n, k)``, the chance that k samples drawn without replacement

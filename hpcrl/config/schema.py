@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from hpcrl.algo.config import AlgoConfig
 from hpcrl.config.checks import MISSING, positive
 from hpcrl.config.cluster import ClusterConfig
+from hpcrl.config.eval import EvalConfig
 from hpcrl.config.model import ModelConfig
 from hpcrl.config.preflight import check_run
 from hpcrl.data.config import DataConfig
 from hpcrl.errors import ConfigError
 from hpcrl.rewards.config import RewardsConfig
 from hpcrl.rollout.config import HFRolloutConfig, RolloutConfig, VLLMRolloutConfig
-from hpcrl.run.eval_config import EvalConfig
 from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig, TrainerConfig
 
 GROUPS = ("cluster", "model", "algo", "trainer", "rollout", "data", "experiment")
@@ -85,7 +85,7 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run: RunMeta = field(default_factory=RunMeta)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    """``hpcrl eval`` only (hpcrl/run/eval_config.py)."""
+    """``hpcrl eval`` only (hpcrl/config/eval.py)."""
 
     def check(self) -> None:
         """Per-component value checks; cross-component rules live in the topology and quirks."""

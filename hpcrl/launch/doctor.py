@@ -1,6 +1,6 @@
 """``hpcrl doctor``: does this node offer what the planned job needs? One line per check, with the fix.
 
-It runs in three places (``doctor_run.py`` for the first two): by hand on the node you are on (``--here``, or outside any allocation),
+It runs in three places (``hpcrl/tools/doctor_run.py`` for the first two): by hand on the node you are on (``--here``, or outside any allocation),
 on every node of an allocation from the login node (``--job JOB`` or inside ``salloc``: one task a
 node through ``srun --overlap``, in the job's container), and as the first step of every Slurm job,
 before Ray starts (``NodeTask``): a node that fails ends its task at once and srun's

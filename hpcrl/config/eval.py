@@ -1,4 +1,4 @@
-"""``eval.*``: what ``hpcrl eval`` (``hpcrl/run/evaluate.py``) generates and reports.
+"""``eval.*``: what ``hpcrl eval`` (``hpcrl/tools/evaluate.py``) generates and reports.
 
 Every problem is answered once greedily (pass@1) and ``n`` times by sampling (pass@k and maj@k for
 each of ``k``). Generation length, the engine and the verifier are the run's own: ``rollout.*``,

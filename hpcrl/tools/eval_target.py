@@ -53,7 +53,7 @@ def resolve_target(spec: str, out: Path | None, output_root: Path) -> Target:
 
 
 def _checkpoint_target(path: Path, out: Path | None) -> Target:
-    from hpcrl.run.export import resolve
+    from hpcrl.tools.export import resolve
 
     ckpt = resolve(path)
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
@@ -99,7 +99,7 @@ def model_dir_of(target: Target, cfg: RunConfig, log: Log) -> Path:
     if not (hf / "config.json").exists():
         import torch
 
-        from hpcrl.run.export import export
+        from hpcrl.tools.export import export
 
         # fp32 on CPU: the CPU engines compute in fp32, and a bf16 round trip would move the answers
         export(target.path, hf, "bf16" if torch.cuda.is_available() else "fp32", log)

@@ -21,7 +21,7 @@ class EvalTask:
     """Picklable callable: submitit runs it on the job's node."""
 
     def __init__(self, run_eval: Any, overrides: list[str], spec: str, out: str, against: str | None) -> None:
-        """``run_eval``: ``hpcrl.run.evaluate.run_eval``, handed in (pickled by name), so that this
+        """``run_eval``: ``hpcrl.tools.evaluate.run_eval``, handed in (pickled by name), so that this
         module does not import the eval it queues."""
         self.run_eval = run_eval
         self.overrides, self.spec, self.out, self.against = overrides, spec, out, against

@@ -4,7 +4,7 @@ MODEL is a run directory (its best checkpoint), a checkpoint directory (``step_N
 Hugging Face directory or a catalog model name (``conf/model/<name>.yaml``). A checkpoint is exported
 first (``hpcrl export``, into ``<run>/eval/<step>/hf``). Generation uses the run's rollout engine
 (``rollout=vllm|hf``, one engine in this process) and scoring the same verifier pool as training
-(``data.verifier``, ``rewards.*``); ``eval.*`` (``eval_config.py``) sets the samples and the k.
+(``data.verifier``, ``rewards.*``); ``eval.*`` (``config/eval.py``) sets the samples and the k.
 
 The problems: ``data.val_source`` if set, else every record of ``data.source`` (the synthetic task:
 its held-out problems, which training never sees), the first ``eval.max_problems`` of them.
@@ -29,7 +29,7 @@ from hpcrl.algo.passk import Difference, maj_at_k, paired_bootstrap, pass_at_k, 
 from hpcrl.config.schema import RunConfig
 from hpcrl.data.loader import Example
 from hpcrl.errors import HpcrlError
-from hpcrl.run.eval_target import Target, base_target, model_dir_of, resolve_target
+from hpcrl.tools.eval_target import Target, base_target, model_dir_of, resolve_target
 
 Log = Callable[[str], None]
 
@@ -295,7 +295,7 @@ def run_eval(
     overrides: list[str], spec: str, out: Path | None, against: str | None, *, here: bool = False
 ) -> int:
     """``hpcrl eval``: evaluate MODEL (and ``--compare``'s model), print the tables. A Slurm cluster
-    queues the same command as a one-node job (``launch/eval_job.py``), which runs it ``here``."""
+    queues the same command as a one-node job (``eval_job.py``), which runs it ``here``."""
     from dataclasses import asdict
 
     from hpcrl.config.compose import compose_config
@@ -307,7 +307,7 @@ def run_eval(
     if against is not None:  # checked before anything is queued
         other = base_target(target) if against == "base" else resolve_target(against, None, target.out.parent)
     if cfg.cluster.scheduler.value != "local" and not here:
-        from hpcrl.launch.eval_job import submit_eval
+        from hpcrl.tools.eval_job import submit_eval
 
         done = submit_eval(run_eval, cfg, target.out, overrides, spec, against)
         print(f"job     {done.job_id}  (eval on 1 node of {cfg.cluster.name})")
