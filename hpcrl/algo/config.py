@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from hpcrl.config.checks import MISSING, in_range, non_negative, positive
+from hpcrl.core.checks import MISSING, in_range, non_negative, positive
 from hpcrl.errors import ConfigError
 
 

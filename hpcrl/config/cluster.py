@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from hpcrl.config.checks import MISSING, non_negative, positive
+from hpcrl.core.checks import MISSING, non_negative, positive
 from hpcrl.errors import ConfigError
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpcrl.config.checks import in_range, non_negative, positive
+from hpcrl.core.checks import in_range, non_negative, positive
 from hpcrl.errors import ConfigError
 
 

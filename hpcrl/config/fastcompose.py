@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from hpcrl.config.checks import MISSING
+from hpcrl.core.checks import MISSING
 
 
 class Unsupported(Exception):

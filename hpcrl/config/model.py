@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpcrl.config.checks import MISSING, non_negative, positive
+from hpcrl.core.checks import MISSING, non_negative, positive
 from hpcrl.errors import ConfigError
 
 LOCAL_PREFIX = "local/"

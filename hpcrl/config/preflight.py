@@ -11,9 +11,9 @@ from typing import Any
 
 import yaml
 
-from hpcrl.config.checks import divisors
 from hpcrl.config.model import LOCAL_PREFIX, ModelConfig
 from hpcrl.config.paths import conf_dirs, group_options
+from hpcrl.core.checks import divisors
 from hpcrl.data.config import DataConfig
 from hpcrl.data.procedural import is_procedural
 from hpcrl.errors import ConfigError

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hpcrl.algo.config import AlgoConfig
-from hpcrl.config.checks import MISSING, positive
 from hpcrl.config.cluster import ClusterConfig
 from hpcrl.config.eval import EvalConfig
 from hpcrl.config.model import ModelConfig
 from hpcrl.config.preflight import check_run
+from hpcrl.core.checks import MISSING, positive
 from hpcrl.data.config import DataConfig
 from hpcrl.errors import ConfigError
 from hpcrl.rewards.config import RewardsConfig

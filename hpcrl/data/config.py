@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpcrl.config.checks import MISSING, in_range, positive
+from hpcrl.core.checks import MISSING, in_range, positive
 from hpcrl.data.procedural import check_task, is_procedural, task_of
 from hpcrl.errors import ConfigError
 

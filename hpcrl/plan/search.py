@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-from hpcrl.config.checks import divisors
 from hpcrl.config.cluster import Scheduler
 from hpcrl.config.schema import RunConfig
+from hpcrl.core.checks import divisors
 from hpcrl.errors import ConfigError, DoesNotFitError
 from hpcrl.plan.layout import (
     Layout,

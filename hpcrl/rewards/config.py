@@ -7,7 +7,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from hpcrl.config.checks import positive
+from hpcrl.core.checks import positive
 from hpcrl.errors import ConfigError
 
 CPUS_PER_PROCESS = 8

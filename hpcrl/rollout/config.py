@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from hpcrl.config.checks import in_range, non_negative, positive
+from hpcrl.core.checks import in_range, non_negative, positive
 from hpcrl.errors import ConfigError
 
 WEIGHT_SYNC = ("collective", "object_store")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, ClassVar
 
-from hpcrl.config.checks import divisors, non_negative, positive
+from hpcrl.core.checks import divisors, non_negative, positive
 
 if TYPE_CHECKING:
     from hpcrl.config.model import ModelConfig

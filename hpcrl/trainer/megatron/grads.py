@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcrl.plan.topology import TrainParallel
+from hpcrl.core.parallel import TrainParallel
 from hpcrl.trainer.megatron.weights import is_expert, is_sharded
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hpcrl.plan.topology import TrainParallel
+from hpcrl.core.parallel import TrainParallel
 from hpcrl.trainer.config import MegatronTrainerConfig
 from hpcrl.trainer.megatron.families.base import GPTFamily
 from hpcrl.trainer.megatron.spec import (

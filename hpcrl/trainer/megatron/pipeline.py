@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcrl.plan.topology import TrainParallel
+from hpcrl.core.parallel import TrainParallel
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.logprob_head import chunked_logprob, soft_cap
 from hpcrl.trainer.megatron.attention import cp_gather

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hpcrl.plan.topology import TrainParallel
+from hpcrl.core.parallel import TrainParallel
 from hpcrl.trainer.config import MegatronTrainerConfig, Precision, megatron_family
 from hpcrl.trainer.megatron.attention import SDPAttention
 from hpcrl.trainer.megatron.families.base import GPTFamily
