@@ -38,7 +38,7 @@ class TrainerActor:
         self.trainer: Any = None
 
     def endpoint(self) -> str:
-        from hpcrl.trainer.fsdp import free_port
+        from hpcrl.trainer.process_group import free_port
 
         if self.world == 1:
             return f"127.0.0.1:{free_port()}"
@@ -79,7 +79,7 @@ class TrainerActor:
         return self.trainer.weight_metas()
 
     def weight_endpoint(self) -> str:
-        from hpcrl.trainer.fsdp import free_port
+        from hpcrl.trainer.process_group import free_port
 
         ip = ray_node_ip()
         return f"{ip}:{free_port(ip)}"

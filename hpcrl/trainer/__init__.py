@@ -3,7 +3,7 @@ package does not import torch.
 
 base.py          the Trainer interface the driver's actors call
 step.py          the training step, once for every backend (minibatches, micro-batches, PolicyLoss)
-fsdp.py          the FSDP2 backend over a Hugging Face model
+fsdp/            the FSDP2 backend over a Hugging Face model
 megatron/        the Megatron-core backend (TP/PP/CP/EP)
 logprob_head.py  log-probs and entropy from hidden states in chunks, never the full logits
 batch.py         the batch the driver hands a trainer

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hpcrl.trainer.process_group import own_group
+
 ATTENTION = "hpcrl_cp"
 """The name this module's attention function is registered under (transformers' AttentionInterface)."""
 
@@ -258,9 +260,8 @@ class CPGroup:
         """Every rank creates every group, as torch asks."""
         if world % cp:
             raise ValueError(f"trainer.cp={cp} does not divide the {world} training ranks")
-        groups = [dist.new_group(list(range(d * cp, (d + 1) * cp))) for d in range(world // cp)]
-        rank = dist.get_rank()
-        return cls(cp, rank % cp, groups[rank // cp])
+        group = own_group([range(d * cp, (d + 1) * cp) for d in range(world // cp)])
+        return cls(cp, dist.get_rank() % cp, group)
 
     def layout(self, width: int, device: torch.device | str) -> CPLayout:
         return CPLayout.of(width, self, device)

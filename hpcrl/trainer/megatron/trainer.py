@@ -25,7 +25,6 @@ from hpcrl.plan.topology import TrainParallel
 from hpcrl.trainer.base import WeightSink, freeze
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import MegatronTrainerConfig
-from hpcrl.trainer.fsdp import init_process_group
 from hpcrl.trainer.hf_checkpoint import HFCheckpoint
 from hpcrl.trainer.megatron import compat, weights, weights_hybrid
 from hpcrl.trainer.megatron.grads import Gradients
@@ -44,6 +43,7 @@ from hpcrl.trainer.megatron.sharded import Pieces, model_pieces, optimizer_piece
 from hpcrl.trainer.megatron.spec import family_of, text_config, transformer_config
 from hpcrl.trainer.megatron.stream import WeightStream
 from hpcrl.trainer.megatron.weights import LanguageModel, is_expert
+from hpcrl.trainer.process_group import collective_backend, init_process_group
 from hpcrl.trainer.shards import ShardWriter, init_optimizer_state
 from hpcrl.trainer.step import LossFn, Metrics, StepBatch, TrainStep
 
@@ -74,7 +74,7 @@ class MegatronTrainer:
         hf = text_config(model_dir)
         self.arch = family_of(hf)  # one family object: it has run its checks on ``hf``
         experts = check_buildable(hf, self.arch, t, self.par)
-        init_process_group(rank, world, master, "nccl" if device.startswith("cuda") else "gloo")
+        init_process_group(rank, world, master, collective_backend(device))
         init_parallel(self.par, experts > 0, cfg.run.seed)
         self.ps = ps
         self.data_group = ps.get_data_parallel_group() if self.par.dp > 1 else None

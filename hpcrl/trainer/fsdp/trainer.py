@@ -1,21 +1,4 @@
-"""FSDP2 training backend: parameters, gradients and optimizer state sharded with ``fully_shard``
-over the training ranks (NCCL on GPUs, gloo on CPU).
-
-The step itself (minibatches, micro-batches, the loss) is trainer/step.py's; this backend supplies
-its forward (the Hugging Face model's, through the chunked log-prob head where installed) and its
-optimizer step (the gradient norm clipped over the sharded gradients, then AdamW).
-
-The model is built on the meta device and sharded before it has storage; each rank then reads only
-its rows of every checkpoint tensor (trainer/hf_load.py), so no rank ever holds the whole model.
-
-``trainer.cp`` > 1 splits each sequence over consecutive ranks (trainer/context_parallel.py): FSDP
-still shards over every rank; the ranks of a CP group train the same rows (``data_rank``).
-``trainer.activation_checkpointing`` recomputes each decoder layer in the backward.
-
-MoE models take the quirks' settings: ``trainer.router_dtype=fp32`` makes each router an fp32 unit
-under bf16 compute; no load-balancing loss is ever added (``trainer.moe_aux_loss_coeff`` is 0 by the
-quirk); buffers ``trainer.freeze`` names (Nemotron-H's correction bias) stay out of refits.
-"""
+"""``FSDPTrainer``: the Trainer of the fsdp backend (the package docstring tells how it trains)."""
 
 from __future__ import annotations
 
@@ -30,33 +13,21 @@ from hpcrl.config.schema import RunConfig
 from hpcrl.sync.packer import let_go
 from hpcrl.trainer.base import CollectSink, WeightSink, freeze, numel_of
 from hpcrl.trainer.batch import TrainBatch
-from hpcrl.trainer.config import Precision
 from hpcrl.trainer.context_parallel import CPGroup, use_cp_attention
 from hpcrl.trainer.forward import is_right_padded, token_logprobs
+from hpcrl.trainer.fsdp.model import (
+    checkpoint_names,
+    data_parallel_group,
+    frozen_buffers,
+    has_recurrent_layers,
+    position_dependent_rope,
+    shard_model,
+)
 from hpcrl.trainer.hf_load import load_sharded, meta_model
 from hpcrl.trainer.logprob_head import install_logprob_head
+from hpcrl.trainer.process_group import collective_backend, init_process_group
 from hpcrl.trainer.shards import ShardWriter
 from hpcrl.trainer.step import LossFn, Metrics, StepBatch, TrainStep
-
-
-def init_process_group(rank: int, world: int, master: str, backend: str) -> None:
-    if dist.is_initialized():
-        return
-    dist.init_process_group(backend=backend, init_method=f"tcp://{master}", rank=rank, world_size=world)
-
-
-def frozen_buffers(model: torch.nn.Module, names: list[str]) -> set[str]:
-    """State-dict names of the buffers ``trainer.freeze`` names (the match ``freeze`` uses)."""
-    return {b for b, _ in model.named_buffers() if any(n in b for n in names)}
-
-
-def checkpoint_names(model: Any, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Weights in the names and layout of the model's checkpoint files, which rollout engines load and
-    the megatron backend exports: transformers fuses some tensors in memory (an MoE layer's experts
-    into one ``experts.gate_up_proj``); this undoes it (dense models pass unchanged)."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    return dict(revert_weight_conversion(model, weights))
 
 
 class FSDPTrainer:
@@ -71,8 +42,7 @@ class FSDPTrainer:
         device: str = "cpu",
     ) -> None:
         self.cfg, self.device = cfg, device
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        init_process_group(rank, world, master, backend)
+        init_process_group(rank, world, master, collective_backend(device))
         torch.manual_seed(cfg.run.seed + rank)
         model = self._empty_model(model_dir)
         freeze(model, cfg.trainer.freeze)
@@ -290,85 +260,6 @@ class FSDPTrainer:
             )
 
 
-def data_parallel_group(world: int, cp: int) -> dist.ProcessGroup | None:
-    """The ranks holding the same positions of different rows: one of each CP group (every rank
-    creates every group, as torch asks); None where one group trains every row."""
-    if world // cp == 1:
-        return None
-    if cp == 1:
-        return dist.group.WORLD
-    groups = [dist.new_group(list(range(c, world, cp))) for c in range(cp)]
-    return groups[dist.get_rank() % cp]
-
-
-def shard_model(model: Any, cfg: RunConfig, device: str, world: int) -> Any:
-    """``model`` under FSDP2 over the ``world`` training ranks, each decoder layer its own unit."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (world,))
-    policy = None
-    if device.startswith("cuda") and cfg.trainer.precision is Precision.bfloat16:
-        # fp32 sharded master weights and gradient reduction, bf16 compute
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    # With one rank there is nothing to free by resharding: it would only re-gather (and re-cast to
-    # bf16) every layer's weights again for the backward pass.
-    reshard = getattr(cfg.trainer, "reshard_after_forward", True) and world > 1
-    return apply_fsdp(
-        model,
-        mesh,
-        policy,
-        reshard=reshard,
-        router_fp32=cfg.trainer.router_dtype == "fp32",
-        compile_layers=device.startswith("cuda") and cfg.trainer.compile_layers(),
-    )
-
-
-def apply_fsdp(
-    model: Any, mesh: Any, policy: Any, *, reshard: bool, router_fp32: bool, compile_layers: bool
-) -> Any:
-    """``fully_shard`` per decoder layer (Nemotron-H: per block, whatever its mixer), then the rest.
-
-    ``router_fp32`` (``trainer.router_dtype=fp32``, the MoE quirk) under a bf16 ``policy``: each MoE
-    router is a unit of its own whose weight is gathered in fp32. transformers' Nemotron-H router
-    casts its weight and input to fp32 itself, but after a bf16 all-gather the weight has already
-    lost its low bits, and expert choice (a top-k over near-equal scores) moves with them."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    shard: dict[str, Any] = {"mesh": mesh} | ({"mp_policy": policy} if policy is not None else {})
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    # the text decoder's layers (inside the language model of a vision-language model too)
-    for layer in model.get_decoder().layers:
-        if router_fp32 and policy is not None:
-            for router in routers(layer):
-                fully_shard(router, reshard_after_forward=reshard, mesh=mesh, mp_policy=fp32)
-        if compile_layers:
-            layer.compile()  # per decoder layer, before sharding (the torchtitan recipe)
-        fully_shard(layer, reshard_after_forward=reshard, **shard)
-    fully_shard(model, **shard)
-    return model
-
-
-def position_dependent_rope(config: Any) -> str:
-    """The model's RoPE type when its frequencies depend on the longest position seen ("dynamic",
-    "longrope"); "" otherwise. ``rope_parameters`` is one dict or one per layer type (Gemma)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    kinds = [rope.get("rope_type")] + [v.get("rope_type") for v in rope.values() if isinstance(v, dict)]
-    return next((k for k in kinds if k in ("dynamic", "longrope")), "")
-
-
-def routers(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The MoE routers inside ``module``: transformers names their classes ``*Router``
-    (``NemotronHTopkRouter``, ``Qwen3MoeTopKRouter``, ``Gemma4TextRouter``)."""
-    return [m for m in module.modules() if type(m).__name__.lower().endswith("router")]
-
-
-def has_recurrent_layers(model: Any) -> bool:
-    """Mamba-style layers (Nemotron-H's ``linear_attention`` blocks) carry state across positions."""
-    return "linear_attention" in (getattr(model.config, "layer_types", None) or [])
-
-
 def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
     width = max(p.shape[1] for p in parts)
     return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts], dim=0)
@@ -389,11 +280,3 @@ def _gathered(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # longer: wait, so that the next gather does not come on top of this one (sync/packer.py)
     let_go(local._local_tensor)
     return full
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
