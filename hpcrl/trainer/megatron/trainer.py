@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from hpcrl.config.schema import RunConfig
-from hpcrl.plan.topology import TrainParallel
+from hpcrl.core.parallel import TrainParallel
 from hpcrl.trainer.base import WeightSink, freeze
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import MegatronTrainerConfig
