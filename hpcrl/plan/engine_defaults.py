@@ -1,11 +1,14 @@
 """Engine settings the plan decides where the config leaves them open, each with the line ``hpcrl
-plan`` prints: the KV block size and the share of prompts that carry log-probs (vLLM on GPUs), and
-which engine generates how many sequences at once, with why (the measurements behind each)."""
+plan`` prints: the KV block size and the share of prompts that carry log-probs (vLLM on GPUs), which
+engine generates how many sequences at once, with why (the measurements behind each), and how weights
+reach the engines after a step (the refit mode the job's ``Fleet`` runs)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from hpcrl.config.schema import RunConfig
-from hpcrl.plan.topology import on_gpus
+from hpcrl.plan.topology import Placement, Topology, on_gpus
 from hpcrl.rollout.config import VLLMRolloutConfig
 
 GPU_BLOCK_SIZE = 64
@@ -80,4 +83,50 @@ def resolve_logprob_fraction(cfg: RunConfig) -> str:
     return (
         f"rollout.logprob_fraction={LOGPROB_SAMPLE} (auto: without an IS correction only gen_kl_error "
         "reads the engine's log-probs; a sample of prompts carries them)"
+    )
+
+
+class RefitChoice(NamedTuple):
+    """How weights reach the engines after a step: ``mode`` (``run/refit.py``'s MODES) over a process
+    group of ``backend``; the job's ``Fleet`` runs it as planned."""
+
+    mode: str
+    backend: str
+
+    def line(self, requested: str) -> str:
+        how = "explicit" if requested != "collective" else "auto"
+        return f"refit={self.mode} over {self.backend} ({how}: rollout.weight_sync={requested})"
+
+
+GLOO_BROADCAST = RefitChoice("broadcast", "gloo")
+"""The refit on CPUs (and a plan's default)."""
+
+
+def choose_refit(requested: str, *, on_cpu: bool, split: bool, ipc: bool) -> RefitChoice:
+    """The refit for ``rollout.weight_sync``.
+
+    ``collective`` on CPUs: a gloo broadcast. On GPUs: an NCCL broadcast when trainer and engines hold
+    different GPUs (split placement); when they share them (colocated, or a local run on one GPU) two
+    ranks of a group would sit on one device, which NCCL refuses, so each trainer rank hands the
+    engine on its own GPU CUDA IPC handles (``ipc``: one single-GPU engine per trainer rank, and every
+    rank able to stream the whole model — fsdp, or a single rank); else the object store."""
+    if requested != "collective":
+        return RefitChoice(requested, "gloo")
+    if on_cpu:
+        return GLOO_BROADCAST
+    if split:
+        return RefitChoice("broadcast", "nccl")
+    return RefitChoice("ipc", "nccl") if ipc else RefitChoice("object_store", "nccl")
+
+
+def resolve_refit(cfg: RunConfig, topo: Topology) -> RefitChoice:
+    """The plan's refit: on GPUs the job starts the topology's ranks and engines as planned (on CPUs
+    the mode does not depend on them)."""
+    train, rollout = topo.train, topo.rollout
+    whole_model = cfg.trainer.backend == "fsdp" or train.world == 1
+    return choose_refit(
+        cfg.rollout.weight_sync,
+        on_cpu=not on_gpus(cfg.cluster),
+        split=topo.placement is Placement.SPLIT,
+        ipc=rollout.engines == train.world and rollout.tp == 1 and whole_model,
     )

@@ -9,7 +9,14 @@ from hpcrl.config.cluster import Scheduler
 from hpcrl.config.compose import compose_config, conf_dir
 from hpcrl.config.schema import RunConfig
 from hpcrl.errors import ConfigError, DoesNotFitError, HpcrlError
-from hpcrl.plan.engine_defaults import engine_line, resolve_block_size, resolve_logprob_fraction
+from hpcrl.plan.engine_defaults import (
+    GLOO_BROADCAST,
+    RefitChoice,
+    engine_line,
+    resolve_block_size,
+    resolve_logprob_fraction,
+    resolve_refit,
+)
 from hpcrl.plan.layout import LayoutSearch, typed_layout_keys
 from hpcrl.plan.local_gpu import resolve_local_gpu
 from hpcrl.plan.memory import MemoryEstimate, estimate_memory
@@ -53,6 +60,8 @@ class Plan:
     """Why auto layout found no layout that fits either (this plan is then the config's own)."""
     engine_defaults: tuple[str, ...] = ()
     """Engine settings the planner chose where the config left them unset, as ``hpcrl plan`` prints them."""
+    refit: RefitChoice = GLOO_BROADCAST
+    """How weights reach the engines after a step (``engine_defaults.resolve_refit``): the job runs this."""
 
     @property
     def problems(self) -> list[str]:
@@ -178,7 +187,9 @@ def make_plan(cfg: RunConfig) -> Plan:
     sleep = resolve_sleep(cfg, topo.placement)
     chosen = tuple(filter(None, [resolve_block_size(cfg), resolve_logprob_fraction(cfg), engine_line(cfg)]))
     nvlink = check_nvlink(topo, cfg.cluster.nvlink_domain_nodes, cfg.cluster.slurm.segment)
-    return Plan(cfg, topo, estimate_memory(cfg, topo), tuple(quirks), sleep, nvlink, engine_defaults=chosen)
+    memory = estimate_memory(cfg, topo)
+    refit = resolve_refit(cfg, topo)
+    return Plan(cfg, topo, memory, tuple(quirks), sleep, nvlink, engine_defaults=chosen, refit=refit)
 
 
 def plan_from_overrides(overrides: list[str]) -> Plan:

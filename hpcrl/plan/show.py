@@ -46,6 +46,7 @@ def show_plan(plan: Plan, console: Console, sbatch: dict[str, Any] | None = None
         console.print(f"rollout.sleep={str(plan.sleep.value).lower()} ({how}: {plan.sleep.reason})")
     for line in plan.engine_defaults:
         console.print(line)
+    console.print(escape(plan.refit.line(cfg.rollout.weight_sync)))
     _verdict(plan, console)
     layouts = _layouts(plan)
     if layouts is not None:

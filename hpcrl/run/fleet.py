@@ -18,7 +18,7 @@ from hpcrl.plan.planner import Plan
 from hpcrl.plan.topology import Placement
 from hpcrl.rollout.base import Completion, SamplingSettings
 from hpcrl.run.actors import ROLLOUT_RESOURCE, TRAIN_RESOURCE, RolloutActor, TrainerActor
-from hpcrl.run.refit import Refit, choose_refit
+from hpcrl.run.refit import Refit
 from hpcrl.trainer.batch import TrainBatch
 
 
@@ -76,11 +76,7 @@ class Fleet:
         ]
         ray.get(setups)
         where = ray.get([a.where.remote() for a in trainers + engines])  # surface start-up errors here
-        split = topo.placement is Placement.SPLIT and gpu_resources
-        # IPC: every trainer rank feeds the single-GPU engine on its own GPU the whole model
-        ipc = len(engines) == len(trainers) and tp == 1 and (cfg.trainer.backend == "fsdp" or world == 1)
-        mode, backend = choose_refit(cfg.rollout.weight_sync, on_cpu=on_cpu, split=split, ipc=ipc)
-        refit = Refit(mode, backend, cfg.rollout.weight_sync_bucket_mb)
+        refit = Refit(plan.refit.mode, plan.refit.backend, cfg.rollout.weight_sync_bucket_mb)  # as planned
         return cls(trainers, engines, where, refit=refit, sleep=bool(getattr(cfg.rollout, "sleep", False)))
 
     def describe(self) -> str:
