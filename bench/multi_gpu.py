@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from hpcrl.config.compose import compose_config  # noqa: E402
 from hpcrl.run.tiny_model import ensure_tiny_model  # noqa: E402
-from tests.megatron_parity import parity_batch  # noqa: E402
+from tests.harness.megatron_parity import parity_batch  # noqa: E402
 
 
 class Failed(RuntimeError):
@@ -37,7 +37,7 @@ def run(model_dir: Path, out: Path, tp: int, pp: int, port: int, overrides: list
     env = {**os.environ, "HPCRL_PARITY_DEVICE": "cuda", "HPCRL_PARITY_OVERRIDES": " ".join([f"trainer.cp={cp}", *overrides]),
            "HPCRL_PARITY_DUMP_S": str(max(timeout - 15, 5))}  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp * pp * cp}", f"--master_port={port}",
-           str(ROOT / "tests" / "megatron_parity.py"), str(model_dir), str(out), str(tp), str(pp)]  # fmt: skip
+           str(ROOT / "tests" / "harness" / "megatron_parity.py"), str(model_dir), str(out), str(tp), str(pp)]  # fmt: skip
     start = time.perf_counter()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)

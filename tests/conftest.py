@@ -71,6 +71,16 @@ def cli():
     return run_cli
 
 
+@pytest.fixture
+def fresh_request() -> Iterator[None]:
+    """No preemption asked (hpcrl.run.preempt's REQUEST) before the test, nor left after it."""
+    from hpcrl.run.preempt import REQUEST
+
+    REQUEST.reset()
+    yield
+    REQUEST.reset()
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A randomly initialised tiny model (no warm start): fast to build, real HF checkpoint."""
@@ -111,11 +121,11 @@ def slurm_cluster():
 # -- one torchrun per world size, shared by the test modules that build trainers -----------------------
 @dataclass(frozen=True)
 class TorchrunCase:
-    """One case of tests/recipe_build.py: a trainer built on a session checkpoint (``checkpoint``, made
+    """One case of tests/harness/recipe_build.py: a trainer built on a session checkpoint (``checkpoint``, made
     by ``make`` on first use) from ``overrides`` at ``world`` ranks. ``record``: what rank 0 writes back:
-    "build" (the step's metrics and the layout the ranks ran), "parity" (what tests/megatron_parity.py
+    "build" (the step's metrics and the layout the ranks ran), "parity" (what tests/harness/megatron_parity.py
     saves: log-probs, metrics, full gradients and weights, each rank's optimizer state after a
-    checkpoint round trip, the layout) or "mixer" (tests/mamba_mixer_check.py's comparison).
+    checkpoint round trip, the layout) or "mixer" (tests/harness/mamba_mixer_check.py's comparison).
     ``plan``: apply the planner's quirks first, as a job does. ``last``: a case expected to fail.
     ``env``: variables its torchrun starts with (cases that differ in them run in torchruns of their own)."""
 
@@ -192,8 +202,7 @@ class TorchrunCases:
         import torch
 
         from hpcrl.trainer.fsdp import free_port
-
-        from .zygote import torchrun
+        from tests.harness.zygote import torchrun
 
         out = self.root / f"run{len(list(self.root.glob('run*')))}"
         out.mkdir()
@@ -208,7 +217,7 @@ class TorchrunCases:
             for c in cases
         ]
         (out / "cases.json").write_text(json.dumps(spec))
-        script, args = ROOT / "tests" / "recipe_build.py", [str(out / "cases.json"), str(out)]
+        script, args = ROOT / "tests" / "harness" / "recipe_build.py", [str(out / "cases.json"), str(out)]
         try:  # a hung case ends the run on its own (recipe_build.py's per-case watchdog)
             done = torchrun(
                 script,
@@ -232,7 +241,7 @@ class TorchrunCases:
 
 @pytest.fixture(scope="session")
 def torchrun_cases(request, tmp_path_factory):
-    """The registered torchrun cases' results (tests/recipe_build.py), one torchrun per world size
+    """The registered torchrun cases' results (tests/harness/recipe_build.py), one torchrun per world size
     (and environment)."""
     modules = {item.module.__name__ for item in request.session.items if getattr(item, "module", None)}
     return TorchrunCases(tmp_path_factory.mktemp("torchrun"), modules)

@@ -1,0 +1,199 @@
+"""The CLI through its real entry point."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, SITE, compose, run_cli
+from tests.harness.hub_standin import HubStandIn, publish_for
+
+
+def test_plan_default_prints_tables_and_fits(cli):
+    result = cli("plan")
+    assert result.returncode == 0, result.stderr
+    for title in ("Nodes: 1 x 1 GPUs, colocated", "Parallelism", "Memory per GPU", "fits"):
+        assert title in result.stdout
+
+
+def test_documented_form_plans_the_seed_recipe_and_lists_the_other_layout(cli):
+    """Issue 32: the headline command plans the model's default recipe for the cluster (the seed's
+    DAPO + Megatron job, exit 0), says so, and lists the other shipped layout beside it."""
+    result = cli("plan", "+cluster=gb200", "+model=nemotron_super", *SITE)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("DAPO · megatron · data dapo_math_17k")
+    assert "recipe dapo-nemotron-super-5n4g-megatron: the default for nemotron_super on" in result.stdout
+    assert "auto layout" not in result.stdout and "Nodes: 5 x 4 GPUs, split" in result.stdout
+    assert "+experiment=dapo-nemotron-super-5n4g-megatron-tp4cp4ep4etp4" in result.stdout
+
+
+def test_plan_shows_quirks_and_sbatch(cli):
+    result = cli("plan", "+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1", *SITE)
+    assert result.returncode == 0, result.stderr
+    assert "rollout.block_size=32" in result.stdout and "rollout.load_format=auto" in result.stdout
+    assert "acct" in result.stdout and "img.sqsh" in result.stdout
+
+
+def test_render_writes_script_and_resolved_config(cli, tmp_path):
+    out = tmp_path / "run"
+    result = cli("render", "+experiment=dapo-nemotron-super-5n4g-megatron", *SITE, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    script = (out / "sbatch.sh").read_text()
+    assert script.startswith("#!/bin/bash") and "#SBATCH --nodes=5" in script
+    assert f"{out.resolve()}/slurm/%j_0_log.out" in script
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["trainer"]["ep"] == 16
+    assert resolved["trainer"]["router_dtype"] == "fp32"  # quirks are in the resolved config
+
+
+def test_render_local_writes_config_only(cli, tmp_path):
+    result = cli("render", "--out", str(tmp_path / "r"))
+    assert result.returncode == 0
+    assert (tmp_path / "r" / "config.yaml").exists() and not (tmp_path / "r" / "sbatch.sh").exists()
+
+
+def test_show_groups_lists_catalog(cli):
+    result = cli("show", "--groups")
+    assert "nemotron_super" in result.stdout and "gb200" in result.stdout
+    assert "dapo-gemma4-26ba4b-it-4n8g-fsdp2ep16cp2" in result.stdout
+
+
+def test_show_prints_yaml(cli):
+    result = cli("show", "model=gemma3_1b")
+    assert yaml.safe_load(result.stdout)["model"]["head_dim"] == 256
+
+
+def test_plan_and_render_do_not_import_heavy_frameworks(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from hpcrl.cli import main\n"
+        f"main(['render', '+experiment=dapo-nemotron-super-5n4g-megatron', *{SITE!r}, '--out', {str(tmp_path)!r}])\n"
+        "main(['plan'])\n"
+        "heavy = sorted(m for m in ('torch', 'ray', 'vllm', 'transformers') if m in sys.modules)\n"
+        "print('HEAVY=' + ','.join(heavy))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "HEAVY=\n" in result.stdout, result.stdout[-500:] + result.stderr[-500:]
+
+
+def test_fsdp_context_parallel_plans_and_what_fsdp_cannot_split_is_refused_before_submit(tmp_path):
+    """fsdp splits sequences over attention (trainer.cp): the CP2 recipe plans and may be submitted.
+    Tensor parallel and CP over Mamba layers are not run as something else (plain data parallel, with
+    more memory per GPU than the plan says), nor an expert degree fsdp would not apply: refused before
+    anything is written."""
+    site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh"]
+    recipe = "+experiment=dapo-gemma4-e2b-it-1n8g-fsdp2cp2"
+    plan = run_cli("plan", recipe, *site)
+    assert plan.returncode == 0 and "cannot submit yet" not in plan.stdout, plan.stdout + plan.stderr
+    moe = "+experiment=dapo-gemma4-26ba4b-it-4n8g-fsdp2ep16cp2"
+    refused = [
+        (
+            (recipe, "trainer.tp=2"),
+            "trainer=fsdp has no tensor parallelism yet (trainer.tp=2): set trainer.tp=1",
+        ),
+        (
+            (recipe, "model=tiny_nemotronh"),
+            "trainer=fsdp splits sequences over attention only, and tiny_nemotronh has Mamba layers: "
+            "set trainer.cp=1",
+        ),
+        ((moe, "trainer.ep=16"), "trainer=fsdp has no expert parallelism (trainer.ep=16): it shards every"),
+    ]
+    for overrides, why in refused:
+        submitted = run_cli("submit", *overrides, f"run.output_root={tmp_path}", *site)
+        assert submitted.returncode == 2 and why in " ".join(submitted.stderr.split()), submitted.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted
+
+
+def test_plan_shows_both_gb200_layouts_with_their_peaks(cli):
+    result = cli("plan", "+experiment=dapo-nemotron-super-5n4g-megatron", *SITE)
+    assert result.returncode == 0, result.stderr
+    assert "Shipped layouts for nemotron_super on gb200" in result.stdout
+    rows = [line for line in result.stdout.splitlines() if "+experiment=dapo-nemotron-super-5n4g" in line]
+    assert len(rows) == 2 and all("fits" in row and "/ 189" in row for row in rows), rows
+    assert any("(this plan)" in row and "2 x 1 x 1 x 16 x 1 (8)" in row for row in rows)
+    assert any("-tp4cp4ep4etp4" in row and "4 x 4 x 1 x 4 x 4 (1)" in row for row in rows)
+    assert "checkpoint 123.61B with MTP" in result.stdout  # 120.67B trained, MTP in the checkpoint only
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "dapo-nemotron-super-5n4g-megatron",
+        "dapo-nemotron-super-5n4g-megatron-tp4cp4ep4etp4",
+        "dapo-nemotron-super-3n8g-megatron",
+    ],
+)
+def test_super_recipes_are_accepted_by_submit(recipe, tmp_path):
+    """`hpcrl submit` takes each Super recipe to sbatch: the Slurm binaries are faked at the edge (a
+    `sbatch` that keeps the script and answers with a job id, an `srun` that submitit looks for); the
+    script it is handed is the golden one but for the run directory."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        f'#!/bin/sh\ncp "$1" {tmp_path}/submitted.sh\necho "Submitted batch job 4242"\n'
+    )
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 0\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    out = tmp_path / "runs"
+    hf_home = tmp_path / "hf"
+    # the goldens' placeholders; the model and data sets fetched into a cache first, from a stand-in hub
+    site = [
+        "cluster.slurm.account=ACCOUNT",
+        "cluster.container.image=IMAGE",
+        f"+cluster.env.HF_HOME={hf_home}",
+    ]
+    exe = Path(sys.executable).with_name("hpcrl")
+    cfg = compose(f"+experiment={recipe}", *site)
+    sources = [(cfg.data.source, cfg.data.split), (cfg.data.val_source, cfg.data.val_split)]
+    with HubStandIn(publish_for(cfg.model.hf_id, sources)) as hub:
+        fetched = subprocess.run(
+            [str(exe), "fetch", f"+experiment={recipe}", *site],
+            capture_output=True,
+            text=True,
+            env={**env, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_PROGRESS_BARS": "1"},
+            timeout=120,
+            cwd=ROOT,
+        )
+    assert fetched.returncode == 0, fetched.stderr
+    assert fetched.stdout.count("fetched") == 3, fetched.stdout  # the model, the training and validation sets
+    result = subprocess.run(
+        [str(exe), "submit", f"+experiment={recipe}", f"run.output_root={out}", *site],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "job     4242" in result.stdout
+    run_dir = Path(re.search(r"^run dir (.+)$", result.stdout, re.M).group(1))
+    golden = (ROOT / "sbatch" / f"{recipe}.sbatch").read_text()
+    expected = golden.replace(f"/RUN_DIR/{recipe}", str(run_dir)).replace("/HF_HOME", str(hf_home))
+    assert (tmp_path / "submitted.sh").read_text() == expected
+
+
+def test_render_warns_of_what_submit_would_refuse_and_still_writes_the_script(cli, tmp_path):
+    missing = tmp_path / "no-cache"
+    out = tmp_path / "run"
+    result = cli(
+        "render",
+        "+experiment=dapo-nemotron-super-5n4g-megatron",
+        *SITE,
+        f"+cluster.env.HF_HOME={missing}",
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 0 and (out / "sbatch.sh").is_file(), result.stderr
+    assert result.stderr.startswith(f"hpcrl: warning: cluster.env.HF_HOME={missing} does not exist")
+    assert "(`hpcrl submit` refuses this)" in result.stderr

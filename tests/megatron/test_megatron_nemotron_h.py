@@ -1,0 +1,303 @@
+"""Nemotron-H in the megatron backend: HF <-> Megatron weights bit-identical through TP 1, 2 and 4 (the
+Mamba in_proj/conv1d cut part by part), the parity risks of notes/nemotron-h.md each pinned (dt floor,
+router precision, top-k renormalisation, padding side), and, under torchrun with gloo on CPU, megatron
+TP=1 = fsdp (transformers' NemotronHForCausalLM) and TP=2 (sequence parallel) / PP=2 / EP=2 / TP=2 x EP=2
+/ CP=2 / TP=2 x CP=2 = TP=1 in log-probs, metrics, every gradient and the updated weights (the CP
+reorders and group copies by hand: tests/megatron/test_megatron_mamba_cp.py). The torchrun layouts and the
+mixer check are cases of the session's one torchrun per world size (tests/conftest.py's
+torchrun_cases, shared with tests/recipes/test_recipes_build.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from hpcrl.trainer.megatron.weights import Shape, shard, unshard
+from hpcrl.trainer.megatron.weights_hybrid import MTP_PREFIX, partitions, to_hf, to_megatron
+from tests.conftest import TorchrunCase, register_torchrun_case
+from tests.harness.mamba_mixer_check import OVERRIDES as MIXER_OVERRIDES
+from tests.harness.megatron_parity import overrides as parity_overrides
+from tests.harness.megatron_parity import parity_batch
+from tests.megatron.common import _assert_same_step, assert_exports_to
+
+PATTERN = "MEM*EMEM"  # Super's own layers 4..11: every kind, and 8 layers split over PP=2
+
+
+def nemotron_h_config(**overrides: object) -> object:
+    """tests/harness/tiny_checkpoints.py's Nemotron-H (Super's kinds at a width TP/CP/EP 2 split), all kinds."""
+    from transformers import NemotronHConfig
+
+    from tests.harness.tiny_checkpoints import NEMOTRON_H
+
+    fields = {**NEMOTRON_H, "hybrid_override_pattern": PATTERN, "moe_latent_size": 32, "time_step_min": 0.001}
+    return NemotronHConfig(**{**fields, "tie_word_embeddings": False, **overrides})
+
+
+def nemotron_h_model(**overrides: object) -> torch.nn.Module:
+    """Random weights, with the parts the risks live in made to bite: a correction bias that changes
+    which experts win, and dt biases that put some heads' softplus(dt) under the 0.001 floor (their
+    skip weight D near 0, so their output is the scan's)."""
+    from transformers import NemotronHForCausalLM
+
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(nemotron_h_config(**overrides))
+    with torch.no_grad():
+        for name, t in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith("e_score_correction_bias"):
+                t.copy_(torch.randn_like(t) * 0.1)
+            elif name.endswith("dt_bias"):
+                t.copy_(torch.linspace(-12.0, 1.0, t.numel()))
+            elif name.endswith("mixer.D"):  # no skip path to drown the floored heads' (0-3) output
+                t.copy_((torch.arange(t.numel()) >= t.numel() // 2).float())
+    return model.eval()
+
+
+CHECKPOINT = "nemotron_h_parity"
+LAYOUTS = ((2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1), (1, 1, 1, 2), (2, 1, 1, 2))
+"""TP, PP, EP, CP: each against TP=1 (EP=2 alone over DP=2 ranks)."""
+
+
+def _save_model(out: Path) -> None:
+    nemotron_h_model().save_pretrained(out)
+
+
+def _parity_case(name: str, tp: int, pp: int, backend: str = "megatron", **kw: int) -> TorchrunCase:
+    """tests/harness/megatron_parity.py's run of a layout (its overrides; cp and ep as test_megatron's
+    ``_torchrun`` passes them) as a case of the session's torchrun of its world size."""
+    cp, ep = kw.get("cp", 1), kw.get("ep")
+    extra = (f"trainer.cp={cp}", *([f"trainer.ep={ep}"] if ep else [])) if backend == "megatron" else ()
+    with mock.patch.dict(os.environ, {"HPCRL_PARITY_OVERRIDES": " ".join(extra)}):
+        cfg = tuple(parity_overrides(tp, pp, backend))
+    world = tp * pp * cp * max(1, (ep or 1) // tp)
+    return register_torchrun_case(
+        TorchrunCase(
+            f"nemotron_h-parity-{name}",
+            __name__,
+            world,
+            backend,
+            cfg,
+            CHECKPOINT,
+            _save_model,
+            "parity",
+            False,
+        )
+    )
+
+
+BASE, FSDP = _parity_case("tp1", 1, 1), _parity_case("fsdp", 1, 1, backend="fsdp")
+PARALLEL = {
+    (tp, pp, ep, cp): _parity_case(f"tp{tp}pp{pp}ep{ep}cp{cp}", tp, pp, cp=cp, ep=ep)
+    for tp, pp, ep, cp in LAYOUTS
+}
+MIXER = register_torchrun_case(
+    TorchrunCase(
+        "nemotron_h-mixer",
+        __name__,
+        1,
+        "megatron",
+        tuple(MIXER_OVERRIDES),
+        CHECKPOINT,
+        _save_model,
+        "mixer",
+        False,
+    )
+)
+
+
+def _checkpoint(tmp_path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    nemotron_h_model().save_pretrained(tmp_path)
+    return load_file(tmp_path / "model.safetensors")
+
+
+def _shape() -> Shape:
+    return Shape(
+        heads=4,
+        groups=2,
+        head_dim=16,
+        vocab=128,
+        padded_vocab=128,
+        pattern=PATTERN,
+        mamba=(8 * 16, 4 * 16, 8),
+    )
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_hf_to_megatron_to_hf_is_bit_identical_through_tensor_parallel(tmp_path, tp):
+    hf = _checkpoint(tmp_path)
+    assert "backbone.layers.1.mixer.experts.7.up_proj.weight" in hf  # the checkpoint's per-expert layout
+    shape, parts = _shape(), partitions(_shape())
+    mtp = {f"{MTP_PREFIX}layers.0.eh_proj.weight": torch.ones(64, 128)}
+    meg = to_megatron({**hf, **mtp}, shape, tied=False)
+    assert not any(k.startswith(MTP_PREFIX) for k in meg)  # MTP dropped by name
+    # each kind's block norm in its slot; router weight and correction bias as Bridge names them
+    assert torch.equal(meg["decoder.layers.0.norm.weight"], hf["backbone.layers.0.norm.weight"])
+    assert torch.equal(meg["decoder.layers.3.input_layernorm.weight"], hf["backbone.layers.3.norm.weight"])
+    assert torch.equal(meg["decoder.layers.4.pre_mlp_layernorm.weight"], hf["backbone.layers.4.norm.weight"])
+    bias = hf["backbone.layers.1.mixer.gate.e_score_correction_bias"]
+    assert torch.equal(meg["decoder.layers.1.mlp.router.expert_bias"], bias) and bias.dtype == torch.float32
+    sliced = {}
+    for name, full in meg.items():
+        suffix = next((p for s, p in parts.items() if name.endswith(s)), None)
+        ranks = [shard(name, full, tp, r, suffix) for r in range(tp)]
+        sliced[name] = ranks
+        assert torch.equal(unshard(name, ranks, suffix), full), name
+    back = to_hf(
+        {
+            k: unshard(k, v, next((p for s, p in parts.items() if k.endswith(s)), None))
+            for k, v in sliced.items()
+        },
+        shape,
+        tied=False,
+    )
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+    # rank r's in_proj rows are [z_r | x_r | B_r | C_r | dt_r]: what TorchMambaMixer splits
+    w = hf["backbone.layers.0.mixer.in_proj.weight"]
+    z, x, b, c, dt = w.split([128, 128, 64, 64, 8])
+    last = sliced["decoder.layers.0.mixer.in_proj.weight"][tp - 1]
+    want = torch.cat([p.chunk(tp)[tp - 1] for p in (z, x, b, c, dt)])
+    assert torch.equal(last, want)
+    # the squared-ReLU fc1 is one part (no gate/up halves): rank 0 holds the first rows
+    fc1 = meg["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"]
+    assert torch.equal(sliced["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"][0], fc1.chunk(tp)[0])
+
+
+def _logp(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+@pytest.mark.slow
+def test_mamba_mixer_equals_transformers_and_keeps_its_dt_floor(torchrun_cases):
+    """TorchMambaMixer = transformers' mixer (outputs and input gradients) on an input where the dt
+    floor (``time_step_min``, which Hugging Face and vLLM apply and Megatron's kernels do not) moves
+    the output far beyond rounding: without the floor on both sides they agree again, and ours without
+    it no longer matches Hugging Face's with it (tests/harness/mamba_mixer_check.py, in the one-rank torchrun)."""
+    r = torchrun_cases.result(MIXER.id)
+    assert "error" not in r, r["error"]
+    assert r["module"] == "TorchMambaMixer"
+    for case in ("floor", "no floor"):
+        ours, hf = r[case]["ours"], r[case]["hf"]
+        scale = hf["out"].abs().max()
+        assert torch.allclose(ours["out"], hf["out"], atol=1e-5 * scale), case
+        assert torch.allclose(ours["x_grad"], hf["x_grad"], atol=1e-5 * hf["x_grad"].abs().max()), case
+    moved = (r["no floor"]["ours"]["out"] - r["floor"]["hf"]["out"]).abs().max()
+    assert moved > 1e-3 * r["floor"]["hf"]["out"].abs().max()  # the two agree to 0 where they should
+
+
+def test_the_scan_calls_mamba_ssm_kernels_with_the_torch_paths_arguments():
+    """Where mamba_ssm installs (CUDA hosts with it; not here), ``mamba_scan`` hands its arguments to
+    ``mamba_chunk_scan_combined``. Fake at that edge: transformers' torch reference of the same
+    function (its signature and semantics, dt_limit included) stands in for the kernel, and must give
+    the torch path's numbers, floor and all."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
+
+    from hpcrl.trainer.megatron.ssm import MambaKernels, mamba_scan
+
+    gen = torch.Generator().manual_seed(3)
+    x, b, c = (
+        torch.randn(2, 21, 4, 8, generator=gen),
+        torch.randn(2, 21, 2, 5, generator=gen),
+        torch.randn(2, 21, 2, 5, generator=gen),
+    )
+    dt, a = torch.randn(2, 21, 4, generator=gen), -torch.rand(4, generator=gen) - 0.5
+    d, dt_bias = torch.rand(4, generator=gen), torch.tensor([-12.0, -8.0, 0.0, 1.0])
+    ours = mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 1e-3)
+    fake = MambaKernels(scan=mamba2_chunk_scan, norm=None)
+    assert torch.allclose(mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 1e-3, fake), ours, atol=1e-5)
+    assert not torch.allclose(mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 0.0, fake), ours, atol=1e-5)
+
+
+def test_router_is_sigmoid_renormalised_scaled_in_fp32_as_transformers_routes():
+    """Megatron's top-k routing with the family's fields = transformers' NemotronHTopkRouter: the bias
+    picks the experts, the unbiased sigmoid scores weigh them, renormalised over the k, times 5."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+
+    from hpcrl.trainer.config import MegatronTrainerConfig
+    from hpcrl.trainer.megatron.families.nemotron_h import NemotronH
+
+    hf = nemotron_h_config(hidden_size=8)
+    fields = NemotronH(hf).moe_fields(hf, MegatronTrainerConfig())
+    assert fields["moe_router_dtype"] == "fp32" and fields["moe_router_score_function"] == "sigmoid"
+    assert fields["moe_router_bias_update_rate"] == 0.0 and fields["moe_aux_loss_coeff"] == 0.0
+    router = NemotronHTopkRouter(hf)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(8))
+        router.e_score_correction_bias.copy_(torch.randn(8) * 0.5)
+    h = torch.randn(16, 8)
+    _, weights, idx = router(h)
+    probs, chosen = topk_routing_with_score_function(
+        h,
+        fields["moe_router_topk"],
+        scaling_factor=fields["moe_router_topk_scaling_factor"],
+        score_function="sigmoid",
+        expert_bias=router.e_score_correction_bias,
+    )
+    assert torch.equal(chosen, torch.zeros_like(chosen).scatter(1, idx, True))
+    assert torch.allclose(probs.gather(1, idx), weights, atol=1e-6)
+    # a checkpoint that does not renormalise (Megatron always does for k > 1) is refused by name
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        NemotronH(nemotron_h_config(norm_topk_prob=False))
+
+
+def test_right_padding_leaves_real_tokens_alone_left_padding_would_not():
+    """The megatron pipeline right-pads and runs without a mask (as Megatron does): trailing pads
+    cannot reach earlier tokens through causal attention, the causal conv or the scan. Left pads
+    without a mask would (they enter every state), which is why the batch is right-padded."""
+    model = nemotron_h_model()
+    ids = torch.randint(3, 120, (1, 11), generator=torch.Generator().manual_seed(2))
+    alone = _logp(model, ids)
+    right = _logp(model, torch.cat([ids, torch.zeros(1, 5, dtype=torch.long)], 1))[:, : alone.shape[1]]
+    left = _logp(model, torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1))[:, 5:]
+    assert torch.allclose(right, alone, atol=1e-6)
+    assert (left - alone).abs().max() > 1e-3
+    batch = parity_batch()
+    assert all(
+        row[: int(n)].all()
+        for row, n in zip(batch.attention_mask.bool(), batch.attention_mask.sum(1), strict=True)
+    )
+
+
+@pytest.mark.slow
+def test_nemotron_h_matches_fsdp_and_under_parallel_layouts(torchrun_cases):
+    """megatron TP=1 = fsdp, then TP=2 (sequence parallel), PP=2, EP=2, TP=2 x EP=2, CP=2 and
+    TP=2 x CP=2 = TP=1; the checkpoint round trip restores every rank's optimizer state."""
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.trainer.fsdp import checkpoint_names
+
+    mask = parity_batch().loss_mask.bool()
+    runs = {case.id: torchrun_cases.result(case.id) for case in (BASE, FSDP, *PARALLEL.values())}
+    assert not [(k, r["error"]) for k, r in runs.items() if "error" in r]
+    base, fsdp = runs[BASE.id], runs[FSDP.id]
+    assert base["layout"]["experts"] == ["GroupedExperts"]
+    assert torch.allclose(base["logp"][mask], fsdp["logp"][mask], atol=1e-5)
+    assert base["metrics"]["grad_norm"] == pytest.approx(fsdp["metrics"]["grad_norm"], rel=1e-5)
+    model = AutoModelForCausalLM.from_pretrained(torchrun_cases.checkpoint(CHECKPOINT))
+    hf_grads = checkpoint_names(model, fsdp["grads"])
+    assert hf_grads.keys() == base["grads"].keys()
+    for name, grad in hf_grads.items():
+        assert torch.allclose(base["grads"][name], grad, atol=1e-5), name
+    assert not any("e_score_correction_bias" in k for k in base["grads"])  # a buffer: never trained
+    # checkpoints of both backends (and of TP=2 x EP=2) export to the trained weights, the frozen
+    # correction biases included (the source's names, no others)
+    source = torchrun_cases.checkpoint(CHECKPOINT)
+    for case, backend in ((BASE, "megatron"), (FSDP, "fsdp"), (PARALLEL[(2, 1, 2, 1)], "megatron")):
+        ckpt = next(torchrun_cases.root.glob(f"run*/{case.id}.ckpt"))
+        assert_exports_to(runs[case.id]["weights"], ckpt, source, backend)
+    # CP=2: each rank scans whole sequences for 4 heads in 2 groups (mamba_cp.py); TP=2 x CP=2: 2 heads,
+    # 1 group per rank, sequence parallel
+    for (tp, pp, ep, cp), case in PARALLEL.items():
+        where = f"TP={tp} PP={pp} EP={ep} CP={cp}"
+        run = runs[case.id]
+        assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
+        _assert_same_step(run, base, mask, where)
+        assert all(run["state_restored"]), where
