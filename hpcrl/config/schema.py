@@ -17,6 +17,7 @@ from hpcrl.core.checks import MISSING, positive
 from hpcrl.data.config import DataConfig
 from hpcrl.errors import ConfigError
 from hpcrl.rewards.config import RewardsConfig
+from hpcrl.rollout.backends import inflight_updates, logprob_sampling, sends_logprobs
 from hpcrl.rollout.config import HFRolloutConfig, RolloutConfig, VLLMRolloutConfig
 from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig, TrainerConfig
 
@@ -106,12 +107,12 @@ class RunConfig:
             raise ConfigError(
                 f"layout.rollout_nodes={self.layout.rollout_nodes} must be >= 0 (0 = colocated)"
             )
-        if not getattr(self.rollout, "logprobs", True) and self.algo.is_correction.value != "none":
+        if not sends_logprobs(self.rollout) and self.algo.is_correction.value != "none":
             raise ConfigError(
                 f"rollout.logprobs=false leaves algo.is_correction={self.algo.is_correction.value} without "
                 "the engine's log-probs: set rollout.logprobs=true or algo.is_correction=none"
             )
-        fraction = getattr(self.rollout, "logprob_fraction", None)
+        fraction = sampling.logprob_fraction if (sampling := logprob_sampling(self.rollout)) else None
         if fraction is not None and fraction < 1 and self.algo.is_correction.value != "none":
             raise ConfigError(
                 f"rollout.logprob_fraction={fraction} leaves algo.is_correction={self.algo.is_correction.value} "
@@ -123,7 +124,7 @@ class RunConfig:
                 "needs an importance correction against the engine's log-probs: set algo.is_correction=tis "
                 "(or icepop), or algo.max_staleness=0"
             )
-        if getattr(self.rollout, "inflight_update", False) and not self.algo.max_staleness:
+        if inflight_updates(self.rollout) and not self.algo.max_staleness:
             raise ConfigError(
                 "rollout.inflight_update=true swaps weights under a generation running beside training, "
                 "which only algo.max_staleness >= 1 has: set algo.max_staleness=1 or drop it"

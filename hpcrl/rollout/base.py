@@ -32,12 +32,34 @@ class SamplingSettings:
 
 
 class RolloutEngine(Protocol):
+    """What the rollout actors (``run/actors.py``) and ``hpcrl eval`` call on an engine in their
+    process: ``VLLMEngine`` and ``HFEngine`` implement it, and ``build_engine`` returns one. What an
+    engine can do beyond it (sleep mode, in-flight updates, IPC refits) its spec declares
+    (``rollout/backends.py``); an engine without a capability keeps the method and returns at once."""
+
+    gate: WeightGate
+    """Where a refit may land under a running generation, and the policy version stamped on completions."""
+    ranks: int
+    """How many ranks of a weight broadcast group the engine's workers take."""
+
+    @property
+    def weight_dtype(self) -> str:
+        """The dtype the engine holds weights in: senders cast to it."""
+        ...
+
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
         """``n`` completions per prompt (prompts are token ids), in prompt order."""
         ...
 
+    def generate_stream(
+        self, prompts: list[list[int]], settings: SamplingSettings
+    ) -> Iterator[list[tuple[int, list[Completion]]]]:
+        """``generate``, handing over (prompt index, its completions) as groups finish (an engine
+        that cannot stream hands over the whole batch once)."""
+        ...
+
     def load_weights(self, weights: dict[str, Any]) -> None:
-        """Replace the engine's weights in place (HF parameter names); caches from old weights are dropped."""
+        """Replace the engine's weights in place (checkpoint names); caches from old weights are dropped."""
         ...
 
     # Colocated GPUs: the engine sleeps while the trainer trains. The loop calls sleep() after
@@ -52,35 +74,23 @@ class RolloutEngine(Protocol):
         ...
 
     # Colocated GPUs: buckets arrive as CUDA IPC handles from the trainer process on the same GPU.
-    def load_ipc(
-        self, args: tuple[Any, ...] | list[tuple[Any, ...]], entries: list[tuple[str, tuple[int, ...], int]]
-    ) -> None:
+    def load_ipc(self, args: Any, entries: list[tuple[str, tuple[int, ...], int]]) -> None:
         """Load one bucket: ``args`` = ``torch.multiprocessing.reductions.reduce_tensor(buf)[1]`` of a 1-D
         CUDA buffer in ``weight_dtype`` (a list, one per engine rank, when the engine has several),
-        ``entries`` = (HF name, shape, element offset) of each tensor in it. Returns once the buffer may
-        be reused."""
+        ``entries`` = (checkpoint name, shape, element offset) of each tensor in it. Returns once the
+        buffer may be reused."""
         ...
 
     def finish_refit(self) -> None:
         """After the last bucket: drop caches computed with the old weights."""
         ...
 
-    # The broadcast path (hpcrl.sync.broadcast): join the trainer's weight group once, then take part in
-    # one broadcast per step. ``ranks``: how many ranks of the group the engine's workers take.
-    ranks: int
-    weight_dtype: str
-    """The dtype the engine holds weights in: the sender casts to it."""
-
-    def join_weight_group(
-        self,
-        master: str,
-        rank_base: int,
-        world: int,
-        metas: list[Any],
-        bucket_numel: int,
-        local_ip: str,
-        backend: str,
-    ) -> None: ...
+    # The broadcast path (hpcrl.sync.broadcast): join the trainers' weight groups once, then take part
+    # in one broadcast per step.
+    def join_weight_group(self, wire: dict[str, Any], rank_base: int, local_ip: str) -> None:
+        """Join every sending trainer rank's group (``WeightLayout.to_wire``) as ranks ``rank_base`` ..
+        ``rank_base + ranks - 1``, reachable at ``local_ip``."""
+        ...
 
     def receive_weights(self) -> dict[str, float]:
         """One broadcast's seconds on the wire (``receive_s``) and in the load (``load_s``)."""

@@ -3,26 +3,31 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+from hpcrl.rollout.backends import rollout_spec
+from hpcrl.rollout.config import RolloutConfig
+
+if TYPE_CHECKING:
+    from hpcrl.rollout.base import RolloutEngine
 
 
 def build_engine(
     model_dir: Path,
-    rollout: Any,
+    rollout: RolloutConfig,
     *,
     seed: int,
     max_model_len: int,
     on_cpu: bool,
     scratch: Path,
     kv_cache_gb: float | None,
-) -> Any:
-    """A ``VLLMEngine`` or an ``HFEngine``, as the rollout group chose (``kv_cache_gb``: vLLM on CPU only)."""
-    from hpcrl.rollout.config import VLLMRolloutConfig
-
-    if isinstance(rollout, VLLMRolloutConfig):
-        from hpcrl.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(
+) -> RolloutEngine:
+    """The engine the rollout group chose, started through its class's ``start`` (``kv_cache_gb``:
+    where the spec's ``cpu_kv_budget`` asks for it)."""
+    engine: RolloutEngine = (
+        rollout_spec(rollout)
+        .make()
+        .start(
             model_dir,
             rollout,
             seed=seed,
@@ -31,6 +36,5 @@ def build_engine(
             scratch=scratch,
             kv_cache_gb=kv_cache_gb,
         )
-    from hpcrl.rollout.hf_engine import HFEngine
-
-    return HFEngine(model_dir, rollout, device="cpu" if on_cpu else "cuda")
+    )
+    return engine

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rollout.base import Completion, SamplingSettings, WeightGate
+from hpcrl.rollout.base import Completion, RolloutEngine, SamplingSettings, WeightGate
 from hpcrl.rollout.config import HFRolloutConfig
 
 
@@ -47,6 +48,17 @@ class HFEngine:
         self.pad_id: int = (
             int(self.tok.pad_token_id) if self.tok.pad_token_id is not None else max(self.eos_id, 0)
         )
+
+    @classmethod
+    def start(cls, model_dir: Path, cfg: HFRolloutConfig, *, on_cpu: bool, **_: Any) -> HFEngine:
+        """``build_engine``'s way in (the settings only vLLM reads are left aside)."""
+        return cls(model_dir, cfg, device="cpu" if on_cpu else "cuda")
+
+    def generate_stream(
+        self, prompts: list[list[int]], settings: SamplingSettings
+    ) -> Iterator[list[tuple[int, list[Completion]]]]:
+        """The whole batch at once: one call generates every group together."""
+        yield list(enumerate(self.generate(prompts, settings)))
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
         torch = self.torch
@@ -281,3 +293,8 @@ def fuse_experts(weights: dict[str, Any], state: dict[str, Any]) -> dict[str, An
         rows = {"gate": slice(0, half), "up": slice(half, None), "down": slice(None)}[kind]
         fused[e, rows] = tensor.to(fused.dtype)
     return out
+
+
+def _fits_the_protocol(engine: HFEngine) -> RolloutEngine:
+    """mypy checks here that the engine is a ``RolloutEngine``."""
+    return engine

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.rollout import vllm_compat
-from hpcrl.rollout.base import Completion, SamplingSettings, WeightGate
+from hpcrl.rollout.base import Completion, RolloutEngine, SamplingSettings, WeightGate
 from hpcrl.rollout.config import VLLMRolloutConfig
 
 vllm_compat.quiet_logs()  # also in vLLM's worker processes, which import this module for the extension
@@ -184,6 +184,11 @@ class VLLMEngine:
         self.ranks = cfg.tp
         self.weight_dtype = "float32" if on_cpu else cfg.dtype
 
+    @classmethod
+    def start(cls, model_dir: Path, cfg: VLLMRolloutConfig, **settings: Any) -> VLLMEngine:
+        """``build_engine``'s way in: seed, max_model_len, on_cpu, scratch, kv_cache_gb."""
+        return cls(model_dir, cfg, **settings)
+
     def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
         from vllm import TokensPrompt
 
@@ -312,3 +317,8 @@ class VLLMEngine:
         payload = save({k: v.detach().clone().contiguous() for k, v in weights.items()})
         self.llm.collective_rpc("hpcrl_reload_weights", args=(payload,))
         self.finish_refit()
+
+
+def _fits_the_protocol(engine: VLLMEngine) -> RolloutEngine:
+    """mypy checks here that the engine is a ``RolloutEngine``."""
+    return engine

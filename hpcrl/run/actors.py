@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hpcrl.rollout.base import Completion, RolloutEngine, SamplingSettings
 
 TRAIN_RESOURCE = "hpcrl_train"
 ROLLOUT_RESOURCE = "hpcrl_rollout"
@@ -36,6 +40,8 @@ class TrainerActor:
         _threads()
         self.model_dir, self.cfg, self.rank, self.world, self.device = model_dir, cfg, rank, world, device
         self.trainer: Any = None
+        self.sender: Any = None
+        """This rank's end of its broadcast group with the engines, where it is a source."""
 
     def endpoint(self) -> str:
         from hpcrl.trainer.process_group import free_port
@@ -96,8 +102,7 @@ class TrainerActor:
 
     def send_weights(self) -> dict[str, float]:
         """Stream into the broadcast (a source) or only help gather (the other ranks)."""
-        sender = getattr(self, "sender", None)
-        return self._stream(sender.packer() if sender else None, self.wire_dtype)
+        return self._stream(self.sender.packer() if self.sender else None, self.wire_dtype)
 
     def send_weights_via(self, engines: list[Any], via: str, wire: dict[str, Any]) -> dict[str, float]:
         """Stream into CUDA IPC handles for the engine on this GPU (``ipc``: every rank feeds its
@@ -143,6 +148,8 @@ class TrainerActor:
 
 
 class RolloutActor:
+    """One rollout engine (any ``RolloutEngine``), on its node's GPUs; the driver's ``Fleet`` calls it."""
+
     def __init__(
         self,
         model_dir: str,
@@ -157,7 +164,7 @@ class RolloutActor:
 
         from hpcrl.rollout.build import build_engine
 
-        self.engine = build_engine(
+        self.engine: RolloutEngine = build_engine(
             Path(model_dir),
             cfg.rollout,
             seed=cfg.run.seed,
@@ -181,18 +188,16 @@ class RolloutActor:
     def where(self) -> dict[str, Any]:
         return {"role": "rollout", "host": socket.gethostname(), "pid": os.getpid()}
 
-    def generate(self, prompts: list[list[int]], settings: Any) -> Any:
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
         self._engine_threads()
         return self.engine.generate(prompts, settings)
 
-    def generate_stream(self, prompts: list[list[int]], settings: Any) -> Any:
-        """A Ray streaming generator: lists of (prompt index, group) as groups finish (engines
-        without a stream hand over the whole batch once)."""
+    def generate_stream(
+        self, prompts: list[list[int]], settings: SamplingSettings
+    ) -> Iterator[list[tuple[int, list[Completion]]]]:
+        """A Ray streaming generator: lists of (prompt index, group) as groups finish."""
         self._engine_threads()
-        if hasattr(self.engine, "generate_stream"):
-            yield from self.engine.generate_stream(prompts, settings)
-        else:
-            yield list(enumerate(self.engine.generate(prompts, settings)))
+        yield from self.engine.generate_stream(prompts, settings)
 
     def load_weights(self, weights: dict[str, Any]) -> bool:
         self._engine_threads()

@@ -13,13 +13,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcrl.config.compose import cache_dir
 from hpcrl.errors import HpcrlError
 from hpcrl.plan.planner import Plan
+from hpcrl.trainer.backends import trainer_spec
 
 if TYPE_CHECKING:
     from hpcrl.config.schema import RunConfig
@@ -227,9 +228,11 @@ def _start_actors(plan: Plan, model_dir: Path, scratch: Path, run_dir: Path, *, 
 def checkpoint_about(plan: Plan, model_dir: Path) -> dict[str, Any]:
     """model.json of this run's checkpoints: what resume compares and export reads."""
     cfg, par = plan.cfg, plan.topology.train
-    layout = {"world": par.world}
-    if cfg.trainer.backend == "megatron":
-        layout |= {"tp": par.tp, "pp": par.pp, "cp": par.cp, "ep": par.ep, "expert_tp": par.expert_tp}
+    layout = {
+        k: v
+        for k, v in asdict(par).items()
+        if k == "world" or k in trainer_spec(cfg.trainer).checkpoint_layout
+    }
     return {
         "model": cfg.model.name,
         "family": cfg.model.family,

@@ -12,20 +12,25 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcrl.plan.planner import Plan
 from hpcrl.plan.topology import Placement
+from hpcrl.rollout.backends import inflight_updates, sleeps
 from hpcrl.rollout.base import Completion, SamplingSettings
 from hpcrl.run.actors import ROLLOUT_RESOURCE, TRAIN_RESOURCE, RolloutActor, TrainerActor
 from hpcrl.run.refit import Refit
 from hpcrl.trainer.batch import TrainBatch
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
 
 @dataclass
 class Fleet:
-    trainers: list[Any]
-    engines: list[Any]
+    trainers: list[ActorHandle[TrainerActor]]
+    engines: list[ActorHandle[RolloutActor]]
+    """Each holds one ``RolloutEngine`` (rollout/base.py), whichever the rollout group chose."""
     placement: list[dict[str, Any]] = field(default_factory=list)
     data_ranks: list[tuple[int, int]] = field(default_factory=list)
     refit: Refit = field(default_factory=lambda: Refit("broadcast", "gloo", 512))
@@ -64,7 +69,7 @@ class Fleet:
         tp = cfg.rollout.tp
         # in-flight updates: a refit's pause arrives while generate_stream runs (the engine's WeightGate
         # orders them); otherwise one call at a time, as the loop makes them
-        concurrency = 2 if getattr(cfg.rollout, "inflight_update", False) else 1
+        concurrency = 2 if inflight_updates(cfg.rollout) else 1
         engines = [
             rollout_cls.options(
                 num_cpus=0,
@@ -77,7 +82,7 @@ class Fleet:
         ray.get(setups)
         where = ray.get([a.where.remote() for a in trainers + engines])  # surface start-up errors here
         refit = Refit(plan.refit.mode, plan.refit.backend, cfg.rollout.weight_sync_bucket_mb)  # as planned
-        return cls(trainers, engines, where, refit=refit, sleep=bool(getattr(cfg.rollout, "sleep", False)))
+        return cls(trainers, engines, where, refit=refit, sleep=sleeps(cfg.rollout))
 
     def describe(self) -> str:
         """One line: which role runs where, e.g. ``train x1 on node2; rollout x1 on node1``."""

@@ -25,6 +25,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from hpcrl.rollout.backends import inflight_updates
 from hpcrl.rollout.base import Completion
 from hpcrl.run import loop
 from hpcrl.run.loop import Rollouts  # here too: checkpoints written before it moved to loop.py name it here
@@ -69,8 +70,9 @@ class Pipeline:
         under it (``rollout.inflight_update``) and this step does not validate or save, which need
         the engines idle and the batch whole."""
         cfg = self.run.cfg
-        inflight = getattr(cfg.rollout, "inflight_update", False)
-        if inflight and not (loop.validation_due(cfg, step) or loop.checkpoint_due(cfg, step)):
+        if inflight_updates(cfg.rollout) and not (
+            loop.validation_due(cfg, step) or loop.checkpoint_due(cfg, step)
+        ):
             return
         with timer("rollout_after_train"):  # generation outlasting the train step: the engines are the limit
             self.settle()

@@ -74,12 +74,11 @@ def hf_tensors(
     trainer_dir: Path, backend: str, hf_dir: Path, source: Path
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The trained weights under the source checkpoint's names, one layer at a time."""
-    from transformers import AutoConfig
+    from hpcrl.trainer.backends import TRAINERS
 
-    config = AutoConfig.from_pretrained(hf_dir)
-    reader = DCPReader(trainer_dir)
-    convert = _megatron_names(hf_dir, source) if backend == "megatron" else _fsdp_names(config)
-    prefix = "model/" if backend == "megatron" else "model."
+    spec = TRAINERS[backend]
+    convert = spec.hf_names(hf_dir, source)
+    reader, prefix = DCPReader(trainer_dir), spec.checkpoint_prefix
     for group in reader.groups(prefix):
         yield from convert(reader.read(group, prefix)).items()
 
@@ -109,67 +108,6 @@ class DCPReader:
         state = {k: torch.empty(self.meta[k].size, dtype=self.meta[k].properties.dtype) for k in keys}
         dcp.load(state, checkpoint_id=str(self.path), no_dist=True)
         return {k.removeprefix(prefix): v for k, v in state.items()}
-
-
-def _megatron_names(
-    hf_dir: Path, source: Path
-) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """Layout-free Megatron pieces (megatron/sharded.py) -> the checkpoint's Hugging Face names
-    (a vision-language checkpoint's text decoder under its own prefix)."""
-    from dataclasses import replace
-
-    from hpcrl.trainer.megatron import weights, weights_hybrid
-    from hpcrl.trainer.megatron.model import model_shape
-    from hpcrl.trainer.megatron.spec import family_of, text_config
-
-    hf = text_config(hf_dir)
-    shape = replace(model_shape(hf, family_of(hf), 1), fused_norms=False)  # sharded.py's unfused names
-    tied = bool(getattr(hf, "tie_word_embeddings", False))
-    mapping = weights_hybrid if shape.pattern else weights
-    lm = vlm_naming(hf_dir, source)
-
-    def convert(pieces: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        whole: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        for key, t in pieces.items():
-            name, _, part = key.partition("#part")
-            whole.setdefault(name, []).append((int(part or 0), t))
-        meg = {n: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for n, parts in whole.items()}
-        out = mapping.to_hf(meg, shape, tied)
-        return lm.named({k: v for k, v in out.items() if not (tied and k == "lm_head.weight")})
-
-    return convert
-
-
-def vlm_naming(hf_dir: Path, source: Path) -> Any:
-    """The causal-LM -> checkpoint naming of the model (weights.LanguageModel): a vision-language
-    checkpoint keeps the source's prefix (else the published layout's)."""
-    from hpcrl.trainer.hf_checkpoint import HFCheckpoint
-    from hpcrl.trainer.megatron.weights import VLM_LAYOUTS, LanguageModel
-
-    if "text_config" not in json.loads((hf_dir / "config.json").read_text()):
-        return LanguageModel({})
-    names = HFCheckpoint(source).names() if list(source.glob("*.safetensors")) else []
-    for prefix, head in VLM_LAYOUTS.items():
-        if any(n.startswith(prefix) for n in names):
-            return LanguageModel({}, prefix, head)
-    return LanguageModel({}, *next(iter(VLM_LAYOUTS.items())))
-
-
-def _fsdp_names(config: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """The fsdp backend's names (transformers' in-memory ones) -> the checkpoint's."""
-    from transformers import AutoModelForCausalLM
-    from transformers.core_model_loading import revert_weight_conversion
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
-    head = next((n for n in model.state_dict() if n.endswith("lm_head.weight")), "lm_head.weight")
-
-    def convert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        state = {k: v for k, v in state.items() if not (tied and k == head)}
-        return dict(revert_weight_conversion(model, state))
-
-    return convert
 
 
 def with_untrained(

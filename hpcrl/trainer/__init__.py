@@ -8,6 +8,8 @@ megatron/        the Megatron-core backend (TP/PP/CP/EP)
 logprob_head.py  log-probs and entropy from hidden states in chunks, never the full logits
 batch.py         the batch the driver hands a trainer
 config.py        the trainer schemas (torch-free: the planner reads them)
+backends.py      the backend table: each backend's spec (torch-free)
+process_group.py the process-group set-up both backends share
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ if TYPE_CHECKING:
 
 
 def make_trainer(model_dir: Path, cfg: Any, rank: int, world: int, master: str, device: str) -> Trainer:
-    """The backend the ``trainer`` config group chose, built on this rank."""
-    if cfg.trainer.backend == "megatron":
-        from hpcrl.trainer.megatron import MegatronTrainer
+    """The backend the ``trainer`` config group chose (its spec, ``trainer/backends.py``), built on this rank."""
+    from hpcrl.trainer.backends import trainer_spec
 
-        return MegatronTrainer(model_dir, cfg, rank=rank, world=world, master=master, device=device)
-    from hpcrl.trainer.fsdp import FSDPTrainer
-
-    return FSDPTrainer(model_dir, cfg, rank=rank, world=world, master=master, device=device)
+    trainer: Trainer = trainer_spec(cfg.trainer).make()(
+        model_dir, cfg, rank=rank, world=world, master=master, device=device
+    )
+    return trainer

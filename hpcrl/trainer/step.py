@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from hpcrl.algo.losses import PolicyLoss, gen_kl_error
 from hpcrl.config.schema import RunConfig
+from hpcrl.rollout.backends import sends_logprobs
 from hpcrl.trainer.batch import TrainBatch
 
 Metrics = dict[str, torch.Tensor | float]
@@ -109,7 +110,7 @@ class TrainStep:
     @classmethod
     def from_config(cls, cfg: RunConfig) -> TrainStep:
         loss = PolicyLoss.from_config(cfg.algo, cfg.rollout.max_new_tokens)
-        logprobs = bool(getattr(cfg.rollout, "logprobs", True))
+        logprobs = sends_logprobs(cfg.rollout)
         return cls(loss, cfg.algo.num_minibatches, cfg.trainer.micro_batch_size, logprobs)
 
     def __call__(

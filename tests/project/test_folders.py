@@ -2,7 +2,8 @@
 
 Each import of an hpcrl module (at module level, inside a function or under ``TYPE_CHECKING``: each ties
 the two folders together) is an arrow from the importing module's folder to the imported one's. A
-component's schema (``<folder>/config.py``: algo, data, rewards, rollout, trainer) counts as the config
+component's schema (``<folder>/config.py``: algo, data, rewards, rollout, trainer) and its backend table
+beside it (``<folder>/backends.py``: rollout, trainer; torch-free specs the planner reads) count as the config
 layer, where ``config/schema.py`` composes it: the README places each schema next to its component, below
 the component's own code. The failure names the pair, or the cycle, and every importing line.
 """
@@ -34,7 +35,7 @@ Arrows = dict[tuple[str, str], list[str]]
 def layer(module: str) -> str:
     """The folder ``module`` (``hpcrl.<folder>.<...>``) belongs to; top-level modules are ``(top)``."""
     parts = module.split(".")
-    if len(parts) == 3 and parts[2] == "config":
+    if len(parts) == 3 and parts[2] in ("config", "backends"):
         return "config"
     return parts[1] if len(parts) > 1 and (PKG / parts[1]).is_dir() else "(top)"
 

@@ -1,0 +1,266 @@
+"""The training backends' table: what the planner, the driver and the login-node tools know about
+each backend, without importing it (no torch here: ``hpcrl plan`` reads this table).
+
+A training backend is its folder (``trainer/fsdp/``, ``trainer/megatron/``), its schema class
+(``trainer/config.py``) and one ``TrainerSpec`` in ``TRAINERS``; code outside those asks the spec
+(``trainer_spec(cfg.trainer)``), never which backend it has (``tests/project/test_backend_sites.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from hpcrl.core.parallel import TrainParallel
+from hpcrl.trainer.config import (
+    MegatronTrainerConfig,
+    Precision,
+    TrainerConfig,
+    fsdp_build_gap,
+    megatron_build_gap,
+)
+
+if TYPE_CHECKING:
+    from hpcrl.config.model import ModelConfig, ParamCounts
+
+Options = Callable[[str, list[int]], list[int]]
+"""The layout search's filter: the searched values of a ``trainer.*`` key, or only its typed one."""
+Degrees = tuple[int, int, int, int, int]
+"""(tp, pp, cp, ep, expert_tp) of one layout the search tries."""
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """Bytes one training GPU holds for its share of the model (the memory estimate's terms)."""
+
+    weights: float
+    """Parameters as the backend holds them (fsdp: with the two gathered layers, ``gathered``)."""
+    reference: float
+    """The frozen reference policy, in fp32 (``algo.kl_coef`` > 0)."""
+    grads: float
+    optimizer: float
+    gathered: float = 0.0
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    name: str
+    """The ``trainer`` group's option and the schema's ``backend``."""
+    build: str
+    """``module:Class`` of its Trainer, imported only where a rank builds one (``make``)."""
+    packages: tuple[str, ...]
+    """Distributions it needs beyond torch, ray and transformers (``hpcrl doctor`` checks their pins)."""
+    degrees: tuple[str, ...]
+    """The ``trainer.*`` parallel degrees it splits over, which the layout search varies and a plan
+    that does not fit may raise; the others must stay 1 (``build_gap`` says why)."""
+    checkpoint_layout: tuple[str, ...]
+    """The degrees a checkpoint's model.json records beside the world size."""
+    pads_cp: bool
+    """Pads each sequence to a multiple of ``trainer.cp`` itself; otherwise cp must divide the length."""
+    checkpoint_bytes_per_param: int
+    """One checkpoint's weights and Adam state per parameter (fsdp: fp32 weights + m + v; megatron:
+    bf16 weights + fp32 master + m + v)."""
+    ipc_any_world: bool
+    """Every rank gathers each tensor whole, so every rank can feed the engine on its own GPU by CUDA
+    IPC at any world size; otherwise only a single rank can."""
+    checkpoint_prefix: str
+    """Where the model's tensors sit in its DCP checkpoint (``hpcrl export`` reads them)."""
+    export_names: str
+    """``module:function`` (imported only by ``hpcrl export``): (HF config dir, source model dir) -> a
+    function turning a group of its checkpoint tensors into the Hugging Face checkpoint's names."""
+    parallel: Callable[[TrainerConfig, int], TrainParallel]
+    """Its parallel degrees over ``world`` training GPUs."""
+    model_gap: Callable[[ModelConfig], str]
+    """Why it cannot build this model at any layout ("": it can)."""
+    build_gap: Callable[[ModelConfig, TrainerConfig], str]
+    """Why it cannot train this model at the configured layout ("": it can)."""
+    choices: Callable[[ModelConfig, TrainerConfig, int, int, Options], list[Degrees]]
+    """The layouts the search tries for (model, trainer, GPUs per node, sequence length, options),
+    least parallel first."""
+    state: Callable[[ParamCounts, ModelConfig, TrainerConfig, TrainParallel], TrainState]
+    """Its per-GPU training state (memory estimate)."""
+    sequence_parallel: Callable[[TrainerConfig], bool]
+    """Whether activations outside attention/MLP are split over the TP ranks."""
+    notes: Callable[[TrainerConfig], list[str]]
+    """Its own settings worth a word in ``hpcrl plan``'s parallelism table."""
+
+    def make(self) -> Any:
+        """The Trainer class (imports the backend: torch and its libraries)."""
+        return _load(self.build)
+
+    def hf_names(self, hf_dir: Path, source: Path) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        """``export_names`` for this checkpoint (imports the backend)."""
+        return cast(Callable[[dict[str, Any]], dict[str, Any]], _load(self.export_names)(hf_dir, source))
+
+
+def _load(path: str) -> Any:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def layer_params(counts: ParamCounts, model: ModelConfig) -> float:
+    """Trainable parameters of one decoder layer (on average)."""
+    return (counts.total - counts.embedding - counts.frozen) / model.num_layers
+
+
+# -- fsdp ------------------------------------------------------------------------------------------------
+def _fsdp_choices(
+    model: ModelConfig, trainer: TrainerConfig, gpn: int, seq: int, options: Options
+) -> list[Degrees]:
+    """CP only (``fsdp_build_gap``)."""
+    fixed = [options(f"trainer.{k}", [1]) for k in ("tp", "pp", "ep")]
+    cps = options("trainer.cp", [c for c in (1, 2, 4, 8) if not fsdp_build_gap(model, cp=c)])
+    return [(tp, pp, cp, ep, 1) for tp in fixed[0] for pp in fixed[1] for ep in fixed[2] for cp in cps]
+
+
+def _fsdp_state(
+    counts: ParamCounts, model: ModelConfig, trainer: TrainerConfig, par: TrainParallel
+) -> TrainState:
+    """FSDP2 shards everything over the training world; TP/EP only change which rank holds what."""
+    frozen = counts.frozen
+    trainable = (counts.dense - frozen + counts.expert) / par.world
+    gathered = (
+        2 * 2 * layer_params(counts, model) / par.tp
+    )  # bf16 copies: the current and the prefetched layer
+    return TrainState(
+        weights=4 * trainable + 2 * frozen / par.world + gathered,
+        reference=4 * counts.total / par.world,
+        grads=4 * trainable,
+        optimizer=8 * trainable,  # fp32 Adam m + v (the fp32 master weights are `weights`)
+        gathered=gathered,
+    )
+
+
+FSDP = TrainerSpec(
+    name="fsdp",
+    build="hpcrl.trainer.fsdp:FSDPTrainer",
+    packages=(),
+    degrees=("cp",),
+    checkpoint_layout=(),
+    pads_cp=True,
+    checkpoint_bytes_per_param=12,
+    ipc_any_world=True,
+    checkpoint_prefix="model.",
+    export_names="hpcrl.trainer.fsdp.export:hf_names",
+    parallel=lambda t, world: TrainParallel(world=world, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep),
+    model_gap=lambda model: "",
+    build_gap=lambda model, t: fsdp_build_gap(model, t.tp, t.cp, t.ep),
+    choices=_fsdp_choices,
+    state=_fsdp_state,
+    sequence_parallel=lambda t: False,
+    notes=lambda t: [],
+)
+
+
+# -- megatron --------------------------------------------------------------------------------------------
+def _megatron(trainer: TrainerConfig) -> MegatronTrainerConfig:
+    """The megatron schema's own settings (the ``trainer`` group picked it for this spec)."""
+    return cast(MegatronTrainerConfig, trainer)
+
+
+def _megatron_gap(model: ModelConfig, trainer: TrainerConfig) -> str:
+    t = _megatron(trainer)
+    gap = megatron_build_gap(model, t.tp, t.pp, t.cp)
+    if gap.startswith("trainer=megatron cannot build"):  # else: a layout to change
+        return f"{gap}; the plan above is the layout it will use once it can"
+    if gap:
+        return gap
+    return t.moe_gap(model.name) if model.is_moe else ""
+
+
+def _megatron_choices(
+    model: ModelConfig, trainer: TrainerConfig, gpn: int, seq: int, options: Options
+) -> list[Degrees]:
+    from hpcrl.core.checks import divisors
+
+    t = _megatron(trainer)
+    heads = model.num_attention_heads
+    tps = options("trainer.tp", [d for d in divisors(gpn) if heads % d == 0])
+    pps = options("trainer.pp", [p for p in (1, 2, 4, 8, 16) if model.num_layers % p == 0])
+    cps = options("trainer.cp", [c for c in (1, 2, 4, 8) if seq % c == 0])
+    experts = [e for e in (1, 2, 4, 8, 16, 32, 64) if model.is_moe and model.num_experts % e == 0]
+    eps = options("trainer.ep", experts or [1])
+    out = []
+    for tp in tps:
+        if model.is_moe and tp > 1 and not t.sequence_parallel:
+            continue  # MegatronTrainerConfig.moe_gap
+        for pp in pps:
+            for cp in cps:
+                if megatron_build_gap(model, tp, pp, cp):
+                    continue
+                out += [(tp, pp, cp, ep, t.expert_tp) for ep in eps]
+    return out
+
+
+def megatron_dense_share(counts: ParamCounts, kv_heads: int, tp: int) -> float:
+    """Trainable non-expert parameters on one TP rank: split by tp, except what Megatron keeps whole
+    on every rank (router, latent projections) and Q/K/V, split only as far as the KV heads go."""
+    dense = counts.dense - counts.frozen
+    split = dense - counts.replicated - counts.qkv
+    return split / tp + counts.replicated + counts.qkv / min(tp, kv_heads)
+
+
+def _megatron_state(
+    counts: ParamCounts, model: ModelConfig, trainer: TrainerConfig, par: TrainParallel
+) -> TrainState:
+    t = _megatron(trainer)
+    weight_bytes = 4 if t.precision is Precision.float32 else 2
+    dense = megatron_dense_share(counts, model.num_kv_heads, par.tp) / par.pp
+    expert = counts.expert / (par.ep * par.expert_tp * par.pp)
+    frozen = counts.frozen / (par.tp * par.pp)
+    dense_opt_group = par.dp * par.cp if t.distributed_optimizer else 1
+    expert_opt_group = par.expert_dp if t.distributed_optimizer else 1
+    return TrainState(
+        weights=weight_bytes * (dense + expert + frozen),
+        reference=4 * (dense + expert + frozen),
+        grads=4 * (dense + expert),
+        optimizer=12 * (dense / dense_opt_group + expert / expert_opt_group),
+    )
+
+
+def _megatron_notes(trainer: TrainerConfig) -> list[str]:
+    t = _megatron(trainer)
+    return [
+        "SP" if t.sequence_parallel else "no SP",
+        "dist-opt" if t.distributed_optimizer else "replicated optimizer",
+    ]
+
+
+MEGATRON = TrainerSpec(
+    name="megatron",
+    build="hpcrl.trainer.megatron:MegatronTrainer",
+    packages=("megatron-core",),
+    degrees=("tp", "pp", "cp", "ep"),
+    checkpoint_layout=("tp", "pp", "cp", "ep", "expert_tp"),
+    pads_cp=False,
+    checkpoint_bytes_per_param=14,
+    ipc_any_world=False,
+    checkpoint_prefix="model/",
+    export_names="hpcrl.trainer.megatron.export:hf_names",
+    parallel=lambda t, world: TrainParallel(
+        world=world, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep, expert_tp=_megatron(t).expert_tp
+    ),
+    model_gap=lambda model: megatron_build_gap(model),
+    build_gap=_megatron_gap,
+    choices=_megatron_choices,
+    state=_megatron_state,
+    sequence_parallel=lambda t: _megatron(t).sequence_parallel,
+    notes=_megatron_notes,
+)
+
+
+TRAINERS: dict[str, TrainerSpec] = {spec.name: spec for spec in (FSDP, MEGATRON)}
+"""Every training backend, by the ``trainer`` group's option."""
+
+
+def trainer_spec(trainer: TrainerConfig) -> TrainerSpec:
+    """The spec of the backend the ``trainer`` group chose."""
+    return TRAINERS[trainer.backend]
+
+
+def with_degree(name: str) -> str:
+    """The backends that split over ``trainer.<name>``, for a message (e.g. "trainer=megatron")."""
+    return " or ".join(f"trainer={n}" for n, s in TRAINERS.items() if name in s.degrees)
