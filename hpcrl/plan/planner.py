@@ -24,13 +24,8 @@ from hpcrl.plan.nvlink import NvlinkCheck, check_nvlink
 from hpcrl.plan.quirks import AppliedQuirk, apply_quirks
 from hpcrl.plan.search import search_layouts
 from hpcrl.plan.topology import Placement, Topology, build_topology, on_gpus
-from hpcrl.rollout.config import VLLMRolloutConfig
-from hpcrl.trainer.config import (
-    FSDPTrainerConfig,
-    MegatronTrainerConfig,
-    fsdp_build_gap,
-    megatron_build_gap,
-)
+from hpcrl.rollout.backends import sleep_mode
+from hpcrl.trainer.backends import trainer_spec, with_degree
 
 
 @dataclass(frozen=True)
@@ -73,7 +68,7 @@ class Plan:
 
     def bigger_keys(self) -> str:
         """The parallel degrees this backend can raise to fit (fsdp: context parallel only)."""
-        return "trainer.tp/pp/cp/ep" if isinstance(self.cfg.trainer, MegatronTrainerConfig) else "trainer.cp"
+        return "trainer." + "/".join(trainer_spec(self.cfg.trainer).degrees)
 
     def require_fit(self) -> None:
         if not self.fits:
@@ -95,24 +90,7 @@ class Plan:
     @property
     def backend_gaps(self) -> list[str]:
         """Why the chosen training backend cannot run this plan yet (empty: it can)."""
-        cfg, trainer = self.cfg, self.cfg.trainer
-        gaps = []
-        if isinstance(trainer, MegatronTrainerConfig) and (
-            gap := megatron_build_gap(cfg.model, trainer.tp, trainer.pp, trainer.cp)
-        ):
-            missing = gap.startswith("trainer=megatron cannot build")  # else: a layout to change
-            gaps.append(f"{gap}; the plan above is the layout it will use once it can" if missing else gap)
-        if (
-            isinstance(trainer, MegatronTrainerConfig)
-            and cfg.model.is_moe
-            and trainer.moe_gap(cfg.model.name)
-        ):
-            gaps.append(trainer.moe_gap(cfg.model.name))
-        if isinstance(trainer, FSDPTrainerConfig) and (
-            gap := fsdp_build_gap(cfg.model, trainer.tp, trainer.cp, trainer.ep)
-        ):
-            gaps.append(gap)
-        return gaps
+        return trainer_spec(self.cfg.trainer).build_gaps(self.cfg.model, self.cfg.trainer)
 
     def require_buildable(self) -> None:
         """Before anything is submitted: refuse a run whose backend cannot build the model."""
@@ -180,7 +158,7 @@ def make_plan(cfg: RunConfig) -> Plan:
         pp=trainer.pp,
         cp=trainer.cp,
         ep=trainer.ep,
-        expert_tp=trainer.expert_tp if isinstance(trainer, MegatronTrainerConfig) else 1,
+        expert_tp=trainer_spec(trainer).expert_tp(trainer),
         rollout_tp=cfg.rollout.tp,
     )
     check_model_parallel(cfg)
@@ -261,8 +239,8 @@ SLEEP_OFF = "the vllm engines stay awake, holding their share while the trainer 
 def resolve_sleep(cfg: RunConfig, placement: Placement) -> SleepChoice | None:
     """Set ``rollout.sleep`` in place (the engine is built from the resolved config): None is on exactly
     for vllm engines colocated with the trainer on GPUs; an explicit true where it cannot apply is an error."""
-    rollout = cfg.rollout
-    if not isinstance(rollout, VLLMRolloutConfig):
+    rollout = sleep_mode(cfg.rollout)
+    if rollout is None:  # the engine has no sleep mode
         return None
     blocker = sleep_blocker(cfg, placement)
     explicit = rollout.sleep is not None
@@ -320,10 +298,10 @@ def check_algo(cfg: RunConfig) -> None:
 
 def check_backend(cfg: RunConfig) -> None:
     trainer = cfg.trainer
-    if isinstance(trainer, FSDPTrainerConfig) and trainer.pp > 1:
+    if "pp" not in trainer_spec(trainer).degrees and trainer.pp > 1:
         raise ConfigError(
-            f"trainer.pp={trainer.pp}: the fsdp backend has no pipeline parallelism; "
-            "use trainer=megatron or trainer.pp=1"
+            f"trainer.pp={trainer.pp}: the {trainer.backend} backend has no pipeline parallelism; "
+            f"use {with_degree('pp')} or trainer.pp=1"
         )
     if trainer.ep > 1 and not cfg.model.is_moe:
         raise ConfigError(
@@ -346,7 +324,7 @@ def check_model_parallel(cfg: RunConfig) -> None:
         )
     if trainer.pp > model.num_layers:
         raise ConfigError(f"trainer.pp={trainer.pp} exceeds {model.name}'s {model.num_layers} layers")
-    if isinstance(trainer, MegatronTrainerConfig) and cfg.max_seq_len % trainer.cp:  # fsdp pads
+    if not trainer_spec(trainer).pads_cp and cfg.max_seq_len % trainer.cp:
         raise ConfigError(
             f"trainer.cp={trainer.cp} must divide the sequence length {cfg.max_seq_len} "
             "(data.max_prompt_tokens + rollout.max_new_tokens)"

@@ -55,7 +55,7 @@ class TrainerSpec:
     """Distributions it needs beyond torch, ray and transformers (``hpcrl doctor`` checks their pins)."""
     degrees: tuple[str, ...]
     """The ``trainer.*`` parallel degrees it splits over, which the layout search varies and a plan
-    that does not fit may raise; the others must stay 1 (``build_gap`` says why)."""
+    that does not fit may raise; the others must stay 1 (``build_gaps`` says why)."""
     checkpoint_layout: tuple[str, ...]
     """The degrees a checkpoint's model.json records beside the world size."""
     pads_cp: bool
@@ -71,12 +71,12 @@ class TrainerSpec:
     export_names: str
     """``module:function`` (imported only by ``hpcrl export``): (HF config dir, source model dir) -> a
     function turning a group of its checkpoint tensors into the Hugging Face checkpoint's names."""
-    parallel: Callable[[TrainerConfig, int], TrainParallel]
-    """Its parallel degrees over ``world`` training GPUs."""
+    expert_tp: Callable[[TrainerConfig], int]
+    """Its tensor-parallel degree inside each expert (1 where it has none)."""
     model_gap: Callable[[ModelConfig], str]
     """Why it cannot build this model at any layout ("": it can)."""
-    build_gap: Callable[[ModelConfig, TrainerConfig], str]
-    """Why it cannot train this model at the configured layout ("": it can)."""
+    build_gaps: Callable[[ModelConfig, TrainerConfig], list[str]]
+    """Why it cannot train this model at the configured layout (empty: it can)."""
     choices: Callable[[ModelConfig, TrainerConfig, int, int, Options], list[Degrees]]
     """The layouts the search tries for (model, trainer, GPUs per node, sequence length, options),
     least parallel first."""
@@ -86,6 +86,11 @@ class TrainerSpec:
     """Whether activations outside attention/MLP are split over the TP ranks."""
     notes: Callable[[TrainerConfig], list[str]]
     """Its own settings worth a word in ``hpcrl plan``'s parallelism table."""
+
+    def parallel(self, trainer: TrainerConfig, world: int) -> TrainParallel:
+        """Its parallel degrees over ``world`` training GPUs."""
+        t = trainer
+        return TrainParallel(world=world, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep, expert_tp=self.expert_tp(t))
 
     def make(self) -> Any:
         """The Trainer class (imports the backend: torch and its libraries)."""
@@ -145,9 +150,9 @@ FSDP = TrainerSpec(
     ipc_any_world=True,
     checkpoint_prefix="model.",
     export_names="hpcrl.trainer.fsdp.export:hf_names",
-    parallel=lambda t, world: TrainParallel(world=world, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep),
+    expert_tp=lambda t: 1,
     model_gap=lambda model: "",
-    build_gap=lambda model, t: fsdp_build_gap(model, t.tp, t.cp, t.ep),
+    build_gaps=lambda model, t: [gap] if (gap := fsdp_build_gap(model, t.tp, t.cp, t.ep)) else [],
     choices=_fsdp_choices,
     state=_fsdp_state,
     sequence_parallel=lambda t: False,
@@ -161,14 +166,15 @@ def _megatron(trainer: TrainerConfig) -> MegatronTrainerConfig:
     return cast(MegatronTrainerConfig, trainer)
 
 
-def _megatron_gap(model: ModelConfig, trainer: TrainerConfig) -> str:
+def _megatron_gaps(model: ModelConfig, trainer: TrainerConfig) -> list[str]:
     t = _megatron(trainer)
-    gap = megatron_build_gap(model, t.tp, t.pp, t.cp)
-    if gap.startswith("trainer=megatron cannot build"):  # else: a layout to change
-        return f"{gap}; the plan above is the layout it will use once it can"
-    if gap:
-        return gap
-    return t.moe_gap(model.name) if model.is_moe else ""
+    gaps = []
+    if gap := megatron_build_gap(model, t.tp, t.pp, t.cp):
+        missing = gap.startswith("trainer=megatron cannot build")  # else: a layout to change
+        gaps.append(f"{gap}; the plan above is the layout it will use once it can" if missing else gap)
+    if model.is_moe and t.moe_gap(model.name):
+        gaps.append(t.moe_gap(model.name))
+    return gaps
 
 
 def _megatron_choices(
@@ -240,11 +246,9 @@ MEGATRON = TrainerSpec(
     ipc_any_world=False,
     checkpoint_prefix="model/",
     export_names="hpcrl.trainer.megatron.export:hf_names",
-    parallel=lambda t, world: TrainParallel(
-        world=world, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep, expert_tp=_megatron(t).expert_tp
-    ),
+    expert_tp=lambda t: _megatron(t).expert_tp,
     model_gap=lambda model: megatron_build_gap(model),
-    build_gap=_megatron_gap,
+    build_gaps=_megatron_gaps,
     choices=_megatron_choices,
     state=_megatron_state,
     sequence_parallel=lambda t: _megatron(t).sequence_parallel,
