@@ -29,12 +29,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcrl.config.model import ParamCounts
 from hpcrl.config.schema import RunConfig
 from hpcrl.plan.activations import ROUTER_BYTES, Share, activation_bytes
 from hpcrl.plan.topology import Placement, Topology
-from hpcrl.rollout.config import VLLMRolloutConfig
-from hpcrl.trainer.config import FUSED_CHUNK_ELEMENTS, FSDPTrainerConfig, MegatronTrainerConfig, Precision
+from hpcrl.rollout.backends import served_weights, sleeps
+from hpcrl.trainer.backends import layer_params, trainer_spec
+from hpcrl.trainer.config import FUSED_CHUNK_ELEMENTS
 
 GB = 1e9
 RUNTIME_OVERHEAD_GB = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
@@ -219,7 +219,7 @@ def estimate_memory(cfg: RunConfig, topo: Topology) -> MemoryEstimate:
     train, rollout = estimate_train(cfg, topo), estimate_rollout(cfg, topo)
     phases = None
     if topo.placement is Placement.COLOCATED:
-        sleep = isinstance(cfg.rollout, VLLMRolloutConfig) and cfg.rollout.sleep is True
+        sleep = sleeps(cfg.rollout)
         phases = colocated_peaks(train, rollout, sleep=sleep, bucket_mb=cfg.rollout.weight_sync_bucket_mb)
     return MemoryEstimate(cfg.cluster.gpu_memory_gb, topo.placement, train, rollout, phases)
 
@@ -227,30 +227,8 @@ def estimate_memory(cfg: RunConfig, topo: Topology) -> MemoryEstimate:
 def estimate_train(cfg: RunConfig, topo: Topology) -> TrainMemory:
     model, trainer, par = cfg.model, cfg.trainer, topo.train
     counts = model.param_counts()
-    weight_bytes = 4 if trainer.precision is Precision.float32 else 2
-    layer = (counts.total - counts.embedding - counts.frozen) / model.num_layers
-    gathered = 0.0
-    if isinstance(trainer, MegatronTrainerConfig):
-        dense_shard = megatron_dense_share(counts, model.num_kv_heads, par.tp) / par.pp
-        expert_shard = counts.expert / (par.ep * par.expert_tp * par.pp)
-        frozen_shard = counts.frozen / (par.tp * par.pp)
-        weights = weight_bytes * (dense_shard + expert_shard + frozen_shard)
-        reference = 4 * (dense_shard + expert_shard + frozen_shard)
-        grads = 4 * (dense_shard + expert_shard)
-        dense_opt_group = par.dp * par.cp if trainer.distributed_optimizer else 1
-        expert_opt_group = par.expert_dp if trainer.distributed_optimizer else 1
-        optimizer = 12 * (dense_shard / dense_opt_group + expert_shard / expert_opt_group)
-    else:
-        assert isinstance(trainer, FSDPTrainerConfig)
-        frozen = counts.frozen
-        # FSDP2 shards everything over the training world; TP/EP only change which rank holds what.
-        trainable = (counts.dense - frozen + counts.expert) / par.world
-        weights = 4 * trainable + 2 * frozen / par.world
-        gathered = 2 * 2 * layer / par.tp  # unsharded bf16 copies of the current and the prefetched layer
-        weights += gathered
-        reference = 4 * counts.total / par.world
-        grads = 4 * trainable
-        optimizer = 8 * trainable  # fp32 Adam m + v (the fp32 master weights are `weights`)
+    layer = layer_params(counts, model)
+    state = trainer_spec(trainer).state(counts, model, trainer, par)  # the backend's own share
     share = train_share(cfg, topo)
     activations = activation_bytes(model, share, trainer.activation_checkpointing)
     if trainer.chunked_logprob():
@@ -259,29 +237,21 @@ def estimate_train(cfg: RunConfig, topo: Topology) -> TrainMemory:
     else:
         logits = share.tokens * model.vocab_size / par.tp * 4 * 2
     return TrainMemory(
-        weights=weights / GB,
-        grads=grads / GB,
-        optimizer=optimizer / GB,
+        weights=state.weights / GB,
+        grads=state.grads / GB,
+        optimizer=state.optimizer / GB,
         activations=activations / GB,
         logits=logits / GB,
-        reference=reference / GB if cfg.algo.kl_coef > 0 else 0.0,
-        gathered=gathered / GB,
+        reference=state.reference / GB if cfg.algo.kl_coef > 0 else 0.0,
+        gathered=state.gathered / GB,
         loading=4 * layer / GB,  # fp32 at most (the tensors are cast as they are copied in)
     )
-
-
-def megatron_dense_share(counts: ParamCounts, kv_heads: int, tp: int) -> float:
-    """Trainable non-expert parameters on one TP rank: split by tp, except what Megatron keeps whole
-    on every rank (router, latent projections) and Q/K/V, split only as far as the KV heads go."""
-    dense = counts.dense - counts.frozen
-    split = dense - counts.replicated - counts.qkv
-    return split / tp + counts.replicated + counts.qkv / min(tp, kv_heads)
 
 
 def train_share(cfg: RunConfig, topo: Topology) -> Share:
     """One training GPU's slice of a micro-batch, as the activation terms divide it."""
     trainer, par = cfg.trainer, topo.train
-    sp = isinstance(trainer, MegatronTrainerConfig) and trainer.sequence_parallel
+    sp = trainer_spec(trainer).sequence_parallel(trainer)
     return Share(
         tokens=trainer.micro_batch_size * cfg.max_seq_len / par.cp,
         tp=par.tp,
@@ -296,9 +266,10 @@ def estimate_rollout(cfg: RunConfig, topo: Topology) -> RolloutMemory:
     model, rollout = cfg.model, cfg.rollout
     tp = topo.rollout.tp
     counts = model.param_counts()
-    text_only = isinstance(rollout, VLLMRolloutConfig) and rollout.language_model_only
+    served_as = served_weights(rollout)  # None: bf16, the whole model
+    text_only = served_as is not None and served_as.language_model_only
     served = counts.total - (counts.frozen if text_only else 0)
-    weight_bytes = DTYPE_BYTES.get(rollout.dtype, 2) if isinstance(rollout, VLLMRolloutConfig) else 2
+    weight_bytes = DTYPE_BYTES.get(served_as.dtype, 2) if served_as is not None else 2
     seq_len = cfg.max_seq_len
     samples = cfg.algo.num_prompts_per_step * cfg.algo.num_generations
     wanted = -(-samples // topo.rollout.engines)
