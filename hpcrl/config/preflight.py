@@ -17,7 +17,8 @@ from hpcrl.core.checks import divisors
 from hpcrl.data.config import DataConfig
 from hpcrl.data.procedural import is_procedural
 from hpcrl.errors import ConfigError
-from hpcrl.trainer.config import MegatronTrainerConfig, TrainerConfig
+from hpcrl.trainer.backends import trainer_spec
+from hpcrl.trainer.config import TrainerConfig
 
 
 def check_run(data: DataConfig, model: ModelConfig, trainer: TrainerConfig) -> None:
@@ -116,7 +117,7 @@ def check_pipeline_stages(model: ModelConfig, trainer: TrainerConfig) -> None:
     """Megatron cuts the layers into ``trainer.pp`` equal stages (no uneven first/last stage here); the
     fsdp backend's pp>1 is refused by the planner with its own message."""
     pp, layers = trainer.pp, model.num_layers
-    if isinstance(trainer, MegatronTrainerConfig) and layers % pp:
+    if "pp" in trainer_spec(trainer).degrees and layers % pp:
         options = ", ".join(str(d) for d in divisors(layers) if d <= 64)
         raise ConfigError(
             f"trainer.pp={pp} does not divide {model.name}'s {layers} layers (model.num_layers): "

@@ -9,7 +9,8 @@ from typing import NamedTuple
 
 from hpcrl.config.schema import RunConfig
 from hpcrl.plan.topology import Placement, Topology, on_gpus
-from hpcrl.rollout.config import VLLMRolloutConfig
+from hpcrl.rollout.backends import logprob_sampling, paged_kv, rollout_spec
+from hpcrl.trainer.backends import trainer_spec
 
 GPU_BLOCK_SIZE = 64
 """KV-cache block size of vLLM engines on GPUs where neither the config nor a quirk sets one. vLLM's
@@ -26,9 +27,9 @@ OWN_BLOCK_SIZE = {
 def resolve_block_size(cfg: RunConfig) -> str:
     """Set ``rollout.block_size`` to GPU_BLOCK_SIZE in place where it is None on a vllm engine on GPUs
     (not for OWN_BLOCK_SIZE families); the line ``hpcrl plan`` prints, "" when nothing was chosen."""
-    rollout = cfg.rollout
+    rollout = paged_kv(cfg.rollout)
     if (
-        not isinstance(rollout, VLLMRolloutConfig)
+        rollout is None  # no block size to choose
         or rollout.block_size is not None
         or not on_gpus(cfg.cluster)
         or cfg.model.family in OWN_BLOCK_SIZE
@@ -71,10 +72,10 @@ cost ~15 us of vLLM engine Python per sequence and step: 35% of the decode throu
 
 
 def resolve_logprob_fraction(cfg: RunConfig) -> str:
-    """Set a vllm engine's ``rollout.logprob_fraction`` in place where it is None: 1 with an IS
-    correction, LOGPROB_SAMPLE without; the line ``hpcrl plan`` prints for the sample, else ""."""
-    rollout = cfg.rollout
-    if not isinstance(rollout, VLLMRolloutConfig) or rollout.logprob_fraction is not None:
+    """Set ``rollout.logprob_fraction`` in place where it is None on an engine that samples log-probs:
+    1 with an IS correction, LOGPROB_SAMPLE without; the line ``hpcrl plan`` prints for the sample, else ""."""
+    rollout = logprob_sampling(cfg.rollout)
+    if rollout is None or rollout.logprob_fraction is not None:
         return ""
     if not rollout.logprobs or cfg.algo.is_correction.value != "none":
         rollout.logprob_fraction = 1.0
@@ -123,7 +124,8 @@ def resolve_refit(cfg: RunConfig, topo: Topology) -> RefitChoice:
     """The plan's refit: on GPUs the job starts the topology's ranks and engines as planned (on CPUs
     the mode does not depend on them)."""
     train, rollout = topo.train, topo.rollout
-    whole_model = cfg.trainer.backend == "fsdp" or train.world == 1
+    whole_model = trainer_spec(cfg.trainer).ipc_any_world or train.world == 1
+    whole_model = whole_model and rollout_spec(cfg.rollout).ipc_refit
     return choose_refit(
         cfg.rollout.weight_sync,
         on_cpu=not on_gpus(cfg.cluster),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from hpcrl.config.schema import RunConfig
 from hpcrl.plan.memory import GB, RolloutMemory, TrainMemory
 from hpcrl.plan.topology import Placement, Topology
-from hpcrl.trainer.config import MegatronTrainerConfig, megatron_build_gap
+from hpcrl.trainer.backends import expert_tp_view, trainer_spec
 
 LAYOUT_KEYS = (
     "layout.train_nodes",
@@ -71,8 +71,8 @@ class Layout:
         trainer = cfg.trainer
         trainer.tp, trainer.pp, trainer.cp, trainer.ep = self.tp, self.pp, self.cp, self.ep
         trainer.activation_checkpointing = self.recompute
-        if isinstance(trainer, MegatronTrainerConfig):
-            trainer.expert_tp = self.expert_tp
+        if (experts := expert_tp_view(trainer)) is not None:
+            experts.expert_tp = self.expert_tp
         cfg.rollout.tp = self.rollout_tp
         if self.segment is not None:
             cfg.cluster.slurm.segment = self.segment
@@ -143,7 +143,7 @@ class TrainChoice:
 
 def build_short(cfg: RunConfig) -> str:
     trainer = cfg.trainer
-    gap = megatron_build_gap(cfg.model) if isinstance(trainer, MegatronTrainerConfig) else ""
+    gap = trainer_spec(trainer).model_gap(cfg.model)
     return gap or f"trainer={trainer.backend} has no parallel layout it can build for {cfg.model.name}"
 
 

@@ -25,7 +25,7 @@ from hpcrl.plan.quirks import AppliedQuirk, apply_quirks
 from hpcrl.plan.search import search_layouts
 from hpcrl.plan.topology import Placement, Topology, build_topology, on_gpus
 from hpcrl.rollout.backends import sleep_mode
-from hpcrl.trainer.backends import trainer_spec, with_degree
+from hpcrl.trainer.backends import expert_tp, trainer_spec, with_degree
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def make_plan(cfg: RunConfig) -> Plan:
         pp=trainer.pp,
         cp=trainer.cp,
         ep=trainer.ep,
-        expert_tp=trainer_spec(trainer).expert_tp(trainer),
+        expert_tp=expert_tp(trainer),
         rollout_tp=cfg.rollout.tp,
     )
     check_model_parallel(cfg)

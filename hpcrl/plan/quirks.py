@@ -2,6 +2,8 @@
 
 Each quirk is data (what to set, what to forbid, and why), so ``hpcrl plan`` can show exactly
 what was changed. A user value that contradicts a required setting is an error, not overridden.
+A setting applies where the chosen schema has its key: the vLLM engine's (``rollout.block_size``,
+``rollout.load_format``, ``rollout.language_model_only``) pass over an engine without them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from dataclasses import dataclass, field
 from hpcrl.config.model import ModelConfig
 from hpcrl.config.schema import RunConfig
 from hpcrl.errors import ConfigError
-from hpcrl.rollout.config import VLLMRolloutConfig
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,6 @@ class AppliedQuirk:
     reason: str
 
 
-def _uses_vllm(cfg: RunConfig) -> bool:
-    return isinstance(cfg.rollout, VLLMRolloutConfig)
-
-
 def _family(*names: str) -> Callable[[RunConfig], bool]:
     return lambda cfg: cfg.model.family in names
 
@@ -60,22 +57,21 @@ def _family(*names: str) -> Callable[[RunConfig], bool]:
 def _gemma3_settings(cfg: RunConfig) -> list[Setting]:
     model: ModelConfig = cfg.model
     out = []
-    if _uses_vllm(cfg):
-        if model.head_dim == 256:
-            out.append(
-                Setting(
-                    "rollout.block_size",
-                    32,
-                    "head_dim 256: vLLM's default 16-token KV block trips a FlashInfer assertion",
-                )
-            )
+    if model.head_dim == 256:
         out.append(
             Setting(
-                "rollout.load_format",
-                "auto",
-                "vLLM's 'normalizer' buffer is not in the checkpoint, so a dummy load + refit leaves it wrong",
+                "rollout.block_size",
+                32,
+                "head_dim 256: vLLM's default 16-token KV block trips a FlashInfer assertion",
             )
         )
+    out.append(
+        Setting(
+            "rollout.load_format",
+            "auto",
+            "vLLM's 'normalizer' buffer is not in the checkpoint, so a dummy load + refit leaves it wrong",
+        )
+    )
     out.append(
         Setting(
             "rollout.stop_token_ids",
@@ -98,7 +94,7 @@ def _gemma3_settings(cfg: RunConfig) -> list[Setting]:
 
 def _gemma4_settings(cfg: RunConfig) -> list[Setting]:
     out = []
-    if _uses_vllm(cfg) and cfg.model.vlm:
+    if cfg.model.vlm:
         out.append(
             Setting(
                 "rollout.language_model_only",
@@ -144,15 +140,14 @@ def _nemotron_h_settings(cfg: RunConfig) -> list[Setting]:
             strict=False,
         )
     ]
-    if _uses_vllm(cfg):
-        out.append(
-            Setting(
-                "rollout.load_format",
-                "auto",
-                "engines read the fp32 e_score_correction_bias from the checkpoint (refits, cast to "
-                "the engine's dtype, leave it out), so a dummy load would leave it random",
-            )
+    out.append(
+        Setting(
+            "rollout.load_format",
+            "auto",
+            "engines read the fp32 e_score_correction_bias from the checkpoint (refits, cast to "
+            "the engine's dtype, leave it out), so a dummy load would leave it random",
         )
+    )
     return out
 
 

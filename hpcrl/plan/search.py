@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -46,8 +45,8 @@ from hpcrl.plan.memory import (
 from hpcrl.plan.nvlink import check_nvlink, segment_for
 from hpcrl.plan.quirks import apply_quirks
 from hpcrl.plan.topology import Placement, Topology, build_topology, on_gpus
-from hpcrl.rollout.config import VLLMRolloutConfig
-from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig, fsdp_build_gap, megatron_build_gap
+from hpcrl.rollout.backends import sleep_mode
+from hpcrl.trainer.backends import trainer_spec
 
 SEARCH_MAX_NODES = 128
 """Where the search gives up on clusters without ``cluster.max_nodes``."""
@@ -91,32 +90,8 @@ class Search:
         recompute = self.options(
             "trainer.activation_checkpointing", sorted({trainer.activation_checkpointing, True})
         )
-        if isinstance(trainer, FSDPTrainerConfig):  # CP only (fsdp_build_gap)
-            fsdp = [self.options(f"trainer.{k}", [1]) for k in ("tp", "pp", "ep")]
-            cps = self.options("trainer.cp", [c for c in (1, 2, 4, 8) if not fsdp_build_gap(model, cp=c)])
-            return [
-                TrainChoice(tp, pp, cp, ep, 1, r)
-                for (tp, pp, ep), cp, r in itertools.product(itertools.product(*fsdp), cps, recompute)
-            ]
-        assert isinstance(trainer, MegatronTrainerConfig)
-        heads = model.num_attention_heads
-        tps = self.options("trainer.tp", [t for t in divisors(self.gpn) if heads % t == 0])
-        pps = self.options("trainer.pp", [p for p in (1, 2, 4, 8, 16) if model.num_layers % p == 0])
-        cps = self.options("trainer.cp", [c for c in (1, 2, 4, 8) if cfg.max_seq_len % c == 0])
-        experts = [e for e in (1, 2, 4, 8, 16, 32, 64) if model.is_moe and model.num_experts % e == 0]
-        eps = self.options("trainer.ep", experts or [1])
-        out = []
-        for tp in tps:
-            if model.is_moe and tp > 1 and not trainer.sequence_parallel:
-                continue  # MegatronTrainerConfig.moe_gap
-            for pp in pps:
-                for cp in cps:
-                    if megatron_build_gap(model, tp, pp, cp):
-                        continue
-                    out += [
-                        TrainChoice(tp, pp, cp, ep, trainer.expert_tp, r) for ep in eps for r in recompute
-                    ]
-        return out
+        degrees = trainer_spec(trainer).choices(model, trainer, self.gpn, cfg.max_seq_len, self.options)
+        return [TrainChoice(*d, r) for d in degrees for r in recompute]
 
     def rollout_tps(self) -> list[int]:
         heads = self.cfg.model.num_attention_heads
@@ -191,10 +166,10 @@ class Search:
 
     # -- whole layouts -------------------------------------------------------------------------------
     def sleep(self) -> bool:
-        rollout = self.cfg.rollout
-        if not isinstance(rollout, VLLMRolloutConfig):
+        mode = sleep_mode(self.cfg.rollout)
+        if mode is None:  # the engine has no sleep mode
             return False
-        return rollout.sleep if rollout.sleep is not None else on_gpus(self.cluster)
+        return mode.sleep if mode.sleep is not None else on_gpus(self.cluster)
 
     def colocated(self, nodes: int) -> Iterator[Scored]:
         rollout_sides = self.rollout_side(nodes)
@@ -212,8 +187,7 @@ class Search:
                     yield scored
 
     def split(self, rollout_nodes: int, train_nodes: int) -> Iterator[Scored]:
-        rollout = self.cfg.rollout
-        if isinstance(rollout, VLLMRolloutConfig) and rollout.sleep:
+        if (mode := sleep_mode(self.cfg.rollout)) is not None and mode.sleep:
             return  # an explicit rollout.sleep=true asks for colocated engines
         for rollout_tp, memory in self.rollout_side(rollout_nodes):
             for choice, train, _ in self.train_side(train_nodes):

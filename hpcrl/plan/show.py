@@ -14,7 +14,7 @@ from hpcrl.config.defaults import default_recipes
 from hpcrl.config.schema import RunConfig
 from hpcrl.data.procedural import is_procedural
 from hpcrl.plan.planner import Plan, ShippedLayout, shipped_layouts
-from hpcrl.trainer.config import MegatronTrainerConfig
+from hpcrl.trainer.backends import trainer_spec
 
 
 def _b(n: float) -> str:
@@ -159,9 +159,7 @@ def _parallelism(plan: Plan) -> Table:
     cfg, tr, ro = plan.cfg, plan.topology.train, plan.topology.rollout
     par = _table("Parallelism", "side", "GPUs", "TP", "PP", "CP", "EP", "DP", "notes")
     notes = []
-    if isinstance(cfg.trainer, MegatronTrainerConfig):
-        notes.append("SP" if cfg.trainer.sequence_parallel else "no SP")
-        notes.append("dist-opt" if cfg.trainer.distributed_optimizer else "replicated optimizer")
+    notes += trainer_spec(cfg.trainer).notes(cfg.trainer)
     if cfg.model.is_moe:
         if tr.expert_tp > 1:
             notes.append(f"expert TP {tr.expert_tp}")

@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from hpcrl.core.parallel import TrainParallel
 from hpcrl.trainer.config import (
@@ -71,8 +71,8 @@ class TrainerSpec:
     export_names: str
     """``module:function`` (imported only by ``hpcrl export``): (HF config dir, source model dir) -> a
     function turning a group of its checkpoint tensors into the Hugging Face checkpoint's names."""
-    expert_tp: Callable[[TrainerConfig], int]
-    """Its tensor-parallel degree inside each expert (1 where it has none)."""
+    expert_tp: bool
+    """Tensor parallel inside each expert (``trainer.expert_tp``, read through ``expert_tp_view``)."""
     model_gap: Callable[[ModelConfig], str]
     """Why it cannot build this model at any layout ("": it can)."""
     build_gaps: Callable[[ModelConfig, TrainerConfig], list[str]]
@@ -90,7 +90,7 @@ class TrainerSpec:
     def parallel(self, trainer: TrainerConfig, world: int) -> TrainParallel:
         """Its parallel degrees over ``world`` training GPUs."""
         t = trainer
-        return TrainParallel(world=world, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep, expert_tp=self.expert_tp(t))
+        return TrainParallel(world=world, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep, expert_tp=expert_tp(t))
 
     def make(self) -> Any:
         """The Trainer class (imports the backend: torch and its libraries)."""
@@ -150,7 +150,7 @@ FSDP = TrainerSpec(
     ipc_any_world=True,
     checkpoint_prefix="model.",
     export_names="hpcrl.trainer.fsdp.export:hf_names",
-    expert_tp=lambda t: 1,
+    expert_tp=False,
     model_gap=lambda model: "",
     build_gaps=lambda model, t: [gap] if (gap := fsdp_build_gap(model, t.tp, t.cp, t.ep)) else [],
     choices=_fsdp_choices,
@@ -246,7 +246,7 @@ MEGATRON = TrainerSpec(
     ipc_any_world=False,
     checkpoint_prefix="model/",
     export_names="hpcrl.trainer.megatron.export:hf_names",
-    expert_tp=lambda t: _megatron(t).expert_tp,
+    expert_tp=True,
     model_gap=lambda model: megatron_build_gap(model),
     build_gaps=_megatron_gaps,
     choices=_megatron_choices,
@@ -268,3 +268,18 @@ def trainer_spec(trainer: TrainerConfig) -> TrainerSpec:
 def with_degree(name: str) -> str:
     """The backends that split over ``trainer.<name>``, for a message (e.g. "trainer=megatron")."""
     return " or ".join(f"trainer={n}" for n, s in TRAINERS.items() if name in s.degrees)
+
+
+class ExpertTP(Protocol):
+    expert_tp: int
+
+
+def expert_tp_view(trainer: TrainerConfig) -> ExpertTP | None:
+    """``trainer.expert_tp`` where the backend has it (``TrainerSpec.expert_tp``)."""
+    return cast(ExpertTP, trainer) if trainer_spec(trainer).expert_tp else None
+
+
+def expert_tp(trainer: TrainerConfig) -> int:
+    """The tensor-parallel degree inside each expert (1 where the backend has none)."""
+    view = expert_tp_view(trainer)
+    return view.expert_tp if view is not None else 1
