@@ -39,25 +39,12 @@ def resolve_block_size(cfg: RunConfig) -> str:
     return f"rollout.block_size={GPU_BLOCK_SIZE} (auto: fewer KV blocks per sequence, less engine CPU a step)"
 
 
-ENGINE_WHY = {
-    "vllm": (
-        "in-flight generation with streamed rewards, prefix caching over a prompt's samples and paged KV "
-        "for mixed lengths; its tokens/s is flat from 256 to 512 sequences at once"
-    ),
-    "hf": "256 sequences at once generate 2.0-2.2x the tokens/s of 64; no streaming, no prefix caching",
-}
-"""Why the rollout engine and its ``max_num_seqs`` default, as ``hpcrl plan`` prints it: on one H200
-(GPU vLLM 0.26, SmolLM2-135M and Qwen2-1.5B shapes, 512 x (192 + 256); bench/results/README.md,
-session 18) the hf engine at 256 generated 59.7k / 36.0k tok/s, vLLM 28.3k / 28.5k at its best; vLLM
-stays the default for what the loop uses beyond raw generation (not yet measured in the loop)."""
-
-
 def engine_line(cfg: RunConfig) -> str:
     """The line ``hpcrl plan`` prints for the rollout engine on GPUs: which, how many sequences at
-    once, and why (ENGINE_WHY); "" on CPUs."""
+    once, and why (``RolloutSpec.why``); "" on CPUs."""
     rollout = cfg.rollout
-    why = ENGINE_WHY.get(rollout.backend)
-    if not on_gpus(cfg.cluster) or why is None:
+    why = rollout_spec(rollout).why
+    if not on_gpus(cfg.cluster) or not why:
         return ""
     return (
         f"rollout={rollout.backend} max_num_seqs={rollout.max_num_seqs} ({why}; measured, bench session 18)"

@@ -43,6 +43,12 @@ class RolloutSpec:
     """On CPUs it needs the KV cache's size given (vLLM sizes memory from one NUMA node there)."""
     ipc_refit: bool
     """Loads weight buckets shared by a trainer on the same GPU through CUDA IPC (``load_ipc``)."""
+    why: str = ""
+    """Why this engine and its ``max_num_seqs`` default, as ``hpcrl plan`` prints it on GPUs. Measured
+    on one H200 (GPU vLLM 0.26, SmolLM2-135M and Qwen2-1.5B shapes, 512 x (192 + 256);
+    bench/results/README.md, session 18): the hf engine at 256 generated 59.7k / 36.0k tok/s, vLLM
+    28.3k / 28.5k at its best; vLLM stays the default for what the loop uses beyond raw generation
+    (not yet measured in the loop)."""
 
     def make(self) -> Any:
         """The engine class (imports the engine's libraries)."""
@@ -62,6 +68,10 @@ VLLM = RolloutSpec(
     served_dtype=True,
     cpu_kv_budget=True,
     ipc_refit=True,
+    why=(
+        "in-flight generation with streamed rewards, prefix caching over a prompt's samples and paged KV "
+        "for mixed lengths; its tokens/s is flat from 256 to 512 sequences at once"
+    ),
 )
 HF = RolloutSpec(
     name="hf",
@@ -75,6 +85,7 @@ HF = RolloutSpec(
     served_dtype=False,
     cpu_kv_budget=False,
     ipc_refit=True,
+    why="256 sequences at once generate 2.0-2.2x the tokens/s of 64; no streaming, no prefix caching",
 )
 ROLLOUTS: dict[str, RolloutSpec] = {spec.name: spec for spec in (VLLM, HF)}
 """Every rollout engine, by the ``rollout`` group's option."""
