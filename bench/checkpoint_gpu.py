@@ -59,7 +59,8 @@ def bench_model(name: str, layers: int, args: argparse.Namespace) -> dict:
     from gpu_bench import make_model_dir
 
     from hpcrl.config.compose import compose_config
-    from hpcrl.trainer.fsdp import FSDPTrainer, free_port
+    from hpcrl.trainer.fsdp import FSDPTrainer
+    from hpcrl.trainer.process_group import free_port
 
     overrides = [f"model={name}", "algo.kl_coef=0", f"trainer.micro_batch_size={args.batch}", "rollout=hf"]
     if name != "tiny":

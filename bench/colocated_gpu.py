@@ -91,7 +91,8 @@ def main() -> int:
     from hpcrl.rollout.vllm_engine import VLLMEngine
     from hpcrl.sync.broadcast import WeightLayout
     from hpcrl.trainer.batch import build_batch
-    from hpcrl.trainer.fsdp import FSDPTrainer, free_port
+    from hpcrl.trainer.fsdp import FSDPTrainer
+    from hpcrl.trainer.process_group import free_port
 
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen2_1p5b")

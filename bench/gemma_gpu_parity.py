@@ -28,7 +28,7 @@ from gpu_bench import DEVICE, MODEL_OVERRIDES, make_model_dir, portable
 from hpcrl.config.compose import compose_config
 from hpcrl.trainer import make_trainer
 from hpcrl.trainer.batch import build_batch
-from hpcrl.trainer.fsdp import free_port
+from hpcrl.trainer.process_group import free_port
 
 
 def batch(n: int, seq: int):

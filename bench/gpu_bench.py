@@ -33,7 +33,8 @@ from hpcrl.config.compose import compose_config
 from hpcrl.rollout.base import SamplingSettings
 from hpcrl.rollout.hf_engine import HFEngine
 from hpcrl.trainer.batch import build_batch
-from hpcrl.trainer.fsdp import FSDPTrainer, free_port
+from hpcrl.trainer.fsdp import FSDPTrainer
+from hpcrl.trainer.process_group import free_port
 
 DATASHEET_TFLOPS = 989.0
 

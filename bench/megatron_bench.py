@@ -35,7 +35,7 @@ from gpu_bench import (
 from hpcrl.config.compose import compose_config
 from hpcrl.trainer import make_trainer
 from hpcrl.trainer.batch import build_batch
-from hpcrl.trainer.fsdp import free_port
+from hpcrl.trainer.process_group import free_port
 
 
 def grpo_batch(batch: int, seq: int):

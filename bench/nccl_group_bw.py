@@ -48,7 +48,7 @@ def main() -> int:
     if args.rank is not None:
         worker(args.rank, args.port, args.gb, args.device)
         return 0
-    from hpcrl.trainer.fsdp import free_port
+    from hpcrl.trainer.process_group import free_port
 
     port = free_port()
     argv = [sys.executable, __file__, "--gb", str(args.gb), "--device", args.device, "--port", str(port)]

@@ -185,7 +185,7 @@ SHIMS: list[str] = []
 
 def make(backend: str, model_dir: Path, overrides: list[str]):
     from hpcrl.trainer import make_trainer
-    from hpcrl.trainer.fsdp import free_port
+    from hpcrl.trainer.process_group import free_port
 
     wanted = os.environ.get("HPCRL_BENCH_SHIMS", "norm,experts,cast,router").split(",")  # "" for none
     if backend == "megatron":

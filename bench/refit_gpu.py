@@ -48,7 +48,7 @@ def worker(rank: int, args: argparse.Namespace, work: Path) -> None:
 
     from hpcrl.config.compose import compose_config
     from hpcrl.sync.broadcast import dtype_of, join_as_sender
-    from hpcrl.trainer.fsdp import free_port
+    from hpcrl.trainer.process_group import free_port
 
     cfg = compose_config([f"model={args.model}", f"model.num_layers={args.layers}", "rollout=hf"])
     gpu = args.device == "cuda"

@@ -201,7 +201,7 @@ class TorchrunCases:
     def _torchrun(self, cases: list[TorchrunCase]) -> tuple[dict[str, dict[str, Any]], str]:
         import torch
 
-        from hpcrl.trainer.fsdp import free_port
+        from hpcrl.trainer.process_group import free_port
         from tests.harness.zygote import torchrun
 
         out = self.root / f"run{len(list(self.root.glob('run*')))}"

@@ -51,7 +51,7 @@ def _status(key: str) -> int:
 
 def stream_check(trainer: Any, model_dir: Path, out: Path) -> dict[str, Any]:
     from hpcrl.sync.broadcast import WeightLayout, dtype_of, join_as_sender
-    from hpcrl.trainer.fsdp import free_port
+    from hpcrl.trainer.process_group import free_port
 
     unset = [f"{k}={v}" for k, v in MALLOC_ENV if os.environ.get(k) != v]
     if unset:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.trainer.fsdp import free_port
+from hpcrl.trainer.process_group import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import torch
 
 from hpcrl.sync.broadcast import WeightLayout, WeightReceiver, WeightSender, dtype_of, new_group
 from hpcrl.sync.packer import BucketPacker, TensorMeta, metas_of, plan_buckets
-from hpcrl.trainer.fsdp import free_port
+from hpcrl.trainer.process_group import free_port
 
 METAS = [
     TensorMeta("a", (3, 4)),  # 12

@@ -113,7 +113,7 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_to_resume(tiny_di
     import subprocess
     import sys
 
-    from hpcrl.trainer.fsdp import free_port
+    from hpcrl.trainer.process_group import free_port
     from tests.conftest import ROOT
 
     def torchrun(mode: str) -> subprocess.CompletedProcess[str]:

@@ -55,7 +55,8 @@ def test_an_fsdp_checkpoint_exports_to_the_trained_weights_and_vllm_serves_it(ti
     from transformers import AutoModelForCausalLM
 
     from hpcrl.rollout.vllm_engine import VLLMEngine
-    from hpcrl.trainer.fsdp import FSDPTrainer, free_port
+    from hpcrl.trainer.fsdp import FSDPTrainer
+    from hpcrl.trainer.process_group import free_port
     from tests.trainer.test_trainer import batch
 
     trainer = FSDPTrainer(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.trainer.fsdp import free_port, init_process_group
+from hpcrl.trainer.process_group import free_port, init_process_group
 from tests.conftest import ROOT
 from tests.harness.hf_load_check import parity
 from tests.harness.tiny_checkpoints import Kinds, save_tiny

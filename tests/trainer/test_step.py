@@ -314,7 +314,7 @@ def test_two_data_parallel_ranks_log_the_whole_batch(case, tmp_path):
     """Two gloo ranks, each stepping on its shard (their loss tokens 7 and 12, their losses, KL,
     entropy and engine mismatch all different): both log what one rank logs stepping on the whole
     batch. Rank 0's own numbers are not those."""
-    from hpcrl.trainer.fsdp import free_port
+    from hpcrl.trainer.process_group import free_port
 
     torch.multiprocessing.spawn(_train_shard, args=(free_port(), case, str(tmp_path)), nprocs=2)
     loss, minibatches, size = CASES[case]

@@ -14,7 +14,8 @@ import torch
 from hpcrl.rollout.base import SamplingSettings
 from hpcrl.rollout.hf_engine import HFEngine
 from hpcrl.trainer.batch import build_batch
-from hpcrl.trainer.fsdp import FSDPTrainer, apply_fsdp, free_port, init_process_group, routers
+from hpcrl.trainer.fsdp import FSDPTrainer, apply_fsdp, routers
+from hpcrl.trainer.process_group import free_port, init_process_group
 from tests.conftest import compose, plan, run_cli
 
 MASTER = f"127.0.0.1:{free_port()}"

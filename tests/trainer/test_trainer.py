@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from hpcrl.trainer.batch import build_batch
-from hpcrl.trainer.fsdp import FSDPTrainer, free_port
+from hpcrl.trainer.fsdp import FSDPTrainer
+from hpcrl.trainer.process_group import free_port
 from tests.conftest import compose
 
 pytestmark = pytest.mark.slow

@@ -23,14 +23,11 @@ The process group is set up as megatron's is (trainer/process_group.py).
 
 from hpcrl.trainer.fsdp.model import apply_fsdp, checkpoint_names, position_dependent_rope, routers
 from hpcrl.trainer.fsdp.trainer import FSDPTrainer
-from hpcrl.trainer.process_group import free_port, init_process_group
 
 __all__ = [
     "FSDPTrainer",
     "apply_fsdp",
     "checkpoint_names",
-    "free_port",
-    "init_process_group",
     "position_dependent_rope",
     "routers",
 ]
