@@ -216,7 +216,8 @@ class MemoryEstimate:
 
 def estimate_memory(cfg: RunConfig, topo: Topology) -> MemoryEstimate:
     """The estimate of ``cfg`` as the planner resolved it (``rollout.sleep`` None counts as off)."""
-    train, rollout = estimate_train(cfg, topo), estimate_rollout(cfg, topo)
+    recompute = cfg.trainer.activation_checkpointing
+    train, rollout = estimate_train(cfg, topo, recompute=recompute), estimate_rollout(cfg, topo)
     phases = None
     if topo.placement is Placement.COLOCATED:
         sleep = sleeps(cfg.rollout)
@@ -224,14 +225,16 @@ def estimate_memory(cfg: RunConfig, topo: Topology) -> MemoryEstimate:
     return MemoryEstimate(cfg.cluster.gpu_memory_gb, topo.placement, train, rollout, phases)
 
 
-def estimate_train(cfg: RunConfig, topo: Topology) -> TrainMemory:
+def estimate_train(cfg: RunConfig, topo: Topology, *, recompute: bool) -> TrainMemory:
+    """One training GPU's memory at the degrees of ``topo.train`` (the one record; ``cfg.trainer``'s
+    own degrees are not read) with activation checkpointing as ``recompute`` says."""
     model, trainer, par = cfg.model, cfg.trainer, topo.train
     counts = model.param_counts()
     layer = layer_params(counts, model)
     state = trainer_spec(trainer).state(counts, model, trainer, par)  # the backend's own share
     share = train_share(cfg, topo)
-    activations = activation_bytes(model, share, trainer.activation_checkpointing)
-    if trainer.chunked_logprob():
+    activations = activation_bytes(model, share, recompute)
+    if trainer.chunked_logprob(par.tp):
         chunk = min(share.tokens, FUSED_CHUNK_ELEMENTS // model.vocab_size)
         logits = chunk * model.vocab_size * 2 * 2
     else:

@@ -135,11 +135,8 @@ class Search:
             )  # fmt: skip
         except ConfigError:
             return None
-        trainer = self.cfg.trainer
-        trainer.tp, trainer.pp, trainer.cp, trainer.ep = c.tp, c.pp, c.cp, c.ep
-        trainer.activation_checkpointing = c.recompute  # chunked_logprob() and activations read these
         self.tried += 1
-        return estimate_train(self.cfg, topo), topo
+        return estimate_train(self.cfg, topo, recompute=c.recompute), topo  # the config stays as given
 
     def rollout_side(self, nodes: int) -> list[tuple[int, RolloutMemory]]:
         """(rollout TP, memory) of engines on ``nodes`` nodes that hold their weights and a sequence."""

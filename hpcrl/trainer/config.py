@@ -68,9 +68,10 @@ class TrainerConfig:
     moe_aux_loss_coeff: float | None = None
     """MoE load-balancing loss weight; None keeps the checkpoint's (the MoE quirk turns it off)."""
 
-    def chunked_logprob(self) -> bool:
-        """Whether log-probs come from the chunked head (``trainer/logprob_head.py``): read by the
-        backend that builds it and by the memory estimate."""
+    def chunked_logprob(self, tp: int) -> bool:
+        """Whether log-probs come from the chunked head (``trainer/logprob_head.py``) at tensor parallel
+        ``tp`` (the plan's ``TrainParallel.tp``): read by the backend that builds it and by the memory
+        estimate."""
         return self.fused_logprob
 
     def compile_layers(self) -> bool:
@@ -239,8 +240,8 @@ class MegatronTrainerConfig(TrainerConfig):
     fc1/fc2 split over its own group, which Megatron carves out of the ranks like EP (ep x expert_tp
     divides one pipeline stage's GPUs); 1 keeps experts whole, spread by ``ep``."""
 
-    def chunked_logprob(self) -> bool:
-        return self.fused_logprob and self.tp == 1  # under TP the vocab-parallel loss keeps logits split
+    def chunked_logprob(self, tp: int) -> bool:
+        return self.fused_logprob and tp == 1  # under TP the vocab-parallel loss keeps logits split
 
     def moe_gap(self, model: str) -> str:
         """Why this layout cannot train the MoE model ``model`` yet (empty: it can)."""

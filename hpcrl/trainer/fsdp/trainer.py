@@ -79,7 +79,7 @@ class FSDPTrainer:
     def _empty_model(self, model_dir: Path) -> Any:
         """The checkpoint's model on the meta device, with everything that precedes sharding."""
         model = meta_model(model_dir)
-        if self.cfg.trainer.chunked_logprob():
+        if self.cfg.trainer.chunked_logprob(self.cfg.trainer.tp):
             install_logprob_head(model)
         if self.cfg.trainer.cp > 1:
             use_cp_attention(model)  # attention through the CP group (trainer/context_parallel.py)

@@ -96,7 +96,7 @@ class MegatronTrainer:
         t = self.cfg.trainer
         # At TP=1 the loss reads log-probs from the final hidden states in chunks, never the logits
         # (trainer/logprob_head.py); under TP the vocab-parallel cross-entropy keeps the logits split.
-        chunked, softcap = t.chunked_logprob(), self.arch.final_logit_softcap
+        chunked, softcap = t.chunked_logprob(self.par.tp), self.arch.final_logit_softcap
         compute_dtype = torch.bfloat16 if config.enable_autocast else torch.float32
         self.pipeline = Pipeline(self.par, self.device, chunked, self.tied, compute_dtype, softcap)
         build = partial(
