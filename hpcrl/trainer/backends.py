@@ -87,11 +87,6 @@ class TrainerSpec:
     notes: Callable[[TrainerConfig], list[str]]
     """Its own settings worth a word in ``hpcrl plan``'s parallelism table."""
 
-    def parallel(self, trainer: TrainerConfig, world: int) -> TrainParallel:
-        """Its parallel degrees over ``world`` training GPUs."""
-        t = trainer
-        return TrainParallel(world=world, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep, expert_tp=expert_tp(t))
-
     def make(self) -> Any:
         """The Trainer class (imports the backend: torch and its libraries)."""
         return _load(self.build)
