@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hpcrl.core.parallel import TrainParallel
     from hpcrl.rollout.base import Completion, RolloutEngine, SamplingSettings
 
 TRAIN_RESOURCE = "hpcrl_train"
@@ -36,9 +37,11 @@ class TrainerActor:
     """One training rank. Built in two steps: rank 0 first names the rendezvous address on its
     own node (``endpoint``), then every rank joins it (``setup``)."""
 
-    def __init__(self, model_dir: str, cfg: Any, rank: int, world: int, device: str) -> None:
+    def __init__(self, model_dir: str, cfg: Any, rank: int, par: TrainParallel, device: str) -> None:
+        """``par``: the plan's training degrees (``Fleet`` hands each rank ``plan.topology.train``)."""
         _threads()
-        self.model_dir, self.cfg, self.rank, self.world, self.device = model_dir, cfg, rank, world, device
+        self.model_dir, self.cfg, self.rank, self.par, self.device = model_dir, cfg, rank, par, device
+        self.world = par.world
         self.trainer: Any = None
         self.sender: Any = None
         """This rank's end of its broadcast group with the engines, where it is a source."""
@@ -55,7 +58,7 @@ class TrainerActor:
         from hpcrl.trainer import make_trainer
 
         self.trainer = make_trainer(
-            Path(self.model_dir), self.cfg, self.rank, self.world, master, self.device
+            Path(self.model_dir), self.cfg, self.rank, self.world, master, self.device, self.par
         )
         return True
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +49,9 @@ class Fleet:
 
         cfg = plan.cfg
         topo = plan.topology
-        world = topo.train.world if gpu_resources else 1
+        # each rank gets the plan's degrees; a local run on the CPU trains on one rank
+        train = topo.train if gpu_resources else replace(topo.train, world=1)
+        world = train.world
         on_cpu = device == "cpu"
         # Colocated: trainer rank and engine share each GPU (half a Ray GPU each); split: a whole one.
         share = 0.5 if topo.placement is Placement.COLOCATED else 1.0
@@ -58,7 +60,7 @@ class Fleet:
         trainers = [
             trainer_cls.options(
                 num_cpus=0, num_gpus=share if gpu_resources else 0, resources={TRAIN_RESOURCE: 1}
-            ).remote(str(model_dir), cfg, rank, world, device)
+            ).remote(str(model_dir), cfg, rank, train, device)
             for rank in range(world)
         ]
         # Rank 0 picks the rendezvous address on its own node: the ranks may span several nodes.

@@ -18,14 +18,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hpcrl.core.parallel import TrainParallel
     from hpcrl.trainer.base import Trainer
 
 
-def make_trainer(model_dir: Path, cfg: Any, rank: int, world: int, master: str, device: str) -> Trainer:
-    """The backend the ``trainer`` config group chose (its spec, ``trainer/backends.py``), built on this rank."""
+def make_trainer(
+    model_dir: Path,
+    cfg: Any,
+    rank: int,
+    world: int,
+    master: str,
+    device: str,
+    par: TrainParallel | None = None,
+) -> Trainer:
+    """The backend the ``trainer`` config group chose (its spec, ``trainer/backends.py``), built on this
+    rank; ``par``: the plan's degrees (the job's ``Fleet``), None: ``trainer.*``'s (harnesses, benches)."""
     from hpcrl.trainer.backends import trainer_spec
 
     trainer: Trainer = trainer_spec(cfg.trainer).make()(
-        model_dir, cfg, rank=rank, world=world, master=master, device=device
+        model_dir, cfg, rank=rank, world=world, master=master, device=device, par=par
     )
     return trainer

@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, ClassVar
 
 from hpcrl.core.checks import divisors, non_negative, positive
+from hpcrl.core.parallel import TrainParallel
 
 if TYPE_CHECKING:
     from hpcrl.config.model import ModelConfig
@@ -67,6 +68,11 @@ class TrainerConfig:
     """MoE router precision; None keeps the model dtype (the MoE quirk sets fp32)."""
     moe_aux_loss_coeff: float | None = None
     """MoE load-balancing loss weight; None keeps the checkpoint's (the MoE quirk turns it off)."""
+
+    def parallel(self, world: int) -> TrainParallel:
+        """These degrees as the record, for code that runs without a plan (torchrun harnesses, benches);
+        the job's ranks take the plan's (``Fleet`` hands each ``plan.topology.train``)."""
+        return TrainParallel(world=world, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
 
     def chunked_logprob(self, tp: int) -> bool:
         """Whether log-probs come from the chunked head (``trainer/logprob_head.py``) at tensor parallel
@@ -239,6 +245,9 @@ class MegatronTrainerConfig(TrainerConfig):
     """Tensor parallel size inside each expert (Megatron's expert_tensor_parallel_size): each expert's
     fc1/fc2 split over its own group, which Megatron carves out of the ranks like EP (ep x expert_tp
     divides one pipeline stage's GPUs); 1 keeps experts whole, spread by ``ep``."""
+
+    def parallel(self, world: int) -> TrainParallel:
+        return TrainParallel(world, self.tp, self.pp, self.cp, self.ep, self.expert_tp)
 
     def chunked_logprob(self, tp: int) -> bool:
         return self.fused_logprob and tp == 1  # under TP the vocab-parallel loss keeps logits split

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.config.schema import RunConfig
+from hpcrl.core.parallel import TrainParallel
 from hpcrl.sync.packer import let_go
 from hpcrl.trainer.base import CollectSink, WeightSink, freeze, numel_of
 from hpcrl.trainer.batch import TrainBatch
@@ -40,8 +41,11 @@ class FSDPTrainer:
         world: int = 1,
         master: str = "127.0.0.1:29517",
         device: str = "cpu",
+        par: TrainParallel | None = None,
     ) -> None:
+        """``par``: the plan's degrees (the job's ``Fleet`` hands them); None: ``trainer.*``'s."""
         self.cfg, self.device = cfg, device
+        self.par = par if par is not None else cfg.trainer.parallel(world)
         init_process_group(rank, world, master, collective_backend(device))
         torch.manual_seed(cfg.run.seed + rank)
         model = self._empty_model(model_dir)
@@ -79,9 +83,9 @@ class FSDPTrainer:
     def _empty_model(self, model_dir: Path) -> Any:
         """The checkpoint's model on the meta device, with everything that precedes sharding."""
         model = meta_model(model_dir)
-        if self.cfg.trainer.chunked_logprob(self.cfg.trainer.tp):
+        if self.cfg.trainer.chunked_logprob(self.par.tp):
             install_logprob_head(model)
-        if self.cfg.trainer.cp > 1:
+        if self.par.cp > 1:
             use_cp_attention(model)  # attention through the CP group (trainer/context_parallel.py)
         if self.cfg.trainer.activation_checkpointing:
             # each decoder layer's forward runs again in the backward instead of keeping its
@@ -92,7 +96,7 @@ class FSDPTrainer:
     def _context_parallel(self, model: Any, world: int) -> CPGroup:
         """``trainer.cp``'s groups, after the checks the model's own config allows (the planner's read
         the catalog)."""
-        cp = self.cfg.trainer.cp
+        cp = self.par.cp
         if cp > 1 and self.recurrent:
             raise ValueError(
                 "trainer=fsdp splits sequences over attention only: a model with Mamba layers needs "

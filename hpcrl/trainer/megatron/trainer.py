@@ -58,7 +58,9 @@ class MegatronTrainer:
         world: int = 1,
         master: str = "127.0.0.1:29518",
         device: str = "cpu",
+        par: TrainParallel | None = None,
     ) -> None:
+        """``par``: the plan's degrees (the job's ``Fleet`` hands them); None: ``trainer.*``'s."""
         from megatron.core import parallel_state as ps
 
         compat.prepare(device)
@@ -68,7 +70,7 @@ class MegatronTrainer:
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
             torch.cuda.set_device(device)
         self.cfg, self.device = cfg, torch.device(device)
-        self.par = TrainParallel(world=world, tp=t.tp, pp=t.pp, cp=t.cp, ep=t.ep, expert_tp=t.expert_tp)
+        self.par = par if par is not None else t.parallel(world)
         # a vision-language checkpoint (Gemma 3 4B+): the text decoder is trained, the vision tower
         # stays frozen in the rollout engines (weights.LanguageModel)
         hf = text_config(model_dir)
