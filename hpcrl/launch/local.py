@@ -34,7 +34,7 @@ def start_local_ray(plan: Plan, scratch: Path) -> None:
         # the GPU the plan found (cluster.gpu=auto: plan/local_gpu.py), or none: Ray's own detection
         # would also claim a GPU the plan was told not to use (cluster.gpu=cpu)
         num_gpus=plan.topology.gpus_per_node if on_gpus(plan.cfg.cluster) else 0,
-        resources={TRAIN_RESOURCE: 1, ROLLOUT_RESOURCE: plan.cfg.rollout.tp},
+        resources={TRAIN_RESOURCE: 1, ROLLOUT_RESOURCE: plan.topology.rollout.tp},
         include_dashboard=False,
         _temp_dir=str(scratch / "ray"),
         _node_ip_address="127.0.0.1",

@@ -68,7 +68,7 @@ class Fleet:
         setups = [t.setup.remote(master) for t in trainers]
         engines_n = topo.rollout.engines if gpu_resources else 1
         kv_gb = plan.memory.rollout.cpu_kv_gb() if on_cpu else None  # GPUs: a share of memory instead
-        tp = cfg.rollout.tp
+        tp = topo.rollout.tp  # the plan's engines: rollout.tp GPUs each
         # in-flight updates: a refit's pause arrives while generate_stream runs (the engine's WeightGate
         # orders them); otherwise one call at a time, as the loop makes them
         concurrency = 2 if inflight_updates(cfg.rollout) else 1
