@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpcrl.plan.engine_defaults import choose_refit as choose_refit  # the plan decides (tests call it here)
 from hpcrl.sync.broadcast import WeightLayout, dtype_of
 
 MODES = ("broadcast", "ipc", "object_store")

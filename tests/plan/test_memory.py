@@ -409,3 +409,16 @@ def test_cpu_kv_budget_is_twice_the_sequences_and_never_below_the_floor():
     assert r.cpu_kv_gb() == pytest.approx(0.16)  # the fleet's engines: a step's sequences, twice
     assert r.cpu_kv_gb(32) == pytest.approx(0.64)  # evaluation: max_num_seqs of them
     assert r.cpu_kv_gb(1) == 0.05
+
+
+def test_the_plan_decides_the_refit_and_prints_it():
+    """The refit mode is the plan's (plan/engine_defaults.py), printed by ``hpcrl plan``; the job's Fleet
+    runs it. Colocated single-GPU engines beside megatron TP2 ranks: the object store (a TP rank cannot
+    stream the whole model); a split layout: an NCCL broadcast; CPUs: gloo."""
+    colocated = plan(*QWEN_TP2)
+    assert colocated.refit == ("object_store", "nccl")
+    assert "refit=object_store over nccl (auto: rollout.weight_sync=collective)" in plan_text(*QWEN_TP2)
+    split = plan(*QWEN_TP2, "layout.train_nodes=1", "+layout.rollout_nodes=1")
+    assert split.refit == ("broadcast", "nccl")
+    assert plan().refit == ("broadcast", "gloo")  # the local CPU run
+    assert plan(*QWEN_TP2, "rollout.weight_sync=object_store").refit == ("object_store", "gloo")

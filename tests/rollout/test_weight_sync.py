@@ -153,7 +153,7 @@ def test_layout_keeps_each_senders_order_and_refuses_a_name_sent_twice():
 
 
 def test_mode_and_backend_follow_devices_and_placement():
-    from hpcrl.run.refit import choose_refit
+    from hpcrl.plan.engine_defaults import choose_refit
 
     assert choose_refit("collective", on_cpu=True, split=False, ipc=True) == ("broadcast", "gloo")
     assert choose_refit("collective", on_cpu=False, split=True, ipc=True) == ("broadcast", "nccl")
