@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
+from hpcrl.core.parallel import RolloutParallel, TrainParallel
 from hpcrl.errors import ConfigError
-from hpcrl.plan.topology import Placement, RolloutParallel, TrainParallel, build_topology
+from hpcrl.plan.topology import Placement, build_topology
 
 
 def topo(**kw):

@@ -30,9 +30,9 @@ from typing import Any
 import pytest
 
 from hpcrl.config.compose import conf_dir
+from hpcrl.core.parallel import TrainParallel
 from hpcrl.errors import ConfigError
 from hpcrl.plan.planner import Plan, plan_from_overrides
-from hpcrl.plan.topology import TrainParallel
 from hpcrl.trainer.config import MegatronTrainerConfig
 from tests.conftest import TorchrunCase, local_gpu, recipe_gpu, register_torchrun_case, run_cli
 from tests.harness.tiny_checkpoints import Kinds, kinds_of, save_tiny
