@@ -15,6 +15,8 @@ import itertools
 from collections import defaultdict
 from pathlib import Path
 
+from tests.project.test_layout import find_cycle
+
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "hpcrl"
 
@@ -83,31 +85,6 @@ def two_way_pairs(arrows: Arrows) -> dict[frozenset[str], list[str]]:
     return pairs
 
 
-def find_cycle(arrows: Arrows) -> list[str] | None:
-    graph: dict[str, set[str]] = defaultdict(set)
-    for a, b in arrows:
-        graph[a].add(b)
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                return [*stack[stack.index(nxt) :], nxt]
-            if nxt not in state and (cycle := visit(nxt)):
-                return cycle
-        stack.pop()
-        state[node] = 2
-        return None
-
-    for start in sorted(graph):
-        if start not in state and (cycle := visit(start)):
-            return cycle
-    return None
-
-
 def test_the_scan_sees_the_layers() -> None:
     arrows = folder_arrows()
     assert ("plan", "config") in arrows and ("run", "trainer") in arrows
@@ -128,7 +105,10 @@ def test_no_new_two_way_folder_pair() -> None:
 
 def test_no_folder_cycle() -> None:
     arrows = {k: v for k, v in folder_arrows().items() if frozenset(k) not in KNOWN_TWO_WAY}
-    cycle = find_cycle(arrows)
+    graph: dict[str, set[str]] = defaultdict(set)
+    for a, b in arrows:
+        graph[a].add(b)
+    cycle = find_cycle(graph)
     if cycle:
         lines = [line for a, b in itertools.pairwise(cycle) for line in arrows[(a, b)]]
         raise AssertionError("folder import cycle: " + " -> ".join(cycle) + "\n  " + "\n  ".join(lines))
