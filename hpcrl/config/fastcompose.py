@@ -9,7 +9,7 @@ that and builds the typed dataclasses directly.
 It never decides anything it is unsure of: whatever falls outside that subset (sweep or list syntax,
 quotes, interpolations, deletions, a value whose type needs converting, an unknown key or option, a
 required value left unset) makes ``compose`` return None and the caller composes with Hydra, which
-then gives its own result or its one-line error. ``tests/test_fastcompose.py`` checks that both paths
+then gives its own result or its one-line error. ``tests/config/test_fastcompose.py`` checks that both paths
 give equal configs for every shipped recipe and a spread of overrides.
 """
 

@@ -3,7 +3,7 @@
 The memory estimate and the MFU figures both start from ``ModelConfig.param_counts()``; a test
 checks each catalog entry against the parameter count its publisher states. Hybrid (Nemotron-H)
 models are counted tensor by tensor, norms and biases included: Nemotron 3 Super comes to the
-element count of its checkpoint exactly (tests/test_catalog_params.py).
+element count of its checkpoint exactly (tests/config/test_catalog_params.py).
 """
 
 from __future__ import annotations
@@ -277,7 +277,7 @@ class ModelConfig:
 
     def param_counts(self) -> ParamCounts:
         """Parameter totals from the architecture: tensor by tensor for hybrid models; for the other
-        families norms and biases are left out (< 0.1%; the hand counts in tests/test_models.py)."""
+        families norms and biases are left out (< 0.1%; the hand counts in tests/config/test_models.py)."""
         if self.is_hybrid:
             return self._hybrid_counts()
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)

@@ -15,7 +15,7 @@ Hybrid terms (bytes per token of ``tokens``; bf16 = 2 B, h hidden):
   tensors per head and token are 4p + 5n + 3Q + 2pn/Q elements (p head_dim, n state, Q chunk: x*dt,
   B and C repeated per head and B's decayed copy, the chunk's segment-sum / decay matrices, the
   chunk states; fitted over 9 shapes to 0.3%; transformers' ``mamba2_chunk_scan`` keeps one more
-  p-vector for D, tests/test_memory_hybrid.py). For Super that is 5.6 kB per head and token, 721 kB
+  p-vector for D, tests/plan/test_memory_hybrid.py). For Super that is 5.6 kB per head and token, 721 kB
   per token per layer at tp=1 (176 h): the largest layer. mamba_ssm's fused kernel keeps far less
   (it recomputes the scan). Under CP, Megatron's MambaContextParallel swaps the sequence split for
   a head split (heads / (tp x cp) over the whole sequence): the same bytes per GPU.

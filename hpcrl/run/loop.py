@@ -13,7 +13,7 @@
 shares: the two differ only in where a step's batch comes from (``Batches``). The driver hands it one
 ``Run``: the config and the run's actors, reward pool, tokenizer, prompts, checkpoints and logs. The
 loop sees the actors and the reward pool only through the ``Actors`` and ``Scorer`` protocols, so
-tests/test_loop.py drives it with recording fakes in milliseconds.
+tests/run/test_loop.py drives it with recording fakes in milliseconds.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class Scorer(Protocol):
 
 class Actors(Protocol):
     """What the loop asks of the run's actors (``hpcrl.run.fleet.Fleet`` on Ray; a recording fake in
-    tests/test_loop.py)."""
+    tests/run/test_loop.py)."""
 
     def generate_stream(
         self, prompts: list[list[int]], settings: SamplingSettings

@@ -223,7 +223,7 @@ def _nemotron_h_gap(model: ModelConfig, tp: int, pp: int, cp: int) -> str:
 def megatron_family(model_type: str) -> str:
     """A Hugging Face text config's ``model_type`` -> the catalog family (Gemma 3's text decoder is
     ``gemma3_text``, in Gemma3ForCausalLM and inside Gemma3ForConditionalGeneration alike); each
-    family class's ``model_types`` agree with it (tests/test_megatron_families.py)."""
+    family class's ``model_types`` agree with it (tests/megatron/test_megatron_families.py)."""
     return {"gemma3_text": "gemma3", "gemma4_text": "gemma4"}.get(model_type, model_type)
 
 

@@ -6,7 +6,7 @@ Through ``lm_head`` + log-softmax, a Qwen2-1.5B batch of 8 x 2048 tokens holds 5
 the tokens in chunks: each chunk's logits live only inside the chunk loop (fp32, one chunk at a time),
 and the backward pass recomputes them (one extra ``lm_head`` matmul, ~4% of the step's FLOPs) instead
 of keeping them. The numbers are the same as the plain path's (fp32 log-softmax of the compute-dtype
-logits); ``tests/test_trainer.py`` checks values and gradients against it.
+logits); ``tests/trainer/test_trainer.py`` checks values and gradients against it.
 
 ``LogprobHead`` puts it where ``lm_head`` was, so the model's own forward (and FSDP's hooks around
 it) produce ``[B, T, 2]`` = (log p of the next token, entropy) instead of ``[B, T, vocab]`` logits.

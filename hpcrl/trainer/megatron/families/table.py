@@ -8,7 +8,7 @@ Adding a family:
 2. its entry in ``FAMILIES`` below (this is the only module that imports a family module);
 3. its name in ``trainer.config.MEGATRON_FAMILIES`` (and its ``model_type`` in ``megatron_family``
    where the two differ): the torch-free list the planner reads.
-tests/test_megatron_families.py keeps the three agreeing.
+tests/megatron/test_megatron_families.py keeps the three agreeing.
 """
 
 from __future__ import annotations
