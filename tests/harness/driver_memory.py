@@ -58,7 +58,9 @@ def main() -> None:
     cfg = compose_config(["model=tiny", "algo.kl_coef=0"])
     actor = ray.remote(TrainerActor)
     trainers = [
-        actor.options(num_cpus=0, resources={TRAIN_RESOURCE: 1}).remote(str(model_dir), cfg, r, 2, "cpu")
+        actor.options(num_cpus=0, resources={TRAIN_RESOURCE: 1}).remote(
+            str(model_dir), cfg, r, cfg.trainer.parallel(2), "cpu"
+        )
         for r in range(2)
     ]
     master = ray.get(trainers[0].endpoint.remote())
