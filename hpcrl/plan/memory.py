@@ -11,7 +11,7 @@ from one that cannot, before an allocation is spent finding out. Sources of each
   and its gradient exist at a time (``trainer/logprob_head.py``);
 - the frozen reference policy (``algo.kl_coef > 0``): held as the trainer holds it, in fp32 (both
   backends build it with fp32 parameters), sharded like the policy: over the training world under
-  fsdp (``trainer/fsdp.py``), by TP/PP/EP under megatron (a whole copy per data-parallel rank);
+  fsdp (``trainer/fsdp/``), by TP/PP/EP under megatron (a whole copy per data-parallel rank);
 - start-up: the rank's shards (policy and reference) plus one layer's full tensors as they are read
   from the checkpoint (``trainer/hf_load.py`` converts a fused MoE tensor from one whole layer), no
   gathered layers and no optimizer state yet;
