@@ -21,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -325,11 +326,24 @@ def size_text(gb: float) -> str:
     return f"{size:.0f} B"
 
 
+STALE_RAY_GRACE_S = 20.0
+"""How long the ports check waits for Ray worker processes (``ray::...``) of an ended job to exit."""
+
+
 def check_ports(expect: Expect, taken: dict[int, str] | None = None) -> Result:
     if not expect.ports:
         return Result("ports", True, "no fixed ports (a local run lets Ray pick free ones)")
-    taken = listening_ports() if taken is None else taken
     wanted = [port for first, last in expect.ports for port in range(first, last + 1)]
+    if taken is None:
+        taken = listening_ports()
+        deadline = time.monotonic() + STALE_RAY_GRACE_S
+        # Workers of a Ray that just ended (the node's previous job) exit by themselves once their
+        # raylet is gone, a few seconds late: wait for those, never for anything else.
+        while (held := [taken[p] for p in wanted if p in taken]) and time.monotonic() < deadline:
+            if not all(name.startswith("ray::") for name in held):
+                break
+            time.sleep(0.5)
+            taken = listening_ports()
     busy = [f"{port} ({taken[port]})" for port in wanted if port in taken]
     if busy:
         return Result(

@@ -122,6 +122,20 @@ def test_a_port_held_by_another_process_fails_with_its_number():
     assert check_ports(local_expect(ports=[[port, port]])).ok  # released
 
 
+def test_ports_held_by_an_ended_jobs_ray_workers_are_waited_for_anything_else_is_not(monkeypatch):
+    """A ray::IDLE worker of the node's previous job still listening (it exits on its own once its
+    raylet is gone) delays the check until it is gone; a port held by any other process fails at once."""
+    import hpcrl.launch.doctor as doctor
+
+    readings = iter([{7001: "ray::IDLE"}, {7001: "ray::IDLE"}, {}])
+    monkeypatch.setattr(doctor, "listening_ports", lambda: next(readings))
+    monkeypatch.setattr(doctor.time, "sleep", lambda s: None)
+    assert check_ports(local_expect(ports=[[7000, 7002]])).ok
+    monkeypatch.setattr(doctor, "listening_ports", lambda: {7001: "ray::IDLE", 7002: "nginx"})
+    result = check_ports(local_expect(ports=[[7000, 7002]]))
+    assert not result.ok and "7001 (ray::IDLE), 7002 (nginx)" in result.detail
+
+
 def test_checkpoint_space_is_the_plans_checkpoint_times_the_kept_ones(tmp_path):
     p = plan("+experiment=dapo-nemotron-super-5n4g-megatron", *SITE)
     expect = expect_from_plan(p, run_dir=str(tmp_path))
