@@ -197,7 +197,7 @@ def processes(args: argparse.Namespace) -> int:
 
     sync = Path(tempfile.mkdtemp(prefix="sweep-sync-"))
     share = min(args.share, 0.85 / args.procs)
-    argv = [a for a in sys.argv[1:]]
+    argv = sys.argv[1:]
     procs = []
     for i in range(args.procs):  # one at a time: vLLM's start-up memory profile must not see another's
         procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--worker", str(i), "--sync", str(sync),
