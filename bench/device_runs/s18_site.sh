@@ -10,6 +10,8 @@ SITE=$TMP/site
 if [ ! -d "$SITE/vllm" ]; then
   cat "$TMP"/stage/part.* | python3 -c "import sys,tarfile;tarfile.open(fileobj=sys.stdin.buffer,mode='r|xz').extractall(sys.argv[1])" "$SITE" || exit 3
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$SITE"/wheels/*.whl .whl/*.whl || exit 4
+  # sdist-only with a C extension (pycosat): built there, where Python 3.12 and a compiler are
+  ls .whl/*.tar.gz >/dev/null 2>&1 && { python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .whl/*.tar.gz || exit 5; }
   echo "== installed $((SECONDS - T0)) s"
 fi
 export PYTHONPATH=$PWD:$SITE VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
