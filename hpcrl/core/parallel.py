@@ -53,12 +53,19 @@ class TrainParallel:
 
 @dataclass(frozen=True)
 class RolloutParallel:
-    """Rollout parallelism: ``engines`` independent inference engines of ``tp`` GPUs each."""
+    """Rollout parallelism: ``engines`` independent inference engines of ``tp`` GPUs each, or with
+    ``per_gpu`` > 1 (tp 1 only) that many engines sharing each GPU."""
 
     gpus: int
     tp: int = 1
+    per_gpu: int = 1
 
     def __post_init__(self) -> None:
+        if self.per_gpu > 1 and self.tp > 1:
+            raise ConfigError(
+                f"rollout.engines_per_gpu={self.per_gpu} needs rollout.tp=1 (got {self.tp}): "
+                "engines share a GPU only when each fits on one"
+            )
         if self.gpus % self.tp:
             raise ConfigError(
                 f"rollout.tp={self.tp} does not divide the {self.gpus} rollout GPUs; "
@@ -67,4 +74,4 @@ class RolloutParallel:
 
     @property
     def engines(self) -> int:
-        return self.gpus // self.tp
+        return self.gpus // self.tp * self.per_gpu

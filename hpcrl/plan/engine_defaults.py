@@ -51,6 +51,39 @@ def engine_line(cfg: RunConfig) -> str:
     )
 
 
+SHARED_GPU_MAX_PARAMS = 1.0e9
+"""Models up to this many active parameters get ``ENGINES_PER_SMALL_GPU`` vLLM engines on each rollout
+GPU where ``rollout.engines_per_gpu`` is None: one engine of a small model is bound by its own host
+process (scheduling, sampling, detokenizing), not by the GPU. On one H100 (GPU vLLM 0.26, SmolLM2-135M
+shape, 256 sequences at once each) two engines in two processes generated 62,159 tok/s against one
+engine's 40,372 (1.54x; bench/results/README.md, session 19)."""
+ENGINES_PER_SMALL_GPU = 2
+
+
+def resolve_engines_per_gpu(cfg: RunConfig) -> str:
+    """Set ``rollout.engines_per_gpu`` in place where it is None: ``ENGINES_PER_SMALL_GPU`` for a vllm
+    engine of tp 1 on GPUs serving at most ``SHARED_GPU_MAX_PARAMS``, else 1; the line ``hpcrl plan``
+    prints for the shared GPUs, "" otherwise."""
+    rollout = cfg.rollout
+    if rollout.engines_per_gpu is not None:
+        return ""
+    params = cfg.model.param_counts().active
+    shared = (
+        rollout_spec(rollout).shares_gpu
+        and rollout.tp == 1
+        and on_gpus(cfg.cluster)
+        and params <= SHARED_GPU_MAX_PARAMS
+    )
+    rollout.engines_per_gpu = ENGINES_PER_SMALL_GPU if shared else 1
+    if not shared:
+        return ""
+    return (
+        f"rollout.engines_per_gpu={ENGINES_PER_SMALL_GPU} (auto: one engine of a {params / 1e9:.2g}B model "
+        "is host-bound; two in two processes generated 1.54x the tokens/s of one, 135M on one H100, "
+        "bench session 19)"
+    )
+
+
 LOGPROB_SAMPLE = 0.125
 """``rollout.logprob_fraction`` where no IS correction reads the engine's log-probs: only the
 ``gen_kl_error`` metric does (a refit gone wrong shows there), and a sample serves it. Asking for them
@@ -96,7 +129,7 @@ def choose_refit(requested: str, *, on_cpu: bool, split: bool, ipc: bool) -> Ref
     ``collective`` on CPUs: a gloo broadcast. On GPUs: an NCCL broadcast when trainer and engines hold
     different GPUs (split placement); when they share them (colocated, or a local run on one GPU) two
     ranks of a group would sit on one device, which NCCL refuses, so each trainer rank hands the
-    engine on its own GPU CUDA IPC handles (``ipc``: one single-GPU engine per trainer rank, and every
+    engine on its own GPU CUDA IPC handles (``ipc``: the same number of single-GPU engines on each trainer rank's GPU, and every
     rank able to stream the whole model — fsdp, or a single rank); else the object store."""
     if requested != "collective":
         return RefitChoice(requested, "gloo")
@@ -117,5 +150,5 @@ def resolve_refit(cfg: RunConfig, topo: Topology) -> RefitChoice:
         cfg.rollout.weight_sync,
         on_cpu=not on_gpus(cfg.cluster),
         split=topo.placement is Placement.SPLIT,
-        ipc=rollout.engines == train.world and rollout.tp == 1 and whole_model,
+        ipc=rollout.engines == train.world * rollout.per_gpu and rollout.tp == 1 and whole_model,
     )

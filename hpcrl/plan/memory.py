@@ -84,19 +84,28 @@ class TrainMemory:
 @dataclass(frozen=True)
 class RolloutMemory:
     budget: float
-    """GPU memory the engine takes (gpu_memory_utilization x HBM)."""
+    """GPU memory the engines on one GPU take together (gpu_memory_utilization x HBM)."""
     weights: float
+    """One engine's weights on one of its GPUs."""
     kv_per_sequence: float
     sequence_len: int
     wanted_sequences: int
     """Sequences one engine should hold at once: samples per step / engines, capped by max_num_seqs."""
+    per_gpu: int = 1
+    """Engines sharing each GPU (``rollout.engines_per_gpu``), each with 1/per_gpu of the budget."""
+
+    @property
+    def engine_budget(self) -> float:
+        return self.budget / self.per_gpu
 
     @property
     def kv_capacity(self) -> float:
-        return self.budget - self.weights - ENGINE_OVERHEAD_GB
+        """One engine's KV cache."""
+        return self.engine_budget - self.weights - ENGINE_OVERHEAD_GB
 
     @property
     def sequences_that_fit(self) -> int:
+        """In one engine's KV cache."""
         if self.kv_per_sequence <= 0:
             return 0
         return max(0, int(self.kv_capacity // self.kv_per_sequence))
@@ -144,8 +153,8 @@ def colocated_peaks(
     buckets = 2 * bucket_mb * MIB / GB
     return ColocatedPeaks(
         sleep=True,
-        train=train.peak + ENGINE_ASLEEP_GB,
-        refit=train.resident + rollout.weights + buckets + ENGINE_ASLEEP_GB,
+        train=train.peak + rollout.per_gpu * ENGINE_ASLEEP_GB,
+        refit=train.resident + rollout.per_gpu * (rollout.weights + ENGINE_ASLEEP_GB) + buckets,
         generate=generate,
         buckets=buckets,
     )
@@ -180,7 +189,7 @@ class MemoryEstimate:
             found.append(f"loading the models needs {self.train.startup:.0f} GB per GPU of {cap:.0f} GB")
         if self.rollout.sequences_that_fit < 1:
             found.append(
-                f"a rollout engine's share ({self.rollout.budget:.0f} GB) cannot hold its weights "
+                f"a rollout engine's share ({self.rollout.engine_budget:.0f} GB) cannot hold its weights "
                 f"({self.rollout.weights:.0f} GB) and one {self.rollout.sequence_len}-token sequence"
             )
         return found
@@ -191,7 +200,7 @@ class MemoryEstimate:
         found = []
         if phases.train > cap and phases.sleep:
             found.append(
-                f"training beside the sleeping engine needs {t.peak:.0f} + {ENGINE_ASLEEP_GB:.0f} GB "
+                f"training beside the sleeping engine needs {t.peak:.0f} + {r.per_gpu * ENGINE_ASLEEP_GB:.0f} GB "
                 f"= {phases.train:.0f} GB {per_gpu}"
             )
         elif phases.train > cap:
@@ -199,8 +208,8 @@ class MemoryEstimate:
         if phases.sleep and phases.refit > cap:
             found.append(
                 f"the refit needs the training state ({t.resident:.0f} GB) plus the engine's weights "
-                f"({r.weights:.0f} GB), two weight-sync buckets ({phases.buckets:.1f} GB) and the sleeping "
-                f"engine's residue ({ENGINE_ASLEEP_GB:.0f} GB) = {phases.refit:.0f} GB {per_gpu}"
+                f"({r.per_gpu * r.weights:.0f} GB), two weight-sync buckets ({phases.buckets:.1f} GB) and the sleeping "
+                f"engine's residue ({r.per_gpu * ENGINE_ASLEEP_GB:.0f} GB) = {phases.refit:.0f} GB {per_gpu}"
             )
         if phases.generate > cap:
             found.append(
@@ -275,7 +284,7 @@ def estimate_rollout(cfg: RunConfig, topo: Topology) -> RolloutMemory:
     weight_bytes = DTYPE_BYTES.get(served_as.dtype, 2) if served_as is not None else 2
     seq_len = cfg.max_seq_len
     samples = cfg.algo.num_prompts_per_step * cfg.algo.num_generations
-    wanted = -(-samples // topo.rollout.engines)
+    wanted = -(-samples // topo.rollout.engines)  # engines_per_gpu included
     wanted = min(wanted, rollout.max_num_seqs)
     return RolloutMemory(
         budget=rollout.gpu_memory_utilization * cfg.cluster.gpu_memory_gb,
@@ -283,4 +292,5 @@ def estimate_rollout(cfg: RunConfig, topo: Topology) -> RolloutMemory:
         kv_per_sequence=model.kv_bytes_for_sequence(seq_len, tp=tp) / GB,
         sequence_len=seq_len,
         wanted_sequences=wanted,
+        per_gpu=topo.rollout.per_gpu,
     )

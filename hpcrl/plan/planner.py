@@ -14,6 +14,7 @@ from hpcrl.plan.engine_defaults import (
     RefitChoice,
     engine_line,
     resolve_block_size,
+    resolve_engines_per_gpu,
     resolve_logprob_fraction,
     resolve_refit,
 )
@@ -150,6 +151,7 @@ def make_plan(cfg: RunConfig) -> Plan:
     check_algo(cfg)
     check_backend(cfg)
     trainer = cfg.trainer
+    shared = resolve_engines_per_gpu(cfg)
     topo = build_topology(
         gpus_per_node=cfg.cluster.gpus_per_node,
         train_nodes=cfg.layout.train_nodes,
@@ -160,10 +162,12 @@ def make_plan(cfg: RunConfig) -> Plan:
         ep=trainer.ep,
         expert_tp=expert_tp(trainer),
         rollout_tp=cfg.rollout.tp,
+        engines_per_gpu=cfg.rollout.engines_per_gpu or 1,
     )
     check_model_parallel(cfg)
     sleep = resolve_sleep(cfg, topo.placement)
-    chosen = tuple(filter(None, [resolve_block_size(cfg), resolve_logprob_fraction(cfg), engine_line(cfg)]))
+    lines = [shared, resolve_block_size(cfg), resolve_logprob_fraction(cfg), engine_line(cfg)]
+    chosen = tuple(filter(None, lines))
     nvlink = check_nvlink(topo, cfg.cluster.nvlink_domain_nodes, cfg.cluster.slurm.segment)
     memory = estimate_memory(cfg, topo)
     refit = resolve_refit(cfg, topo)

@@ -121,7 +121,8 @@ def _nodes(plan: Plan) -> Table:
         "GPUs",
         "runs",
     )
-    gpn, engines_per_node = topo.gpus_per_node, topo.gpus_per_node // topo.rollout.tp
+    gpn = topo.gpus_per_node
+    engines_per_node = gpn // topo.rollout.tp * topo.rollout.per_gpu
     for first_node, last_node, role in _node_rows(topo.node_roles()):
         runs, count = [], last_node - first_node + 1
         if "train" in role:
@@ -168,9 +169,20 @@ def _parallelism(plan: Plan) -> Table:
     degrees = (tr.world, tr.tp, tr.pp, tr.cp, tr.ep, tr.dp)
     par.add_row("train", *map(str, degrees), ", ".join(notes))
     par.add_row(
-        "rollout", str(ro.gpus), str(ro.tp), "1", "1", "-", str(ro.engines), f"{ro.engines} engine(s)"
+        "rollout",
+        str(ro.gpus),
+        str(ro.tp),
+        "1",
+        "1",
+        "-",
+        str(ro.engines),
+        engines_note(ro.engines, ro.per_gpu),
     )
     return par
+
+
+def engines_note(engines: int, per_gpu: int) -> str:
+    return f"{engines} engine(s)" + (f", {per_gpu} on each GPU" if per_gpu > 1 else "")
 
 
 def _memory(plan: Plan) -> Table:
@@ -192,7 +204,9 @@ def _memory(plan: Plan) -> Table:
     ):
         table.add_row(name, f"{value:.1f}")
     r = mem.rollout
-    table.add_row("rollout: engine share", f"{r.budget:.1f}")
+    if r.per_gpu > 1:
+        table.add_row(f"rollout: share of the {r.per_gpu} engines on a GPU", f"{r.budget:.1f}")
+    table.add_row("rollout: engine share", f"{r.engine_budget:.1f}")
     table.add_row("rollout: weights (per GPU)", f"{r.weights:.1f}")
     table.add_row(f"rollout: KV per {r.sequence_len}-token sequence", f"{r.kv_per_sequence:.3f}")
     table.add_row("rollout: sequences in KV (fit / wanted)", f"{r.sequences_that_fit} / {r.wanted_sequences}")

@@ -88,6 +88,7 @@ def build_topology(
     ep: int,
     expert_tp: int,
     rollout_tp: int,
+    engines_per_gpu: int = 1,
 ) -> Topology:
     placement = Placement.SPLIT if rollout_nodes else Placement.COLOCATED
     check_engine_fits_node(rollout_tp, gpus_per_node)
@@ -99,5 +100,5 @@ def build_topology(
         train_nodes=train_nodes,
         rollout_nodes=rollout_nodes,
         train=train,
-        rollout=RolloutParallel(gpus=rollout_gpus, tp=rollout_tp),
+        rollout=RolloutParallel(gpus=rollout_gpus, tp=rollout_tp, per_gpu=engines_per_gpu),
     )

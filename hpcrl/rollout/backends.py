@@ -43,6 +43,9 @@ class RolloutSpec:
     """On CPUs it needs the KV cache's size given (vLLM sizes memory from one NUMA node there)."""
     ipc_refit: bool
     """Loads weight buckets shared by a trainer on the same GPU through CUDA IPC (``load_ipc``)."""
+    shares_gpu: bool = False
+    """Measured faster with several engines on one GPU for small models (``rollout.engines_per_gpu``
+    None resolves to more than one only for such engines)."""
     why: str = ""
     """Why this engine and its ``max_num_seqs`` default, as ``hpcrl plan`` prints it on GPUs. Measured
     on one H200 (GPU vLLM 0.26, SmolLM2-135M and Qwen2-1.5B shapes, 512 x (192 + 256);
@@ -68,6 +71,7 @@ VLLM = RolloutSpec(
     served_dtype=True,
     cpu_kv_budget=True,
     ipc_refit=True,
+    shares_gpu=True,
     why=(
         "in-flight generation with streamed rewards, prefix caching over a prompt's samples and paged KV "
         "for mixed lengths; its tokens/s is flat from 256 to 512 sequences at once"

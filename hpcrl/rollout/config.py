@@ -26,6 +26,10 @@ class RolloutConfig:
     """Share of each GPU's memory the engine may take (weights + KV cache) while it generates."""
     max_num_seqs: int = 256
     """Most sequences one engine generates at once."""
+    engines_per_gpu: int | None = None
+    """Engines sharing each rollout GPU (``rollout.tp`` 1), splitting ``gpu_memory_utilization`` between
+    them: a small model's single engine is bound by its host process, not the GPU. None: the planner
+    decides (``plan/engine_defaults.py``, with the measurement ``hpcrl plan`` prints)."""
     weight_sync: str = "collective"
     """How new weights reach the engines after a step. ``collective``: trainer rank 0 broadcasts
     them to every engine worker over a process group of their own (NCCL on GPUs, gloo on CPUs).
@@ -43,6 +47,8 @@ class RolloutConfig:
         positive("rollout.weight_sync_bucket_mb", self.weight_sync_bucket_mb)
         in_range("rollout.gpu_memory_utilization", self.gpu_memory_utilization, 0.05, 0.98)
         positive("rollout.max_num_seqs", self.max_num_seqs)
+        if self.engines_per_gpu is not None:
+            positive("rollout.engines_per_gpu", self.engines_per_gpu)
         positive("rollout.max_new_tokens", self.max_new_tokens)
         non_negative("rollout.temperature", self.temperature)
         in_range("rollout.top_p", self.top_p, 1e-6, 1.0)

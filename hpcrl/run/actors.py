@@ -108,7 +108,7 @@ class TrainerActor:
         return self._stream(self.sender.packer() if self.sender else None, self.wire_dtype)
 
     def send_weights_via(self, engines: list[Any], via: str, wire: dict[str, Any]) -> dict[str, float]:
-        """Stream into CUDA IPC handles for the engine on this GPU (``ipc``: every rank feeds its
+        """Stream into CUDA IPC handles for the engines on this GPU (``ipc``: every rank feeds its
         own) or into Ray's object store for every engine (``object_store``: the sources)."""
         from hpcrl.sync.broadcast import WeightLayout, dtype_of
         from hpcrl.sync.packer import BucketPacker, ipc_emit, store_emit
@@ -118,7 +118,7 @@ class TrainerActor:
         dtype = dtype_of(layout.dtype)
         if index is None or not engines:
             return self._stream(None, dtype)
-        emit = ipc_emit(engines[0]) if via == "ipc" else store_emit(engines)
+        emit = ipc_emit(engines) if via == "ipc" else store_emit(engines)
         return self._stream(BucketPacker(layout.buckets(index), dtype, self._device(), emit), dtype)
 
     def _stream(self, packer: Any, dtype: Any) -> dict[str, float]:

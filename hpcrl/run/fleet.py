@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcrl.plan.planner import Plan
-from hpcrl.plan.topology import Placement
 from hpcrl.rollout.backends import inflight_updates, sleeps
 from hpcrl.rollout.base import Completion, SamplingSettings
-from hpcrl.run.actors import ROLLOUT_RESOURCE, TRAIN_RESOURCE, RolloutActor, TrainerActor
+from hpcrl.run.actors import RolloutActor, TrainerActor
 from hpcrl.run.refit import Refit
+from hpcrl.run.slots import place, plan_slots
 from hpcrl.trainer.batch import TrainBatch
 
 if TYPE_CHECKING:
@@ -51,39 +51,36 @@ class Fleet:
         topo = plan.topology
         # each rank gets the plan's degrees; a local run on the CPU trains on one rank
         train = topo.train if gpu_resources else replace(topo.train, world=1)
-        world = train.world
         on_cpu = device == "cpu"
-        # Colocated: trainer rank and engine share each GPU (half a Ray GPU each); split: a whole one.
-        share = 0.5 if topo.placement is Placement.COLOCATED else 1.0
+        slots = plan_slots(topo, train, gpu_resources=gpu_resources)
+        trainer_options, engine_options = place(slots)
         trainer_cls = ray.remote(TrainerActor)
         rollout_cls = ray.remote(RolloutActor)
         trainers = [
-            trainer_cls.options(
-                num_cpus=0, num_gpus=share if gpu_resources else 0, resources={TRAIN_RESOURCE: 1}
-            ).remote(str(model_dir), cfg, rank, train, device)
-            for rank in range(world)
+            trainer_cls.options(**options).remote(str(model_dir), cfg, rank, train, device)
+            for rank, options in enumerate(trainer_options)
         ]
         # Rank 0 picks the rendezvous address on its own node: the ranks may span several nodes.
         master = ray.get(trainers[0].endpoint.remote())
         setups = [t.setup.remote(master) for t in trainers]
-        engines_n = topo.rollout.engines if gpu_resources else 1
         kv_gb = plan.memory.rollout.cpu_kv_gb() if on_cpu else None  # GPUs: a share of memory instead
-        tp = topo.rollout.tp  # the plan's engines: rollout.tp GPUs each
+        # engines sharing a GPU split the rollout share of its memory
+        engine_cfg = engine_config(cfg, topo.rollout.per_gpu if gpu_resources else 1)
         # in-flight updates: a refit's pause arrives while generate_stream runs (the engine's WeightGate
         # orders them); otherwise one call at a time, as the loop makes them
         concurrency = 2 if inflight_updates(cfg.rollout) else 1
-        engines = [
-            rollout_cls.options(
-                num_cpus=0,
-                num_gpus=tp * share if gpu_resources else 0,
-                resources={ROLLOUT_RESOURCE: tp},
-                max_concurrency=concurrency,
-            ).remote(str(model_dir), cfg, cfg.max_seq_len, str(scratch), on_cpu, kv_gb)
-            for _ in range(engines_n)
-        ]
+        engines: list[Any] = [None] * len(engine_options)
+        for wave in slots.waves:  # engines on one GPU start one after another (slots.py says why)
+            for i in wave:
+                engines[i] = rollout_cls.options(**engine_options[i], max_concurrency=concurrency).remote(
+                    str(model_dir), engine_cfg, cfg.max_seq_len, str(scratch), on_cpu, kv_gb
+                )
+            if len(slots.waves) > 1:
+                ray.get([engines[i].where.remote() for i in wave])
         ray.get(setups)
         where = ray.get([a.where.remote() for a in trainers + engines])  # surface start-up errors here
-        refit = Refit(plan.refit.mode, plan.refit.backend, cfg.rollout.weight_sync_bucket_mb)  # as planned
+        per_gpu = len(engines) // len(trainers) if plan.refit.mode == "ipc" else 1
+        refit = Refit(plan.refit.mode, plan.refit.backend, cfg.rollout.weight_sync_bucket_mb, per_gpu)
         return cls(trainers, engines, where, refit=refit, sleep=sleeps(cfg.rollout))
 
     def describe(self) -> str:
@@ -204,6 +201,14 @@ class Fleet:
         import ray
 
         ray.get([t.load_checkpoint.remote(path, weights_only) for t in self.trainers])
+
+
+def engine_config(cfg: Any, per_gpu: int) -> Any:
+    """``cfg`` for one of ``per_gpu`` engines sharing a GPU: its part of ``rollout.gpu_memory_utilization``."""
+    if per_gpu == 1:
+        return cfg
+    share = cfg.rollout.gpu_memory_utilization / per_gpu
+    return replace(cfg, rollout=replace(cfg.rollout, gpu_memory_utilization=share))
 
 
 def merge_streams(streams: list[tuple[int, Any]], k: int) -> Iterator[list[tuple[int, list[Completion]]]]:

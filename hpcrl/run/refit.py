@@ -6,7 +6,7 @@ packer (sync/packer.py) whose full buckets go
 - ``broadcast``: over a process group of its own with every engine worker (sync/broadcast.py; NCCL
   between GPUs of different actors, gloo on CPUs);
 - ``ipc``: colocated GPUs — to the engine on the same GPU as CUDA IPC handles of the bucket (no host
-  copy, no serialisation); each trainer rank feeds the engine that shares its GPU;
+  copy, no serialisation); each trainer rank feeds the engines that share its GPU;
 - ``object_store``: through Ray's object store (host copies; works wherever Ray does).
 
 The layout (who sends which tensors, in which buckets) is agreed once, from parameter metadata; each
@@ -30,6 +30,8 @@ class Refit:
     mode: str
     backend: str
     bucket_mb: int
+    per_gpu: int = 1
+    """``ipc``: engines on each trainer rank's GPU (rank r feeds engines r * per_gpu ...)."""
     layout: WeightLayout | None = None
     last: dict[str, float] = field(default_factory=dict)
     """The last refit's phases (seconds) and bytes."""
@@ -48,8 +50,14 @@ class Refit:
             for key in ("receive_s", "load_s"):
                 phases[key] = max(e[key] for e in engines_got)
         elif self.mode == "ipc":
+            k = self.per_gpu
+            if len(engines) != k * len(trainers):
+                raise RuntimeError(f"internal: ipc refit of {len(trainers)} ranks to {len(engines)} engines")
             senders = ray.get(
-                [t.send_weights_via.remote([e], "ipc", wire) for t, e in zip(trainers, engines, strict=True)]
+                [
+                    t.send_weights_via.remote(engines[r * k : (r + 1) * k], "ipc", wire)
+                    for r, t in enumerate(trainers)
+                ]
             )
         else:
             senders = ray.get([t.send_weights_via.remote(engines, "object_store", wire) for t in trainers])

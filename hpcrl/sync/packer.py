@@ -225,15 +225,16 @@ def _entries(bucket: Bucket) -> list[tuple[str, tuple[int, ...], int]]:
     return [(meta.name, meta.shape, offset) for meta, offset in bucket.entries]
 
 
-def ipc_emit(engine: Any) -> Emit:
-    """Buckets to the engine on this GPU as CUDA IPC handles: it maps the sender's buffer, copies
+def ipc_emit(engines: list[Any]) -> Emit:
+    """Buckets to the engines on this GPU as CUDA IPC handles: each maps the sender's buffer, copies
     the weights out into its own, and answers when done (so the buffer may be freed or reused)."""
 
     def emit(buf: torch.Tensor, bucket: Bucket) -> Pending:
         from torch.multiprocessing.reductions import reduce_tensor
 
         args = reduce_tensor(buf)[1]  # the rebuild arguments alone: the function is known at the other end
-        return RayWait([engine.load_ipc.remote(args, _entries(bucket))])
+        entries = _entries(bucket)
+        return RayWait([engine.load_ipc.remote(args, entries) for engine in engines])
 
     return emit
 
