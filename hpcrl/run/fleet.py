@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcrl.core.parallel import RolloutParallel
 from hpcrl.plan.planner import Plan
 from hpcrl.rollout.backends import inflight_updates, sleeps
 from hpcrl.rollout.base import Completion, SamplingSettings
@@ -64,8 +65,7 @@ class Fleet:
         master = ray.get(trainers[0].endpoint.remote())
         setups = [t.setup.remote(master) for t in trainers]
         kv_gb = plan.memory.rollout.cpu_kv_gb() if on_cpu else None  # GPUs: a share of memory instead
-        # engines sharing a GPU split the rollout share of its memory
-        engine_cfg = engine_config(cfg, topo.rollout.per_gpu if gpu_resources else 1)
+        engine_cfg = engine_config(cfg, topo.rollout if gpu_resources else RolloutParallel(topo.rollout.tp))
         # in-flight updates: a refit's pause arrives while generate_stream runs (the engine's WeightGate
         # orders them); otherwise one call at a time, as the loop makes them
         concurrency = 2 if inflight_updates(cfg.rollout) else 1
@@ -203,12 +203,11 @@ class Fleet:
         ray.get([t.load_checkpoint.remote(path, weights_only) for t in self.trainers])
 
 
-def engine_config(cfg: Any, per_gpu: int) -> Any:
-    """``cfg`` for one of ``per_gpu`` engines sharing a GPU: its part of ``rollout.gpu_memory_utilization``."""
-    if per_gpu == 1:
-        return cfg
-    share = cfg.rollout.gpu_memory_utilization / per_gpu
-    return replace(cfg, rollout=replace(cfg.rollout, gpu_memory_utilization=share))
+def engine_config(cfg: Any, rollout: RolloutParallel) -> Any:
+    """``cfg`` as one engine of the plan's ``rollout`` runs it: the plan's tensor-parallel size, and
+    where ``per_gpu`` engines share a GPU, its part of ``rollout.gpu_memory_utilization``."""
+    share = cfg.rollout.gpu_memory_utilization / rollout.per_gpu
+    return replace(cfg, rollout=replace(cfg.rollout, tp=rollout.tp, gpu_memory_utilization=share))
 
 
 def merge_streams(streams: list[tuple[int, Any]], k: int) -> Iterator[list[tuple[int, list[Completion]]]]:
