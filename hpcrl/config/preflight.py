@@ -14,9 +14,9 @@ import yaml
 from hpcrl.config.model import LOCAL_PREFIX, ModelConfig
 from hpcrl.config.paths import conf_dirs, group_options
 from hpcrl.core.checks import divisors
-from hpcrl.data.config import DataConfig
-from hpcrl.data.procedural import is_procedural
+from hpcrl.data.config import TEMPLATES, DataConfig, is_procedural, record_field
 from hpcrl.errors import ConfigError
+from hpcrl.rewards.config import VERIFIER_NAMES, load_plugins
 from hpcrl.trainer.backends import trainer_spec
 from hpcrl.trainer.config import TrainerConfig
 
@@ -36,12 +36,10 @@ def check_environment(data: DataConfig) -> None:
 
 
 def check_template(data: DataConfig) -> None:
-    from hpcrl.data.templates import TEMPLATES
-
     if data.template not in TEMPLATES:
         raise ConfigError(
             f"data.template={data.template} is not a prompt template; use one of: {', '.join(TEMPLATES)} "
-            "(hpcrl/data/templates.py)"
+            "(hpcrl/data/config.py: TEMPLATES)"
         )
 
 
@@ -92,9 +90,7 @@ def real_data_options() -> list[str]:
 def check_verifier(data: DataConfig) -> None:
     """``data.verifier`` must be registered: built in, or by a module of ``HPCRL_PLUGINS``, imported here
     as the reward processes will import it in the job."""
-    from hpcrl.rewards.verifiers import REGISTRY, load_plugins
-
-    if data.verifier in REGISTRY:
+    if data.verifier in VERIFIER_NAMES:
         return
     plugins = os.environ.get("HPCRL_PLUGINS", "")
     try:
@@ -104,11 +100,11 @@ def check_verifier(data: DataConfig) -> None:
             f"data.verifier={data.verifier}: HPCRL_PLUGINS={plugins} does not import here "
             f"({type(exc).__name__}: {exc}); fix the module or its PYTHONPATH"
         ) from None
-    if data.verifier not in REGISTRY:
+    if data.verifier not in VERIFIER_NAMES:
         where = f"HPCRL_PLUGINS={plugins} registers" if plugins else "no HPCRL_PLUGINS module registers"
         raise ConfigError(
             f"data.verifier={data.verifier} is not a verifier ({where} it); use one of: "
-            f"{', '.join(sorted(REGISTRY))}, or register yours with @register('{data.verifier}') in a module "
+            f"{', '.join(sorted(VERIFIER_NAMES))}, or register yours with @register('{data.verifier}') in a module "
             "named by HPCRL_PLUGINS"
         )
 
@@ -146,8 +142,6 @@ def check_paths(data: DataConfig) -> None:
             )
         record = first_record(Path(source))
         if record is not None:
-            from hpcrl.data.loader import record_field
-
             for name in fields:
                 record_field(record, name, f"{key}={source}")
 

@@ -1,13 +1,38 @@
-"""Data schema."""
+"""Data schema, and the names and record shapes its values are checked against: the prompt templates,
+reasoning-gym's tasks and their options (``data.source=reasoning_gym:<task>``), a record's dotted field.
+
+They sit here, below the data code that uses them (``loader``, ``templates``, ``procedural``), so that
+the config layer checks ``data.*`` without importing the data layer: ``hpcrl plan`` refuses a name the
+job would refuse. reasoning-gym is imported inside the functions: ``hpcrl plan`` never needs it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from hpcrl.core.checks import MISSING, in_range, positive
-from hpcrl.data.procedural import check_task, is_procedural, task_of
 from hpcrl.errors import ConfigError
+
+TEMPLATES = {
+    "plain": "{problem}",
+    "cot": "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
+    "dapo": (
+        "Solve the following math problem step by step. The last line of your response should be of the "
+        "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+        'Remember to put your answer on its own line after "Answer:".'
+    ),
+    # reasoning-gym's prompts ask for the final answer in tags; its verifier reads the last pair
+    "answer_tags": "{problem}\nGive your final answer between <answer> and </answer> tags.",
+    # an expression to complete, as the tiny models learned arithmetic ("7 + 9 =")
+    "equals": "{problem} =",
+}
+"""Prompt templates by name (``data.template``); ``data/templates.py`` renders them."""
+PREFIX = "reasoning_gym:"
+"""``data.source`` of a procedural task: ``reasoning_gym:<task>`` (``data/procedural.py``)."""
+SET_BY_HPCRL = {"seed": "run.seed", "size": "data.num_samples / data.max_val_samples"}
+"""reasoning-gym task options hpcrl sets itself, from these keys."""
 
 REASONING_GYM = "reasoning_gym"
 """The verifier of reasoning_gym sources (the task's own ``score_answer``)."""
@@ -99,3 +124,91 @@ class DataConfig:
                 "(another seed, no question in both); drop data.val_source"
             )
         check_task(task_of(self.source), self.task_options, self.prompt_field)
+
+
+def is_procedural(source: str) -> bool:
+    return source.startswith(PREFIX)
+
+
+def task_of(source: str) -> str:
+    return source[len(PREFIX) :]
+
+
+def record_field(record: dict[str, Any], name: str, source: str) -> Any:
+    """The field ``name`` of a data record (dotted for nested fields, a number indexes a list:
+    ``prompt.0.content``), as ``data.prompt_field`` / ``data.answer_field`` name it."""
+    node: Any = record
+    for part in name.split("."):
+        if isinstance(node, list) and part.isdigit():
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            raise ConfigError(
+                f"{source}: records have no field '{name}' (set data.prompt_field / data.answer_field)"
+            )
+    return node
+
+
+def gym() -> Any:
+    """The reasoning_gym package, or a ConfigError saying how to install it."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ConfigError(
+            "data.source=reasoning_gym:... needs the reasoning-gym package (pip install reasoning-gym==0.1.25; "
+            "hpcrl's cpu and gpu extras have it)"
+        ) from None
+    return reasoning_gym
+
+
+def check_task(task: str, options: dict[str, Any], prompt_field: str) -> None:
+    """An unknown task, an unknown option, one the task's own config refuses, or a prompt field its
+    entries lack: one ConfigError line. Skipped where reasoning-gym is not installed (a login node with
+    hpcrl's light dependencies): the job checks the same when it generates the problems."""
+    try:
+        import reasoning_gym  # noqa: F401
+    except ImportError:
+        return
+    check_task_options(task, options, prompt_field)
+
+
+def check_task_options(task: str, options: dict[str, Any], prompt_field: str) -> None:
+    """``check_task`` with reasoning-gym installed (the job's: ``procedural.generate``)."""
+    datasets = gym().factory.DATASETS
+    if task not in datasets:
+        raise ConfigError(
+            f"data.source={PREFIX}{task} is not a reasoning-gym task; use one of: {', '.join(sorted(datasets))}"
+        )
+    fields = sorted(f.name for f in dataclasses.fields(datasets[task][1]) if f.name not in SET_BY_HPCRL)
+    for name in options:
+        if name in SET_BY_HPCRL:
+            raise ConfigError(f"data.task_options.{name} is set by hpcrl from {SET_BY_HPCRL[name]}; drop it")
+        if name not in fields:
+            raise ConfigError(
+                f"data.task_options.{name} is not an option of reasoning-gym's {task}; its options: "
+                f"{', '.join(fields)}"
+            )
+    try:
+        entry = gym().create_dataset(task, seed=0, size=1, **options)[0]
+    except (AssertionError, ValueError, TypeError) as exc:  # the task config's own validate()
+        raise ConfigError(
+            f"data.task_options={options} is refused by reasoning-gym's {task}: {exc or type(exc).__name__}"
+        ) from None
+    if entry_field(entry, prompt_field) is None:
+        names = ["question", *(f"metadata.{k}" for k in entry.get("metadata", {}))]
+        raise ConfigError(
+            f"data.prompt_field={prompt_field} is not a field of reasoning-gym's {task} entries; use one of: "
+            f"{', '.join(names)}"
+        )
+
+
+def entry_field(entry: dict[str, Any], path: str) -> str | None:
+    """A reasoning-gym entry's field ``path`` (``question``, ``metadata.<key>``) as text; None where the
+    entry lacks it or it is not a single value."""
+    node: Any = entry
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return None if isinstance(node, dict | list) else str(node)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.data import procedural
-from hpcrl.data.config import DataConfig
+from hpcrl.data.config import DataConfig, is_procedural, record_field
 from hpcrl.data.synthetic import synthetic_split
 from hpcrl.data.templates import render_prompt
 from hpcrl.errors import ConfigError
@@ -21,20 +21,6 @@ from hpcrl.errors import ConfigError
 class Example:
     prompt: str
     answer: str
-
-
-def record_field(record: dict[str, Any], name: str, source: str) -> Any:
-    node: Any = record
-    for part in name.split("."):
-        if isinstance(node, list) and part.isdigit():
-            node = node[int(part)]
-        elif isinstance(node, dict) and part in node:
-            node = node[part]
-        else:
-            raise ConfigError(
-                f"{source}: records have no field '{name}' (set data.prompt_field / data.answer_field)"
-            )
-    return node
 
 
 def records_to_examples(
@@ -99,7 +85,7 @@ def load_examples(cfg: DataConfig, seed: int, hub: Path | None = None) -> tuple[
             [Example(render_prompt(cfg.template, p.prompt), p.answer) for p in problems],
             [Example(render_prompt(cfg.template, p.prompt), p.answer) for p in held_out],
         )
-    if procedural.is_procedural(cfg.source):
+    if is_procedural(cfg.source):
         train_pairs, val_pairs = procedural.generate(
             cfg.source, cfg.task_options, cfg.prompt_field, cfg.num_samples or 4096, cfg.max_val_samples, seed
         )

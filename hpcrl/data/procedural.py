@@ -22,84 +22,15 @@ import json
 from functools import cache
 from typing import Any
 
+from hpcrl.data.config import PREFIX, check_task_options, entry_field, gym, task_of
 from hpcrl.errors import ConfigError
 
-PREFIX = "reasoning_gym:"
 VAL_SEED_OFFSET = 10_000_019
 """Validation is generated from ``run.seed + VAL_SEED_OFFSET``: reasoning-gym derives problem ``i`` from
 ``seed + i``, so the two seed ranges do not meet (the prompt filter holds them apart regardless)."""
 MAX_DRAWS = 8
 """Problems drawn per problem kept, at most, before a task is found too small for the sizes asked."""
-SET_BY_HPCRL = {"seed": "run.seed", "size": "data.num_samples / data.max_val_samples"}
 _TAGS = ("__tuple__", "__set__", "__items__")
-
-
-def is_procedural(source: str) -> bool:
-    return source.startswith(PREFIX)
-
-
-def task_of(source: str) -> str:
-    return source[len(PREFIX) :]
-
-
-def _gym() -> Any:
-    try:
-        import reasoning_gym
-    except ImportError:
-        raise ConfigError(
-            "data.source=reasoning_gym:... needs the reasoning-gym package (pip install reasoning-gym==0.1.25; "
-            "hpcrl's cpu and gpu extras have it)"
-        ) from None
-    return reasoning_gym
-
-
-def check_task(task: str, options: dict[str, Any], prompt_field: str) -> None:
-    """An unknown task, an unknown option, one the task's own config refuses, or a prompt field its
-    entries lack: one ConfigError line. Skipped where reasoning-gym is not installed (a login node with
-    hpcrl's light dependencies): the job checks the same when it generates the problems."""
-    try:
-        import reasoning_gym  # noqa: F401
-    except ImportError:
-        return
-    _check(task, options, prompt_field)
-
-
-def _check(task: str, options: dict[str, Any], prompt_field: str) -> None:
-    datasets = _gym().factory.DATASETS
-    if task not in datasets:
-        raise ConfigError(
-            f"data.source={PREFIX}{task} is not a reasoning-gym task; use one of: {', '.join(sorted(datasets))}"
-        )
-    fields = sorted(f.name for f in dataclasses.fields(datasets[task][1]) if f.name not in SET_BY_HPCRL)
-    for name in options:
-        if name in SET_BY_HPCRL:
-            raise ConfigError(f"data.task_options.{name} is set by hpcrl from {SET_BY_HPCRL[name]}; drop it")
-        if name not in fields:
-            raise ConfigError(
-                f"data.task_options.{name} is not an option of reasoning-gym's {task}; its options: "
-                f"{', '.join(fields)}"
-            )
-    try:
-        entry = _gym().create_dataset(task, seed=0, size=1, **options)[0]
-    except (AssertionError, ValueError, TypeError) as exc:  # the task config's own validate()
-        raise ConfigError(
-            f"data.task_options={options} is refused by reasoning-gym's {task}: {exc or type(exc).__name__}"
-        ) from None
-    if _field(entry, prompt_field) is None:
-        names = ["question", *(f"metadata.{k}" for k in entry.get("metadata", {}))]
-        raise ConfigError(
-            f"data.prompt_field={prompt_field} is not a field of reasoning-gym's {task} entries; use one of: "
-            f"{', '.join(names)}"
-        )
-
-
-def _field(entry: dict[str, Any], path: str) -> str | None:
-    node: Any = entry
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return None if isinstance(node, dict | list) else str(node)
 
 
 def generate(
@@ -109,7 +40,7 @@ def generate(
     training problems from ``seed`` and ``num_val`` distinct validation problems from
     ``seed + VAL_SEED_OFFSET``, no problem in both."""
     task = task_of(source)
-    _check(task, options, prompt_field)
+    check_task_options(task, options, prompt_field)
     draw = Draw(task, options, prompt_field)
     val = draw(seed + VAL_SEED_OFFSET, num_val, exclude=set(), distinct=True)
     train = draw(seed, num_train, exclude={problem for problem, _ in val}, distinct=False)
@@ -124,12 +55,12 @@ class Draw:
 
     def __call__(self, seed: int, count: int, exclude: set[str], distinct: bool) -> list[tuple[str, str]]:
         draws = count * MAX_DRAWS
-        dataset = _gym().create_dataset(self.task, seed=seed, size=draws, **self.options)
+        dataset = gym().create_dataset(self.task, seed=seed, size=draws, **self.options)
         out: list[tuple[str, str]] = []
         seen = set(exclude)
         for i in range(draws):
             entry = dataset[i]
-            problem = _field(entry, self.prompt_field) or ""
+            problem = entry_field(entry, self.prompt_field) or ""
             if problem in seen:
                 continue
             if distinct:
@@ -199,9 +130,9 @@ def score(completion: str, answer: str) -> float | None:
     the bare question) is its answer as a whole, and only a full score counts: the tasks' partial credit
     is a substring match (``len(oracle) / len(text)`` for any text holding the oracle), which on raw text
     pays for rambling: "<answer>7</answer>" after reasoning would get 1/40, "3 7 9" a third."""
-    gym = _gym()  # first: the reward pool's warm-up call (no entry) imports the package before it is timed
+    rg = gym()  # first: the reward pool's warm-up call (no entry) imports the package before it is timed
     task, options, entry = decode_answer(answer)
-    tagged = gym.utils.extract_answer(completion)
+    tagged = rg.utils.extract_answer(completion)
     final = (completion if tagged is None else tagged).strip()
     if not final:
         return None
@@ -212,4 +143,4 @@ def score(completion: str, answer: str) -> float | None:
 @cache
 def _scorer(task: str, options: str) -> Any:
     """One dataset object per task and options in a reward process (some load word lists or grids)."""
-    return _gym().create_dataset(task, seed=0, size=1, **json.loads(options))
+    return gym().create_dataset(task, seed=0, size=1, **json.loads(options))

@@ -1,5 +1,6 @@
-"""Prompt templates by name (``data.template``): how a data set's problem becomes the prompt. A module
-of its own, without the loader's imports, so that ``hpcrl plan`` can check the name cheaply.
+"""Prompt templates by name (``data.template``): how a data set's problem becomes the prompt. The
+templates themselves are the schema's (``data/config.py``: ``TEMPLATES``), where ``hpcrl plan`` checks
+the name.
 
 A problem that already carries the template's instruction is left as it is: DAPO-Math-17k's prompts are
 DAPO's instruction around the problem, word for word the ``dapo`` template, and its validation set
@@ -7,21 +8,8 @@ DAPO's instruction around the problem, word for word the ``dapo`` template, and 
 
 from __future__ import annotations
 
+from hpcrl.data.config import TEMPLATES
 from hpcrl.errors import ConfigError
-
-TEMPLATES = {
-    "plain": "{problem}",
-    "cot": "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
-    "dapo": (
-        "Solve the following math problem step by step. The last line of your response should be of the "
-        "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
-        'Remember to put your answer on its own line after "Answer:".'
-    ),
-    # reasoning-gym's prompts ask for the final answer in tags; its verifier reads the last pair
-    "answer_tags": "{problem}\nGive your final answer between <answer> and </answer> tags.",
-    # an expression to complete, as the tiny models learned arithmetic ("7 + 9 =")
-    "equals": "{problem} =",
-}
 
 
 def render_prompt(template: str, problem: str) -> str:

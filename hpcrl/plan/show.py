@@ -12,7 +12,7 @@ from rich.text import Text
 
 from hpcrl.config.defaults import default_recipes
 from hpcrl.config.schema import RunConfig
-from hpcrl.data.procedural import is_procedural
+from hpcrl.data.config import is_procedural
 from hpcrl.plan.planner import Plan, ShippedLayout, shipped_layouts
 from hpcrl.trainer.backends import trainer_spec
 

@@ -1,5 +1,6 @@
 """Reward schema (``rewards.*``): how the verifier processes run. Which verifier runs is the data set's
-choice (``data.verifier``): its answers need that checker."""
+choice (``data.verifier``): its answers need that checker; the names it may take are here
+(``VERIFIER_NAMES``), so that the config layer checks the name without importing the verifiers."""
 
 from __future__ import annotations
 
@@ -17,6 +18,19 @@ MIN_PROCESSES = 2
 """At least two, so that a sample that hangs until its time limit does not stop the others."""
 MAX_PROCESSES = 16
 """Each process imports SymPy and math-verify (~0.2 GB, seconds of start-up); more than 16 only add that."""
+BUILT_IN_VERIFIERS = ("math", "math_structural", "exact", "reasoning_gym")
+"""The verifiers ``rewards/verifiers.py`` registers (tests/data/test_rewards.py holds the two equal)."""
+VERIFIER_NAMES: set[str] = set(BUILT_IN_VERIFIERS)
+"""Every ``data.verifier`` this process knows: the built-in ones and each name a plugin module
+(``HPCRL_PLUGINS``, ``load_plugins``) registered with ``rewards.verifiers.register``."""
+
+
+def load_plugins(modules: str) -> None:
+    """Import comma-separated modules whose ``@register`` calls add verifiers (``HPCRL_PLUGINS``)."""
+    import importlib
+
+    for module in filter(None, (m.strip() for m in modules.split(","))):
+        importlib.import_module(module)
 
 
 def available_cpus() -> int:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from hpcrl.rewards.config import RewardsConfig
-from hpcrl.rewards.verifiers import Outcome, Verdict, get_verifier, load_plugins
+from hpcrl.rewards.config import RewardsConfig, load_plugins
+from hpcrl.rewards.verifiers import Outcome, Verdict, get_verifier
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ def say(msg: str) -> None:
 
 
 def eval_examples(cfg: RunConfig) -> list[Example]:
+    from hpcrl.data.config import is_procedural
     from hpcrl.data.loader import load_examples, read_records, records_to_examples
-    from hpcrl.data.procedural import is_procedural
     from hpcrl.hub.cache import hub_dir
 
     data, hub = cfg.data, hub_dir(cfg.cluster)

@@ -7,10 +7,12 @@ import time
 
 import pytest
 
-from hpcrl.rewards.config import RewardsConfig
+from hpcrl.rewards import verifiers
+from hpcrl.rewards.config import BUILT_IN_VERIFIERS, VERIFIER_NAMES, RewardsConfig
 from hpcrl.rewards.pool import RewardPool, Task
 from hpcrl.rewards.screen import answer_region, out_of_reach
 from hpcrl.rewards.verifiers import (
+    REGISTRY,
     Outcome,
     Verdict,
     get_verifier,
@@ -34,6 +36,14 @@ from hpcrl.rewards.verifiers import (
 )
 def test_math_verify(completion, answer, outcome):
     assert math_verify(completion, answer).outcome is outcome
+
+
+def test_the_schema_names_each_built_in_verifier():
+    """``hpcrl plan`` checks data.verifier against rewards/config.py's names, without importing the
+    verifiers: those names are the ones verifiers.py registers, and each registered name is among them."""
+    built_in = {name for name, fn in REGISTRY.items() if fn.__module__ == verifiers.__name__}
+    assert built_in == set(BUILT_IN_VERIFIERS)
+    assert set(REGISTRY) <= VERIFIER_NAMES
 
 
 def test_structural_check_rejects_unfactored_answer():

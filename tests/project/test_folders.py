@@ -20,15 +20,7 @@ from tests.project.test_layout import find_cycle
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "hpcrl"
 
-KNOWN_TWO_WAY: dict[frozenset[str], str] = {
-    frozenset({"config", "data"}): (
-        "the data schema and config/preflight.py check names against data's registries (procedural tasks, "
-        "templates, the record reader); goes when those registries move into the schema's reach"
-    ),
-    frozenset({"config", "rewards"}): (
-        "config/preflight.py checks data.verifier against rewards/verifiers.py's REGISTRY; goes with it"
-    ),
-}
+KNOWN_TWO_WAY: dict[frozenset[str], str] = {}
 """Pairs that remain, each with why. A pair that disappears must leave this list (the test says so)."""
 
 Arrows = dict[tuple[str, str], list[str]]
