@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from hpcrl.config.schema import RunConfig
+from hpcrl.core.parallel import TrainParallel
 from hpcrl.plan.memory import GB, RolloutMemory, TrainMemory
 from hpcrl.plan.topology import Placement, Topology
 from hpcrl.trainer.backends import expert_tp_view, trainer_spec
@@ -33,46 +34,59 @@ REFIT_BYTES_PER_S = 25e9
 """Nominal trainer -> engine bandwidth of a split refit (across nodes)."""
 
 
+def degrees(train: TrainParallel) -> dict[str, int]:
+    """The training degrees of ``train`` as ``build_topology`` takes them (its world follows from the
+    nodes)."""
+    return {"tp": train.tp, "pp": train.pp, "cp": train.cp, "ep": train.ep, "expert_tp": train.expert_tp}
+
+
 @dataclass(frozen=True)
 class Layout:
-    """Every key a layout sets; ``overrides`` types it back as a command line."""
+    """Every key a layout sets: the nodes of each side, the training degrees as their one record
+    (``train``, over ``train_nodes`` nodes), recompute, the engines' tensor parallel size and the
+    segment. The planner builds the plan's ``Topology`` from it (``topology_args``) and writes it into
+    the job's config (``apply``); ``overrides`` types it back as a command line."""
 
     train_nodes: int
     rollout_nodes: int
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    expert_tp: int
+    train: TrainParallel
     recompute: bool
     rollout_tp: int
     segment: int | None = None
 
     def overrides(self) -> list[str]:
+        par = self.train
         keys = [
             f"layout.train_nodes={self.train_nodes}",
             f"layout.rollout_nodes={self.rollout_nodes}",
-            f"trainer.tp={self.tp}",
-            f"trainer.pp={self.pp}",
-            f"trainer.cp={self.cp}",
-            f"trainer.ep={self.ep}",
+            f"trainer.tp={par.tp}",
+            f"trainer.pp={par.pp}",
+            f"trainer.cp={par.cp}",
+            f"trainer.ep={par.ep}",
             f"trainer.activation_checkpointing={str(self.recompute).lower()}",
             f"rollout.tp={self.rollout_tp}",
         ]
-        if self.expert_tp > 1:  # a megatron key: fsdp's schema has no expert_tp
-            keys.append(f"trainer.expert_tp={self.expert_tp}")
+        if par.expert_tp > 1:  # a megatron key: fsdp's schema has no expert_tp
+            keys.append(f"trainer.expert_tp={par.expert_tp}")
         if self.segment is not None:
             keys.append(f"cluster.slurm.segment={self.segment}")
         return keys
 
+    def topology_args(self) -> dict[str, int]:
+        """``build_topology``'s keywords for this layout, but the GPUs per node (the cluster's)."""
+        nodes = {"train_nodes": self.train_nodes, "rollout_nodes": self.rollout_nodes}
+        return {**nodes, **degrees(self.train), "rollout_tp": self.rollout_tp}
+
     def apply(self, cfg: RunConfig) -> None:
-        """Write this layout into ``cfg`` (in place)."""
+        """Write this layout into ``cfg`` (in place): the job's config says what its plan runs, and the
+        keys the run reads there (the engines' ``rollout.tp``, the trainers' recompute, the sbatch's
+        segment) are the plan's."""
         cfg.layout.train_nodes, cfg.layout.rollout_nodes = self.train_nodes, self.rollout_nodes
-        trainer = cfg.trainer
-        trainer.tp, trainer.pp, trainer.cp, trainer.ep = self.tp, self.pp, self.cp, self.ep
+        trainer, par = cfg.trainer, self.train
+        trainer.tp, trainer.pp, trainer.cp, trainer.ep = par.tp, par.pp, par.cp, par.ep
         trainer.activation_checkpointing = self.recompute
         if (experts := expert_tp_view(trainer)) is not None:
-            experts.expert_tp = self.expert_tp
+            experts.expert_tp = par.expert_tp
         cfg.rollout.tp = self.rollout_tp
         if self.segment is not None:
             cfg.cluster.slurm.segment = self.segment
@@ -101,9 +115,10 @@ class Scored:
             if layout.rollout_nodes
             else f"{layout.train_nodes} colocated"
         )
-        train = f"TP{layout.tp} PP{layout.pp} CP{layout.cp} EP{layout.ep}"
-        if layout.expert_tp > 1:
-            train += f" ETP{layout.expert_tp}"
+        par = layout.train
+        train = f"TP{par.tp} PP{par.pp} CP{par.cp} EP{par.ep}"
+        if par.expert_tp > 1:
+            train += f" ETP{par.expert_tp}"
         train += ", recompute" if layout.recompute else ""
         engines = (layout.rollout_nodes or layout.train_nodes) * gpus_per_node // layout.rollout_tp
         return (
@@ -133,11 +148,9 @@ class LayoutSearch:
 
 @dataclass(frozen=True)
 class TrainChoice:
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    expert_tp: int
+    """One training layout the search estimated: the degree record on its node count, and recompute."""
+
+    train: TrainParallel
     recompute: bool
 
 
@@ -163,7 +176,7 @@ def rollout_short(memory: RolloutMemory, tp: int, gpus_per_node: int) -> str:
     )
 
 
-def step_seconds(cfg: RunConfig, topo: Topology, c: TrainChoice, rollout: RolloutMemory) -> float:
+def step_seconds(cfg: RunConfig, topo: Topology, recompute: bool, rollout: RolloutMemory) -> float:
     """A nominal step (generate + train + refit) to rank layouts by: compute-bound training with a
     penalty per parallel degree and the pipeline bubble, bandwidth-bound decoding in waves of what the
     KV cache holds, and the refit's transfer when the engines are on other nodes."""
@@ -171,10 +184,10 @@ def step_seconds(cfg: RunConfig, topo: Topology, c: TrainChoice, rollout: Rollou
     samples = algo.num_prompts_per_step * algo.num_generations
     tokens = samples * cfg.max_seq_len
     active = model.param_counts().active
-    flops = 6 * active * tokens * (4 / 3 if c.recompute else 1)
+    flops = 6 * active * tokens * (4 / 3 if recompute else 1)
     micro_batches = max(1, samples // max(1, par.dp * cfg.trainer.micro_batch_size))
-    bubble = (c.pp - 1) / (micro_batches + c.pp - 1)
-    comm = 1 + 0.1 * math.log2(c.tp * c.cp * c.pp) + 0.05 * math.log2(c.ep)
+    bubble = (par.pp - 1) / (micro_batches + par.pp - 1)
+    comm = 1 + 0.1 * math.log2(par.tp * par.cp * par.pp) + 0.05 * math.log2(par.ep)
     peak_flops = max(cfg.cluster.gpu_bf16_tflops, 1.0) * 1e12
     train_s = flops / (par.world * peak_flops * TRAIN_MFU / comm * (1 - bubble))
     per_engine = -(-samples // topo.rollout.engines)

@@ -30,6 +30,7 @@ from hpcrl.plan.layout import (
     Scored,
     TrainChoice,
     build_short,
+    degrees,
     rollout_short,
     step_seconds,
     train_short,
@@ -46,7 +47,7 @@ from hpcrl.plan.nvlink import check_nvlink, segment_for
 from hpcrl.plan.quirks import apply_quirks
 from hpcrl.plan.topology import Placement, Topology, build_topology, on_gpus
 from hpcrl.rollout.backends import sleep_mode
-from hpcrl.trainer.backends import trainer_spec
+from hpcrl.trainer.backends import Degrees, trainer_spec
 
 SEARCH_MAX_NODES = 128
 """Where the search gives up on clusters without ``cluster.max_nodes``."""
@@ -81,17 +82,18 @@ class Search:
         return [node]
 
     @functools.cached_property
-    def choices(self) -> list[TrainChoice]:
-        """The training side's space, least parallel first (computed once a search)."""
+    def choices(self) -> list[tuple[Degrees, bool]]:
+        """The training side's space, least parallel first: the backend's degrees (any node count) and
+        recompute (computed once a search)."""
         return self.train_choices()
 
-    def train_choices(self) -> list[TrainChoice]:
+    def train_choices(self) -> list[tuple[Degrees, bool]]:
         cfg, model, trainer = self.cfg, self.cfg.model, self.cfg.trainer
         recompute = self.options(
             "trainer.activation_checkpointing", sorted({trainer.activation_checkpointing, True})
         )
-        degrees = trainer_spec(trainer).choices(model, trainer, self.gpn, cfg.max_seq_len, self.options)
-        return [TrainChoice(*d, r) for d in degrees for r in recompute]
+        space = trainer_spec(trainer).choices(model, trainer, self.gpn, cfg.max_seq_len, self.options)
+        return [(d, r) for d in space for r in recompute]
 
     def rollout_tps(self) -> list[int]:
         heads = self.cfg.model.num_attention_heads
@@ -110,33 +112,39 @@ class Search:
             return fitting
         nearest: TrainMemory | None = None
         # the most parallel choice holds the least per GPU: if it does not fit, none does
-        for choice in [choices[-1], *choices[:-1]]:
-            got = self.estimate_train(nodes, choice)
+        last = len(choices) - 1
+        for i in [last, *range(last)]:
+            got = self.estimate_train(nodes, *choices[i])
             if got is None:
                 continue
-            memory, topo = got
+            choice, memory, topo = got
             if memory.peak <= self.capacity and memory.startup <= self.capacity:
                 fitting.append((choice, memory, topo))
                 continue
             if nearest is None or max(memory.peak, memory.startup) < max(nearest.peak, nearest.startup):
                 nearest = memory
-            if choice is choices[-1]:
+            if i == last:
                 break
         if not fitting and nearest is not None:
             self.short["training"] = train_short(nearest, nodes, self.capacity)
         self._train[nodes] = fitting
         return fitting
 
-    def estimate_train(self, nodes: int, c: TrainChoice) -> tuple[TrainMemory, Topology] | None:
+    def estimate_train(
+        self, nodes: int, space: Degrees, recompute: bool
+    ) -> tuple[TrainChoice, TrainMemory, Topology] | None:
+        """The degrees ``space`` on ``nodes`` nodes as the record (None: they do not divide its GPUs),
+        and its memory; the config stays as given."""
+        tp, pp, cp, ep, expert_tp = space
         try:
             topo = build_topology(
-                gpus_per_node=self.gpn, train_nodes=nodes, rollout_nodes=0, tp=c.tp, pp=c.pp,
-                cp=c.cp, ep=c.ep, expert_tp=c.expert_tp, rollout_tp=1,
+                gpus_per_node=self.gpn, train_nodes=nodes, rollout_nodes=0, tp=tp, pp=pp, cp=cp, ep=ep,
+                expert_tp=expert_tp, rollout_tp=1,
             )  # fmt: skip
         except ConfigError:
             return None
         self.tried += 1
-        return estimate_train(self.cfg, topo, recompute=c.recompute), topo  # the config stays as given
+        return TrainChoice(topo.train, recompute), estimate_train(self.cfg, topo, recompute=recompute), topo
 
     def rollout_side(self, nodes: int) -> list[tuple[int, RolloutMemory]]:
         """(rollout TP, memory) of engines on ``nodes`` nodes that hold their weights and a sequence."""
@@ -190,8 +198,7 @@ class Search:
             for choice, train, _ in self.train_side(train_nodes):
                 topo = build_topology(
                     gpus_per_node=self.gpn, train_nodes=train_nodes, rollout_nodes=rollout_nodes,
-                    tp=choice.tp, pp=choice.pp, cp=choice.cp, ep=choice.ep, expert_tp=choice.expert_tp,
-                    rollout_tp=rollout_tp,
+                    rollout_tp=rollout_tp, **degrees(choice.train),
                 )  # fmt: skip
                 if scored := self.score(choice, topo, train, memory, max(train.peak, memory.budget)):
                     yield scored
@@ -202,11 +209,8 @@ class Search:
         placeable, segment = self.segment(topo)
         if not placeable:
             return None
-        layout = Layout(
-            topo.train_nodes, topo.rollout_nodes, c.tp, c.pp, c.cp, c.ep, c.expert_tp, c.recompute,
-            topo.rollout.tp, segment,
-        )  # fmt: skip
-        return Scored(layout, topo.total_gpus, peak, step_seconds(self.cfg, topo, c, rollout))
+        layout = Layout(topo.train_nodes, topo.rollout_nodes, c.train, c.recompute, topo.rollout.tp, segment)
+        return Scored(layout, topo.total_gpus, peak, step_seconds(self.cfg, topo, c.recompute, rollout))
 
     def segment(self, topo: Topology) -> tuple[bool, int | None]:
         """Whether the layout can be placed, and the segment it submits with: on NVLink-domain clusters
