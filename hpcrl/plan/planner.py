@@ -18,7 +18,7 @@ from hpcrl.plan.engine_defaults import (
     resolve_logprob_fraction,
     resolve_refit,
 )
-from hpcrl.plan.layout import LayoutSearch, typed_layout_keys
+from hpcrl.plan.layout import Layout, LayoutSearch, typed_layout_keys
 from hpcrl.plan.local_gpu import resolve_local_gpu
 from hpcrl.plan.memory import MemoryEstimate, estimate_memory
 from hpcrl.plan.nvlink import NvlinkCheck, check_nvlink
@@ -143,25 +143,23 @@ def matching_recipes(model: str, cluster: str) -> list[str]:
     return found
 
 
-def make_plan(cfg: RunConfig) -> Plan:
-    """Check cross-component rules and derive the plan; raises ConfigError on the first problem."""
+def make_plan(cfg: RunConfig, layout: Layout | None = None) -> Plan:
+    """Check cross-component rules and derive the plan; raises ConfigError on the first problem.
+
+    ``layout``: one the auto layout search chose. The plan's topology is built from its record, and
+    ``cfg`` (the job's copy) gets its keys written (``Layout.apply``): the run reads some of them there
+    (the engines' ``rollout.tp``, the trainers' and the memory estimate's recompute, the segment)."""
     resolve_local_gpu(cfg.cluster)  # cluster=local: this machine's GPU, before anything reads it
+    if layout is not None:
+        layout.apply(cfg)
     check_cluster_layout(cfg)
     quirks = apply_quirks(cfg)
     check_algo(cfg)
     check_backend(cfg)
-    trainer = cfg.trainer
     shared = resolve_engines_per_gpu(cfg)
     topo = build_topology(
         gpus_per_node=cfg.cluster.gpus_per_node,
-        train_nodes=cfg.layout.train_nodes,
-        rollout_nodes=cfg.layout.rollout_nodes,
-        tp=trainer.tp,
-        pp=trainer.pp,
-        cp=trainer.cp,
-        ep=trainer.ep,
-        expert_tp=expert_tp(trainer),
-        rollout_tp=cfg.rollout.tp,
+        **(layout.topology_args() if layout is not None else configured_layout(cfg)),
         engines_per_gpu=cfg.rollout.engines_per_gpu or 1,
     )
     check_model_parallel(cfg)
@@ -172,6 +170,21 @@ def make_plan(cfg: RunConfig) -> Plan:
     memory = estimate_memory(cfg, topo)
     refit = resolve_refit(cfg, topo)
     return Plan(cfg, topo, memory, tuple(quirks), sleep, nvlink, engine_defaults=chosen, refit=refit)
+
+
+def configured_layout(cfg: RunConfig) -> dict[str, int]:
+    """``build_topology``'s keywords for the config's own layout (``Layout.topology_args``'s)."""
+    trainer = cfg.trainer
+    return {
+        "train_nodes": cfg.layout.train_nodes,
+        "rollout_nodes": cfg.layout.rollout_nodes,
+        "tp": trainer.tp,
+        "pp": trainer.pp,
+        "cp": trainer.cp,
+        "ep": trainer.ep,
+        "expert_tp": expert_tp(trainer),
+        "rollout_tp": cfg.rollout.tp,
+    }
 
 
 def plan_from_overrides(overrides: list[str]) -> Plan:
@@ -206,14 +219,13 @@ def plan_config(cfg: RunConfig, fixed: frozenset[str] = frozenset()) -> Plan:
 
 
 def auto_plan(cfg: RunConfig, reason: str, fixed: frozenset[str] = frozenset()) -> Plan:
-    """Plan the best layout the search found (the next one should the full planner refuse it)."""
+    """Plan the best layout the search found (the next one should the full planner refuse it): its
+    record is the plan's, written into a copy of ``cfg`` for the job."""
     search = search_layouts(cfg, reason, fixed)
     candidates = [search.chosen, *search.runners_up]
     for scored in candidates:
-        chosen = copy.deepcopy(cfg)
-        scored.layout.apply(chosen)
         try:
-            plan = make_plan(chosen)
+            plan = make_plan(copy.deepcopy(cfg), scored.layout)
         except ConfigError:
             continue
         if plan.fits:

@@ -12,6 +12,7 @@ from hpcrl.errors import ConfigError, DoesNotFitError
 from hpcrl.plan.nvlink import NvlinkCheck, check_nvlink, segment_for
 from hpcrl.plan.planner import plan_from_overrides
 from hpcrl.plan.topology import build_topology
+from hpcrl.trainer.backends import expert_tp
 from tests.conftest import SITE, compose, local_gpu, plan, recipe_gpu
 
 GB200_SUPER = ["+experiment=none", "+cluster=gb200", "+model=nemotron_super", *SITE]
@@ -205,3 +206,21 @@ def test_the_printed_overrides_reproduce_the_auto_layout():
     pinned = plan_from_overrides([*GB200_SUPER, *auto.search.chosen.layout.overrides()])
     assert pinned.search is None and pinned.fits and pinned.topology == auto.topology
     assert pinned.cfg == auto.cfg
+
+
+def test_the_chosen_layout_is_the_plan_and_the_jobs_config_says_it():
+    """The search's choice is the plan's degree record (``make_plan(cfg, layout)``), and the config the
+    job is written with holds the same keys: the run reads recompute and ``rollout.tp`` there."""
+    auto = plan_from_overrides([*GB200_SUPER, "trainer=megatron", "trainer.expert_tp=2"])
+    assert auto.search is not None
+    layout = auto.search.chosen.layout
+    assert auto.topology.train == layout.train and auto.topology.rollout.tp == layout.rollout_tp
+    trainer = auto.cfg.trainer
+    degrees = (trainer.tp, trainer.pp, trainer.cp, trainer.ep, expert_tp(trainer))
+    par = layout.train
+    assert degrees == (par.tp, par.pp, par.cp, par.ep, par.expert_tp) and par.expert_tp == 2
+    assert trainer.activation_checkpointing == layout.recompute and auto.cfg.rollout.tp == layout.rollout_tp
+    assert (auto.cfg.layout.train_nodes, auto.cfg.layout.rollout_nodes) == (
+        layout.train_nodes,
+        layout.rollout_nodes,
+    )
