@@ -14,7 +14,15 @@ import yaml
 from hpcrl.config.model import LOCAL_PREFIX, ModelConfig
 from hpcrl.config.paths import conf_dirs, group_options
 from hpcrl.core.checks import divisors
-from hpcrl.data.config import TEMPLATES, DataConfig, is_procedural, record_field
+from hpcrl.data.config import (
+    TEMPLATE_FILES,
+    TEMPLATES,
+    DataConfig,
+    is_procedural,
+    is_template_file,
+    read_template,
+    record_field,
+)
 from hpcrl.errors import ConfigError
 from hpcrl.rewards.config import VERIFIER_NAMES, load_plugins
 from hpcrl.trainer.backends import trainer_spec
@@ -36,10 +44,10 @@ def check_environment(data: DataConfig) -> None:
 
 
 def check_template(data: DataConfig) -> None:
-    if data.template not in TEMPLATES:
+    if data.template not in TEMPLATES and not is_template_file(data.template):
         raise ConfigError(
             f"data.template={data.template} is not a prompt template; use one of: {', '.join(TEMPLATES)} "
-            "(hpcrl/data/config.py: TEMPLATES)"
+            f"(hpcrl/data/config.py: TEMPLATES), or a file ending in {', '.join(TEMPLATE_FILES)}"
         )
 
 
@@ -127,6 +135,8 @@ def check_paths(data: DataConfig) -> None:
     record of a .jsonl/.parquet file must have the fields the run reads."""
     if not data.check_source:
         return
+    if is_template_file(data.template):
+        read_template(data.template)
     val_fields = (data.val_prompt_field or data.prompt_field, data.val_answer_field or data.answer_field)
     sources = (
         ("data.source", data.source, data.prompt_field, data.answer_field),

@@ -62,7 +62,13 @@ class DataConfig:
     """Field names of ``val_source`` when they differ from the training set's (None: the same)."""
     val_answer_field: str | None = None
     template: str = "cot"
-    """Prompt template name (see hpcrl.data.templates)."""
+    """Prompt template: a name in ``TEMPLATES``, or a text file (a path ending in .txt, .jinja or .md;
+    relative to the directory you submit in) whose text holds ``{problem}`` once, as the seeds'
+    ``prompt_file``."""
+    system_prompt: str | None = None
+    """A system turn before every prompt (and before ``fewshot``), through the chat template."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables the model's chat template reads, e.g. ``{enable_thinking: false}`` (Qwen3)."""
     max_prompt_tokens: int = 1024
     verifier: str = "math"
     """Reward function by registry name."""
@@ -93,11 +99,17 @@ class DataConfig:
                 f"data.source='{self.source}' must be 'synthetic', 'hf:<dataset>', 'reasoning_gym:<task>' "
                 "or a .jsonl/.parquet file"
             )
-        if self.fewshot and self.template == "plain":
-            raise ConfigError(
-                "data.fewshot is shown as earlier chat turns, and data.template=plain prompts without the "
-                "chat template: use another data.template or drop data.fewshot"
-            )
+        chat_only = {
+            "data.fewshot": self.fewshot,
+            "data.system_prompt": self.system_prompt,
+            "data.chat_template_kwargs": self.chat_template_kwargs,
+        }
+        for key, value in chat_only.items():
+            if value and self.template == "plain":
+                raise ConfigError(
+                    f"{key} goes through the chat template, and data.template=plain prompts without it: "
+                    f"use another data.template or drop {key}"
+                )
         self.check_procedural()
 
     def check_procedural(self) -> None:
@@ -124,6 +136,33 @@ class DataConfig:
                 "(another seed, no question in both); drop data.val_source"
             )
         check_task(task_of(self.source), self.task_options, self.prompt_field)
+
+
+TEMPLATE_FILES = (".txt", ".jinja", ".md")
+"""Endings of a ``data.template`` that names a file."""
+
+
+def is_template_file(template: str) -> bool:
+    return template.endswith(TEMPLATE_FILES)
+
+
+def read_template(path: str) -> str:
+    """A template file's text, checked: it exists and holds ``{problem}`` exactly once."""
+    from pathlib import Path
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(
+            f"data.template={path}: no such file ({file.absolute()}); a relative path is from the "
+            "directory you submit in"
+        )
+    text = file.read_text()
+    if text.count("{problem}") != 1:
+        raise ConfigError(
+            f"data.template={path} must hold {{problem}} exactly once (where the problem goes); "
+            f"it holds it {text.count('{problem}')} times"
+        )
+    return text
 
 
 def is_procedural(source: str) -> bool:

@@ -1,6 +1,6 @@
-"""Prompt templates by name (``data.template``): how a data set's problem becomes the prompt. The
-templates themselves are the schema's (``data/config.py``: ``TEMPLATES``), where ``hpcrl plan`` checks
-the name.
+"""Prompt templates (``data.template``): how a data set's problem becomes the prompt. The named
+templates are the schema's (``data/config.py``: ``TEMPLATES``), where ``hpcrl plan`` checks the name; a
+template may also be a text file, read once.
 
 A problem that already carries the template's instruction is left as it is: DAPO-Math-17k's prompts are
 DAPO's instruction around the problem, word for word the ``dapo`` template, and its validation set
@@ -8,18 +8,31 @@ DAPO's instruction around the problem, word for word the ``dapo`` template, and 
 
 from __future__ import annotations
 
-from hpcrl.data.config import TEMPLATES
+import functools
+
+from hpcrl.data.config import TEMPLATES, is_template_file, read_template
 from hpcrl.errors import ConfigError
 
 
 def render_prompt(template: str, problem: str) -> str:
-    if template not in TEMPLATES:
-        raise ConfigError(f"data.template='{template}' is unknown; use one of {', '.join(TEMPLATES)}")
-    before, after = TEMPLATES[template].format(problem="\0").split("\0")
+    before, after = template_parts(template)
     text = problem.strip()
     if (before.strip() or after.strip()) and text.startswith(before.strip()) and text.endswith(after.strip()):
         return problem  # the instruction is there already (DAPO-Math-17k's prompts)
     return before + problem + after
+
+
+@functools.cache
+def template_parts(template: str) -> tuple[str, str]:
+    """The text before and after the problem: a named template's (``str.format`` escapes), or a file's,
+    read once, whose only placeholder is ``{problem}`` (its other braces are text: LaTeX's, say)."""
+    if is_template_file(template):
+        before, after = read_template(template).split("{problem}")
+        return before, after
+    if template not in TEMPLATES:
+        raise ConfigError(f"data.template='{template}' is unknown; use one of {', '.join(TEMPLATES)}")
+    before, after = TEMPLATES[template].format(problem="\0").split("\0")
+    return before, after
 
 
 def fewshot_turns(fewshot: dict[str, str], template: str) -> list[dict[str, str]]:

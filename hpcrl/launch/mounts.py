@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.config.cluster import ClusterConfig
+from hpcrl.data.config import is_template_file
 from hpcrl.errors import ConfigError
 from hpcrl.plan.planner import Plan
 
@@ -133,6 +134,8 @@ def job_paths(plan: Plan) -> list[tuple[str, str]]:
         for key, source in (("data.source", cfg.data.source), ("data.val_source", cfg.data.val_source)):
             if source and source != "synthetic" and not _SCHEME.match(source):
                 paths.append((key, source))
+        if is_template_file(cfg.data.template):
+            paths.append(("data.template", cfg.data.template))
     if Path(cfg.model.hf_id).expanduser().is_dir():
         paths.append(("model.hf_id", cfg.model.hf_id))
     return paths

@@ -6,7 +6,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from hpcrl.rollout.config import RolloutConfig
 
 
 @dataclass
@@ -24,11 +27,28 @@ class Completion:
 
 @dataclass(frozen=True)
 class SamplingSettings:
+    """One call's sampling, as every engine applies it (``rollout/hf_engine.py``'s ``restrict`` mirrors
+    vLLM's order): repetition penalty on the logits, then temperature (0: greedy), then ``min_p``, then
+    ``top_k``, then ``top_p`` over what top-k left."""
+
     n: int
     temperature: float
     top_p: float
     max_tokens: int
     seed: int
+    top_k: int = 0
+    """Sample among the k most likely tokens (0: all)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` x the most likely one's probability (0: none)."""
+    repetition_penalty: float = 1.0
+    """Tokens already in the prompt or the completion: positive logits divided by it, negative ones
+    multiplied (1: off)."""
+
+    @classmethod
+    def of(cls, rollout: RolloutConfig, n: int, seed: int) -> SamplingSettings:
+        """The training rollouts' settings: ``rollout.*``'s controls, ``n`` samples per prompt."""
+        r = rollout
+        return cls(n, r.temperature, r.top_p, r.max_new_tokens, seed, r.top_k, r.min_p, r.repetition_penalty)
 
 
 class RolloutEngine(Protocol):

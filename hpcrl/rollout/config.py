@@ -21,6 +21,13 @@ class RolloutConfig:
     max_new_tokens: int = 1024
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    """Sample among the k most likely tokens; 0: all (``SamplingSettings`` says in which order each
+    engine applies the controls)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` x the most likely token's probability; 0: none."""
+    repetition_penalty: float = 1.0
+    """> 1 discourages tokens already in the prompt or the completion so far; 1: off."""
     stop_token_ids: list[int] = field(default_factory=list)
     gpu_memory_utilization: float = 0.6
     """Share of each GPU's memory the engine may take (weights + KV cache) while it generates."""
@@ -52,6 +59,9 @@ class RolloutConfig:
         positive("rollout.max_new_tokens", self.max_new_tokens)
         non_negative("rollout.temperature", self.temperature)
         in_range("rollout.top_p", self.top_p, 1e-6, 1.0)
+        non_negative("rollout.top_k", self.top_k)
+        in_range("rollout.min_p", self.min_p, 0.0, 1.0)
+        positive("rollout.repetition_penalty", self.repetition_penalty)
 
 
 @dataclass

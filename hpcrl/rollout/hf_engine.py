@@ -12,15 +12,43 @@ from hpcrl.rollout.base import Completion, RolloutEngine, SamplingSettings, Weig
 from hpcrl.rollout.config import HFRolloutConfig
 
 
-def sample_tokens(logits: Any, temperature: float, gen: Any) -> Any:
-    """One token per row from softmax(logits / T) (greedy at T = 0). Gumbel-max: argmax of
-    logits / T + Gumbel noise is an exact sample, in one pass (``multinomial`` is far slower on GPUs)."""
+def sample_tokens(logits: Any, s: SamplingSettings, gen: Any, seen: Any = None) -> Any:
+    """One token per row under ``s`` (``SamplingSettings`` gives the order, vLLM's): the repetition
+    penalty on the tokens ``seen`` ([rows, vocab] bool), greedy at T = 0, else a sample of
+    softmax(restricted logits / T). Gumbel-max: argmax of logits / T + Gumbel noise is an exact sample, in
+    one pass (``multinomial`` is far slower on GPUs)."""
     import torch
 
-    if temperature == 0:
+    if seen is not None and s.repetition_penalty != 1.0:
+        penalized = torch.where(logits > 0, logits / s.repetition_penalty, logits * s.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    if s.temperature == 0:
         return logits.argmax(-1)
+    logits = restrict(logits / s.temperature, s.top_k, s.top_p, s.min_p)
     u = torch.rand(logits.shape, generator=gen, device=logits.device).clamp_(min=1e-20)
-    return (logits / temperature - torch.log(-torch.log(u))).argmax(-1)
+    return (logits - torch.log(-torch.log(u))).argmax(-1)
+
+
+def restrict(logits: Any, top_k: int, top_p: float, min_p: float) -> Any:
+    """``logits`` (already divided by the temperature) with -inf where min_p, then top_k, then top_p
+    (over the top-k tokens' renormalized mass) leave a token out; the most likely token always stays."""
+    import torch
+
+    out = logits
+    if min_p > 0:
+        probs = out.softmax(-1)
+        out = out.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    if 0 < top_k < out.shape[-1]:
+        kth = out.topk(top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = out.sort(-1, descending=True)
+        probs = ordered.softmax(-1)
+        # a token goes when the more likely ones already hold top_p of the mass (vLLM's rule)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[..., 0] = False
+        out = out.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return out
 
 
 class HFEngine:
@@ -98,12 +126,19 @@ class HFEngine:
         x, mask = ids.to(self.device), attn.to(self.device)
         position = (mask.cumsum(-1) - 1).clamp(min=0)
         forward = self._static_forward(mask, s.max_tokens) if static else self._dynamic_forward
+        seen = None  # the repetition penalty's tokens so far: the prompt's, then each one sampled
         with torch.no_grad():
             for step in range(s.max_tokens):
                 logits, past = forward(x, mask, position, past, step)
                 logits = logits.float()
-                nxt = sample_tokens(logits, s.temperature, gen)
+                if s.repetition_penalty != 1.0 and seen is None:
+                    # counted, not scattered as bools: a padding slot must not unmark a real token
+                    counts = torch.zeros(logits.shape, dtype=torch.long, device=self.device)
+                    seen = counts.scatter_add_(1, x, mask.long()) > 0
+                nxt = sample_tokens(logits, s, gen, seen)
                 nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
+                if seen is not None:
+                    seen.scatter_(1, nxt[:, None], True)
                 tokens.append(nxt)
                 # log p(token) under the policy itself (T = 1), what the trainer computes
                 chosen_lps.append(

@@ -71,8 +71,9 @@ def prepare_data(plan: Plan) -> tuple[list[Any], list[Any]]:
 
 def make_encoder(model_dir: Path, data: DataConfig) -> tuple[Callable[[str], list[int]], int]:
     """Prompt text -> token ids, and the pad id. Through the model's chat template unless
-    ``data.template`` is ``plain`` (or the tokenizer has none); ``data.fewshot``'s solved problems come
-    first as earlier turns of the same chat (each problem through ``data.template``, as the prompts)."""
+    ``data.template`` is ``plain`` (or the tokenizer has none), with ``data.chat_template_kwargs``:
+    ``data.system_prompt`` as a system turn first, then ``data.fewshot``'s solved problems as earlier
+    turns of the same chat (each problem through ``data.template``, as the prompts)."""
     from transformers import AutoTokenizer
 
     from hpcrl.data.templates import fewshot_turns
@@ -80,20 +81,25 @@ def make_encoder(model_dir: Path, data: DataConfig) -> tuple[Callable[[str], lis
     tok = AutoTokenizer.from_pretrained(model_dir)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if tok.chat_template and data.template != "plain":
-        earlier = fewshot_turns(data.fewshot, data.template)
+        system = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+        earlier = [*system, *fewshot_turns(data.fewshot, data.template)]
+        extra = dict(data.chat_template_kwargs)
 
         def encode(prompt: str) -> list[int]:
             msgs = [*earlier, {"role": "user", "content": prompt}]
             # text first: with tokenize=True transformers 5 returns a BatchEncoding (list() of it gives
             # its keys), 4.x a list of ids; the template writes every special token itself
-            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **extra)
             return list(tok.encode(text, add_special_tokens=False))
     else:
-        if data.fewshot:  # data.template=plain is refused by DataConfig.check
-            raise HpcrlError(
-                f"data.fewshot is shown as earlier chat turns, and the tokenizer of {model_dir} has no "
-                "chat template: drop data.fewshot"
-            )
+        chat_only = {"data.fewshot": data.fewshot, "data.system_prompt": data.system_prompt}
+        chat_only["data.chat_template_kwargs"] = data.chat_template_kwargs
+        for key, value in chat_only.items():  # with data.template=plain DataConfig.check refused them
+            if value:
+                raise HpcrlError(
+                    f"{key} goes through the chat template, and the tokenizer of {model_dir} has none: "
+                    f"drop {key}"
+                )
         bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
 
         def encode(prompt: str) -> list[int]:

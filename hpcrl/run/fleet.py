@@ -109,14 +109,7 @@ class Fleet:
             (
                 i,
                 e.generate_stream.options(num_returns="streaming").remote(
-                    prompts[i::k],
-                    SamplingSettings(
-                        settings.n,
-                        settings.temperature,
-                        settings.top_p,
-                        settings.max_tokens,
-                        settings.seed + i,
-                    ),
+                    prompts[i::k], replace(settings, seed=settings.seed + i)
                 ),
             )
             for i, e in enumerate(self.engines)

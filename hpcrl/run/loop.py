@@ -171,9 +171,8 @@ def shape(cfg: RunConfig, s: Scored) -> torch.Tensor:
 
 def sampling(cfg: RunConfig, step: int, round_: int) -> SamplingSettings:
     """Training sampling settings; the seed differs per step and per dynamic-sampling round."""
-    r = cfg.rollout
     seed = cfg.run.seed * 100_003 + step * 101 + round_
-    return SamplingSettings(cfg.algo.num_generations, r.temperature, r.top_p, r.max_new_tokens, seed=seed)
+    return SamplingSettings.of(cfg.rollout, cfg.algo.num_generations, seed)
 
 
 def collect(run: Run, step: int) -> tuple[Scored, torch.Tensor, dict[str, float]]:

@@ -37,11 +37,55 @@ def test_gumbel_max_sampling_follows_softmax_over_temperature(temperature):
     from hpcrl.rollout.hf_engine import sample_tokens
 
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0]).repeat(40000, 1)
-    drawn = sample_tokens(logits, temperature, torch.Generator().manual_seed(0))
+    drawn = sample_tokens(logits, settings(temperature), torch.Generator().manual_seed(0))
     freq = torch.bincount(drawn, minlength=4).float() / len(drawn)
     expected = torch.softmax(logits[0] / temperature, dim=0)
     assert torch.allclose(freq, expected, atol=0.01), (freq, expected)
-    assert torch.equal(sample_tokens(logits[:3], 0.0, None), torch.zeros(3, dtype=torch.long))
+    assert torch.equal(sample_tokens(logits[:3], settings(0.0), None), torch.zeros(3, dtype=torch.long))
+
+
+def settings(temperature: float = 1.0, **controls):  # type: ignore[no-untyped-def]
+    from hpcrl.rollout.base import SamplingSettings
+
+    return SamplingSettings(1, temperature, controls.pop("top_p", 1.0), 8, 0, **controls)
+
+
+# probabilities 0.5, 0.25, 0.15, 0.06, 0.04 (temperature 1)
+PROBS = torch.tensor([0.5, 0.25, 0.15, 0.06, 0.04])
+
+
+@pytest.mark.parametrize(
+    ("controls", "kept"),
+    [
+        ({"top_k": 2}, [0, 1]),
+        ({"top_p": 0.7}, [0, 1]),  # 0.5 < 0.7 so the second stays; 0.75 >= 0.7 ends it there
+        ({"top_p": 0.75}, [0, 1]),
+        ({"top_p": 0.76}, [0, 1, 2]),
+        ({"min_p": 0.25}, [0, 1, 2]),  # 0.06 < 0.25 x 0.5
+        ({"top_k": 3, "top_p": 0.8}, [0, 1]),  # top_p over the top 3 renormalized: 0.56, 0.28, 0.17
+        ({"top_p": 1e-6}, [0]),  # the most likely token always stays
+    ],
+)
+def test_sampling_controls_keep_exactly_the_tokens_vllm_keeps(controls, kept):
+    from hpcrl.rollout.hf_engine import sample_tokens
+
+    logits = PROBS.log().repeat(20000, 1)
+    drawn = sample_tokens(logits, settings(**controls), torch.Generator().manual_seed(0))
+    assert sorted(set(drawn.tolist())) == kept
+    freq = torch.bincount(drawn, minlength=5).float()[kept] / len(drawn)
+    assert torch.allclose(freq, PROBS[kept] / PROBS[kept].sum(), atol=0.015)  # renormalized, not reshaped
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    from hpcrl.rollout.hf_engine import sample_tokens
+
+    logits = torch.tensor([[2.0, 1.9, -0.5, -0.6]])
+    seen = torch.tensor([[True, False, False, False]])
+    assert sample_tokens(logits, settings(0.0), None, seen).item() == 0
+    assert sample_tokens(logits, settings(0.0, repetition_penalty=1.1), None, seen).item() == 1  # 2/1.1 < 1.9
+    negative = torch.tensor([[-0.5, -0.6, -3.0]])
+    seen = torch.tensor([[True, False, False]])
+    assert sample_tokens(negative, settings(0.0, repetition_penalty=1.3), None, seen).item() == 1  # -0.65
 
 
 def test_decode_attention_equals_stock_sdpa_with_grouped_heads_and_padding():

@@ -317,3 +317,57 @@ def test_per_step_warnings_are_filtered(engine, hf_model):
         for lg, h in zip(loggers, handlers, strict=True):
             lg.removeHandler(h)
     assert max_logprob_gap(engine, hf_model) < 1e-4  # the reload of the same weights changed nothing
+
+
+def outside(model, prompts, groups, **controls) -> int:  # type: ignore[no-untyped-def]
+    """How many sampled tokens the controls (at temperature 1) would not have allowed, judged on the
+    transformers model's own logits at each position."""
+    from hpcrl.rollout.hf_engine import restrict
+
+    bad = 0
+    for prompt, group in zip(prompts, groups, strict=True):
+        for c in group:
+            full = torch.tensor([prompt + c.token_ids])
+            with torch.no_grad():
+                logits = model(full).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(c.token_ids)]
+            allowed = restrict(
+                logits.float(),
+                controls.get("top_k", 0),
+                controls.get("top_p", 1.0),
+                controls.get("min_p", 0.0),
+            ).isfinite()
+            bad += sum(not bool(allowed[i, t]) for i, t in enumerate(c.token_ids))
+    return bad
+
+
+def test_sampling_controls_constrain_vllm_and_the_hf_engine_alike(engine, hf_model, tiny_dir):
+    """top_k, top_p and min_p: every token either engine samples is one the controls allow (the
+    same rule, on the policy's logits); without them some are not, so the check can fail.
+    Repetition penalty, greedy: both engines pick the same tokens, and not those without it."""
+    from hpcrl.rollout.config import HFRolloutConfig
+    from hpcrl.rollout.hf_engine import HFEngine
+
+    hf = HFEngine(tiny_dir, HFRolloutConfig(), device="cpu")
+    prompts = PROMPTS * 4
+    free = SamplingSettings(n=8, temperature=1.0, top_p=1.0, max_tokens=6, seed=3)
+    for controls in ({"top_k": 2}, {"top_p": 0.5}, {"min_p": 0.3}):
+        assert outside(hf_model, prompts, engine.generate(prompts, free), **controls) > 0
+        for e in (engine, hf):
+            settings = SamplingSettings(
+                8,
+                1.0,
+                controls.get("top_p", 1.0),
+                6,
+                3,
+                top_k=controls.get("top_k", 0),
+                min_p=controls.get("min_p", 0.0),
+            )
+            groups = e.generate(prompts, settings)
+            assert outside(hf_model, prompts, groups, **controls) == 0, (type(e).__name__, controls)
+    greedy = SamplingSettings(n=1, temperature=0.0, top_p=1.0, max_tokens=8, seed=0)
+    penalized = SamplingSettings(
+        n=1, temperature=0.0, top_p=1.0, max_tokens=8, seed=0, repetition_penalty=2.0
+    )
+    got = [[g[0].token_ids for g in e.generate(PROMPTS, penalized)] for e in (engine, hf)]
+    assert got[0] == got[1]
+    assert got[0] != [g[0].token_ids for g in engine.generate(PROMPTS, greedy)]
