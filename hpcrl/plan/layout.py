@@ -34,18 +34,13 @@ REFIT_BYTES_PER_S = 25e9
 """Nominal trainer -> engine bandwidth of a split refit (across nodes)."""
 
 
-def degrees(train: TrainParallel) -> dict[str, int]:
-    """The training degrees of ``train`` as ``build_topology`` takes them (its world follows from the
-    nodes)."""
-    return {"tp": train.tp, "pp": train.pp, "cp": train.cp, "ep": train.ep, "expert_tp": train.expert_tp}
-
-
 @dataclass(frozen=True)
 class Layout:
     """Every key a layout sets: the nodes of each side, the training degrees as their one record
     (``train``, over ``train_nodes`` nodes), recompute, the engines' tensor parallel size and the
-    segment. The planner builds the plan's ``Topology`` from it (``topology_args``) and writes it into
-    the job's config (``apply``); ``overrides`` types it back as a command line."""
+    segment (None: the configured one). The planner builds the plan's ``Topology`` and memory estimate
+    from it and writes it into the job's config (``apply``); ``overrides`` types it back as a command
+    line; ``configured`` reads a config's own."""
 
     train_nodes: int
     rollout_nodes: int
@@ -72,15 +67,20 @@ class Layout:
             keys.append(f"cluster.slurm.segment={self.segment}")
         return keys
 
-    def topology_args(self) -> dict[str, int]:
-        """``build_topology``'s keywords for this layout, but the GPUs per node (the cluster's)."""
-        nodes = {"train_nodes": self.train_nodes, "rollout_nodes": self.rollout_nodes}
-        return {**nodes, **degrees(self.train), "rollout_tp": self.rollout_tp}
+    @classmethod
+    def configured(cls, cfg: RunConfig) -> Layout:
+        """The config's own layout (what ``apply`` would write back unchanged); raises ConfigError where
+        its training degrees do not divide its training GPUs."""
+        train_nodes, trainer = cfg.layout.train_nodes, cfg.trainer
+        train = trainer.parallel(train_nodes * cfg.cluster.gpus_per_node)
+        recompute = trainer.activation_checkpointing
+        return cls(train_nodes, cfg.layout.rollout_nodes, train, recompute, cfg.rollout.tp)
 
     def apply(self, cfg: RunConfig) -> None:
         """Write this layout into ``cfg`` (in place): the job's config says what its plan runs, and the
         keys the run reads there (the engines' ``rollout.tp``, the trainers' recompute, the sbatch's
-        segment) are the plan's."""
+        segment) are the plan's. Only the planner calls it, on the job's copy, once the search is done:
+        the search and the memory estimate read the record, never a config written for them."""
         cfg.layout.train_nodes, cfg.layout.rollout_nodes = self.train_nodes, self.rollout_nodes
         trainer, par = cfg.trainer, self.train
         trainer.tp, trainer.pp, trainer.cp, trainer.ep = par.tp, par.pp, par.cp, par.ep

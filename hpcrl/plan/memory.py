@@ -223,9 +223,10 @@ class MemoryEstimate:
         return not self.problems
 
 
-def estimate_memory(cfg: RunConfig, topo: Topology) -> MemoryEstimate:
-    """The estimate of ``cfg`` as the planner resolved it (``rollout.sleep`` None counts as off)."""
-    recompute = cfg.trainer.activation_checkpointing
+def estimate_memory(cfg: RunConfig, topo: Topology, *, recompute: bool) -> MemoryEstimate:
+    """The estimate of ``cfg`` as the planner resolved it (``rollout.sleep`` None counts as off) at the
+    plan's degrees (``topo``) and recompute (its layout's: ``cfg.trainer.activation_checkpointing`` is
+    not read)."""
     train, rollout = estimate_train(cfg, topo, recompute=recompute), estimate_rollout(cfg, topo)
     phases = None
     if topo.placement is Placement.COLOCATED:

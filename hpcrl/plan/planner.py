@@ -24,9 +24,9 @@ from hpcrl.plan.memory import MemoryEstimate, estimate_memory
 from hpcrl.plan.nvlink import NvlinkCheck, check_nvlink
 from hpcrl.plan.quirks import AppliedQuirk, apply_quirks
 from hpcrl.plan.search import search_layouts
-from hpcrl.plan.topology import Placement, Topology, build_topology, on_gpus
+from hpcrl.plan.topology import Placement, Topology, build_topology, check_engine_fits_node, on_gpus
 from hpcrl.rollout.backends import sleep_mode
-from hpcrl.trainer.backends import expert_tp, trainer_spec, with_degree
+from hpcrl.trainer.backends import trainer_spec, with_degree
 
 
 @dataclass(frozen=True)
@@ -146,20 +146,27 @@ def matching_recipes(model: str, cluster: str) -> list[str]:
 def make_plan(cfg: RunConfig, layout: Layout | None = None) -> Plan:
     """Check cross-component rules and derive the plan; raises ConfigError on the first problem.
 
-    ``layout``: one the auto layout search chose. The plan's topology is built from its record, and
-    ``cfg`` (the job's copy) gets its keys written (``Layout.apply``): the run reads some of them there
-    (the engines' ``rollout.tp``, the trainers' and the memory estimate's recompute, the segment)."""
+    ``layout``: one the auto layout search chose, else the config's own (``Layout.configured``). The
+    plan's topology and memory estimate are built from it; a chosen one is also written into ``cfg``
+    (the job's copy, ``Layout.apply``), where the run still reads some of its keys (the engines'
+    ``rollout.tp``, the trainers' recompute, the sbatch's segment)."""
     resolve_local_gpu(cfg.cluster)  # cluster=local: this machine's GPU, before anything reads it
     if layout is not None:
-        layout.apply(cfg)
+        layout.apply(cfg)  # into the job's copy, where the trainers read recompute and the sbatch the segment
     check_cluster_layout(cfg)
     quirks = apply_quirks(cfg)
     check_algo(cfg)
     check_backend(cfg)
     shared = resolve_engines_per_gpu(cfg)
+    gpus_per_node = cfg.cluster.gpus_per_node
+    if layout is None:
+        check_engine_fits_node(cfg.rollout.tp, gpus_per_node)  # named before the training degrees
+        layout = Layout.configured(cfg)
     topo = build_topology(
-        gpus_per_node=cfg.cluster.gpus_per_node,
-        **(layout.topology_args() if layout is not None else configured_layout(cfg)),
+        gpus_per_node=gpus_per_node,
+        train=layout.train,
+        rollout_nodes=layout.rollout_nodes,
+        rollout_tp=layout.rollout_tp,
         engines_per_gpu=cfg.rollout.engines_per_gpu or 1,
     )
     check_model_parallel(cfg)
@@ -167,24 +174,9 @@ def make_plan(cfg: RunConfig, layout: Layout | None = None) -> Plan:
     lines = [shared, resolve_block_size(cfg), resolve_logprob_fraction(cfg), engine_line(cfg)]
     chosen = tuple(filter(None, lines))
     nvlink = check_nvlink(topo, cfg.cluster.nvlink_domain_nodes, cfg.cluster.slurm.segment)
-    memory = estimate_memory(cfg, topo)
+    memory = estimate_memory(cfg, topo, recompute=layout.recompute)
     refit = resolve_refit(cfg, topo)
     return Plan(cfg, topo, memory, tuple(quirks), sleep, nvlink, engine_defaults=chosen, refit=refit)
-
-
-def configured_layout(cfg: RunConfig) -> dict[str, int]:
-    """``build_topology``'s keywords for the config's own layout (``Layout.topology_args``'s)."""
-    trainer = cfg.trainer
-    return {
-        "train_nodes": cfg.layout.train_nodes,
-        "rollout_nodes": cfg.layout.rollout_nodes,
-        "tp": trainer.tp,
-        "pp": trainer.pp,
-        "cp": trainer.cp,
-        "ep": trainer.ep,
-        "expert_tp": expert_tp(trainer),
-        "rollout_tp": cfg.rollout.tp,
-    }
 
 
 def plan_from_overrides(overrides: list[str]) -> Plan:

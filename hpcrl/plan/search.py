@@ -23,6 +23,7 @@ from typing import Any
 from hpcrl.config.cluster import Scheduler
 from hpcrl.config.schema import RunConfig
 from hpcrl.core.checks import divisors
+from hpcrl.core.parallel import TrainParallel
 from hpcrl.errors import ConfigError, DoesNotFitError
 from hpcrl.plan.layout import (
     Layout,
@@ -30,7 +31,6 @@ from hpcrl.plan.layout import (
     Scored,
     TrainChoice,
     build_short,
-    degrees,
     rollout_short,
     step_seconds,
     train_short,
@@ -135,16 +135,13 @@ class Search:
     ) -> tuple[TrainChoice, TrainMemory, Topology] | None:
         """The degrees ``space`` on ``nodes`` nodes as the record (None: they do not divide its GPUs),
         and its memory; the config stays as given."""
-        tp, pp, cp, ep, expert_tp = space
         try:
-            topo = build_topology(
-                gpus_per_node=self.gpn, train_nodes=nodes, rollout_nodes=0, tp=tp, pp=pp, cp=cp, ep=ep,
-                expert_tp=expert_tp, rollout_tp=1,
-            )  # fmt: skip
+            train = TrainParallel(nodes * self.gpn, *space)
         except ConfigError:
             return None
+        topo = build_topology(gpus_per_node=self.gpn, train=train, rollout_nodes=0, rollout_tp=1)
         self.tried += 1
-        return TrainChoice(topo.train, recompute), estimate_train(self.cfg, topo, recompute=recompute), topo
+        return TrainChoice(train, recompute), estimate_train(self.cfg, topo, recompute=recompute), topo
 
     def rollout_side(self, nodes: int) -> list[tuple[int, RolloutMemory]]:
         """(rollout TP, memory) of engines on ``nodes`` nodes that hold their weights and a sequence."""
@@ -162,10 +159,8 @@ class Search:
         return self._rollout[nodes]
 
     def estimate_rollout(self, nodes: int, tp: int) -> RolloutMemory:
-        topo = build_topology(
-            gpus_per_node=self.gpn, train_nodes=nodes, rollout_nodes=0, tp=1, pp=1, cp=1, ep=1,
-            expert_tp=1, rollout_tp=tp,
-        )  # fmt: skip
+        train = TrainParallel(nodes * self.gpn)
+        topo = build_topology(gpus_per_node=self.gpn, train=train, rollout_nodes=0, rollout_tp=tp)
         self.tried += 1
         return estimate_rollout(self.cfg, topo)
 
@@ -197,9 +192,11 @@ class Search:
         for rollout_tp, memory in self.rollout_side(rollout_nodes):
             for choice, train, _ in self.train_side(train_nodes):
                 topo = build_topology(
-                    gpus_per_node=self.gpn, train_nodes=train_nodes, rollout_nodes=rollout_nodes,
-                    rollout_tp=rollout_tp, **degrees(choice.train),
-                )  # fmt: skip
+                    gpus_per_node=self.gpn,
+                    train=choice.train,
+                    rollout_nodes=rollout_nodes,
+                    rollout_tp=rollout_tp,
+                )
                 if scored := self.score(choice, topo, train, memory, max(train.peak, memory.budget)):
                     yield scored
 

@@ -80,19 +80,17 @@ def check_engine_fits_node(rollout_tp: int, gpus_per_node: int) -> None:
 def build_topology(
     *,
     gpus_per_node: int,
-    train_nodes: int,
+    train: TrainParallel,
     rollout_nodes: int,
-    tp: int,
-    pp: int,
-    cp: int,
-    ep: int,
-    expert_tp: int,
     rollout_tp: int,
     engines_per_gpu: int = 1,
 ) -> Topology:
+    """The plan's topology: training as ``train`` (the one record of its degrees, over whole nodes of
+    ``gpus_per_node``: its world says how many), generation on ``rollout_nodes`` dedicated nodes (0:
+    colocated, on the training nodes) in engines of ``rollout_tp`` GPUs."""
     placement = Placement.SPLIT if rollout_nodes else Placement.COLOCATED
     check_engine_fits_node(rollout_tp, gpus_per_node)
-    train = TrainParallel(world=train_nodes * gpus_per_node, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=expert_tp)
+    train_nodes = train.world // gpus_per_node  # a world of part nodes is refused by Topology
     rollout_gpus = (rollout_nodes if rollout_nodes else train_nodes) * gpus_per_node
     return Topology(
         placement=placement,

@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from hpcrl.config.compose import conf_dir
+from hpcrl.core.parallel import TrainParallel
 from hpcrl.errors import ConfigError, DoesNotFitError
 from hpcrl.plan.nvlink import NvlinkCheck, check_nvlink, segment_for
 from hpcrl.plan.planner import plan_from_overrides
@@ -124,17 +125,8 @@ def test_render_uses_the_auto_layout(cli, tmp_path):
 
 # -- NVLink domains ----------------------------------------------------------------------------------------
 def gb200(rollout_nodes: int, train_nodes: int, tp: int = 4, ep: int = 64, expert_tp: int = 1):
-    return build_topology(
-        gpus_per_node=4,
-        train_nodes=train_nodes,
-        rollout_nodes=rollout_nodes,
-        tp=tp,
-        pp=1,
-        cp=1,
-        ep=ep,
-        expert_tp=expert_tp,
-        rollout_tp=4,
-    )
+    train = TrainParallel(world=train_nodes * 4, tp=tp, ep=ep, expert_tp=expert_tp)
+    return build_topology(gpus_per_node=4, train=train, rollout_nodes=rollout_nodes, rollout_tp=4)
 
 
 def test_expert_groups_across_racks_are_refused_with_the_numbers():
@@ -165,12 +157,12 @@ def test_segment_for_finds_the_largest_aligned_segment_or_none():
 
 def test_hgx_clusters_warn_about_tp_across_nodes_but_not_about_ep():
     topo = build_topology(
-        gpus_per_node=8, train_nodes=4, rollout_nodes=0, tp=16, pp=1, cp=1, ep=1, expert_tp=1, rollout_tp=1
+        gpus_per_node=8, train=TrainParallel(world=32, tp=16), rollout_nodes=0, rollout_tp=1
     )
     check = check_nvlink(topo, domain_nodes=1, segment=None)
     assert not check.problems and "leave the node's NVLink" in check.warnings[0]
     wide_ep = build_topology(
-        gpus_per_node=8, train_nodes=4, rollout_nodes=0, tp=1, pp=1, cp=1, ep=16, expert_tp=1, rollout_tp=1
+        gpus_per_node=8, train=TrainParallel(world=32, ep=16), rollout_nodes=0, rollout_tp=1
     )
     assert check_nvlink(wide_ep, domain_nodes=1, segment=None) == NvlinkCheck()
 

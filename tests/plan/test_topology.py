@@ -11,12 +11,11 @@ from hpcrl.errors import ConfigError
 from hpcrl.plan.topology import Placement, build_topology
 
 
-def topo(**kw):
-    args = dict(
-        gpus_per_node=8, train_nodes=2, rollout_nodes=0, tp=2, pp=1, cp=1, ep=1, expert_tp=1, rollout_tp=2
+def topo(*, gpus_per_node=8, train_nodes=2, rollout_nodes=0, rollout_tp=2, **degrees):
+    train = TrainParallel(world=train_nodes * gpus_per_node, **{"tp": 2, **degrees})
+    return build_topology(
+        gpus_per_node=gpus_per_node, train=train, rollout_nodes=rollout_nodes, rollout_tp=rollout_tp
     )
-    args.update(kw)
-    return build_topology(**args)
 
 
 def test_colocated_derivations():
@@ -57,3 +56,8 @@ def test_rollout_tp_must_divide_rollout_gpus():
 def test_rollout_tp_larger_than_node():
     with pytest.raises(ConfigError, match=r"rollout.tp=16 is larger than a node \(8 GPUs\)"):
         topo(rollout_tp=16)
+
+
+def test_training_world_must_be_whole_nodes():
+    with pytest.raises(ConfigError, match=r"training world does not match"):
+        build_topology(gpus_per_node=8, train=TrainParallel(world=12), rollout_nodes=1, rollout_tp=1)

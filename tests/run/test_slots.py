@@ -20,13 +20,8 @@ from hpcrl.run.slots import fraction, plan_slots
 def topo(*, gpus: int = 4, rollout_nodes: int = 0, per_gpu: int = 1, rollout_tp: int = 1):  # type: ignore[no-untyped-def]
     return build_topology(
         gpus_per_node=gpus,
-        train_nodes=1,
+        train=TrainParallel(world=gpus),
         rollout_nodes=rollout_nodes,
-        tp=1,
-        pp=1,
-        cp=1,
-        ep=1,
-        expert_tp=1,
         rollout_tp=rollout_tp,
         engines_per_gpu=per_gpu,
     )
@@ -75,8 +70,8 @@ PROBE = textwrap.dedent(
         def gpu(self):
             return [str(g) for g in ray.get_gpu_ids()]
 
-    t = build_topology(gpus_per_node=4, train_nodes=1, rollout_nodes=0, tp=1, pp=1, cp=1, ep=1,
-                       expert_tp=1, rollout_tp=1, engines_per_gpu=2)
+    t = build_topology(gpus_per_node=4, train=TrainParallel(world=4), rollout_nodes=0, rollout_tp=1,
+                       engines_per_gpu=2)
     trainers, engines = place(plan_slots(t, t.train, gpu_resources=True))
     t_actors = [Probe.options(**o).remote() for o in trainers]
     e_actors = [Probe.options(**o).remote() for o in engines]
