@@ -32,6 +32,12 @@ class Baseline(StrEnum):
     loo = "loo"  # leave-one-out mean of the other samples of the group
 
 
+class LRSchedule(StrEnum):
+    constant = "constant"
+    linear = "linear"  # from algo.lr down to algo.lr_min at algo.max_steps
+    cosine = "cosine"  # half a cosine from algo.lr to algo.lr_min at algo.max_steps
+
+
 class ISCorrection(StrEnum):
     none = "none"
     tis = "tis"  # truncated importance sampling: weight min(ratio, cap)
@@ -49,6 +55,14 @@ class AlgoConfig:
     """Samples per prompt: one GRPO group."""
     max_steps: int = 50
     lr: float = 1e-6
+    lr_schedule: LRSchedule = LRSchedule.constant
+    """The learning rate over the run's steps after the warmup (``algo/schedule.py``): constant, or a
+    linear or cosine decay to ``lr_min`` at ``max_steps``. A pure function of the step: a resumed run
+    continues where it stopped."""
+    lr_warmup_steps: int = 0
+    """Steps of linear warmup, from lr / lr_warmup_steps at step 1 to lr."""
+    lr_min: float = 0.0
+    """Where a decaying schedule ends."""
     kl_coef: float = 0.01
     kl_type: KLType = KLType.k3
     eps_low: float = 0.2
@@ -97,6 +111,22 @@ class AlgoConfig:
     weights between batches (1 = veRL's one-step-off); every sample is then exactly N versions old
     (``hpcrl/run/overlap.py``). Needs ``algo.is_correction`` against the engine's log-probs."""
 
+    def check_schedule(self) -> None:
+        non_negative("algo.lr_warmup_steps", self.lr_warmup_steps)
+        non_negative("algo.lr_min", self.lr_min)
+        if self.lr_warmup_steps >= self.max_steps:
+            raise ConfigError(
+                f"algo.lr_warmup_steps={self.lr_warmup_steps} leaves no step at the full rate of a "
+                f"{self.max_steps}-step run (algo.max_steps): use fewer warmup steps"
+            )
+        if self.lr_min > self.lr:
+            raise ConfigError(f"algo.lr_min={self.lr_min} is above algo.lr={self.lr}: the schedule decays")
+        if self.lr_min and self.lr_schedule is LRSchedule.constant:
+            raise ConfigError(
+                f"algo.lr_min={self.lr_min} does nothing with algo.lr_schedule=constant: "
+                "use lr_schedule=linear or cosine, or drop lr_min"
+            )
+
     def check(self) -> None:
         for key in (
             "num_prompts_per_step",
@@ -110,6 +140,7 @@ class AlgoConfig:
         ):
             positive(f"algo.{key}", getattr(self, key))
         non_negative("algo.kl_coef", self.kl_coef)
+        self.check_schedule()
         non_negative("algo.max_staleness", self.max_staleness)
         in_range("algo.eps_low", self.eps_low, 0.0, 1.0)
         in_range("algo.eps_high", self.eps_high, 0.0, 10.0)

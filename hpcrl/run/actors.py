@@ -79,8 +79,8 @@ class TrainerActor:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def train_step(self, batch: Any) -> dict[str, float]:
-        return self.trainer.train_step(batch)
+    def train_step(self, batch: Any, lr: float | None = None) -> dict[str, float]:
+        return self.trainer.train_step(batch, lr)
 
     # -- weights to the engines (hpcrl/run/refit.py): streamed, bucket by bucket -------------------
     def weight_metas(self) -> list[tuple[str, tuple[int, ...]]]:

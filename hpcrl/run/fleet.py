@@ -131,13 +131,13 @@ class Fleet:
     def _shards(self, batch: TrainBatch) -> list[TrainBatch]:
         return [batch.select(slice(r, None, n)) for r, n in self._data_ranks()]
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
         """Every trainer rank trains on its shard (scoring it under its reference model first, for
         the KL term); the metrics come back reduced over the ranks, the whole batch's on each."""
         import ray
 
         results = ray.get(
-            [t.train_step.remote(s) for t, s in zip(self.trainers, self._shards(batch), strict=True)]
+            [t.train_step.remote(s, lr) for t, s in zip(self.trainers, self._shards(batch), strict=True)]
         )
         return dict(results[0])
 

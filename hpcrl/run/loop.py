@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from hpcrl.algo.advantages import group_advantages
+from hpcrl.algo.schedule import lr_at
 from hpcrl.algo.shaping import informative_groups, overlong_penalty, scale_rewards, truncation_mask
 from hpcrl.config.schema import RunConfig
 from hpcrl.data.loader import Example, PromptStream
@@ -99,8 +100,8 @@ class Actors(Protocol):
         """(prompt index, its group) pairs, handed over as the engines finish them."""
         ...
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """The trainer ranks' step, each on its shard; the whole batch's metrics."""
+    def train_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
+        """The trainer ranks' step, each on its shard, at ``lr``; the whole batch's metrics."""
         ...
 
     def sleep_engines(self) -> None: ...
@@ -371,8 +372,9 @@ def one_step(run: Run, step: int, batches: Batches) -> dict[str, float]:
     metrics = dict(got.metrics)
     batch = make_batch(run, got.scored, got.shaped)
     with timer("train"):  # the trainers' reference pass within it: time/ref_logprobs
-        trained = actors.train_step(batch)
+        trained = actors.train_step(batch, lr_at(run.cfg.algo, step))
     metrics.update({k if k.startswith("time/") else f"train/{k}": v for k, v in trained.items()})
+    metrics["train/lr"] = lr_at(run.cfg.algo, step)
     batches.before_refit(step, timer)
     with timer("weight_sync"):
         # asleep: wakes the engines' weights, refits, wakes their KV cache; the refit's phases

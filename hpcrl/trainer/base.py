@@ -21,10 +21,11 @@ class Trainer(Protocol):
         """[B, T-1] log-probabilities of the target tokens, under the policy or the frozen reference."""
         ...
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
         """One optimizer step per minibatch over ``batch``, this rank's shard (``data_rank``), scored
-        first under the frozen reference for the KL term; returns the loss/KL/grad-norm/entropy
-        metrics of the whole batch, reduced over the data-parallel ranks (the same on each)."""
+        first under the frozen reference for the KL term, at learning rate ``lr`` (None: as it is;
+        ``algo/schedule.py``); returns the loss/KL/grad-norm/entropy metrics of the whole batch,
+        reduced over the data-parallel ranks (the same on each)."""
         ...
 
     def weight_metas(self) -> list[tuple[str, tuple[int, ...]]]:

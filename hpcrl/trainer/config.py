@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from hpcrl.core.checks import divisors, non_negative, positive
 from hpcrl.core.parallel import TrainParallel
+from hpcrl.errors import ConfigError
 
 if TYPE_CHECKING:
     from hpcrl.config.model import ModelConfig
@@ -62,6 +63,9 @@ class TrainerConfig:
     on the Qwen2-1.5B benchmark. (megatron: at tp=1; under TP the vocab-parallel loss is used.)"""
     grad_clip: float = 1.0
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW's (beta1, beta2): the decay rates of its gradient and squared-gradient averages."""
     freeze: list[str] = field(default_factory=list)
     """Parameter-name prefixes kept frozen (vision/audio towers)."""
     router_dtype: str | None = None
@@ -91,6 +95,8 @@ class TrainerConfig:
             positive("trainer.max_seq_len", self.max_seq_len)
         positive("trainer.grad_clip", self.grad_clip)
         non_negative("trainer.weight_decay", self.weight_decay)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"trainer.betas={self.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
         if self.moe_aux_loss_coeff is not None:
             non_negative("trainer.moe_aux_loss_coeff", self.moe_aux_loss_coeff)
 

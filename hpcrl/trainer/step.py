@@ -21,10 +21,10 @@ it computes them: fsdp's model call, megatron's pipeline schedule) and its optim
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -93,6 +93,13 @@ class StepBackend(Protocol):
     def optimizer_step(self) -> torch.Tensor | float:
         """Reduce and clip the gradients, step the optimizer; the gradient norm before clipping."""
         ...
+
+
+def set_lr(param_groups: Iterable[dict[str, Any]], lr: float | None) -> None:
+    """The step's learning rate on every parameter group (None: leave them)."""
+    if lr is not None:
+        for group in param_groups:
+            group["lr"] = lr
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ class FakeActors:
             self.handed.append(sum(1 for i in range(len(groups)) if i % 2 == parity))
             yield [(i, g) for i, g in enumerate(groups) if i % 2 == parity]
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
         self.steps += 1
         self.calls.append(("train_step", len(batch)))
         self.batches.append(batch)

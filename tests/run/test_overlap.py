@@ -57,7 +57,7 @@ class VersionedActors(FakeActors):
                 self.generated.setdefault(len(self.gen_versions), threading.Event()).set()
         return groups
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
         out = super().train_step(batch)
         with self.lock:
             nxt = self.generated.setdefault(self.steps + 1, threading.Event())
@@ -213,7 +213,7 @@ class InflightActors(VersionedActors):
             self.synced_during.append(came)
         return super().generate(prompts, settings)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
         return FakeActors.train_step(self, batch)  # no wait for the next batch here
 
     def sync_weights(self, version: int) -> dict[str, float]:

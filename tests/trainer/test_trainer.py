@@ -51,6 +51,20 @@ def test_micro_batching_matches_one_big_batch(tiny_dir):
     )  # a wrong accumulation differs by ~lr (1e-3)
 
 
+def test_the_step_trains_at_the_rate_it_is_given(tiny_dir):
+    """The schedule's rate reaches the optimizer: 0 leaves the weights, and Adam's first step moves
+    each weight by about the rate (twice the rate, twice as far), whatever ``algo.lr`` says."""
+    moved = []
+    for lr in (0.0, 1e-4, 2e-4):
+        t = trainer(tiny_dir)  # algo.lr=1e-3
+        before = t.export_weights()
+        t.train_step(batch(), lr)
+        after = t.export_weights()
+        moved.append(max((after[k] - before[k]).abs().max().item() for k in after))
+    assert moved[0] == 0.0
+    assert moved[2] == pytest.approx(2 * moved[1], rel=0.05) and moved[1] == pytest.approx(1e-4, rel=0.2)
+
+
 @pytest.mark.parametrize(
     "variant",
     [

@@ -28,7 +28,7 @@ from hpcrl.trainer.hf_load import load_sharded, meta_model
 from hpcrl.trainer.logprob_head import install_logprob_head
 from hpcrl.trainer.process_group import collective_backend, init_process_group
 from hpcrl.trainer.shards import ShardWriter
-from hpcrl.trainer.step import LossFn, Metrics, StepBatch, TrainStep
+from hpcrl.trainer.step import LossFn, Metrics, StepBatch, TrainStep, set_lr
 
 
 class FSDPTrainer:
@@ -70,7 +70,7 @@ class FSDPTrainer:
             [p for p in model.parameters() if p.requires_grad],
             lr=cfg.algo.lr,
             weight_decay=cfg.trainer.weight_decay,
-            betas=(0.9, 0.999),
+            betas=(cfg.trainer.betas[0], cfg.trainer.betas[1]),
             fused=device.startswith("cuda") or None,  # one kernel per step instead of ~10 per tensor list
         )
         self.step = TrainStep.from_config(cfg)
@@ -130,7 +130,8 @@ class FSDPTrainer:
         size = self.cfg.trainer.micro_batch_size
         return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
+        set_lr(self.optimizer.param_groups, lr)
         self._right_padded = is_right_padded(batch.attention_mask)  # on the driver's CPU tensors, once
         if self.recurrent and not self._right_padded:
             # the fused Mamba training kernel (GPUs) does not mask padding after its convolution

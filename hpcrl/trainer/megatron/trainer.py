@@ -45,7 +45,7 @@ from hpcrl.trainer.megatron.stream import WeightStream
 from hpcrl.trainer.megatron.weights import LanguageModel, is_expert
 from hpcrl.trainer.process_group import collective_backend, init_process_group
 from hpcrl.trainer.shards import ShardWriter, init_optimizer_state
-from hpcrl.trainer.step import LossFn, Metrics, StepBatch, TrainStep
+from hpcrl.trainer.step import LossFn, Metrics, StepBatch, TrainStep, set_lr
 
 
 class MegatronTrainer:
@@ -140,7 +140,7 @@ class MegatronTrainer:
         kwargs: dict[str, Any] = {
             "lr": algo.lr,
             "weight_decay": t.weight_decay,
-            "betas": (0.9, 0.999),
+            "betas": tuple(t.betas),
             "fused": True if self.device.type == "cuda" else None,
         }
         shard = t.distributed_optimizer
@@ -230,7 +230,8 @@ class MegatronTrainer:
         logp = torch.cat([o["logp"] for o in outs])[:n, :width] if outs else None
         return self.pipeline.from_last_stage(logp)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
+        set_lr((group for opt in self.optimizer.parts for group in opt.param_groups), lr)
         self.model.train()
         metrics = self.step(self, batch, self.device)
         self.model.eval()
