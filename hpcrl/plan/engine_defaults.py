@@ -78,9 +78,9 @@ def resolve_engines_per_gpu(cfg: RunConfig) -> str:
     if not shared:
         return ""
     return (
-        f"rollout.engines_per_gpu={ENGINES_PER_SMALL_GPU} (auto: one engine of a {params / 1e9:.2g}B model "
-        "is host-bound; two in two processes generated 1.54x the tokens/s of one, 135M on one H100, "
-        "bench session 19)"
+        f"rollout.engines_per_gpu={ENGINES_PER_SMALL_GPU} (auto: {params / 1e9:.2g}B active parameters, "
+        f"up to {SHARED_GPU_MAX_PARAMS / 1e9:.0f}B one engine is host-bound: two in two processes generated "
+        "1.54x the tokens/s of one at 135M, one H100, bench session 19)"
     )
 
 
