@@ -60,6 +60,9 @@ class LoggerConfig:
     wandb_project: str = "hpcrl"
     wandb_mode: str = "offline"
     """'offline' works without network; 'online' needs WANDB_API_KEY in the environment."""
+    val_samples: int = 4
+    """Validation problems shown per validation (prompt, completion, answer, outcome) in
+    ``samples.jsonl`` and TensorBoard's text tab, to read how the answers change; 0: none."""
 
 
 @dataclass

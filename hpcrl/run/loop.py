@@ -11,9 +11,8 @@
 
 ``train`` is that loop and ``one_step`` one pass of it, which the overlapped loop (run/overlap.py)
 shares: the two differ only in where a step's batch comes from (``Batches``). The driver hands it one
-``Run``: the config and the run's actors, reward pool, tokenizer, prompts, checkpoints and logs. The
-loop sees the actors and the reward pool only through the ``Actors`` and ``Scorer`` protocols, so
-tests/run/test_loop.py drives it with recording fakes in milliseconds.
+``Run``: the config and the run's actors, reward pool, tokenizer, prompts, checkpoints and logs, the
+actors and pool seen only through protocols (tests/run/test_loop.py drives it with fakes).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from hpcrl.rewards.pool import Task
 from hpcrl.rewards.verifiers import Outcome, Verdict, reward_of
 from hpcrl.rollout.base import Completion, SamplingSettings
 from hpcrl.run.checkpoint import CheckpointManager
-from hpcrl.run.metrics import console_line
+from hpcrl.run.metrics import console_line, sample_rows
 from hpcrl.run.preempt import REQUEST, Preempted
 from hpcrl.trainer.batch import TrainBatch, build_batch
 
@@ -114,6 +113,7 @@ class Logger(Protocol):
     """Where each step's metrics go (``hpcrl.run.metrics.MetricsLogger``)."""
 
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -238,11 +238,12 @@ def make_batch(run: Run, s: Scored, shaped: torch.Tensor) -> TrainBatch:
     return build_batch(prompts, comps, lps, advs, keep, pad_id)
 
 
-def validate(run: Run) -> dict[str, float]:
-    """Greedy decoding, one sample per validation prompt."""
+def validate(run: Run, step: int) -> dict[str, float]:
+    """Greedy decoding, one sample per validation prompt; the first few logged as text."""
     cfg = run.cfg
     settings = SamplingSettings(1, 0.0, 1.0, cfg.rollout.max_new_tokens, seed=cfg.run.seed)
     scored = generate_and_score(run.actors, run.pool, run.encode, run.val, settings)
+    run.logger.samples(step, sample_rows(scored, cfg.logger.val_samples))
     outcomes = [row[0] for row in scored.outcomes]
     return {
         "val/accuracy": sum(o is Outcome.correct for o in outcomes) / max(1, len(outcomes)),
@@ -273,7 +274,7 @@ def validate_first(run: Run) -> dict[str, float]:
     """Validation before the first step (``algo.val_at_start``)."""
     if not run.cfg.algo.val_at_start:
         return {}
-    metrics = validate(run)
+    metrics = validate(run, 0)
     run.logger.log(0, metrics)
     run.say(f"step   0/{run.cfg.algo.max_steps} | val {metrics['val/accuracy']:.3f} (before training)")
     return metrics
@@ -382,7 +383,7 @@ def one_step(run: Run, step: int, batches: Batches) -> dict[str, float]:
     metrics["train/reward"] = float(got.shaped.mean())
     if validation_due(run.cfg, step):
         with timer("validation"):
-            metrics.update(validate(run))
+            metrics.update(validate(run, step))
     metrics.update(timer.times)
     metrics["time/step"] = time.perf_counter() - timer.start
     metrics["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(got.seconds, 1e-9)

@@ -44,12 +44,40 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
 
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A validation's example completions: ``samples.jsonl`` (one line each) and TensorBoard text."""
+        if not rows:
+            return
+        with (self.run_dir / "samples.jsonl").open("a") as f:
+            f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        if self.tb is not None:
+            self.tb.add_text("val/samples", samples_markdown(rows), step)
+            self.tb.flush()
+
     def close(self) -> None:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def sample_rows(scored: Any, k: int) -> list[dict[str, Any]]:
+    """The first ``k`` problems of a validation's ``Scored`` (the same ones every time: the set is
+    fixed) with their greedy completion and outcome."""
+    rows = zip(scored.examples, scored.groups, scored.outcomes, strict=True)
+    return [
+        {"prompt": e.prompt, "completion": g[0].text, "answer": e.answer, "outcome": str(o[0])}
+        for e, g, o in list(rows)[:k]
+    ]
+
+
+def samples_markdown(rows: list[dict[str, Any]]) -> str:
+    """TensorBoard's text tab renders markdown: one block per problem."""
+    return "\n\n".join(
+        f"**{r['outcome']}** (answer: `{r['answer']}`)\n\n    " + r["completion"].replace("\n", "\n    ")
+        for r in rows
+    )
 
 
 def console_line(step: int, total: int, m: dict[str, float]) -> str:

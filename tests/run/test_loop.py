@@ -130,6 +130,10 @@ class FakeScorer:
 class Recorder:
     def __init__(self) -> None:
         self.logged: list[tuple[int, dict[str, float]]] = []
+        self.shown: list[tuple[int, list[dict[str, Any]]]] = []
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        self.shown.append((step, rows))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.logged.append((step, dict(metrics)))
@@ -187,6 +191,11 @@ def test_dynamic_sampling_validation_and_checkpoints_in_order(tmp_path: Path) ->
         ("save_checkpoint", False),  # step 3: the last step validates and saves, before the run ends
         ("finish_checkpoint",),
     ]
+    # each validation shows its first problems as text (4 problems: all of them, default 4)
+    assert [step for step, _ in logger.shown] == [0, 2, 3]
+    first = logger.shown[0][1]
+    assert len(first) == 4 and all(r["prompt"] and r["answer"] for r in first)
+    assert {r["outcome"] for _, rows in logger.shown for r in rows} <= {"correct", "wrong", "parse_error"}
     # the first round's groups all agree (no signal) and are dropped: each batch is the second round's
     for batch, prompts in zip(actors.batches, actors.prompts[1::2], strict=True):
         rows = [

@@ -16,7 +16,13 @@ def test_all_sinks_write(tmp_path, monkeypatch):
     )
     logger.log(1, {"train/reward": 0.25, "val/accuracy": 0.5})
     logger.log(2, {"train/reward": 0.5})
+    shown = [{"prompt": "2+2", "completion": "4\nso 4", "answer": "4", "outcome": "correct"}]
+    logger.samples(2, shown)
+    logger.samples(3, [])  # val_samples=0: nothing written
     logger.close()
+    assert [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()] == [
+        {"step": 2, **shown[0]}
+    ]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["train/reward"] == 0.5
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

@@ -165,6 +165,9 @@ def test_a_stop_keeps_the_generated_batch_and_resume_trains_exactly_what_the_who
     logger_calls: list[Any] = []
 
     class Log:
+        def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+            pass
+
         def log(self, step: int, metrics: dict[str, float]) -> None:
             logger_calls.append(step)
 
