@@ -6,9 +6,13 @@ anywhere without a network. A sweep directory (``sweep.json``, from ``hpcrl subm
 all its points, labelled by their overrides; any other directory without ``metrics.jsonl`` stands for
 the runs directly under it.
 
-Panels: reward, validation accuracy, the generator/trainer KL error (log scale), entropy, generated
-lengths, clip fraction, then every ``time/*`` phase and ``async/*`` staleness figure that a run logged.
-A panel no run has a value for is left out.
+Panels: reward, validation accuracy and length, loss, KL to the reference, the generator/trainer KL
+error (log scale), entropy, generated lengths, clip fraction, learning rate, then every ``time/*``
+phase and ``async/*`` staleness figure that a run logged. A panel that tells nothing is left out: no
+run has a value for it, every value of every run is the same (a clip fraction of 0 with one
+minibatch, a constant learning rate), or a phase never took ``MIN_PHASE_S``. Noisy training curves
+(``SMOOTHED`` keys, at least ``SMOOTH_FROM`` points) are drawn faint under their running average. The
+figure is titled with the run's name and key settings (its ``config.yaml``).
 """
 
 from __future__ import annotations
@@ -32,11 +36,24 @@ class Panel:
 PANELS = (
     Panel("train/reward", "reward (train)"),
     Panel("val/accuracy", "accuracy (validation, greedy)"),
+    Panel("val/mean_gen_tokens", "generated tokens (validation, mean)"),
+    Panel("train/loss", "loss"),
+    Panel("train/kl", "KL to the reference"),
     Panel("train/gen_kl_error", "gen_kl_error (engine vs trainer)", log=True),
     Panel("train/entropy", "entropy"),
     Panel("train/mean_gen_tokens", "generated tokens (mean)"),
     Panel("train/clip_fraction", "clip fraction"),
+    Panel("train/lr", "learning rate"),
 )
+SMOOTHED = frozenset({"train/reward", "train/loss", "train/kl", "train/entropy", "train/mean_gen_tokens"})
+SMOOTH_FROM = 20
+"""Points from which a ``SMOOTHED`` curve gets its running average (fewer: drawn as they are)."""
+SMOOTHING = 0.8
+"""Weight of the past in that average (an exponential moving average, debiased at the start)."""
+MIN_PHASE_S = 0.01
+"""A ``time/*`` phase whose every value is below this is left out."""
+TITLE_KEYS = ("model.name", "algo.name", "algo.lr", "algo.num_prompts_per_step", "algo.num_generations")
+"""The settings in a single run's title."""
 EXTRA_PREFIXES = ("time/", "async/")
 """Every key under these gets a panel of its own (seconds per phase; staleness in steps)."""
 
@@ -84,10 +101,51 @@ def read_run(label: str, path: Path) -> Run:
 
 
 def panels_for(runs: list[Run]) -> list[Panel]:
-    keys = {k for r in runs for k in r.series}
+    every = {k for r in runs for k in r.series}
+    keys = {k for k in every if informative(k, [v for r in runs for _, v in r.series.get(k, [])])}
     chosen = [p for p in PANELS if p.key in keys]
     extra = [k for prefix in EXTRA_PREFIXES for k in sorted(keys) if k.startswith(prefix)]
     return chosen + [Panel(k, f"{k} (s)" if k.startswith("time/") else k) for k in extra]
+
+
+def informative(key: str, values: list[float]) -> bool:
+    """Whether a panel of these values (every run's) shows anything. A phase: if it took ``MIN_PHASE_S``
+    at least once (its steady seconds are the news); any other metric: if it is not one flat value."""
+    if not values:
+        return False
+    if key.startswith("time/"):
+        return max(values) >= MIN_PHASE_S
+    return len(values) == 1 or max(values) != min(values)
+
+
+def smoothed(values: list[float]) -> list[float]:
+    """The debiased exponential moving average of ``values`` (``SMOOTHING``)."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, 1):
+        avg = SMOOTHING * avg + (1 - SMOOTHING) * v
+        out.append(avg / (1 - SMOOTHING**i))
+    return out
+
+
+def title_of(runs: list[Run]) -> str:
+    """One run: its name and key settings (``TITLE_KEYS``, from its ``config.yaml``); several: how many."""
+    if len(runs) != 1:
+        return f"hpcrl curves: {len(runs)} runs"
+    import yaml
+
+    run = runs[0]
+    try:
+        cfg = yaml.safe_load((run.path / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return run.label
+    parts = []
+    for key in TITLE_KEYS:
+        node = cfg
+        for name in key.split("."):
+            node = node.get(name) if isinstance(node, dict) else None
+        if node is not None:
+            parts.append(f"{key.split('.')[-1]}={node}")
+    return f"{run.label}: " + ", ".join(parts)
 
 
 def plot_runs(paths: list[Path], out: Path | None = None) -> list[Path]:
@@ -124,9 +182,12 @@ def write_png(runs: list[Run], panels: list[Panel], path: Path) -> None:
             points = run.series.get(panel.key, [])
             if points:
                 steps, values = zip(*points, strict=True)
-                ax.plot(
-                    steps, values, marker="." if len(points) < 30 else None, label=run.label, color=_color(i)
-                )
+                smooth = panel.key in SMOOTHED and len(points) >= SMOOTH_FROM
+                marker = "." if len(points) < 30 else None
+                raw = {"alpha": 0.3, "label": None} if smooth else {"label": run.label}
+                ax.plot(steps, values, marker=marker, color=_color(i), **raw)
+                if smooth:
+                    ax.plot(steps, smoothed(list(values)), label=run.label, color=_color(i))
         if panel.log and all(v > 0 for r in runs for _, v in r.series.get(panel.key, [])):
             ax.set_yscale("log")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
@@ -136,9 +197,10 @@ def write_png(runs: list[Run], panels: list[Panel], path: Path) -> None:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
+    fig.suptitle(title_of(runs), fontsize=10)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(4, len(runs)), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.05 if rows > 1 else 0.1, 1, 1))
+    fig.tight_layout(rect=(0, 0.05 if rows > 1 else 0.1, 1, 0.96))
     fig.savefig(path, dpi=DPI)  # the figure's size: no bbox_inches="tight", which would change it
     plt.close(fig)
 
@@ -163,7 +225,7 @@ def render_html(runs: list[Run], panels: list[Panel]) -> str:
         "<!doctype html><html><head><meta charset='utf-8'><title>hpcrl curves</title>"
         "<style>body{font-family:sans-serif;margin:16px}svg{margin:4px;background:#fff}"
         ".legend span{margin-right:14px}td,th{padding:2px 10px;text-align:right}</style></head><body>"
-        f"<h3>hpcrl curves</h3>{summary_table(runs)}<div class='legend'>{legend}</div><div>{svgs}</div>"
+        f"<h3>{html.escape(title_of(runs))}</h3>{summary_table(runs)}<div class='legend'>{legend}</div><div>{svgs}</div>"
         f"<details><summary>runs</summary><ul>{sources}</ul></details>"
         f'<script type="application/json" id="hpcrl-series">{blob}</script>'
         "</body></html>\n"

@@ -89,3 +89,31 @@ def test_a_sweep_directory_plots_all_its_points(tmp_path):
 def test_plot_refuses_a_directory_without_metrics(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 2
     assert "no metrics.jsonl there" in capsys.readouterr().err
+
+
+def test_panels_that_tell_nothing_are_left_out_and_a_run_is_titled_by_its_settings(tmp_path):
+    from hpcrl.tools.plot import find_runs, panels_for, read_run, smoothed, title_of
+
+    run = tmp_path / "grpo-x"
+    run.mkdir()
+    rows = [
+        {
+            "step": s,
+            "train/reward": 0.1 * s,
+            "train/clip_fraction": 0.0,
+            "train/lr": 1e-6,
+            "time/train": 1.5,
+            "time/checkpoint_blocked": 0.001,
+            "val/mean_gen_tokens": 40 + s,
+        }
+        for s in range(1, 25)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "config.yaml").write_text("model:\n  name: smollm2_135m\nalgo:\n  name: grpo\n  lr: 1.0e-05\n")
+    runs = [read_run(label, path) for label, path in find_runs([run])]
+    assert [p.key for p in panels_for(runs)] == ["train/reward", "val/mean_gen_tokens", "time/train"]
+    assert title_of(runs) == "grpo-x: name=smollm2_135m, name=grpo, lr=1e-05"
+    # the running average: debiased (starts at the first value), lags a ramp, flat on a flat series
+    assert smoothed([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
+    ramp = smoothed([float(i) for i in range(10)])
+    assert ramp[0] == 0.0 and all(r < i for i, r in enumerate(ramp) if i) and ramp == sorted(ramp)
