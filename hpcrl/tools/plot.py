@@ -144,7 +144,8 @@ def title_of(runs: list[Run]) -> str:
         for name in key.split("."):
             node = node.get(name) if isinstance(node, dict) else None
         if node is not None:
-            parts.append(f"{key.split('.')[-1]}={node}")
+            group, name = key.split(".")
+            parts.append(f"{group if name == 'name' else name}={node}")
     return f"{run.label}: " + ", ".join(parts)
 
 

@@ -112,7 +112,7 @@ def test_panels_that_tell_nothing_are_left_out_and_a_run_is_titled_by_its_settin
     (run / "config.yaml").write_text("model:\n  name: smollm2_135m\nalgo:\n  name: grpo\n  lr: 1.0e-05\n")
     runs = [read_run(label, path) for label, path in find_runs([run])]
     assert [p.key for p in panels_for(runs)] == ["train/reward", "val/mean_gen_tokens", "time/train"]
-    assert title_of(runs) == "grpo-x: name=smollm2_135m, name=grpo, lr=1e-05"
+    assert title_of(runs) == "grpo-x: model=smollm2_135m, algo=grpo, lr=1e-05"
     # the running average: debiased (starts at the first value), lags a ramp, flat on a flat series
     assert smoothed([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
     ramp = smoothed([float(i) for i in range(10)])
