@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -27,8 +28,33 @@ def normalize_overrides(overrides: list[str]) -> list[str]:
         bare = item.lstrip("+")
         key = bare.split("=", 1)[0]
         appends = key == "experiment" or (key.startswith(DICT_KEYS) and item.startswith("+"))
+        if key == "experiment":
+            bare = f"experiment={recipe_name(bare.split('=', 1)[1])}"
         out.append("+" + bare if appends else bare)
     return out
+
+
+RECIPE_SUFFIXES = (".yaml", "-automodel", "-b200")
+"""What the seeds' recipe names carry beyond hpcrl's: the file ending, NeMo RL's backend tag (its
+AutoModel is hpcrl's fsdp) and the cluster (hpcrl's recipes name theirs in ``cluster``)."""
+RECIPE_ALIASES = {"vlm_grpo-gemma4-e4b-geo3k-1n8g": "vlm_grpo-gemma4-e4b-it-1n8g-fsdp2"}
+"""Seed recipe names that differ from hpcrl's beyond ``RECIPE_SUFFIXES``."""
+
+
+def recipe_name(name: str) -> str:
+    """``+experiment=`` as typed -> the recipe it means: itself when there is one, else the seeds'
+    spelling of an hpcrl recipe (``grpo-gemma3-1b-it-1n8g-fsdp2tp1-b200.yaml``); an unknown name
+    stays as it is (the error suggests the nearest)."""
+    def known(recipe: str) -> bool:
+        return any((d / "experiment" / f"{recipe}.yaml").exists() for d in conf_dirs())
+
+    if known(name):
+        return name
+    short = name
+    for suffix in reversed(RECIPE_SUFFIXES):
+        short = short.removesuffix(".yaml").removesuffix(suffix)
+    short = RECIPE_ALIASES.get(short, short)
+    return short if known(short) else name
 
 
 DICT_KEYS = ("cluster.env.", "cluster.slurm.extra_sbatch.", "data.task_options.")
@@ -307,7 +333,9 @@ def explain_hydra_error(exc: BaseException) -> str:
         ]
         missing = re.search(r"Could not find '([^']+)'", text)
         what = missing.group(1) if missing else first
-        return f"unknown config '{what}'; available: {', '.join(options)}"
+        near = difflib.get_close_matches(what.rsplit("/", 1)[-1], options, n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(near)}? " if near else ""
+        return f"unknown config '{what}'; {hint}available: {', '.join(options)}"
     missing = re.search(r"Could not (?:find|load) '([^']+)'", text)
     if missing:
         return f"unknown config '{missing.group(1)}'; `hpcrl show --groups` lists what exists"
