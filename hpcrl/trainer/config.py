@@ -46,6 +46,10 @@ class TrainerConfig:
     """Expert parallel size (MoE models): routed experts are split over this many GPUs."""
     micro_batch_size: int = 1
     """Sequences per forward/backward on one GPU."""
+    logprob_batch_size: int | None = None
+    """Sequences per forward of the log-prob passes (the reference policy's, the old policy's with
+    several minibatches): no backward, so often larger than ``micro_batch_size`` (seed 002's
+    ``logprob_batch_size``). None: ``micro_batch_size``."""
     max_seq_len: int | None = None
     """Longest training sequence; None derives it from data.max_prompt_tokens + rollout.max_new_tokens."""
     precision: Precision = Precision.bfloat16
@@ -88,7 +92,13 @@ class TrainerConfig:
         """Whether the backend compiles its decoder layers on GPUs (``compile``, or the default)."""
         return True if self.compile is None else self.compile
 
+    def logprob_rows(self) -> int:
+        """Sequences per forward of a log-prob pass."""
+        return self.logprob_batch_size or self.micro_batch_size
+
     def check(self) -> None:
+        if self.logprob_batch_size is not None:
+            positive("trainer.logprob_batch_size", self.logprob_batch_size)
         for key in ("tp", "pp", "cp", "ep", "micro_batch_size"):
             positive(f"trainer.{key}", getattr(self, key))
         if self.max_seq_len is not None:

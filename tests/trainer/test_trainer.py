@@ -51,6 +51,17 @@ def test_micro_batching_matches_one_big_batch(tiny_dir):
     )  # a wrong accumulation differs by ~lr (1e-3)
 
 
+def test_logprob_passes_take_their_own_batch_size(tiny_dir):
+    """trainer.logprob_batch_size cuts the no-backward passes differently, with the same numbers."""
+    one, four = (
+        trainer(tiny_dir, "trainer.logprob_batch_size=1"),
+        trainer(tiny_dir, "trainer.logprob_batch_size=4"),
+    )
+    assert one.cfg.trainer.logprob_rows() == 1 and four.cfg.trainer.logprob_rows() == 4
+    assert len(one._micro_batches(batch())) == 4 and len(four._micro_batches(batch())) == 1
+    assert torch.allclose(one.logprobs(batch()), four.logprobs(batch()), atol=1e-5)
+
+
 def test_the_step_trains_at_the_rate_it_is_given(tiny_dir):
     """The schedule's rate reaches the optimizer: 0 leaves the weights, and Adam's first step moves
     each weight by about the rate (twice the rate, twice as far), whatever ``algo.lr`` says."""

@@ -127,7 +127,7 @@ class FSDPTrainer:
         return _cat_padded(out).cpu()
 
     def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
-        size = self.cfg.trainer.micro_batch_size
+        size = self.cfg.trainer.logprob_rows()
         return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
 
     def train_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:

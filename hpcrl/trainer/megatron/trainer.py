@@ -220,7 +220,8 @@ class MegatronTrainer:
             return out.new_zeros(()), {"logp": logp.detach().cpu()}
 
         mbs = [
-            StepBatch(d, None, None) for d in self.pipeline.micro_batches(batch, self.step.micro_batch_size)
+            StepBatch(d, None, None)
+            for d in self.pipeline.micro_batches(batch, self.cfg.trainer.logprob_rows())
         ]
         training = model.training
         model.eval()
