@@ -125,6 +125,10 @@ def cmd_render(args: argparse.Namespace) -> int:
     from hpcrl.plan.planner import plan_from_overrides
     from hpcrl.run.rundir import new_run_dir, write_resolved_config
 
+    if args.multirun:
+        from hpcrl.tools.sweep import preview_multirun
+
+        return preview_multirun(args.overrides)
     plan = plan_from_overrides(args.overrides)
     plan.require_fit()
     if plan.search:
@@ -159,9 +163,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from hpcrl.plan.show import header, recipe_line
 
     if args.multirun:
-        from hpcrl.tools.sweep import submit_multirun
+        from hpcrl.tools.sweep import preview_multirun, submit_multirun
 
-        return submit_multirun(args.overrides)
+        return preview_multirun(args.overrides) if args.dry_run else submit_multirun(args.overrides)
+    if args.dry_run:
+        raise HpcrlError("--dry-run is for sweeps (submit -m); `hpcrl render` shows one run's files")
     plan = plan_from_overrides(args.overrides)
     plan.require_buildable()  # first: a model the backend cannot build is refused whatever it needs
     plan.require_fit()

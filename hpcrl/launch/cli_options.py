@@ -24,6 +24,12 @@ def add_render(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", type=Path, default=None, help="directory to write into (default: the run directory)"
     )
+    p.add_argument(
+        "-m",
+        "--multirun",
+        action="store_true",
+        help="every point of a sweep: its verdict, config and sbatch file",
+    )
 
 
 def add_submit(p: argparse.ArgumentParser) -> None:
@@ -39,6 +45,11 @@ def add_submit(p: argparse.ArgumentParser) -> None:
         "--multirun",
         action="store_true",
         help="Slurm: Hydra sweep syntax (algo.lr=1e-6,3e-6 ...): one job per point, returns at once",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with -m: plan every point and write its files, submit nothing (as render -m)",
     )
     p.add_argument(
         "--smoke",

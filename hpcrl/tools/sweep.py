@@ -60,6 +60,50 @@ def plan_points(overrides: list[str]) -> list[Point]:
     return planned
 
 
+def preview_multirun(overrides: list[str]) -> int:
+    """``hpcrl render -m`` / ``hpcrl submit -m --dry-run``: every point planned, its config and sbatch
+    file written (a Slurm cluster) under a preview directory, one line a point with its verdict; nothing
+    submitted. Exit 1 when a point would be refused (``submit -m`` would submit none)."""
+    from hpcrl.config.cluster import Scheduler
+    from hpcrl.hub.check import check_inputs
+    from hpcrl.launch.sbatch import render_sbatch
+    from hpcrl.run.rundir import write_resolved_config
+
+    points = expand(overrides)
+    varying = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
+    out: Path | None = None
+    refused = 0
+    print(f"{'point':>5}  {'overrides':40s}  verdict")
+    for n, point in enumerate(points):
+        shown = " ".join(point[i] for i in varying)
+        try:
+            plan = plan_from_overrides(point)
+            plan.require_buildable()
+            plan.require_fit()
+            check_inputs(plan.cfg)
+        except HpcrlError as exc:
+            refused += 1
+            print(f"{n:>5}  {shown:40s}  refused: {exc}")
+            continue
+        cfg = plan.cfg
+        out = (
+            out
+            or Path(cfg.run.output_root)
+            / SWEEPS_DIR
+            / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}-preview"
+        )
+        where = out / f"p{n}"
+        where.mkdir(parents=True, exist_ok=True)
+        write_resolved_config(cfg, where)
+        if cfg.cluster.scheduler is Scheduler.slurm:
+            (where / "sbatch.sh").write_text(render_sbatch(plan, where.resolve()))
+        peak = f"peak {plan.memory.train_gpu_peak:.0f} of {plan.memory.capacity:.0f} GB per GPU"
+        print(f"{n:>5}  {shown:40s}  fits ({plan.topology.nodes} node(s), {peak})  {where}")
+    verdict = f"{refused} of {len(points)} point(s) would be refused" if refused else "every point fits"
+    print(f"{verdict}; nothing was submitted" + (f" (files: {out})" if out else ""))
+    return 1 if refused else 0
+
+
 def submit_sweep(points: list[Point]) -> tuple[Path, list[dict[str, Any]]]:
     from hpcrl.launch.submit import submit
 
