@@ -165,7 +165,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.multirun:
         from hpcrl.tools.sweep import preview_multirun, submit_multirun
 
-        return preview_multirun(args.overrides) if args.dry_run else submit_multirun(args.overrides)
+        return (
+            preview_multirun(args.overrides) if args.dry_run else submit_multirun(args.overrides, args.into)
+        )
     if args.dry_run:
         raise HpcrlError("--dry-run is for sweeps (submit -m); `hpcrl render` shows one run's files")
     plan = plan_from_overrides(args.overrides)

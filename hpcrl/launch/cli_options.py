@@ -52,6 +52,13 @@ def add_submit(p: argparse.ArgumentParser) -> None:
         help="with -m: plan every point and write its files, submit nothing (as render -m)",
     )
     p.add_argument(
+        "--into",
+        type=Path,
+        default=None,
+        metavar="SWEEP_DIR",
+        help="with -m: resume a sweep that stopped half-way (submits the points its sweep.json lacks)",
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
         help="Slurm: only bring up Ray and place one actor per node by role (checks an allocation; no training)",

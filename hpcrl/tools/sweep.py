@@ -104,21 +104,35 @@ def preview_multirun(overrides: list[str]) -> int:
     return 1 if refused else 0
 
 
-def submit_sweep(points: list[Point]) -> tuple[Path, list[dict[str, Any]]]:
+def submit_sweep(points: list[Point], into: Path | None = None) -> tuple[Path, list[dict[str, Any]]]:
+    """One job per point, recorded in ``sweep.json`` as each goes out, so a sweep stopped half-way (a
+    refused ``sbatch``, a lost login) leaves a directory ``ls --sweep`` reads; ``into`` (that directory)
+    submits only the points it does not hold yet."""
     from hpcrl.launch.submit import submit
 
     first = points[0].plan.cfg
-    sweep_dir = (
-        Path(first.run.output_root) / SWEEPS_DIR / f"{first.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    sweep_dir = into or Path(first.run.output_root) / SWEEPS_DIR / f"{first.run.name}-{stamp}"
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
+    path = sweep_dir / "sweep.json"
+    rows: list[dict[str, Any]] = json.loads(path.read_text())["points"] if path.exists() else []
+    held = {(r["point"], tuple(r["overrides"])) for r in rows}
+    if into is not None and not rows:
+        raise HpcrlError(f"{into} holds no sweep.json: --into resumes a sweep `hpcrl submit -m` started")
     for p in points:
-        done = submit(p.plan, suffix=f"p{p.index}")
+        if (p.index, tuple(p.overrides)) in held:
+            continue
+        try:
+            done = submit(p.plan, suffix=f"p{p.index}")
+        except HpcrlError as exc:
+            raise HpcrlError(
+                f"sweep stopped at point {p.index} ({' '.join(p.overrides)}): {exc}; {len(rows)} job(s) went "
+                f"out ({sweep_dir}); the same command with --into {sweep_dir} submits the rest"
+            ) from None
         rows.append(
             {"point": p.index, "overrides": p.overrides, "job_id": done.job_id, "run_dir": str(done.run_dir)}
         )
-        (sweep_dir / "sweep.json").write_text(json.dumps({"points": rows}, indent=1))
+        path.write_text(json.dumps({"points": rows}, indent=1))
     return sweep_dir, rows
 
 
@@ -146,12 +160,13 @@ def summary(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def submit_multirun(overrides: list[str]) -> int:
-    """``hpcrl submit -m``: validate every point, submit one job each, print the table."""
+def submit_multirun(overrides: list[str], into: Path | None = None) -> int:
+    """``hpcrl submit -m``: validate every point, submit one job each (``into``: the points a stopped
+    sweep has not submitted), print the table."""
     points = plan_points(overrides)  # every point validated before the first job goes out
     if points[0].plan.cfg.cluster.scheduler is Scheduler.local:
         raise HpcrlError("submit -m submits one Slurm job per point; choose a Slurm cluster (cluster=...)")
-    sweep_dir, rows = submit_sweep(points)
+    sweep_dir, rows = submit_sweep(points, into)
     print(f"sweep   {sweep_dir}  ({len(rows)} jobs)")
     print(f"{'point':>5}  {'job':>8}  {'overrides':40s}  run dir")
     for row in rows:

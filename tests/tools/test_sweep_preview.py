@@ -31,3 +31,36 @@ def test_submit_m_dry_run_names_the_refused_point_and_fails(tmp_path):
     lines = done.stdout.splitlines()
     assert "refused: algo.num_generations=1" in lines[1] and " fits (" in lines[2]
     assert lines[-1].startswith("1 of 2 point(s) would be refused; nothing was submitted")
+
+
+def test_a_sweep_stopped_half_way_says_how_to_resume_and_into_submits_only_the_rest(tmp_path, monkeypatch):
+    """The bookkeeping around ``submit``; sbatch itself is the Slurm tests' (tests/launch). Here a
+    stand-in for ``submit`` refuses the second job once, as a transient sbatch failure would."""
+    from pathlib import Path
+
+    import pytest
+
+    from hpcrl.errors import HpcrlError
+    from hpcrl.launch import submit as submit_module
+    from hpcrl.tools.sweep import plan_points, submit_sweep
+
+    sent: list[str] = []
+
+    def stand_in(plan, *, suffix):  # type: ignore[no-untyped-def]
+        if suffix == "p1" and "p1" not in sent and len(sent) == 1:
+            sent.append("refused")
+            raise HpcrlError("sbatch: error: Socket timed out on send/recv operation")
+        sent.append(suffix)
+        return submit_module.Submitted(f"10{suffix[1:]}", tmp_path / suffix)
+
+    monkeypatch.setattr(submit_module, "submit", stand_in)
+    points = plan_points([*SWEEP, "algo.kl_coef=0,0.01", f"run.output_root={tmp_path}"])
+    with pytest.raises(HpcrlError) as err:
+        submit_sweep(points)
+    line = str(err.value)
+    assert line.startswith(
+        "sweep stopped at point 1 (algo.lr=0.0001 algo.kl_coef=0.01): sbatch: error: Socket"
+    )
+    sweep_dir = Path(re.search(r"--into (\S+) submits the rest", line).group(1))
+    _dir, rows = submit_sweep(points, into=sweep_dir)
+    assert [r["point"] for r in rows] == [0, 1, 2, 3] and sent == ["p0", "refused", "p1", "p2", "p3"]
