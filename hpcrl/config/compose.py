@@ -45,6 +45,7 @@ def recipe_name(name: str) -> str:
     """``+experiment=`` as typed -> the recipe it means: itself when there is one, else the seeds'
     spelling of an hpcrl recipe (``grpo-gemma3-1b-it-1n8g-fsdp2tp1-b200.yaml``); an unknown name
     stays as it is (the error suggests the nearest)."""
+
     def known(recipe: str) -> bool:
         return any((d / "experiment" / f"{recipe}.yaml").exists() for d in conf_dirs())
 
