@@ -44,9 +44,9 @@ for task in "$@"; do
   case $task in
     smollm2_k1) need 200 $task && fetched && recipe k1 "${STEPS:-20}" rollout.engines_per_gpu=1 ;;
     smollm2_k2) need 200 $task && fetched && recipe k2 "${STEPS:-20}" ;;
-    q15_k1) need 150 $task && shape q15 qwen2_1p5b && submit_shape q15k1 qwen2_1p5b "" "$(left)" algo.max_steps=5 \
+    q15_k1) need 150 $task && shape q15 qwen2_1p5b && ln -sfn "$TMP/m/q15" "$TMP/m/q15k1" && submit_shape q15k1 qwen2_1p5b "" "$(left)" algo.max_steps=5 \
               rollout.engines_per_gpu=1 ;;
-    q15_k2) need 150 $task && shape q15 qwen2_1p5b && submit_shape q15k2 qwen2_1p5b "" "$(left)" algo.max_steps=5 \
+    q15_k2) need 150 $task && shape q15 qwen2_1p5b && ln -sfn "$TMP/m/q15" "$TMP/m/q15k2" && submit_shape q15k2 qwen2_1p5b "" "$(left)" algo.max_steps=5 \
               rollout.engines_per_gpu=2 ;;
     *) echo "== unknown task $task" ;;
   esac

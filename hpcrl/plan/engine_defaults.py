@@ -51,12 +51,13 @@ def engine_line(cfg: RunConfig) -> str:
     )
 
 
-SHARED_GPU_MAX_PARAMS = 1.0e9
+SHARED_GPU_MAX_PARAMS = 0.5e9
 """Models up to this many active parameters get ``ENGINES_PER_SMALL_GPU`` vLLM engines on each rollout
 GPU where ``rollout.engines_per_gpu`` is None: one engine of a small model is bound by its own host
-process (scheduling, sampling, detokenizing), not by the GPU. On one H100 (GPU vLLM 0.26, SmolLM2-135M
-shape, 256 sequences at once each) two engines in two processes generated 62,159 tok/s against one
-engine's 40,372 (1.54x; bench/results/README.md, session 19)."""
+process (scheduling, sampling, detokenizing), not by the GPU. Measured through ``hpcrl submit`` on one
+H100 (GPU vLLM 0.26, colocated, sleep, CUDA-IPC refit; bench/results/README.md, session 20): at 135M
+(SmolLM2, 512 samples a step) two engines took the rollout phase from 0.364 to 0.271 s (1.34x; step
+1.385 -> 1.315 s); at 1.5B (256 x 256 tokens) from 1.574 to 1.974 s (0.80x). The bound sits between."""
 ENGINES_PER_SMALL_GPU = 2
 
 
@@ -78,9 +79,9 @@ def resolve_engines_per_gpu(cfg: RunConfig) -> str:
     if not shared:
         return ""
     return (
-        f"rollout.engines_per_gpu={ENGINES_PER_SMALL_GPU} (auto: {params / 1e9:.2g}B active parameters, "
-        f"up to {SHARED_GPU_MAX_PARAMS / 1e9:.0f}B one engine is host-bound: two in two processes generated "
-        "1.54x the tokens/s of one at 135M, one H100, bench session 19)"
+        f"rollout.engines_per_gpu={ENGINES_PER_SMALL_GPU} (auto: {params / 1e9:.2g}B active parameters; up to "
+        f"{SHARED_GPU_MAX_PARAMS / 1e9:.1f}B one engine is host-bound: two took the rollout 1.34x faster at "
+        "135M, 0.80x at 1.5B, one H100, bench session 20)"
     )
 
 

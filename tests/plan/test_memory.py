@@ -422,3 +422,24 @@ def test_the_plan_decides_the_refit_and_prints_it():
     assert split.refit == ("broadcast", "nccl")
     assert plan().refit == ("broadcast", "gloo")  # the local CPU run
     assert plan(*QWEN_TP2, "rollout.weight_sync=object_store").refit == ("object_store", "gloo")
+
+
+def test_engines_per_gpu_auto_follows_the_measurement_and_the_plan_says_why():
+    small = plan("model=smollm2_135m", "cluster.gpu=H100", "cluster.gpu_memory_gb=80")
+    assert small.cfg.rollout.engines_per_gpu == 2 and small.topology.rollout.engines == 2
+    assert any(line.startswith("rollout.engines_per_gpu=2 (auto:") for line in small.engine_defaults)
+    assert small.memory.rollout.per_gpu == 2 and small.refit.mode == "ipc"
+    # 1.5B measured slower with two; the CPU, an explicit value and tp > 1 keep their one
+    assert (
+        plan("model=qwen2_1p5b", "cluster.gpu=H100", "cluster.gpu_memory_gb=80").cfg.rollout.engines_per_gpu
+        == 1
+    )
+    assert plan("model=smollm2_135m").cfg.rollout.engines_per_gpu == 1
+    explicit = plan(
+        "model=smollm2_135m", "cluster.gpu=H100", "cluster.gpu_memory_gb=80", "rollout.engines_per_gpu=1"
+    )
+    assert explicit.topology.rollout.engines == 1 and not any(
+        "engines_per_gpu" in x for x in explicit.engine_defaults
+    )
+    with pytest.raises(ConfigError, match=r"rollout.engines_per_gpu=2 needs rollout.tp=1"):
+        plan(*QWEN_TP2, "rollout.tp=2", "rollout.engines_per_gpu=2")
