@@ -13,34 +13,7 @@ set -u
 T0=$SECONDS
 BUDGET=${BUDGET:-585}
 source bench/device_runs/s18_site.sh
-PL=${PROMPT_LEN:-190}
-left() { echo $((BUDGET - (SECONDS - T0))); }
-need() {  # need SECONDS TASK: false (and a line) when less is left
-  [ "$(left)" -ge "$1" ] || { echo "== $2 skipped: $(left) s left, needs ~$1"; return 1; }
-}
-R=+experiment=grpo-smollm2-1n1g-chainsum
-fetched() { [ -f "$OUT/fetch.log" ] || { hpcrl fetch $R > "$OUT/fetch.log" 2>&1; echo "== fetch rc=$? $((SECONDS - T0)) s"; tail -1 "$OUT/fetch.log"; }; }
-recipe() {  # recipe NAME STEPS [overrides...]: hpcrl submit of the SmolLM2 recipe, then its phase table
-  local name=$1 steps=$2; shift 2
-  timeout -k 10 $(($(left) - 10)) python3 -m hpcrl.cli submit $R algo.max_steps="$steps" \
-    run.output_root="$TMP/runs-$name" "$@" > "$OUT/submit_$name.log" 2>&1
-  echo "== submit $name rc=$? $((SECONDS - T0)) s"; grep -E "^\[hpcrl|Error|Traceback" "$OUT/submit_$name.log" | tail -8
-  local run; run=$(ls -d "$TMP/runs-$name"/*/ 2>/dev/null | head -1)
-  [ -n "$run" ] && { cp "$run/metrics.jsonl" "$OUT/metrics_$name.jsonl"; python3 bench/phase_table.py "$run/metrics.jsonl"; }
-}
-harness() {  # harness NAME MODEL LAYERS SHARE
-  timeout -k 10 "$(left)" python3 bench/colocated_gpu.py --model "$2" ${3:+--layers $3} --model-dir "$TMP/m/$1" \
-    --prompts 64 --n 4 --prompt-len $PL --gen 256 --share "$4" --refits 1 --skip-old --steps 3 \
-    --out "$OUT/harness_$1.json" > "$OUT/harness_$1.log" 2>&1
-  echo "== harness $1 rc=$? $((SECONDS - T0)) s"
-  grep -E "^(engine start|trainer start|generate|train step|refit ipc \(step\)|wake|== step)" "$OUT/harness_$1.log" | tail -14
-}
-sweep() {  # sweep NAME MODEL LAYERS [engine_sweep args...]
-  local name=$1 model=$2 layers=$3; shift 3
-  timeout -k 10 "$(left)" python3 bench/engine_sweep.py --model "$model" --model-dir "$TMP/m/$name" ${layers:+--layers $layers} \
-    --deadline-s $(($(left) - 45)) --out "$OUT/sweep_$name.json" "$@" >> "$OUT/sweep_$name.log" 2>&1
-  echo "== sweep $name $* rc=$? $((SECONDS - T0)) s"; grep -E "tok/s|started|FAILED|skipped|Error" "$OUT/sweep_$name.log" | tail -8
-}
+source bench/device_runs/tasks.sh
 for task in "$@"; do
   echo "== $task at $((SECONDS - T0)) s"
   case $task in

@@ -65,7 +65,9 @@ class Fleet:
         master = ray.get(trainers[0].endpoint.remote())
         setups = [t.setup.remote(master) for t in trainers]
         kv_gb = plan.memory.rollout.cpu_kv_gb() if on_cpu else None  # GPUs: a share of memory instead
-        engine_cfg = engine_config(cfg, topo.rollout if gpu_resources else RolloutParallel(topo.rollout.tp))
+        # the engines as the plan placed them (a local run on the CPU: one, alone)
+        rollout = topo.rollout if gpu_resources else RolloutParallel(topo.rollout.tp)
+        engine_cfg = engine_config(cfg, rollout)
         # in-flight updates: a refit's pause arrives while generate_stream runs (the engine's WeightGate
         # orders them); otherwise one call at a time, as the loop makes them
         concurrency = 2 if inflight_updates(cfg.rollout) else 1
@@ -79,8 +81,7 @@ class Fleet:
                 ray.get([engines[i].where.remote() for i in wave])
         ray.get(setups)
         where = ray.get([a.where.remote() for a in trainers + engines])  # surface start-up errors here
-        per_gpu = len(engines) // len(trainers) if plan.refit.mode == "ipc" else 1
-        refit = Refit(plan.refit.mode, plan.refit.backend, cfg.rollout.weight_sync_bucket_mb, per_gpu)
+        refit = Refit(plan.refit.mode, plan.refit.backend, cfg.rollout.weight_sync_bucket_mb, rollout.per_gpu)
         return cls(trainers, engines, where, refit=refit, sleep=sleeps(cfg.rollout))
 
     def describe(self) -> str:

@@ -41,22 +41,33 @@ class Point:
     plan: Plan
 
 
-def plan_points(overrides: list[str]) -> list[Point]:
+def varying(points: list[list[str]]) -> list[int]:
+    """The positions of the overrides that differ between points (what the tables show)."""
+    return [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
+
+
+def checked_plan(point: list[str]) -> Plan:
+    """One point's plan with every check ``hpcrl submit`` makes before a job goes out."""
     from hpcrl.hub.check import check_inputs
 
+    plan = plan_from_overrides(point)
+    plan.require_fit()
+    plan.require_buildable()
+    check_inputs(plan.cfg)
+    return plan
+
+
+def plan_points(overrides: list[str]) -> list[Point]:
     points = expand(overrides)
-    varying = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
+    varying_at = varying(points)
     planned = []
     for n, point in enumerate(points):
         try:
-            plan = plan_from_overrides(point)
-            plan.require_fit()
-            plan.require_buildable()
-            check_inputs(plan.cfg)
+            plan = checked_plan(point)
         except HpcrlError as exc:
-            shown = " ".join(point[i] for i in varying)
+            shown = " ".join(point[i] for i in varying_at)
             raise HpcrlError(f"sweep point {n} ({shown}): {exc}; nothing was submitted") from None
-        planned.append(Point(n, [point[i] for i in varying], plan))
+        planned.append(Point(n, [point[i] for i in varying_at], plan))
     return planned
 
 
@@ -65,22 +76,18 @@ def preview_multirun(overrides: list[str]) -> int:
     file written (a Slurm cluster) under a preview directory, one line a point with its verdict; nothing
     submitted. Exit 1 when a point would be refused (``submit -m`` would submit none)."""
     from hpcrl.config.cluster import Scheduler
-    from hpcrl.hub.check import check_inputs
     from hpcrl.launch.sbatch import render_sbatch
     from hpcrl.run.rundir import write_resolved_config
 
     points = expand(overrides)
-    varying = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
+    varying_at = varying(points)
     out: Path | None = None
     refused = 0
     print(f"{'point':>5}  {'overrides':40s}  verdict")
     for n, point in enumerate(points):
-        shown = " ".join(point[i] for i in varying)
+        shown = " ".join(point[i] for i in varying_at)
         try:
-            plan = plan_from_overrides(point)
-            plan.require_buildable()
-            plan.require_fit()
-            check_inputs(plan.cfg)
+            plan = checked_plan(point)
         except HpcrlError as exc:
             refused += 1
             print(f"{n:>5}  {shown:40s}  refused: {exc}")
