@@ -266,7 +266,7 @@ def train_share(cfg: RunConfig, topo: Topology) -> Share:
     trainer, par = cfg.trainer, topo.train
     sp = trainer_spec(trainer).sequence_parallel(trainer)
     return Share(
-        tokens=trainer.micro_batch_size * cfg.max_seq_len / par.cp,
+        tokens=trainer.micro_tokens(cfg.max_seq_len) / par.cp,
         tp=par.tp,
         sp=par.tp if sp else 1,
         cp=par.cp,

@@ -26,7 +26,7 @@ from hpcrl.plan.quirks import AppliedQuirk, apply_quirks
 from hpcrl.plan.search import search_layouts
 from hpcrl.plan.topology import Placement, Topology, build_topology, check_engine_fits_node, on_gpus
 from hpcrl.rollout.backends import sleep_mode
-from hpcrl.trainer.backends import trainer_spec, with_degree
+from hpcrl.trainer.backends import trainer_spec, with_capability, with_degree
 
 
 @dataclass(frozen=True)
@@ -311,9 +311,37 @@ def check_backend(cfg: RunConfig) -> None:
             f"trainer.pp={trainer.pp}: the {trainer.backend} backend has no pipeline parallelism; "
             f"use {with_degree('pp')} or trainer.pp=1"
         )
+    check_packing(cfg)
     if trainer.ep > 1 and not cfg.model.is_moe:
         raise ConfigError(
             f"trainer.ep={trainer.ep} needs an MoE model; {cfg.model.name} is dense (set trainer.ep=1)"
+        )
+
+
+def check_packing(cfg: RunConfig) -> None:
+    """``trainer.packing``: a backend that packs, whole sequences on one rank, attention layers only."""
+    trainer, model = cfg.trainer, cfg.model
+    if not trainer.packing:
+        return
+    if not trainer_spec(trainer).packs:
+        raise ConfigError(
+            f"trainer.packing=true: the {trainer.backend} backend does not pack sequences yet; "
+            f"use {with_capability('packs')} or trainer.packing=false"
+        )
+    if trainer.cp > 1:
+        raise ConfigError(
+            f"trainer.packing=true with trainer.cp={trainer.cp}: packed rows are not split over context "
+            "parallel ranks; set trainer.cp=1 or trainer.packing=false"
+        )
+    if model.hybrid.mamba > 0:
+        raise ConfigError(
+            f"trainer.packing=true: {model.name}'s Mamba layers would carry their state from one packed "
+            "sequence into the next; set trainer.packing=false"
+        )
+    if trainer.micro_batch_tokens is not None and trainer.micro_batch_tokens < cfg.max_seq_len:
+        raise ConfigError(
+            f"trainer.micro_batch_tokens={trainer.micro_batch_tokens} is below the longest sequence "
+            f"({cfg.max_seq_len} tokens), which must fit one micro-batch; raise it to at least {cfg.max_seq_len}"
         )
 
 

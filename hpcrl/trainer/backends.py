@@ -60,6 +60,8 @@ class TrainerSpec:
     """The degrees a checkpoint's model.json records beside the world size."""
     pads_cp: bool
     """Pads each sequence to a multiple of ``trainer.cp`` itself; otherwise cp must divide the length."""
+    packs: bool
+    """Runs packed micro-batches (``trainer.packing``: several sequences in one row)."""
     checkpoint_bytes_per_param: int
     """One checkpoint's weights and Adam state per parameter (fsdp: fp32 weights + m + v; megatron:
     bf16 weights + fp32 master + m + v)."""
@@ -141,6 +143,7 @@ FSDP = TrainerSpec(
     degrees=("cp",),
     checkpoint_layout=(),
     pads_cp=True,
+    packs=True,
     checkpoint_bytes_per_param=12,
     ipc_any_world=True,
     checkpoint_prefix="model.",
@@ -237,6 +240,7 @@ MEGATRON = TrainerSpec(
     degrees=("tp", "pp", "cp", "ep"),
     checkpoint_layout=("tp", "pp", "cp", "ep", "expert_tp"),
     pads_cp=False,
+    packs=False,
     checkpoint_bytes_per_param=14,
     ipc_any_world=False,
     checkpoint_prefix="model/",
@@ -263,6 +267,11 @@ def trainer_spec(trainer: TrainerConfig) -> TrainerSpec:
 def with_degree(name: str) -> str:
     """The backends that split over ``trainer.<name>``, for a message (e.g. "trainer=megatron")."""
     return " or ".join(f"trainer={n}" for n, s in TRAINERS.items() if name in s.degrees)
+
+
+def with_capability(flag: str) -> str:
+    """The backends whose table entry sets ``flag`` (e.g. "packs"), for a message."""
+    return " or ".join(f"trainer={n}" for n, s in TRAINERS.items() if getattr(s, flag))
 
 
 class ExpertTP(Protocol):

@@ -52,6 +52,14 @@ class TrainerConfig:
     ``logprob_batch_size``). None: ``micro_batch_size``."""
     max_seq_len: int | None = None
     """Longest training sequence; None derives it from data.max_prompt_tokens + rollout.max_new_tokens."""
+    packing: bool = False
+    """Cut micro-batches by tokens (``micro_batch_tokens``) instead of rows and run each as one row of
+    whole sequences, positions restarting per sequence and attention kept inside each
+    (``trainer/packing.py``): no compute on padding. The backends that pack say so in their table
+    entry (``TrainerSpec.packs``); not with ``trainer.cp`` > 1 or Mamba layers."""
+    micro_batch_tokens: int | None = None
+    """Token budget of a packed micro-batch (``packing``). None: ``micro_batch_size`` x the longest
+    sequence, the memory a padded micro-batch already takes, so packing never raises the peak."""
     precision: Precision = Precision.bfloat16
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them (megatron:
@@ -92,6 +100,13 @@ class TrainerConfig:
         """Whether the backend compiles its decoder layers on GPUs (``compile``, or the default)."""
         return True if self.compile is None else self.compile
 
+    def micro_tokens(self, seq_len: int) -> int:
+        """Tokens one micro-batch holds at most (the memory estimate's activations): the packing
+        budget, or ``micro_batch_size`` rows of the longest sequence."""
+        if self.packing and self.micro_batch_tokens is not None:
+            return self.micro_batch_tokens
+        return self.micro_batch_size * seq_len
+
     def logprob_rows(self) -> int:
         """Sequences per forward of a log-prob pass."""
         return self.logprob_batch_size or self.micro_batch_size
@@ -103,6 +118,13 @@ class TrainerConfig:
             positive(f"trainer.{key}", getattr(self, key))
         if self.max_seq_len is not None:
             positive("trainer.max_seq_len", self.max_seq_len)
+        if self.micro_batch_tokens is not None:
+            positive("trainer.micro_batch_tokens", self.micro_batch_tokens)
+            if not self.packing:
+                raise ConfigError(
+                    "trainer.micro_batch_tokens is the budget of a packed micro-batch: set "
+                    "trainer.packing=true, or drop it (unpacked micro-batches hold trainer.micro_batch_size rows)"
+                )
         positive("trainer.grad_clip", self.grad_clip)
         non_negative("trainer.weight_decay", self.weight_decay)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):

@@ -11,6 +11,7 @@ import torch
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.context_parallel import CPGroup
 from hpcrl.trainer.logprob_head import LogprobHead
+from hpcrl.trainer.packing import Packed
 
 
 def token_logprobs(
@@ -42,6 +43,17 @@ def token_logprobs(
         model, targets[:, skip:], input_ids=ids, attention_mask=mask, logits_to_keep=ids.shape[1] - skip
     )
     return _left_pad(logp, skip)[:, :-1], _left_pad(entropy, skip)[:, :-1]
+
+
+def packed_logprobs(model: Any, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_logprobs`` of right-padded rows run as one packed row (``trainer.packing``): the rows'
+    real tokens one after another, positions restarting at each, no attention mask, so transformers
+    masks attention across the restarts (``find_packed_sequence_indices``); [B, T-1] each, zeros
+    past each row's last target, as the unpacked forward returns them."""
+    packed = Packed.of(batch.input_ids, batch.attention_mask)
+    logp, entropy = _logprobs(model, packed.targets, input_ids=packed.ids, position_ids=packed.positions)
+    width = batch.input_ids.shape[1] - 1
+    return packed.unpack(logp, width), packed.unpack(entropy, width)
 
 
 def _left_pad(values: torch.Tensor, width: int) -> torch.Tensor:

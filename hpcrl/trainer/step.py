@@ -33,6 +33,7 @@ from hpcrl.algo.losses import PolicyLoss, gen_kl_error
 from hpcrl.config.schema import RunConfig
 from hpcrl.rollout.backends import sends_logprobs
 from hpcrl.trainer.batch import TrainBatch
+from hpcrl.trainer.packing import pack_rows
 
 Metrics = dict[str, torch.Tensor | float]
 """One micro-batch's (or the step's) metrics: 0-dim tensors where they were computed, or floats."""
@@ -75,9 +76,11 @@ class StepBackend(Protocol):
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor: ...
 
-    def micro_batches(self, part: StepBatch, size: int) -> list[StepBatch]:
-        """``part`` cut in order into runs of ``size`` rows (the last may be shorter, or padded with
-        rows whose loss mask is 0), shaped as ``forward_backward`` takes them."""
+    def micro_batches(self, part: StepBatch, groups: list[torch.Tensor]) -> list[StepBatch]:
+        """``part`` cut into micro-batch i = the rows ``groups[i]``, shaped as ``forward_backward``
+        takes them. Unpacked, the groups are runs of ``micro_batch_size`` rows in order (the last may
+        be shorter; a backend may pad it with rows whose loss mask is 0); packed, the bins of
+        ``TrainStep.cut`` (a backend that packs: ``TrainerSpec.packs``)."""
         ...
 
     def zero_grad(self) -> None:
@@ -109,6 +112,8 @@ class TrainStep:
     loss: PolicyLoss
     minibatches: int
     micro_batch_size: int
+    pack_tokens: int | None = None
+    """``trainer.packing``'s token budget per micro-batch (None: micro-batches of rows)."""
     engine_logprobs: bool = True
     """The engines send each sampled token's log-prob (``rollout.logprobs``). Without them the batch's
     ``rollout_logp`` is a placeholder that nothing may read: no ``gen_kl_error`` (the config refuses an
@@ -118,7 +123,16 @@ class TrainStep:
     def from_config(cls, cfg: RunConfig) -> TrainStep:
         loss = PolicyLoss.from_config(cfg.algo, cfg.rollout.max_new_tokens)
         logprobs = sends_logprobs(cfg.rollout)
-        return cls(loss, cfg.algo.num_minibatches, cfg.trainer.micro_batch_size, logprobs)
+        trainer = cfg.trainer
+        budget = trainer.micro_tokens(cfg.max_seq_len) if trainer.packing else None
+        return cls(loss, cfg.algo.num_minibatches, trainer.micro_batch_size, budget, logprobs)
+
+    def cut(self, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """Row indices of each micro-batch of a minibatch whose rows hold ``lengths`` real tokens:
+        runs of ``micro_batch_size`` rows, or packed, first-fit-decreasing bins of the token budget."""
+        if self.pack_tokens is None:
+            return list(torch.arange(len(lengths)).split(self.micro_batch_size))
+        return [torch.tensor(g) for g in pack_rows(lengths.tolist(), self.pack_tokens)]
 
     def __call__(
         self, backend: StepBackend, batch: TrainBatch, device: torch.device | str
@@ -144,22 +158,22 @@ class TrainStep:
             totals.add(
                 "gen_kl_error", gen_kl_error(whole.old_logp, d.rollout_logp, d.loss_mask), WHOLE, sent_tokens
             )
+        lengths = batch.attention_mask.sum(dim=1)
         for part, rows in enumerate(torch.arange(len(batch)).chunk(self.minibatches)):
             # counts from the CPU tensors (no wait on the GPU), before a backend adds padding rows
-            mask = batch.loss_mask[rows]
-            parts = mask.split(self.micro_batch_size)
+            mask, groups = batch.loss_mask[rows], self.cut(lengths[rows])
             units, tokens = float(self.loss.units(mask)), float(mask.sum())
             shares = Shares(
-                [float(self.loss.units(m)) / max(units, 1.0) for m in parts],
+                [float(self.loss.units(mask[g])) / max(units, 1.0) for g in groups],
                 max(tokens, 1.0),
-                [float(m.sum()) / max(sent_tokens, 1.0) for m in sent[rows].split(self.micro_batch_size)],
+                [float(sent[rows][g].sum()) / max(sent_tokens, 1.0) for g in groups],
             )
             # what each metric is a mean over in this minibatch (its weight among the ranks): the loss's
             # units, but for these
             weights = {"entropy": tokens, "gen_kl_error": sent_tokens}
             backend.zero_grad()
-            micro = backend.micro_batches(whole.select(rows), self.micro_batch_size)
-            assert len(micro) == len(parts), "micro_batches must cut runs of micro_batch_size rows"
+            micro = backend.micro_batches(whole.select(rows), groups)
+            assert len(micro) == len(groups), "micro_batches must give one micro-batch a group"
             for metrics in backend.forward_backward(micro, partial(self.micro_loss, shares)):
                 for key, value in metrics.items():
                     totals.add(key, value, part, weights.get(key, units))

@@ -45,9 +45,9 @@ class FakeBackend:
         self.events.append("logprobs(reference)" if reference else "logprobs")
         return (self.reference if reference else self.table.detach())[batch.input_ids[:, 0]]
 
-    def micro_batches(self, part: StepBatch, size: int) -> list[StepBatch]:
-        self.events.append(f"micro_batches({len(part)}, {size})")
-        return [part.select(slice(i, i + size)) for i in range(0, len(part), size)]
+    def micro_batches(self, part: StepBatch, groups: list[torch.Tensor]) -> list[StepBatch]:
+        self.events.append(f"micro_batches({len(part)}, {[len(g) for g in groups]})")
+        return [part.select(g) for g in groups]
 
     def zero_grad(self) -> None:
         self.events.append("zero_grad")
@@ -86,11 +86,11 @@ def test_calls_come_in_order_and_micro_batches_cut_each_minibatch():
     assert backend.events == [
         "logprobs",  # the old policy, scored once before the first update
         "zero_grad",
-        "micro_batches(3, 2)",
+        "micro_batches(3, [2, 1])",
         "forward_backward([2, 1])",
         "optimizer_step",
         "zero_grad",
-        "micro_batches(2, 2)",
+        "micro_batches(2, [2])",
         "forward_backward([2])",
         "optimizer_step",
         "zero_grad",  # the gradients go before the step returns: a colocated engine wakes next
@@ -159,9 +159,9 @@ class StaleBackend(FakeBackend):
         shift = 0.3 * torch.randn(self.table.shape, generator=gen, dtype=torch.float64)
         return (self.table.detach() + shift)[batch.input_ids[:, 0]]
 
-    def micro_batches(self, part: StepBatch, size: int) -> list[StepBatch]:
-        runs = super().micro_batches(part, size)
-        extra = size - len(runs[-1])
+    def micro_batches(self, part: StepBatch, groups: list[torch.Tensor]) -> list[StepBatch]:
+        runs = super().micro_batches(part, groups)
+        extra = len(groups[0]) - len(runs[-1])
         if extra:
             pad = runs[-1].select(torch.zeros(extra, dtype=torch.long))
             pad.data.loss_mask.zero_()

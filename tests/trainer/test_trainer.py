@@ -51,6 +51,28 @@ def test_micro_batching_matches_one_big_batch(tiny_dir):
     )  # a wrong accumulation differs by ~lr (1e-3)
 
 
+def test_packed_step_equals_the_padded_step(tiny_dir):
+    """trainer.packing: micro-batches by a token budget, run as packed rows, give the padded step's
+    loss, KL, gradient norm and weights (two minibatches and a reference policy: the log-prob passes
+    run packed too, their bins out of row order)."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [(3, 9), (6, 2), (4, 12), (5, 1), (3, 5), (7, 7)]
+    prompts = [torch.randint(3, 30, (p,), generator=gen).tolist() for p, _ in lengths]
+    comps = [torch.randint(3, 30, (c,), generator=gen).tolist() for _, c in lengths]
+    lps = [[-1.5] * len(c) for c in comps]
+    b = build_batch(prompts, comps, lps, [1.0, -1.0, 0.5, -0.5, 0.25, -0.25], keep=[1] * 6, pad_id=0)
+    common = ("algo.kl_coef=0.1", "algo.num_minibatches=2", "trainer.micro_batch_size=2")
+    padded = trainer(tiny_dir, *common)
+    packed = trainer(tiny_dir, *common, "trainer.packing=true", "trainer.micro_batch_tokens=20")
+    assert [len(g) for g in packed.step.cut(b.attention_mask[:3].sum(1))] == [1, 2]  # 16 | 8 + 7
+    m_padded, m_packed = padded.train_step(b), packed.train_step(b)
+    for key in ("loss", "kl", "policy_loss", "entropy"):
+        assert m_packed[key] == pytest.approx(m_padded[key], rel=1e-4, abs=1e-6), key
+    assert m_packed["grad_norm"] == pytest.approx(m_padded["grad_norm"], rel=1e-4)
+    wa, wb = padded.export_weights(), packed.export_weights()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
 def test_logprob_passes_take_their_own_batch_size(tiny_dir):
     """trainer.logprob_batch_size cuts the no-backward passes differently, with the same numbers."""
     one, four = (
@@ -58,7 +80,7 @@ def test_logprob_passes_take_their_own_batch_size(tiny_dir):
         trainer(tiny_dir, "trainer.logprob_batch_size=4"),
     )
     assert one.cfg.trainer.logprob_rows() == 1 and four.cfg.trainer.logprob_rows() == 4
-    assert len(one._micro_batches(batch())) == 4 and len(four._micro_batches(batch())) == 1
+    assert len(one._logprob_groups(batch())) == 4 and len(four._logprob_groups(batch())) == 1
     assert torch.allclose(one.logprobs(batch()), four.logprobs(batch()), atol=1e-5)
 
 

@@ -15,7 +15,7 @@ from hpcrl.sync.packer import let_go
 from hpcrl.trainer.base import CollectSink, WeightSink, freeze, numel_of
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.context_parallel import CPGroup, use_cp_attention
-from hpcrl.trainer.forward import is_right_padded, token_logprobs
+from hpcrl.trainer.forward import is_right_padded, packed_logprobs, token_logprobs
 from hpcrl.trainer.fsdp.model import (
     checkpoint_names,
     data_parallel_group,
@@ -121,14 +121,30 @@ class FSDPTrainer:
         mask_ok = is_right_padded(batch.attention_mask)
         batch = batch.to(self.device)  # the driver sends CPU tensors
         out = []
+        groups = self._logprob_groups(batch)
         with torch.no_grad():
-            for mb in self._micro_batches(batch):
-                out.append(token_logprobs(model, mb, right_padded=mask_ok, cp=self.cp)[0])
-        return _cat_padded(out).cpu()
+            for rows in groups:
+                out.append(self._forward(model, batch.select(rows), mask_ok)[0])
+        logp = _cat_padded(out)
+        if self.step.pack_tokens is not None:  # bins hold rows out of order: put each back in its place
+            logp = torch.empty_like(logp).index_copy_(0, torch.cat(groups).to(logp.device), logp)
+        return logp.cpu()
 
-    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
-        size = self.cfg.trainer.logprob_rows()
-        return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
+    def _logprob_groups(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """Rows of each log-prob forward: ``logprob_rows`` at a time, or packed, the step's bins."""
+        if self.step.pack_tokens is not None:
+            return self.step.cut(batch.attention_mask.sum(dim=1).cpu())
+        return list(torch.arange(len(batch)).split(self.cfg.trainer.logprob_rows()))
+
+    def _forward(
+        self, model: Any, batch: TrainBatch, right_padded: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropy [rows, T-1] of one micro-batch, packed into one row if the step packs."""
+        if self.step.pack_tokens is None:
+            return token_logprobs(model, batch, right_padded=right_padded, cp=self.cp)
+        if not right_padded:
+            raise ValueError("trainer.packing packs right-padded batches only (what build_batch makes)")
+        return packed_logprobs(model, batch)
 
     def train_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
         set_lr(self.optimizer.param_groups, lr)
@@ -142,8 +158,8 @@ class FSDPTrainer:
         return metrics
 
     # -- the step's backend (trainer/step.py) -------------------------------------------------------
-    def micro_batches(self, part: StepBatch, size: int) -> list[StepBatch]:
-        return [part.select(slice(i, i + size)) for i in range(0, len(part), size)]
+    def micro_batches(self, part: StepBatch, groups: list[torch.Tensor]) -> list[StepBatch]:
+        return [part.select(g) for g in groups]
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -151,7 +167,7 @@ class FSDPTrainer:
     def forward_backward(self, micro_batches: list[StepBatch], loss_fn: LossFn) -> list[Metrics]:
         out = []
         for i, mb in enumerate(micro_batches):
-            logp, entropy = token_logprobs(self.model, mb.data, right_padded=self._right_padded, cp=self.cp)
+            logp, entropy = self._forward(self.model, mb.data, self._right_padded)
             loss, metrics = loss_fn(i, mb, logp, entropy)
             loss.backward()
             out.append(metrics)

@@ -239,8 +239,9 @@ class MegatronTrainer:
         return metrics
 
     # -- the step's backend (trainer/step.py) -------------------------------------------------------
-    def micro_batches(self, part: StepBatch, size: int) -> list[StepBatch]:
-        datas = self.pipeline.micro_batches(part.data, size)
+    def micro_batches(self, part: StepBatch, groups: list[torch.Tensor]) -> list[StepBatch]:
+        # runs of equal rows in order (megatron packs nothing: TrainerSpec.packs), the last one padded
+        datas = self.pipeline.micro_batches(part.data, len(groups[0]))
         rows = [slice(i * len(datas[0]), (i + 1) * len(datas[0])) for i in range(len(datas))]
         return [
             StepBatch(d, fit(part.old_logp, r, d.loss_mask), fit(part.ref_logp, r, d.loss_mask))

@@ -1,0 +1,71 @@
+"""Sequence packing: a minibatch's rows cut into micro-batches by a token budget instead of a row
+count, and each micro-batch run as one row of concatenated sequences (``trainer.packing``).
+
+A padded micro-batch of ``micro_batch_size`` rows costs ``rows x longest`` tokens of compute; at RL's
+long-tailed completion lengths (DAPO: most answers short, a few up to the limit) most of that is
+padding. Packed, a micro-batch holds whole sequences whose real tokens sum to at most the budget,
+chosen first-fit-decreasing, and runs as one row: positions restart at 0 for each sequence, and
+attention stays inside each sequence (transformers reads the restarts from ``position_ids`` and masks
+across them: a block-causal mask for SDPA, varlen kernels for flash attention). Which rows share a
+micro-batch changes no number: the step weighs each micro-batch by its share of the loss units.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def pack_rows(lengths: list[int], budget: int) -> list[list[int]]:
+    """Row indices of each micro-batch: first-fit-decreasing into bins of at most ``budget`` tokens
+    (a row longer than the budget gets a bin of its own). Rows keep their order inside a bin; bins
+    come longest-first, as the decreasing pass opens them."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        n = lengths[row]
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(row)
+                room[b] -= n
+                break
+        else:
+            bins.append([row])
+            room.append(budget - n)
+    return [sorted(b) for b in bins]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One micro-batch's rows as a single row: ``ids`` and ``positions`` [1, L], ``targets`` [1, L]
+    (each position's next token in its own sequence; the last of each sequence predicts nothing and
+    gets 0), and where each row's tokens start."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor
+    starts: list[int]
+    lengths: list[int]
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
+        """From right-padded rows (``build_batch``'s): each row's real tokens, one after another."""
+        lengths = [int(n) for n in attention_mask.sum(dim=1).tolist()]
+        seqs = [row[:n] for row, n in zip(input_ids, lengths, strict=True)]
+        ids = torch.cat(seqs)[None]
+        positions = torch.cat([torch.arange(n, device=ids.device) for n in lengths])[None]
+        targets = torch.cat([torch.nn.functional.pad(s[1:], (0, 1)) for s in seqs])[None]
+        starts = [0]
+        for n in lengths[:-1]:
+            starts.append(starts[-1] + n)
+        return cls(ids, positions, targets, starts, lengths)
+
+    def unpack(self, values: torch.Tensor, width: int) -> torch.Tensor:
+        """[1, L] per-position values back to right-padded rows [rows, width] (zeros past each row's
+        last target), as the unpacked forward returns them."""
+        rows = []
+        for start, n in zip(self.starts, self.lengths, strict=True):
+            row = values[0, start : start + n - 1]  # targets 0 .. n-2: the last token predicts nothing
+            rows.append(torch.nn.functional.pad(row, (0, width - row.shape[0])))
+        return torch.stack(rows)

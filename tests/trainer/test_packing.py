@@ -1,0 +1,83 @@
+"""Sequence packing (``trainer.packing``): the bins, the packed row and its way back, the same
+log-probs as the padded forward on a real model, the same step, and the plan's checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpcrl.errors import ConfigError
+from hpcrl.trainer.batch import build_batch
+from hpcrl.trainer.forward import packed_logprobs, token_logprobs
+from hpcrl.trainer.packing import Packed, pack_rows
+from tests.conftest import compose, plan
+
+
+def test_first_fit_decreasing_bins_hold_every_row_once_within_the_budget():
+    lengths = [900, 120, 130, 500, 480, 60, 2000, 40]
+    bins = pack_rows(lengths, 1024)
+    assert sorted(r for b in bins for r in b) == list(range(len(lengths)))
+    # the one row over the budget has a bin of its own; every other bin fits
+    assert [6] in bins
+    assert all(sum(lengths[r] for r in b) <= 1024 for b in bins if b != [6])
+    # 4,230 tokens in bins of 1,024 (one oversize row alone): FFD needs 4 here, rows 1,024 apart need 8
+    assert len(bins) == 4
+
+
+def batch(lengths_p: list[int], lengths_c: list[int]):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 60, (n,), generator=gen).tolist() for n in lengths_p]
+    comps = [torch.randint(3, 60, (n,), generator=gen).tolist() for n in lengths_c]
+    lps = [[-1.0] * n for n in lengths_c]
+    adv = torch.linspace(-1, 1, len(prompts)).tolist()
+    return build_batch(prompts, comps, lps, adv, keep=[1] * len(prompts), pad_id=0)
+
+
+def test_packed_row_goes_back_to_the_padded_rows():
+    b = batch([3, 5, 2], [4, 1, 6])
+    packed = Packed.of(b.input_ids, b.attention_mask)
+    assert packed.ids.shape == (1, 7 + 6 + 8)
+    assert packed.positions[0].tolist() == [*range(7), *range(6), *range(8)]
+    # each position's target is the next token of its own sequence; a sequence's last predicts nothing
+    back = packed.unpack(packed.targets.float(), b.input_ids.shape[1] - 1)
+    expected = torch.where(b.attention_mask[:, 1:].bool(), b.input_ids[:, 1:], 0).float()
+    assert torch.equal(back, expected)
+
+
+@pytest.mark.slow
+def test_packed_forward_equals_the_padded_forward_on_a_real_model(tiny_dir):
+    """Attention stays inside each packed sequence: a leak across a restart would change the later
+    sequences' log-probs by far more than the tolerance."""
+    from hpcrl.trainer.hf_load import meta_model
+
+    model = meta_model(tiny_dir).to_empty(device="cpu")
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    model.eval()
+    b = batch([4, 9, 3, 6], [5, 2, 8, 4])
+    with torch.no_grad():
+        padded = token_logprobs(model, b)
+        packed = packed_logprobs(model, b)
+    # every loss target (the padded forward skips the head before the shortest prompt's end)
+    targets, pad = b.loss_mask.bool(), ~b.attention_mask[:, 1:].bool()
+    for got, want in zip(packed, padded, strict=True):
+        assert torch.allclose(got[targets], want[targets], atol=1e-5)
+        assert not got[pad].any()
+
+
+def test_the_plan_counts_the_budget_and_refuses_what_cannot_pack():
+    base = ("trainer.micro_batch_size=2",)
+    padded = plan(*base).memory.train.activations
+    same = plan(*base, "trainer.packing=true").memory.train.activations
+    double = plan(*base, "trainer.packing=true", f"trainer.micro_batch_tokens={4 * compose().max_seq_len}")
+    assert same == pytest.approx(padded)  # the default budget is the padded micro-batch's memory
+    assert double.memory.train.activations > 1.5 * padded
+    with pytest.raises(ConfigError, match=r"trainer.micro_batch_tokens is the budget of a packed"):
+        compose("trainer.micro_batch_tokens=4096").trainer.check()
+    with pytest.raises(ConfigError, match=r"micro_batch_tokens=8 is below the longest sequence"):
+        plan("trainer.packing=true", "trainer.micro_batch_tokens=8")
+    with pytest.raises(
+        ConfigError, match=r"the megatron backend does not pack sequences yet; use trainer=fsdp"
+    ):
+        plan("trainer=megatron", "trainer.packing=true")
