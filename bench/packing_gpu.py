@@ -1,0 +1,151 @@
+"""Sequence packing against padded micro-batches (issue 36 item 1): the fsdp train step on one GPU at a
+DAPO-like length distribution, tokens per second of real tokens, both rows in the same run.
+
+    python bench/packing_gpu.py [--model qwen2_1p5b] [--layers 0] [--seqs 256] [--max-new 3840]
+        [--mbs 4] [--steps 3] [--rows padded,packed] [--out FILE]
+
+The batch: ``--seqs`` sequences, prompts 100-300 tokens, completions long-tailed as DAPO's are (a
+log-normal around a quarter of the limit, a tenth of them cut at ``--max-new``), in rollout order
+(groups of similar prompts do not sort by length). ``padded`` is hpcrl's step without packing:
+``--mbs`` rows a micro-batch, each padded to its longest row. ``packed`` is ``trainer.packing=true``
+with its default budget, ``--mbs`` x the longest possible sequence (the padded micro-batch's memory).
+Each row: a first step (compiles) and ``--steps`` timed steps; real tokens / s, the padded tokens the
+forward ran, peak memory. Random weights; the numbers are speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_bench import make_model_dir, released
+
+from hpcrl.config.compose import compose_config
+from hpcrl.trainer.batch import build_batch
+from hpcrl.trainer.fsdp import FSDPTrainer
+from hpcrl.trainer.process_group import free_port
+
+PROMPT_MAX = 300
+GPU = torch.cuda.is_available()
+"""Without one (a dry run here: ``--model tiny --seqs 16 --max-new 64``) the rows run on the CPU."""
+
+
+def sync() -> None:
+    if GPU:
+        sync()
+
+
+def lengths(n: int, max_new: int, seed: int = 0) -> list[tuple[int, int]]:
+    """(prompt, completion) lengths: prompts uniform in 100-300; completions log-normal with median
+    max_new / 4, clipped to [16, max_new] (the clip puts about a tenth at the limit)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(100, PROMPT_MAX + 1, (n,), generator=gen)
+    comps = (torch.randn(n, generator=gen) * 0.8).exp() * (max_new / 4)
+    comps = comps.clamp(16, max_new).long()
+    return list(zip(prompts.tolist(), comps.tolist(), strict=True))
+
+
+def make_batch(shape: list[tuple[int, int]], vocab: int):
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, vocab, (p,), generator=gen).tolist() for p, _ in shape]
+    comps = [torch.randint(0, vocab, (c,), generator=gen).tolist() for _, c in shape]
+    adv = [1.0 if i % 2 else -1.0 for i in range(len(shape))]
+    return build_batch(prompts, comps, [[-1.0] * len(c) for c in comps], adv, [1.0] * len(shape), 0)
+
+
+@released
+def row(cfg, model_dir: Path, batch, steps: int) -> dict:
+    device = "cuda" if GPU else "cpu"
+    trainer = FSDPTrainer(model_dir, cfg, master=f"127.0.0.1:{free_port()}", device=device)
+    if GPU:
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    trainer.train_step(batch, None)
+    sync()
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        trainer.train_step(batch, None)
+        sync()
+        times.append(time.perf_counter() - start)
+    real = int(batch.attention_mask.sum())
+    lens = batch.attention_mask.sum(1)
+    if cfg.trainer.packing:
+        groups = trainer.step.cut(lens)
+        ran = sum(int(lens[g].sum()) for g in groups)
+    else:
+        groups = list(torch.arange(len(lens)).split(cfg.trainer.micro_batch_size))
+        ran = sum(len(g) * int(lens[g].max()) for g in groups)
+    step = sorted(times)[len(times) // 2]
+    return {
+        "step_s": step,
+        "first_step_s": first,
+        "real_tokens": real,
+        "forward_tokens": ran,
+        "micro_batches": len(groups),
+        "tokens_per_s": real / step,
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if GPU else None,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen2_1p5b")
+    p.add_argument("--layers", type=int, default=0)
+    p.add_argument("--model-dir", type=Path)
+    p.add_argument("--seqs", type=int, default=256)
+    p.add_argument("--max-new", type=int, default=3840)
+    p.add_argument("--mbs", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rows", default="padded,packed")
+    p.add_argument("--set", action="append", default=[], help="extra overrides for every row")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    model = [f"model={args.model}"] + ([f"model.num_layers={args.layers}"] if args.layers else [])
+    base = compose_config(model)
+    model_dir = args.model_dir or make_model_dir(base)
+    common = [
+        *model,
+        f"model.hf_id={model_dir}",
+        "algo.kl_coef=0",
+        "algo.num_minibatches=1",
+        f"data.max_prompt_tokens={PROMPT_MAX}",
+        f"rollout.max_new_tokens={args.max_new}",
+        f"trainer.micro_batch_size={args.mbs}",
+        *args.set,
+    ]
+    shape = lengths(args.seqs, args.max_new)
+    batch = make_batch(shape, min(base.model.vocab_size, 32000))
+    out = {
+        "gpu": torch.cuda.get_device_name() if GPU else "cpu",
+        "args": vars(args) | {"model_dir": None, "out": None},
+    }
+    out["lengths"] = {
+        "sequences": len(shape),
+        "mean_completion": sum(c for _, c in shape) / len(shape),
+        "at_limit": sum(c == args.max_new for _, c in shape),
+    }
+    print(f"batch: {out['lengths']}", flush=True)
+    for name in args.rows.split(","):
+        cfg = compose_config([*common, f"trainer.packing={str(name == 'packed').lower()}"])
+        out[name] = row(cfg, model_dir, batch, args.steps)
+        print(f"{name}: {json.dumps(out[name])}", flush=True)
+    if "padded" in out and "packed" in out:
+        out["packed_over_padded"] = out["packed"]["tokens_per_s"] / out["padded"]["tokens_per_s"]
+        print(f"packed / padded tokens/s: {out['packed_over_padded']:.2f}x", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
