@@ -61,6 +61,29 @@ class Packed:
             starts.append(starts[-1] + n)
         return cls(ids, positions, targets, starts, lengths)
 
+    def padded(self, width: int) -> Packed:
+        """The row padded to ``width`` tokens (a pipeline schedule passes one shape): the padding is a
+        sequence of its own, whose targets count nowhere."""
+        grow = width - self.ids.shape[1]
+        if grow < 0:
+            raise ValueError(f"a packed row of {self.ids.shape[1]} tokens does not fit {width}")
+        if grow == 0:
+            return self
+        pad = torch.nn.functional.pad
+        positions = torch.cat([self.positions, torch.arange(grow, device=self.ids.device)[None]], dim=1)
+        return Packed(
+            pad(self.ids, (0, grow)), positions, pad(self.targets, (0, grow)), self.starts, self.lengths
+        )
+
+    def attention_mask(self) -> torch.Tensor:
+        """[1, 1, L, L], True where a query may NOT read a key (Megatron's convention): a key of another
+        sequence, or a later one. The padding tail is one more sequence."""
+        starts = (self.positions[0] == 0).long()
+        doc = starts.cumsum(0)
+        n = doc.shape[0]
+        later = torch.ones(n, n, dtype=torch.bool, device=doc.device).triu(1)
+        return (later | (doc[:, None] != doc[None, :]))[None, None]
+
     def unpack(self, values: torch.Tensor, width: int) -> torch.Tensor:
         """[1, L] per-position values back to right-padded rows [rows, width] (zeros past each row's
         last target), as the unpacked forward returns them."""

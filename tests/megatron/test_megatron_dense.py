@@ -201,3 +201,28 @@ def test_sp_norm_marks_its_weight_and_hands_the_next_matmul_its_autocast_dtype()
     # CP all-gather order: rank r contributes global chunks r and 2cp-1-r
     assert chunk_order(2) == [0, 2, 3, 1]
     assert chunk_order(3) == [0, 2, 4, 5, 3, 1]
+
+
+@pytest.mark.slow
+def test_packed_micro_batches_step_as_the_padded_ones(tiny_dir, tmp_path):
+    """trainer.packing under megatron: the bins of 16 tokens run as packed rows with a block-causal
+    mask, through TP (sequence parallel) and the pipeline schedule, give fsdp's padded step; two
+    minibatches and a KL term, so the log-prob passes run packed too."""
+    mask = parity_batch().loss_mask.bool()
+    algo = ("algo.num_minibatches=2", "algo.kl_coef=0.05")
+    packing = ("trainer.packing=true", "trainer.micro_batch_tokens=16")
+    base = _torchrun(tiny_dir, tmp_path / "fsdp.pt", 1, 1, backend="fsdp", port=29731, algo=algo)
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        where = f"packed TP={tp} PP={pp}"
+        port = 29733 + 2 * tp + 5 * pp
+        run = _torchrun(
+            tiny_dir, tmp_path / f"packed{tp}{pp}.pt", tp, pp, port=port, extra=packing, algo=algo
+        )
+        assert torch.allclose(run["logp"][mask], base["logp"][mask], atol=1e-5), where
+        for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm"):
+            assert run["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-4, abs=1e-6), (
+                where,
+                key,
+            )
+        for name, weight in base["weights"].items():
+            assert torch.allclose(run["weights"][name], weight, atol=1e-6), (where, name)

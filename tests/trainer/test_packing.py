@@ -10,7 +10,7 @@ from hpcrl.errors import ConfigError
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.forward import packed_logprobs, token_logprobs
 from hpcrl.trainer.packing import Packed, pack_rows
-from tests.conftest import compose, plan
+from tests.conftest import SITE, compose, plan
 
 
 def test_first_fit_decreasing_bins_hold_every_row_once_within_the_budget():
@@ -77,7 +77,6 @@ def test_the_plan_counts_the_budget_and_refuses_what_cannot_pack():
         compose("trainer.micro_batch_tokens=4096").trainer.check()
     with pytest.raises(ConfigError, match=r"micro_batch_tokens=8 is below the longest sequence"):
         plan("trainer.packing=true", "trainer.micro_batch_tokens=8")
-    with pytest.raises(
-        ConfigError, match=r"the megatron backend does not pack sequences yet; use trainer=fsdp"
-    ):
-        plan("trainer=megatron", "trainer.packing=true")
+    assert plan("trainer=megatron", "trainer.packing=true").cfg.trainer.packing  # both backends pack
+    with pytest.raises(ConfigError, match=r"packed rows are not split over context parallel ranks"):
+        plan("trainer=megatron", "trainer.packing=true", "trainer.cp=2", "cluster=h100", *SITE)

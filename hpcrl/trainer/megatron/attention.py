@@ -55,9 +55,15 @@ class SDPAttention(torch.nn.Module):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPAttention: packed sequences and attention bias need Transformer Engine")
         # Megatron hands [s, b, heads, dim]; SDPA wants [b, heads, s, dim]. Sequences are right-padded,
-        # so the causal mask alone is exact for every real token.
+        # so the causal mask alone is exact for every real token; packed rows come with their mask.
         s, b = query.shape[0], query.shape[1]
-        if self.config.context_parallel_size > 1:
+        if attention_mask is not None:  # packed rows (trainer.packing): True where a key is out of reach
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            allowed = ~attention_mask
+            if self.window is not None:
+                allowed = allowed & window_mask(s, self.window, q.device)
+            out = self._sdpa(q, k, v, causal=allowed)
+        elif self.config.context_parallel_size > 1:
             out = self._context_parallel(query, key, value)
         else:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))

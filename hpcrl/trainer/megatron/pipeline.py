@@ -25,6 +25,7 @@ from hpcrl.core.parallel import TrainParallel
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.logprob_head import chunked_logprob, soft_cap
 from hpcrl.trainer.megatron.attention import cp_gather
+from hpcrl.trainer.packing import Packed
 from hpcrl.trainer.step import StepBatch
 
 ScheduleLoss = Callable[[int, StepBatch, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
@@ -41,6 +42,9 @@ class Pipeline:
     compute_dtype: torch.dtype
     softcap: float | None
     """The family's final logit soft cap (Gemma)."""
+    pack_width: int | None = None
+    """``trainer.packing``: each micro-batch's rows run as one packed row of this many tokens (the
+    budget, rounded up to a multiple of TP); None: rows as they are."""
 
     def micro_batches(self, batch: TrainBatch, size: int) -> list[TrainBatch]:
         """Equal micro-batches of ``size`` rows (fewer for a smaller batch), width a multiple of TP and
@@ -64,35 +68,54 @@ class Pipeline:
 
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
             i, mb = next(data_iterator)
-            ids = mb.data.input_ids.to(self.device)
+            ids, mask = mb.data.input_ids.to(self.device), None
+            if self.pack_width is not None:
+                packed = self.packed(mb.data)
+                ids, mask = packed.ids, packed.attention_mask()
+            # RoPE is relative: a packed sequence's offset in its row changes no score inside it
             pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-            out = model(input_ids=self.cp_split(ids), position_ids=self.cp_split(pos), attention_mask=None)
+            out = model(input_ids=self.cp_split(ids), position_ids=self.cp_split(pos), attention_mask=mask)
             return out, partial(loss, i, mb)
 
+        packed = self.pack_width is not None
         return list(
             get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(enumerate(mbs)),
                 model=[model],
                 num_microbatches=len(mbs),
-                seq_length=mbs[0].data.input_ids.shape[1],
-                micro_batch_size=len(mbs[0]),
+                seq_length=self.pack_width if packed else mbs[0].data.input_ids.shape[1],
+                micro_batch_size=1 if packed else len(mbs[0]),
                 forward_only=forward_only,
             )
         )
+
+    def packed(self, batch: TrainBatch) -> Packed:
+        """``batch``'s rows as one packed row of ``pack_width`` tokens, on this device."""
+        assert self.pack_width is not None
+        ids, mask = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
+        return Packed.of(ids, mask).padded(self.pack_width)
 
     def token_stats(
         self, model: Any, out: torch.Tensor, batch: TrainBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """log p(target) and entropy per token, [b, s] on every CP rank: from the final hidden states
         [b, s, h] in chunks (``chunked_head``), else vocab-parallel from this rank's [b, s, vocab/tp]
-        logits."""
+        logits. Packed micro-batches: [rows, s - 1], each row's targets as the unpacked forward's."""
+        if self.pack_width is not None:  # the packed row's, back to the batch's rows
+            packed, width = self.packed(batch), batch.input_ids.shape[1]
+            logp, entropy = self._token_stats(model, out, packed.targets)
+            return packed.unpack(logp, width - 1), packed.unpack(entropy, width - 1)
+        ids = batch.input_ids.to(self.device)
+        # the last position predicts nothing we use
+        return self._token_stats(model, out, self.cp_split(torch.nn.functional.pad(ids[:, 1:], (0, 1))))
+
+    def _token_stats(
+        self, model: Any, out: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        ids = batch.input_ids.to(self.device)
-        # the last position predicts nothing we use
-        targets = self.cp_split(torch.nn.functional.pad(ids[:, 1:], (0, 1)))
         if self.chunked_head:
             weight = model.shared_embedding_or_output_weight() if self.tied else model.output_layer.weight
             # the loss runs outside the schedule's autocast: cast as autocast would have

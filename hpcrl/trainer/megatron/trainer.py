@@ -40,7 +40,7 @@ from hpcrl.trainer.megatron.optimizer import ShardedAdamW
 from hpcrl.trainer.megatron.pipeline import Pipeline, as_floats, fit
 from hpcrl.trainer.megatron.placement import Placement, gather_to_rank0
 from hpcrl.trainer.megatron.sharded import Pieces, model_pieces, optimizer_pieces, restorable
-from hpcrl.trainer.megatron.spec import family_of, text_config, transformer_config
+from hpcrl.trainer.megatron.spec import family_of, text_config, transformer_config, uses_local_spec
 from hpcrl.trainer.megatron.stream import WeightStream
 from hpcrl.trainer.megatron.weights import LanguageModel, is_expert
 from hpcrl.trainer.process_group import collective_backend, init_process_group
@@ -86,10 +86,10 @@ class MegatronTrainer:
         # HF <-> Megatron names: a hybrid model's own mapping, or the GPT families'
         self.weights = weights_hybrid if self.shape.pattern else weights
         config = transformer_config(hf, self.arch, t, self.par, device=device)
+        self.step = TrainStep.from_config(cfg)
         self._build_models(model_dir, hf, config, experts)
         self.grads = Gradients(self.model, self.par, tied=self.tied, moe=experts > 0, device=self.device)
         self.optimizer = self._make_optimizer()
-        self.step = TrainStep.from_config(cfg)
         self.writer = ShardWriter()
 
     def _build_models(self, model_dir: Path, hf: Any, config: Any, experts: int) -> None:
@@ -100,7 +100,17 @@ class MegatronTrainer:
         # (trainer/logprob_head.py); under TP the vocab-parallel cross-entropy keeps the logits split.
         chunked, softcap = t.chunked_logprob(self.par.tp), self.arch.final_logit_softcap
         compute_dtype = torch.bfloat16 if config.enable_autocast else torch.float32
-        self.pipeline = Pipeline(self.par, self.device, chunked, self.tied, compute_dtype, softcap)
+        budget = self.step.pack_tokens
+        if budget is not None and not uses_local_spec(self.arch):
+            # Transformer Engine's attention takes packed rows as THD with cu_seqlens, not a mask
+            raise ValueError(
+                "trainer.packing runs on hpcrl's own attention (megatron's local spec); with Transformer "
+                "Engine installed set trainer.packing=false"
+            )
+        width = (
+            None if budget is None else -(-budget // self.par.tp) * self.par.tp
+        )  # sequence parallel splits it
+        self.pipeline = Pipeline(self.par, self.device, chunked, self.tied, compute_dtype, softcap, width)
         build = partial(
             build_model,
             config,
@@ -219,16 +229,18 @@ class MegatronTrainer:
             logp, _ = self.pipeline.token_stats(model, out, mb.data)
             return out.new_zeros(()), {"logp": logp.detach().cpu()}
 
-        mbs = [
-            StepBatch(d, None, None)
-            for d in self.pipeline.micro_batches(batch, self.cfg.trainer.logprob_rows())
-        ]
+        groups = self.step.cut(batch.attention_mask.sum(dim=1)) if self.step.pack_tokens else None
+        if groups is not None:  # packed: the step's bins, one packed row each
+            mbs = [StepBatch(batch.select(g), None, None) for g in groups]
+        else:
+            datas = self.pipeline.micro_batches(batch, self.cfg.trainer.logprob_rows())
+            mbs = [StepBatch(d, None, None) for d in datas]
         training = model.training
         model.eval()
         with torch.no_grad():
             outs = self.pipeline.run(model, mbs, keep_logp, forward_only=True)
         model.train(training)
-        logp = torch.cat([o["logp"] for o in outs])[:n, :width] if outs else None
+        logp = _rows(outs, groups, n, width) if outs else None
         return self.pipeline.from_last_stage(logp)
 
     def train_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
@@ -240,7 +252,9 @@ class MegatronTrainer:
 
     # -- the step's backend (trainer/step.py) -------------------------------------------------------
     def micro_batches(self, part: StepBatch, groups: list[torch.Tensor]) -> list[StepBatch]:
-        # runs of equal rows in order (megatron packs nothing: TrainerSpec.packs), the last one padded
+        if self.step.pack_tokens is not None:  # the pipeline packs each group into one row
+            return [part.select(g) for g in groups]
+        # runs of equal rows in order, the last one padded
         datas = self.pipeline.micro_batches(part.data, len(groups[0]))
         rows = [slice(i * len(datas[0]), (i + 1) * len(datas[0])) for i in range(len(datas))]
         return [
@@ -271,3 +285,13 @@ class MegatronTrainer:
         norm = self.grads.clip(self.cfg.trainer.grad_clip)
         self.optimizer.step()
         return norm
+
+
+def _rows(outs: list[Any], groups: list[torch.Tensor] | None, n: int, width: int) -> torch.Tensor:
+    """The log-prob passes' micro-batch outputs as the batch's [n, width] rows (packed: the bins'
+    rows back in their places)."""
+    parts = [o["logp"][:, :width] for o in outs]
+    if groups is None:
+        return torch.cat(parts)[:n]
+    logp = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+    return torch.empty_like(logp).index_copy_(0, torch.cat(groups), logp)
