@@ -171,7 +171,13 @@ def make_plan(cfg: RunConfig, layout: Layout | None = None) -> Plan:
     )
     check_model_parallel(cfg)
     sleep = resolve_sleep(cfg, topo.placement)
-    lines = [shared, resolve_block_size(cfg), resolve_logprob_fraction(cfg), engine_line(cfg)]
+    lines = [
+        shared,
+        resolve_block_size(cfg),
+        resolve_logprob_fraction(cfg),
+        engine_line(cfg),
+        resolve_packing(cfg),
+    ]
     chosen = tuple(filter(None, lines))
     nvlink = check_nvlink(topo, cfg.cluster.nvlink_domain_nodes, cfg.cluster.slurm.segment)
     memory = estimate_memory(cfg, topo, recompute=layout.recompute)
@@ -343,6 +349,19 @@ def check_packing(cfg: RunConfig) -> None:
             f"trainer.micro_batch_tokens={trainer.micro_batch_tokens} is below the longest sequence "
             f"({cfg.max_seq_len} tokens), which must fit one micro-batch; raise it to at least {cfg.max_seq_len}"
         )
+
+
+def resolve_packing(cfg: RunConfig) -> str:
+    """Set ``trainer.micro_batch_tokens`` in place where packing leaves it None; the line ``hpcrl plan``
+    prints for it, else ""."""
+    trainer = cfg.trainer
+    if not trainer.packing or trainer.micro_batch_tokens is not None:
+        return ""
+    trainer.micro_batch_tokens = trainer.micro_tokens(cfg.max_seq_len)
+    return (
+        f"trainer.micro_batch_tokens={trainer.micro_batch_tokens} (auto: trainer.micro_batch_size="
+        f"{trainer.micro_batch_size} x the longest sequence, {cfg.max_seq_len}: a padded micro-batch's memory)"
+    )
 
 
 def check_model_parallel(cfg: RunConfig) -> None:

@@ -69,9 +69,11 @@ def test_packed_forward_equals_the_padded_forward_on_a_real_model(tiny_dir):
 def test_the_plan_counts_the_budget_and_refuses_what_cannot_pack():
     base = ("trainer.micro_batch_size=2",)
     padded = plan(*base).memory.train.activations
-    same = plan(*base, "trainer.packing=true").memory.train.activations
+    same = plan(*base, "trainer.packing=true")
     double = plan(*base, "trainer.packing=true", f"trainer.micro_batch_tokens={4 * compose().max_seq_len}")
-    assert same == pytest.approx(padded)  # the default budget is the padded micro-batch's memory
+    assert same.memory.train.activations == pytest.approx(padded)  # the padded micro-batch's memory
+    assert same.cfg.trainer.micro_batch_tokens == 2 * same.cfg.max_seq_len  # resolved for the job
+    assert any(line.startswith("trainer.micro_batch_tokens=") for line in same.engine_defaults)
     assert double.memory.train.activations > 1.5 * padded
     with pytest.raises(ConfigError, match=r"trainer.micro_batch_tokens is the budget of a packed"):
         compose("trainer.micro_batch_tokens=4096").trainer.check()
