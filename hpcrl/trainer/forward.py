@@ -48,12 +48,21 @@ def token_logprobs(
 def packed_logprobs(model: Any, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_logprobs`` of right-padded rows run as one packed row (``trainer.packing``): the rows'
     real tokens one after another, positions restarting at each, no attention mask, so transformers
-    masks attention across the restarts (``find_packed_sequence_indices``); [B, T-1] each, zeros
-    past each row's last target, as the unpacked forward returns them."""
+    masks attention across the restarts (``find_packed_sequence_indices``); [B, T-1] each, at the loss
+    targets (zeros elsewhere, where no reader looks)."""
     packed = Packed.of(batch.input_ids, batch.attention_mask)
-    logp, entropy = _logprobs(model, packed.targets, input_ids=packed.ids, position_ids=packed.positions)
+    inputs = {"input_ids": packed.ids, "position_ids": packed.positions}
     width = batch.input_ids.shape[1] - 1
-    return packed.unpack(logp, width), packed.unpack(entropy, width)
+    if not takes_logits_to_keep(model):
+        logp, entropy = _logprobs(model, packed.targets, **inputs)
+        return packed.unpack(logp, width), packed.unpack(entropy, width)
+    # the head only where a loss target is (every reader of these values masks by the loss mask): at
+    # 185 prompt tokens and ~20 generated, a head over every packed token would be 90% wasted
+    keep = packed.index_of(batch.loss_mask)
+    logp, entropy = _logprobs(model, packed.targets[:, keep], **inputs, logits_to_keep=keep)
+    at = torch.zeros_like(packed.targets, dtype=logp.dtype)
+    full = [at.index_copy(1, keep, v) for v in (logp, entropy)]
+    return packed.unpack(full[0], width), packed.unpack(full[1], width)
 
 
 def _left_pad(values: torch.Tensor, width: int) -> torch.Tensor:

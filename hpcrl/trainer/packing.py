@@ -84,6 +84,14 @@ class Packed:
         later = torch.ones(n, n, dtype=torch.bool, device=doc.device).triu(1)
         return (later | (doc[:, None] != doc[None, :]))[None, None]
 
+    def index_of(self, mask: torch.Tensor) -> torch.Tensor:
+        """Packed positions of the targets ``mask`` ([rows, T-1], the rows' loss mask) marks, in order."""
+        where = [
+            start + torch.nonzero(row[: n - 1]).flatten()
+            for row, start, n in zip(mask, self.starts, self.lengths, strict=True)
+        ]
+        return torch.cat(where).to(self.ids.device)
+
     def unpack(self, values: torch.Tensor, width: int) -> torch.Tensor:
         """[1, L] per-position values back to right-padded rows [rows, width] (zeros past each row's
         last target), as the unpacked forward returns them."""

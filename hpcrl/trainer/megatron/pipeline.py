@@ -102,9 +102,12 @@ class Pipeline:
         """log p(target) and entropy per token, [b, s] on every CP rank: from the final hidden states
         [b, s, h] in chunks (``chunked_head``), else vocab-parallel from this rank's [b, s, vocab/tp]
         logits. Packed micro-batches: [rows, s - 1], each row's targets as the unpacked forward's."""
-        if self.pack_width is not None:  # the packed row's, back to the batch's rows
+        if self.pack_width is not None:  # at the loss targets only (what every reader looks at), unpacked
             packed, width = self.packed(batch), batch.input_ids.shape[1]
-            logp, entropy = self._token_stats(model, out, packed.targets)
+            keep = packed.index_of(batch.loss_mask)
+            logp, entropy = self._token_stats(model, out[:, keep], packed.targets[:, keep])
+            at = torch.zeros_like(packed.targets, dtype=logp.dtype)
+            logp, entropy = (at.index_copy(1, keep, v) for v in (logp, entropy))
             return packed.unpack(logp, width - 1), packed.unpack(entropy, width - 1)
         ids = batch.input_ids.to(self.device)
         # the last position predicts nothing we use
