@@ -18,11 +18,7 @@ for task in "$@"; do
   echo "== $task at $((SECONDS - T0)) s"
   case $task in
     smollm2) need 200 $task && fetched && recipe vllm "${STEPS:-30}" ;;
-    trl)
-      need 200 $task && fetched || continue
-      VLLM_CACHE_ROOT=$TMP/vllm-cache-trl timeout -k 10 $(($(left) - 10)) python3 bench/peers/trl_grpo.py \
-        --steps "${TRL_STEPS:-20}" --out "$OUT/trl" > "$OUT/trl.log" 2>&1
-      echo "== trl rc=$? $((SECONDS - T0)) s"; grep -E "^\[trl\]|Error|Traceback|^\{\"peer" "$OUT/trl.log" | tail -6 ;;
+    trl) need 200 $task && fetched && peer trl bench/peers/trl_grpo.py "${TRL_STEPS:-20}" ;;
     smollm2_hf) need 150 $task && fetched && recipe hf "${HF_STEPS:-20}" rollout=hf ;;
     submit_8b) need 200 $task && shape q8b16 qwen3_8b 16 && submit_shape q8b16 qwen3_8b 16 "$(left)" algo.max_steps=3 \
                  rollout.gpu_memory_utilization=0.3 ;;

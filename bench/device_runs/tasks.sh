@@ -16,6 +16,15 @@ recipe() {  # recipe NAME STEPS [overrides...]: hpcrl submit of the SmolLM2 reci
   local run; run=$(ls -d "$TMP/runs-$name"/*/ 2>/dev/null | head -1)
   [ -n "$run" ] && { cp "$run/metrics.jsonl" "$OUT/metrics_$name.jsonl"; python3 bench/phase_table.py "$run/metrics.jsonl"; }
 }
+peer() {  # peer NAME SCRIPT STEPS [args...]: a bench/peers script on the SmolLM2 job, its log's last lines
+  local name=$1 script=$2 steps=$3; shift 3
+  VLLM_CACHE_ROOT=$TMP/vllm-cache-$name timeout -k 10 $(($(left) - 10)) python3 "$script" --steps "$steps" \
+    --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name rc=$rc $((SECONDS - T0)) s"
+  grep -E "^\[(trl|verl)\]|Error|Traceback|^\{\"peer" "$OUT/$name.log" | cut -c1-400 | tail -8
+  return $rc
+}
 harness() {  # harness NAME MODEL LAYERS SHARE
   timeout -k 10 "$(left)" python3 bench/colocated_gpu.py --model "$2" ${3:+--layers $3} --model-dir "$TMP/m/$1" \
     --prompts 64 --n 4 --prompt-len $PL --gen 256 --share "$4" --refits 1 --skip-old --steps 3 \

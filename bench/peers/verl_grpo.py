@@ -176,6 +176,7 @@ def overrides(
         f"{r}.tensor_model_parallel_size={rollout.tp}",
         f"{r}.gpu_memory_utilization={rollout.gpu_memory_utilization}",
         f"{r}.max_num_seqs={rollout.max_num_seqs}",
+        f"{r}.max_model_len={cfg.max_seq_len}",
         f"{r}.max_num_batched_tokens={rollout.max_num_batched_tokens or 16384}",
         f"{r}.enable_prefix_caching={rollout.enable_prefix_caching}",
         f"{r}.enforce_eager={rollout.enforce_eager}",
@@ -271,18 +272,42 @@ def check(cfg: Any, vcfg: Any, messages: list, examples: list, model_dir: Path) 
 
 
 class Watch(threading.Thread):
-    """When each of veRL's metric lines appears (its file logger writes from the trainer actor)."""
+    """When each of veRL's metric lines appears (its file logger writes from the trainer actor), and a short
+    line for each, as trl_grpo.py prints."""
 
-    def __init__(self, path: Path, t0: float) -> None:
+    def __init__(self, path: Path, t0: float, steps: int) -> None:
         super().__init__(daemon=True)
-        self.path, self.t0, self.seen, self.stop = path, t0, [], threading.Event()
+        self.path, self.t0, self.steps, self.seen, self.stop = path, t0, steps, [], threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(0.5):
-            if self.path.exists():
-                n = sum(1 for _ in self.path.open("rb"))
-                while len(self.seen) < n:
-                    self.seen.append(time.perf_counter() - self.t0)
+            self.poll()
+        self.poll()
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        for line in self.path.read_text().splitlines()[len(self.seen) :]:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                return  # a line being written: next time
+            self.seen.append(time.perf_counter() - self.t0)
+            d = rec["data"]
+            t = {k.split("/", 1)[1]: v for k, v in d.items() if k.startswith("timing_s/")}
+            acc = [v for k, v in d.items() if k.startswith("val-core/") and k.endswith("/acc/mean@1")]
+            print(
+                f"[verl] step {rec['step']}/{self.steps} at {self.seen[-1]:.0f} s"
+                + (f" | reward {d['critic/score/mean']:.3f}" if "critic/score/mean" in d else "")
+                + (f" | val {acc[0]:.3f}" if acc else "")
+                + (f" | {t['step']:.2f}s" if "step" in t else "")
+                + "".join(
+                    f" {k} {t[k]:.2f}"
+                    for k in ("gen", "old_log_prob", "update_actor", "update_weights")
+                    if k in t
+                ),
+                flush=True,
+            )
 
 
 def summarise(log: Path, out: Path, total: int, wall: float, seen: list[float], legacy: bool) -> None:
@@ -379,7 +404,7 @@ def main() -> None:
         config=vcfg, use_reference_policy=need_reference_policy(vcfg), use_critic=need_critic(vcfg)
     )
     t0 = time.perf_counter()
-    watch = Watch(log, t0)
+    watch = Watch(log, t0, steps)
     watch.start()
     run_ppo(vcfg, task_runner_class=TaskRunner if args.legacy else TaskRunnerV1)
     wall = time.perf_counter() - t0
