@@ -14,6 +14,8 @@ T0=$SECONDS
 BUDGET=${BUDGET:-585}
 source bench/device_runs/s18_site.sh
 source bench/device_runs/tasks.sh
+# veRL's vLLM server resolves files of a local model directory; offline, so no lookup waits on a network there is not
+vpeer() { (export HF_HUB_OFFLINE=1; peer "$@"); }
 verl_site() {  # veRL's wheels into the site, once
   python3 -c "import verl, transfer_queue, uvicorn, watchfiles, model_hosting_container_standards" 2>/dev/null && return 0
   ls .whl/verl/*.whl > /dev/null 2>&1 || { echo "== verl: no .whl/verl/ (bench/device_runs/verl_wheels.sh here, carry .whl)"; return 1; }
@@ -25,10 +27,10 @@ for task in "$@"; do
   case $task in
     verl)
       need 330 $task && fetched && verl_site || continue
-      peer verl bench/peers/verl_grpo.py "${VERL_STEPS:-20}" && continue
+      vpeer verl bench/peers/verl_grpo.py "${VERL_STEPS:-20}" && continue
       nvidia-smi --query-gpu=memory.used --format=csv,noheader
-      need 240 verl_v0 && peer verl_v0 bench/peers/verl_grpo.py "${VERL_STEPS:-20}" --legacy ;;
-    verl_v0) need 330 $task && fetched && verl_site && peer verl_v0 bench/peers/verl_grpo.py "${VERL_STEPS:-20}" --legacy ;;
+      need 240 verl_v0 && vpeer verl_v0 bench/peers/verl_grpo.py "${VERL_STEPS:-20}" --legacy ;;
+    verl_v0) need 330 $task && fetched && verl_site && vpeer verl_v0 bench/peers/verl_grpo.py "${VERL_STEPS:-20}" --legacy ;;
     trl) need 200 $task && fetched && peer trl bench/peers/trl_grpo.py "${TRL_STEPS:-20}" ;;
     smollm2) need 200 $task && fetched && recipe vllm "${STEPS:-30}" ;;
     *) echo "== unknown task $task" ;;
