@@ -37,6 +37,12 @@ its rollout is vLLM's OpenAI server engine (AsyncLLM) driven by agent-loop worke
 the order in which prompts are drawn is veRL's sampler's (same problems, seed ``run.seed``, another order);
 no checkpoints are written (hpcrl's are asynchronous; TRL's row writes none either).
 
+Versions: veRL 0.9.1 pins vLLM 0.24 and transformers <5.11 for its extras; here it runs on the staged vLLM 0.26 and
+the image's transformers 5.17 without a shim: every vLLM name its rollout imports or calls (the OpenAI server's
+build_app/init_app_state, AsyncLLM's sleep/wake/collective_rpc/pause, the serve CLI arguments it builds) exists in
+0.26 with the signature veRL probes for, and its imports pass under transformers 5.19 here; at run time on the GPU
+neither pairing was tried before this script. Its wheels beyond the staged site: bench/device_runs/verl_wheels.sh.
+
 veRL's own timing names each step's phases (``timing_s/gen``, ``reward``, ``old_log_prob``, ``ref``, ``adv``,
 ``update_actor``, ``update_weights``, ``step``; ``testing`` is outside ``step``). The table's columns: rollout =
 gen + reward, weight sync = update_weights, train = step - rollout - weight sync (old_log_prob + adv +
