@@ -233,30 +233,51 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_debug(args: argparse.Namespace) -> int:
+    import os
+
     from hpcrl.config.cluster import Scheduler
     from hpcrl.launch.debug import READY_TIMEOUT_S, node_hosts, wait_ready
-    from hpcrl.launch.submit import submit
     from hpcrl.plan.planner import plan_from_overrides
 
+    if args.here:
+        from hpcrl.launch import here
+
+        here.require_allocation(os.environ)  # first: outside an allocation nothing else matters
     plan = plan_from_overrides(args.overrides)
     plan.require_fit()
     if plan.cfg.cluster.scheduler is Scheduler.local:
         raise HpcrlError("hpcrl debug holds a Slurm allocation; choose a Slurm cluster (cluster=...)")
-    done = submit(plan, debug=True)
+    ended, stop, held = None, None, "held until the time limit"
+    if args.here:
+        alloc = here.allocation(os.environ)
+        here.check_fits(plan, alloc)
+        job_id = alloc.job_id
+        run_dir, ended, stop = here.start_here(plan, alloc, watch_pid=os.getppid())
+        where = f"debug session in your allocation, {plan.topology.nodes} of its {len(alloc.hosts)} node(s)"
+        held = "held until you leave this shell, the allocation ends or you stop it"
+    else:
+        from hpcrl.launch.submit import submit
+
+        done = submit(plan, debug=True)
+        job_id, run_dir = done.job_id, done.run_dir
+        where = f"debug session, {plan.topology.nodes} node(s) on {plan.cfg.cluster.name}"
     root = plan.cfg.run.output_root
-    print(f"job     {done.job_id}  (debug session, {plan.topology.nodes} node(s) on {plan.cfg.cluster.name})")
-    print(f"run dir {done.run_dir}")
+    print(f"job     {job_id}  ({where})")
+    print(f"run dir {run_dir}")
     if not args.no_wait:
-        ready = wait_ready(
-            done.job_id, done.run_dir, READY_TIMEOUT_S, lambda m: print(f"        {m}", flush=True)
-        )
-        hosts = node_hosts(done.run_dir, plan.topology.nodes)
-        print(
-            f"ready   Ray up on {', '.join(hosts)} after {ready['seconds']:.0f}s; held until the time limit"
-        )
-    print(f"attach  hpcrl attach {done.job_id} --root {root}        (shell on the head node)")
-    print(f"run     hpcrl run --job {done.job_id} --root {root} {' '.join(args.overrides)}")
-    print(f"stop    hpcrl cancel {done.job_id} --root {root}")
+        try:
+            ready = wait_ready(
+                job_id, run_dir, READY_TIMEOUT_S, lambda m: print(f"        {m}", flush=True), ended
+            )
+        except BaseException:
+            if stop:  # nothing of a session that never came up stays in the user's allocation
+                stop()
+            raise
+        hosts = node_hosts(run_dir, plan.topology.nodes)
+        print(f"ready   Ray up on {', '.join(hosts)} after {ready['seconds']:.0f}s; {held}")
+    print(f"attach  hpcrl attach {job_id} --root {root}        (shell on the head node)")
+    print(f"run     hpcrl run --job {job_id} --root {root} {' '.join(args.overrides)}")
+    print(f"stop    hpcrl cancel {job_id} --root {root}{'   (this Ray only)' if args.here else ''}")
     return 0
 
 
@@ -321,8 +342,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     from hpcrl.launch import lifecycle
 
     job = lifecycle.info(args.job, args.root)
-    lifecycle.cancel(job.job_id)
-    print(f"cancelled {job.job_id} ({job.run_dir})")
+    print(f"cancelled {lifecycle.cancel(job)} ({job.run_dir})")
     return 0
 
 

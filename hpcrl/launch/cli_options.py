@@ -74,6 +74,11 @@ def add_doctor(p: argparse.ArgumentParser) -> None:
 def add_debug(p: argparse.ArgumentParser) -> None:
     add_root_of_debug_job(p)
     p.add_argument("--no-wait", action="store_true", help="return once submitted, without waiting for Ray")
+    p.add_argument(
+        "--here",
+        action="store_true",
+        help="no new job: Ray on the allocation this shell is in (salloc, srun --pty), until you leave it",
+    )
 
 
 def add_run(p: argparse.ArgumentParser) -> None:

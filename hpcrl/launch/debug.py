@@ -26,15 +26,27 @@ from hpcrl.plan.planner import Plan
 READY_TIMEOUT_S = 900.0
 
 
-def wait_ready(job_id: str, run_dir: Path, timeout_s: float, say: Callable[[str], None]) -> dict[str, Any]:
-    """Block until the held job's Ray cluster is up; fail at once if the job ends first."""
+def wait_ready(
+    job_id: str,
+    run_dir: Path,
+    timeout_s: float,
+    say: Callable[[str], None],
+    ended: Callable[[], str | None] | None = None,
+) -> dict[str, Any]:
+    """Block until the held job's Ray cluster is up; fail at once if the job ends first.
+    ``ended``: how a ``debug --here`` session's Ray step ended (None while it runs), in place of the job."""
     ready = run_dir / "ray" / f"ready-{job_id}.json"
     deadline, last = time.monotonic() + timeout_s, ""
     while not ready.exists():
-        state = lifecycle.job_state(job_id, run_dir)
-        if state.split()[0] not in lifecycle.ACTIVE:
+        if ended:
+            gone, state = ended(), "starting Ray in the allocation"
+        else:
+            state = lifecycle.job_state(job_id, run_dir)
+            gone = None if state.split()[0] in lifecycle.ACTIVE else state
+        if gone:
             raise HpcrlError(
-                f"debug job {job_id} ended ({state}) before its Ray cluster was up; see `hpcrl logs {job_id}`"
+                f"debug session {job_id} ended ({gone}) before its Ray cluster was up; "
+                f"see `hpcrl logs {job_id}`"
             )
         if state != last:
             say(f"job {job_id}: {state}")
@@ -57,6 +69,12 @@ def held(job_id: str, root: Path) -> tuple[lifecycle.JobInfo, dict[str, Any]]:
     if job.state.split()[0] != "RUNNING":
         raise HpcrlError(
             f"debug job {job_id} is {job.state}, not RUNNING; start a new one with `hpcrl debug`"
+        )
+    step = lifecycle.here_step(job.run_dir)
+    if step is not None and not (step and lifecycle.step_running(step)):
+        raise HpcrlError(
+            f"the debug session in allocation {job_id} has stopped its Ray (step {step or 'never started'}); "
+            "start it again with `hpcrl debug --here`"
         )
     return job, meta
 

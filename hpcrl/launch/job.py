@@ -144,6 +144,7 @@ class NodeTask:
             "host": spec.host,
             "ip": spec.ip,
             "job_id": job_id,
+            "step": os.environ.get("SLURM_STEP_ID", ""),  # `hpcrl cancel` of a --here session stops it
             "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
             "time": time.time(),
         }

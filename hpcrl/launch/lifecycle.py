@@ -99,10 +99,33 @@ def log_paths(job: JobInfo) -> list[Path]:
     ]
 
 
-def cancel(job_id: str) -> None:
-    result = subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=30)
+def here_step(run_dir: Path) -> str | None:
+    """``JOB.STEP`` of a ``debug --here`` session's Ray step (None: a job of its own); "" before the head
+    checked in."""
+    meta = json.loads((run_dir / "job.json").read_text())
+    if not meta.get("here"):
+        return None
+    head = run_dir / "nodes" / "0.json"
+    step = json.loads(head.read_text()).get("step", "") if head.exists() else ""
+    return f"{meta['job_id']}.{step}" if step else ""
+
+
+def step_running(step: str) -> bool:
+    job_id = step.split(".")[0]
+    return step in _run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"]).split()
+
+
+def cancel(job: JobInfo) -> str:
+    """scancel the job, or only the Ray step of a ``debug --here`` session (the allocation is the
+    user's); what was cancelled."""
+    step = here_step(job.run_dir)
+    if step == "":
+        raise HpcrlError(f"debug session {job.job_id} has no Ray step yet; leaving its shell stops it")
+    target = step or job.job_id
+    result = subprocess.run(["scancel", target], capture_output=True, text=True, timeout=30)
     if result.returncode != 0:
-        raise HpcrlError(f"scancel {job_id} failed: {result.stderr.strip()}")
+        raise HpcrlError(f"scancel {target} failed: {result.stderr.strip()}")
+    return target if step is None else f"step {target} (the allocation stays yours)"
 
 
 def wait(job_id: str, run_dir: Path | None, timeout_s: float) -> str:

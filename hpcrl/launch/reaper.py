@@ -1,11 +1,13 @@
 """Run one command (``ray start --block``) so that it cannot outlive the node task that started it.
 
-    python -m hpcrl.launch.reaper -- COMMAND...
+    python -m hpcrl.launch.reaper [--watch PID] [--grace SECONDS] -- COMMAND...
 
 The command runs in its own process group. The reaper stops that whole group (SIGTERM, then SIGKILL
 after 3 s) when it is signalled (job cancelled, out of time, the task stopping Ray) or when its parent,
 the node task, disappears — even if the task died in a way that ran no cleanup (Ray's own signal
 handler aborts the driver process on SIGTERM). It exits with the command's code when the command ends.
+``--watch PID`` watches that process instead of the parent: ``hpcrl debug --here`` returns to the
+user's shell at once, and its Ray step lives as long as that shell (see ``launch/here.py``).
 
 Signal handlers only record the request; the main loop does the stopping. Stopping inside the handler
 once deadlocked: Slurm signals a cancelled step more than once, and a second handler nested inside the
@@ -21,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import FrameType
 
 GRACE_S = 3.0
@@ -35,11 +38,19 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _kill_group(child: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the child's group, SIGKILL what is left after GRACE_S; reap the child itself."""
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (exited, not yet reaped by its parent) has left."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _kill_group(child: subprocess.Popen[bytes], grace_s: float = GRACE_S) -> None:
+    """SIGTERM the child's group, SIGKILL what is left after ``grace_s``; reap the child itself."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(child.pid, signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
+    deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         child.poll()  # reap the leader, so a zombie does not count as a live group member
         if not _group_alive(child.pid):
@@ -50,8 +61,18 @@ def _kill_group(child: subprocess.Popen[bytes]) -> None:
     child.wait()
 
 
+def parse(argv: list[str]) -> tuple[int | None, float, list[str]]:
+    """``--watch PID`` and ``--grace SECONDS`` before ``--``; the command after it."""
+    if "--" not in argv:
+        return None, GRACE_S, argv
+    cut = argv.index("--")
+    options = dict(zip(argv[:cut:2], argv[1:cut:2], strict=True))
+    watch = options.get("--watch")
+    return (int(watch) if watch else None), float(options.get("--grace", GRACE_S)), argv[cut + 1 :]
+
+
 def main(argv: list[str]) -> int:
-    cmd = argv[argv.index("--") + 1 :] if "--" in argv else argv
+    watch, grace_s, cmd = parse(argv)
     parent = os.getppid()
     requested: list[int] = []
 
@@ -68,12 +89,13 @@ def main(argv: list[str]) -> int:
     while True:
         code = child.poll()
         if code is not None:
-            _kill_group(child)  # whatever the command left behind in its group
+            _kill_group(child, grace_s)  # whatever the command left behind in its group
             return code
-        if not requested and os.getppid() != parent:  # the node task is gone: nobody else will stop Ray
+        gone = not _alive(watch) if watch else os.getppid() != parent
+        if not requested and gone:  # the node task (the user's shell) is gone: nobody else will stop Ray
             requested.append(signal.SIGTERM)
         if requested:
-            _kill_group(child)
+            _kill_group(child, grace_s)
             return 128 + requested[0]
         time.sleep(POLL_S)
 

@@ -82,9 +82,17 @@ def submit_task(plan: Plan, run_dir: Path, task: object, *, kept: str = "", **sl
 
 
 def record_job(
-    plan: Plan, job_id: str, run_dir: Path, roles: list[str], name: str, *, debug: bool = False
+    plan: Plan,
+    job_id: str,
+    run_dir: Path,
+    roles: list[str],
+    name: str,
+    *,
+    debug: bool = False,
+    here: bool = False,
 ) -> Submitted:
-    """``job.json`` in the run directory and the ``.jobs`` index entry: what status/logs/cancel read."""
+    """``job.json`` in the run directory and the ``.jobs`` index entry: what status/logs/cancel read.
+    ``here``: a ``debug --here`` session, one step of an allocation the user holds (``launch/here.py``)."""
     cfg = plan.cfg
     meta = {
         "job_id": job_id,
@@ -94,6 +102,7 @@ def record_job(
         "cluster": cfg.cluster.name,
         "name": name,
         "debug": debug,
+        "here": here,
         "gpus_per_node": cfg.cluster.gpus_per_node,
         "python": cfg.cluster.python,
         "container_args": container_args(cfg.cluster, run_dir),

@@ -86,3 +86,34 @@ def test_slurms_warning_signal_leaves_the_reaper_and_its_group_running():
     reaper.send_signal(signal.SIGTERM)  # the normal stop still works
     assert reaper.wait(timeout=15) == 128 + signal.SIGTERM
     assert _gone(grandchild, within_s=5)
+
+
+def test_a_watched_process_ending_stops_the_group_though_the_parent_lives():
+    """``--watch PID`` (``hpcrl debug --here``): the user's shell leaving stops the command; the reaper's
+    own parent (this test) lives on, and so would stop nothing."""
+    shell = subprocess.Popen(["sleep", "300"])
+    reaper = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpcrl.launch.reaper",
+            "--watch",
+            str(shell.pid),
+            "--grace",
+            "1",
+            "--",
+            "bash",
+            "-c",
+            STUBBORN,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert reaper.stdout is not None
+    grandchild = int(reaper.stdout.readline())
+    time.sleep(0.5)
+    assert reaper.poll() is None  # the watched shell is alive: the command runs
+    shell.kill()  # left unreaped for a moment: a zombie has left too
+    assert reaper.wait(timeout=15) == 128 + signal.SIGTERM
+    assert _gone(grandchild, within_s=5)
+    shell.wait()
