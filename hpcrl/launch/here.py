@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.errors import HpcrlError
+from hpcrl.launch.sbatch import SUBMITIT_DIR
 from hpcrl.plan.planner import Plan
 
 HOLD_GRACE_S = 20.0
@@ -111,7 +112,7 @@ def check_fits(plan: Plan, alloc: Allocation) -> None:
 
 def srun_script(plan: Plan, alloc: Allocation, run_dir: Path) -> str:
     """The shell script that starts the session's Ray step: the sbatch script's set-up lines, then srun."""
-    from hpcrl.launch.sbatch import SUBMITIT_DIR, setup_lines, srun_args
+    from hpcrl.launch.sbatch import setup_lines, srun_args
 
     cluster, nodes = plan.cfg.cluster, plan.topology.nodes
     logs = run_dir / SUBMITIT_DIR / "%j_%t_log"  # the names `hpcrl logs` reads (submitit's)
@@ -144,18 +145,14 @@ def srun_script(plan: Plan, alloc: Allocation, run_dir: Path) -> str:
     )
 
 
-def start_here(
-    plan: Plan, alloc: Allocation, watch_pid: int
-) -> tuple[Path, Callable[[], str | None], Callable[[], None]]:
-    """Write the session's run directory as ``hpcrl debug`` does, start its Ray step held by a reaper that
-    watches ``watch_pid`` (the user's shell); returns the run directory, a check that says how the step
-    ended (None while it runs), and a stop."""
+def write_session(plan: Plan, alloc: Allocation) -> Path:
+    """The session's run directory, as ``hpcrl debug`` writes it (config, token, job.json, the ``.jobs``
+    index), with the node task and ``srun.sh`` in place of the sbatch script."""
     from hpcrl.hub.check import pin_inputs
     from hpcrl.launch.doctor import expect_from_plan
     from hpcrl.launch.job import NodeTask
     from hpcrl.launch.mounts import check_mounts
     from hpcrl.launch.ray_cluster import make_token
-    from hpcrl.launch.sbatch import SUBMITIT_DIR
     from hpcrl.launch.submit import record_job
     from hpcrl.run.rundir import atomic_write_text, new_run_dir, write_resolved_config
 
@@ -176,23 +173,23 @@ def start_here(
         expect=expect_from_plan(plan, run_dir=str(run_dir)),
     )
     (run_dir / SUBMITIT_DIR / TASK_FILE).write_bytes(pickle.dumps(task))
-    script = run_dir / "srun.sh"
-    atomic_write_text(script, srun_script(plan, alloc, run_dir))
+    atomic_write_text(run_dir / "srun.sh", srun_script(plan, alloc, run_dir))
     record_job(plan, alloc.job_id, run_dir, roles, cfg.run.name, debug=True, here=True)
-    with open(run_dir / SUBMITIT_DIR / "here_srun.log", "ab") as log:
+    return run_dir
+
+
+def start_here(
+    plan: Plan, alloc: Allocation, watch_pid: int
+) -> tuple[Path, Callable[[], str | None], Callable[[], None]]:
+    """Write the session's run directory and start its Ray step, held by a reaper that watches
+    ``watch_pid`` (the user's shell); returns the run directory, a check that says how the step ended
+    (None while it runs), and a stop."""
+    run_dir = write_session(plan, alloc)
+    log_path = run_dir / SUBMITIT_DIR / "here_srun.log"
+    reaper = [sys.executable, "-m", "hpcrl.launch.reaper", "--watch", str(watch_pid)]
+    with open(log_path, "ab") as log:
         holder = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "hpcrl.launch.reaper",
-                "--watch",
-                str(watch_pid),
-                "--grace",
-                str(HOLD_GRACE_S),
-                "--",
-                "bash",
-                str(script),
-            ],
+            [*reaper, "--grace", str(HOLD_GRACE_S), "--", "bash", str(run_dir / "srun.sh")],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -201,11 +198,7 @@ def start_here(
 
     def ended() -> str | None:
         code = holder.poll()
-        return (
-            None
-            if code is None
-            else f"ended (exit {code}; srun's words: {run_dir / SUBMITIT_DIR}/here_srun.log)"
-        )
+        return None if code is None else f"its srun exited with code {code}; srun's words in {log_path}"
 
     return run_dir, ended, holder.terminate
 
