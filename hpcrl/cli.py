@@ -251,6 +251,7 @@ def cmd_debug(args: argparse.Namespace) -> int:
     if args.here:
         alloc = here.allocation(os.environ)
         here.check_fits(plan, alloc)
+        here.check_free(alloc.job_id, Path(plan.cfg.run.output_root))
         job_id = alloc.job_id
         run_dir, ended, stop = here.start_here(plan, alloc, watch_pid=os.getppid())
         where = f"debug session in your allocation, {plan.topology.nodes} of its {len(alloc.hosts)} node(s)"

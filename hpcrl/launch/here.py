@@ -110,6 +110,24 @@ def check_fits(plan: Plan, alloc: Allocation) -> None:
         )
 
 
+def check_free(job_id: str, root: Path) -> None:
+    """Refuse a second Ray in an allocation that has one of hpcrl's already (its ports are taken, and
+    the new session would hide the old one from `hpcrl run`): an hpcrl job's own allocation (an
+    ``attach`` shell), or a ``--here`` session whose step still runs."""
+    from hpcrl.launch import lifecycle
+
+    try:
+        run_dir = lifecycle.run_dir_of(job_id, root)
+        step = lifecycle.here_step(run_dir)
+    except (HpcrlError, OSError):  # none recorded, or its run directory is gone
+        return
+    if step is None or (step and lifecycle.step_running(step)):
+        raise HpcrlError(
+            f"allocation {job_id} already runs hpcrl's Ray (run dir {run_dir}); use it: "
+            f"`hpcrl run --job {job_id} --root {root} ...`, or stop it first (`hpcrl cancel {job_id} --root {root}`)"
+        )
+
+
 def srun_script(plan: Plan, alloc: Allocation, run_dir: Path) -> str:
     """The shell script that starts the session's Ray step: the sbatch script's set-up lines, then srun."""
     from hpcrl.launch.sbatch import setup_lines, srun_args

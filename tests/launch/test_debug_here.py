@@ -65,6 +65,17 @@ def test_cancel_of_a_here_session_names_its_step_not_the_allocation(tmp_path):
     assert lifecycle.here_step(tmp_path) is None  # a job of its own: scancel the job
 
 
+def test_an_allocation_with_hpcrls_ray_already_up_is_refused(tmp_path):
+    here.check_free("7", tmp_path)  # nothing of hpcrl's in allocation 7
+    run_dir = tmp_path / "job-run"
+    run_dir.mkdir()
+    (run_dir / "job.json").write_text(json.dumps({"job_id": "7", "debug": True}))
+    (tmp_path / ".jobs").mkdir()
+    (tmp_path / ".jobs" / "7").write_text(str(run_dir))
+    with pytest.raises(HpcrlError, match=f"allocation 7 already runs hpcrl's Ray \\(run dir {run_dir}\\)"):
+        here.check_free("7", tmp_path)  # an hpcrl job's own allocation (an attach shell)
+
+
 def _started_by(session: Path, job_id: str) -> list[str]:
     """Processes of this machine (all node namespaces share its /proc) that name the session's run
     directory or its Ray temp dirs: the holder, srun, the node tasks, raylets, GCS."""
@@ -133,6 +144,14 @@ def test_debug_here_in_a_held_allocation_runs_a_driver_and_leaving_stops_only_it
         step = lifecycle.here_step(session)
         assert step and lifecycle.step_running(step) and _started_by(session, job_id)
 
+        again = subprocess.run(
+            [hpcrl, "debug", "--here", SPLIT, f"run.output_root={tmp_path}"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert again.returncode == 2 and f"allocation {job_id} already runs hpcrl's Ray" in again.stderr
         where = run_cli("attach", job_id, "1", *root, "--", "hostname")
         assert where.returncode == 0 and where.stdout.strip() == "hpcrl-node2", where.stderr
         run = subprocess.run(  # the job defaults to the allocation's: $SLURM_JOB_ID
