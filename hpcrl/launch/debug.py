@@ -52,10 +52,8 @@ def wait_ready(
             say(f"job {job_id}: {state}")
             last = state
         if time.monotonic() > deadline:
-            raise HpcrlError(
-                f"debug job {job_id} is still {state} after {timeout_s:.0f}s; it stays queued "
-                f"(`hpcrl cancel {job_id}` to drop it)"
-            )
+            kept = "stopped" if ended else f"it stays queued (`hpcrl cancel {job_id}` to drop it)"
+            raise HpcrlError(f"debug job {job_id} is still {state} after {timeout_s:.0f}s; {kept}")
         time.sleep(0.5)
     return dict(json.loads(ready.read_text()))
 
