@@ -92,13 +92,15 @@ def plan_targets(model: Any, names: list[str]) -> tuple[list[Target], list[Any],
 
 def local_rows(tensor: torch.Tensor) -> slice | None:
     """The rows of ``tensor`` this rank holds: an FSDP2 parameter is a DTensor sharded on dim 0
-    (``torch.chunk`` over the mesh); None for a plain tensor (held whole)."""
+    (``torch.chunk`` over the mesh; expert parallel's experts: over EP, then each EP rank's block
+    over expert data parallel, contiguous rows still); None for a plain tensor (held whole)."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(tensor, DTensor) or tensor.ndim == 0:
         return None
-    if any(not isinstance(p, Shard) or p.dim != 0 for p in tensor.placements):
+    if any(not isinstance(p, Shard | _StridedShard) or p.dim != 0 for p in tensor.placements):
         raise ValueError(f"hf_load: a parameter sharded as {tensor.placements}; FSDP2 shards dim 0")
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     return slice(offset[0], offset[0] + shape[0])

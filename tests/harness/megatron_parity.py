@@ -110,6 +110,24 @@ def watch_forwards(trainer: Any) -> dict[str, Any]:
     return seen
 
 
+def expert_layout(trainer: Any) -> dict[str, Any]:
+    """fsdp's MoE experts as this rank holds them: the mesh of the first layer's ``gate_up_proj``
+    (named dimensions under expert parallelism), the experts whose rows it holds, and whether the
+    layer's forward is the all-to-all dispatch."""
+    from hpcrl.trainer.fsdp.expert_parallel import dispatch_forward, expert_modules
+
+    experts = expert_modules(trainer.model)
+    if not experts:
+        return {}
+    weight = experts[0].gate_up_proj
+    mesh = weight.device_mesh
+    return {
+        "expert_mesh": dict(zip(mesh.mesh_dim_names or ("world",), mesh.shape, strict=True)),
+        "expert_rows": weight.to_local().shape[0],
+        "dispatch": getattr(experts[0].forward, "__func__", None) is dispatch_forward,
+    }
+
+
 def _full(grad: Any) -> torch.Tensor:
     """An FSDP2 gradient (a DTensor) as one plain tensor."""
     return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
@@ -180,7 +198,7 @@ def main() -> None:
     # what the model really ran with (Megatron may not do what the config asks without saying so)
     layout: dict[str, Any] = {}
     if backend == "fsdp":
-        layout = {"cp": trainer.cp.size, "dp": trainer.data_rank()[1], **forwards}
+        layout = {"cp": trainer.cp.size, "dp": trainer.data_rank()[1], **forwards, **expert_layout(trainer)}
     if backend == "megatron":
         mc = trainer.model.config
         layout = {

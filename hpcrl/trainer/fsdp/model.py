@@ -3,6 +3,7 @@ data-parallel group, and ``fully_shard`` per decoder layer (MoE routers in fp32 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ import torch.distributed as dist
 
 from hpcrl.config.schema import RunConfig
 from hpcrl.trainer.config import Precision
+from hpcrl.trainer.fsdp.expert_parallel import check_model, expert_mesh, shard_experts, split_experts
 from hpcrl.trainer.process_group import own_group
 
 
@@ -37,12 +39,15 @@ def data_parallel_group(world: int, cp: int) -> dist.ProcessGroup | None:
     return own_group([range(c, world, cp) for c in range(cp)])
 
 
-def shard_model(model: Any, cfg: RunConfig, device: str, world: int) -> Any:
-    """``model`` under FSDP2 over the ``world`` training ranks, each decoder layer its own unit."""
+def shard_model(model: Any, cfg: RunConfig, device: str, world: int, ep: int = 1) -> Any:
+    """``model`` under FSDP2 over the ``world`` training ranks, each decoder layer its own unit;
+    ``ep`` > 1 splits the experts over an expert-parallel mesh dimension (``expert_parallel.py``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (world,))
+    device_type = "cuda" if device.startswith("cuda") else "cpu"
+    mesh = init_device_mesh(device_type, (world,))
+    experts = ExpertSplit(expert_mesh(device_type, world, ep), world) if ep > 1 else None
     policy = None
     if device.startswith("cuda") and cfg.trainer.precision is Precision.bfloat16:
         # fp32 sharded master weights and gradient reduction, bf16 compute
@@ -57,22 +62,45 @@ def shard_model(model: Any, cfg: RunConfig, device: str, world: int) -> Any:
         reshard=reshard,
         router_fp32=cfg.trainer.router_dtype == "fp32",
         compile_layers=device.startswith("cuda") and cfg.trainer.compile_layers(),
+        experts=experts,
     )
 
 
+@dataclass(frozen=True)
+class ExpertSplit:
+    """Expert parallelism's (edp, ep) mesh over the ``world`` training ranks."""
+
+    mesh: Any
+    world: int
+
+
 def apply_fsdp(
-    model: Any, mesh: Any, policy: Any, *, reshard: bool, router_fp32: bool, compile_layers: bool
+    model: Any,
+    mesh: Any,
+    policy: Any,
+    *,
+    reshard: bool,
+    router_fp32: bool,
+    compile_layers: bool,
+    experts: ExpertSplit | None = None,
 ) -> Any:
     """``fully_shard`` per decoder layer (Nemotron-H: per block, whatever its mixer), then the rest.
 
     ``router_fp32`` (``trainer.router_dtype=fp32``, the MoE quirk) under a bf16 ``policy``: each MoE
     router is a unit of its own whose weight is gathered in fp32. transformers' Nemotron-H router
     casts its weight and input to fp32 itself, but after a bf16 all-gather the weight has already
-    lost its low bits, and expert choice (a top-k over near-equal scores) moves with them."""
+    lost its low bits, and expert choice (a top-k over near-equal scores) moves with them.
+
+    ``experts``: each layer's experts split over EP, then sharded over expert data parallel as a unit
+    of their own (the layer's unit then leaves their weights out)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     shard: dict[str, Any] = {"mesh": mesh} | ({"mp_policy": policy} if policy is not None else {})
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    if experts is not None:
+        for unit in check_model(model, experts.mesh["ep"].size()):
+            split_experts(unit, experts.mesh)
+            shard_experts(unit, experts.mesh, {**shard, "reshard_after_forward": reshard}, experts.world)
     # the text decoder's layers (inside the language model of a vision-language model too)
     for layer in model.get_decoder().layers:
         if router_fp32 and policy is not None:

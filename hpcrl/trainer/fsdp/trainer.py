@@ -57,14 +57,14 @@ class FSDPTrainer:
         self.cp = self._context_parallel(model, world)
         self.data_group = data_parallel_group(world, self.cp.size)
         """The ranks that train different rows (``data_rank``): the step's metrics are reduced over them."""
-        self.model = shard_model(model, cfg, device, world)
+        self.model = shard_model(model, cfg, device, world, self.par.ep)
         self.ref = None
         """The frozen reference policy for the KL term (``algo.kl_coef > 0``): a second model sharded
         exactly like the policy (same units, same mixed precision), filled in the policy's loading
         pass from the same checkpoint reads — never a whole copy on any rank."""
         if cfg.algo.kl_coef > 0:
             ref = self._empty_model(model_dir).eval().requires_grad_(False)
-            self.ref = shard_model(ref, cfg, device, world)
+            self.ref = shard_model(ref, cfg, device, world, self.par.ep)
         load_sharded([m for m in (self.model, self.ref) if m is not None], model_dir, device)
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
@@ -174,8 +174,7 @@ class FSDPTrainer:
         return out
 
     def optimizer_step(self) -> torch.Tensor:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm = clip_grad_norm(list(self.model.parameters()), self.cfg.trainer.grad_clip)
         self.optimizer.step()
         return norm
 
@@ -279,6 +278,26 @@ class FSDPTrainer:
                 optim_state_dict=state["optim"],
                 options=opts,
             )
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` over gradients on several meshes (expert parallelism puts the
+    experts on a mesh of their own, and a norm cannot combine DTensors of two meshes): each mesh's
+    norm whole, then the total of them; returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.tensor(0.0)
+    coef = max_norm / (float(total) + 1e-6)  # torch's clip coefficient (a float: any mesh takes it)
+    if coef < 1:
+        for group in by_mesh.values():
+            torch._foreach_mul_(group, coef)
+    return total
 
 
 def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
