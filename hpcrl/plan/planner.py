@@ -68,7 +68,7 @@ class Plan:
         return not self.problems
 
     def bigger_keys(self) -> str:
-        """The parallel degrees this backend can raise to fit (fsdp: context parallel only)."""
+        """The parallel degrees this backend can raise to fit (fsdp: context and expert parallel)."""
         return "trainer." + "/".join(trainer_spec(self.cfg.trainer).degrees)
 
     def require_fit(self) -> None:

@@ -112,21 +112,24 @@ def layer_params(counts: ParamCounts, model: ModelConfig) -> float:
 def _fsdp_choices(
     model: ModelConfig, trainer: TrainerConfig, gpn: int, seq: int, options: Options
 ) -> list[Degrees]:
-    """CP only (``fsdp_build_gap``)."""
-    fixed = [options(f"trainer.{k}", [1]) for k in ("tp", "pp", "ep")]
+    """CP, and EP as configured (``fsdp_build_gap``): FSDP shards experts over every rank either
+    way, so EP only shrinks the gathered layer; the search leaves it where the config puts it."""
+    fixed = [options(f"trainer.{k}", [1]) for k in ("tp", "pp")]
+    eps = options("trainer.ep", [trainer.ep])
     cps = options("trainer.cp", [c for c in (1, 2, 4, 8) if not fsdp_build_gap(model, cp=c)])
-    return [(tp, pp, cp, ep, 1) for tp in fixed[0] for pp in fixed[1] for ep in fixed[2] for cp in cps]
+    return [(tp, pp, cp, ep, 1) for tp in fixed[0] for pp in fixed[1] for ep in eps for cp in cps]
 
 
 def _fsdp_state(
     counts: ParamCounts, model: ModelConfig, trainer: TrainerConfig, par: TrainParallel
 ) -> TrainState:
-    """FSDP2 shards everything over the training world; TP/EP only change which rank holds what."""
+    """FSDP2 shards everything over the training world, experts too (over EP, then expert DP); what
+    EP changes is the gathered layer: its dense part whole, 1/ep of its experts."""
     frozen = counts.frozen
     trainable = (counts.dense - frozen + counts.expert) / par.world
-    gathered = (
-        2 * 2 * layer_params(counts, model) / par.tp
-    )  # bf16 copies: the current and the prefetched layer
+    dense_layer = layer_params(counts, model) - counts.expert / model.num_layers
+    layer = dense_layer + counts.expert / model.num_layers / par.ep
+    gathered = 2 * 2 * layer / par.tp  # bf16 copies: the current and the prefetched layer
     return TrainState(
         weights=4 * trainable + 2 * frozen / par.world + gathered,
         reference=4 * counts.total / par.world,
@@ -140,7 +143,7 @@ FSDP = TrainerSpec(
     name="fsdp",
     build="hpcrl.trainer.fsdp:FSDPTrainer",
     packages=(),
-    degrees=("cp",),
+    degrees=("cp", "ep"),
     checkpoint_layout=(),
     pads_cp=True,
     packs=True,

@@ -164,19 +164,30 @@ def fsdp_build_gap(model: ModelConfig, tp: int = 1, cp: int = 1, ep: int = 1) ->
             f"trainer.cp for long sequences), or use trainer=megatron (TP/PP/CP for "
             f"{', '.join(MEGATRON_FAMILIES)})"
         )
-    if ep > 1:
-        # FSDP2 shards every expert over all the training ranks like any other weight: an expert
-        # degree would change nothing it runs, only what the plan shows.
-        return (
-            f"trainer=fsdp has no expert parallelism (trainer.ep={ep}): it shards every expert over all "
-            f"the training ranks like any weight; set trainer.ep=1, or use trainer=megatron (EP for "
-            f"{', '.join(MEGATRON_FAMILIES)})"
-        )
+    if ep > 1 and (gap := _fsdp_ep_gap(model, ep)):
+        return gap
     if cp > 1 and model.hybrid.mamba > 0:
         return (
             f"trainer=fsdp splits sequences over attention only, and {model.name} has Mamba layers: "
             f"set trainer.cp=1, or use trainer=megatron (its Mamba mixer splits heads under CP)"
         )
+    return ""
+
+
+FSDP_EP_FAMILIES = ("qwen3_moe", "gemma4")
+"""Families whose experts ``trainer=fsdp`` splits over ``trainer.ep``: transformers holds them as gated
+[gate; up] grouped tensors, the form its all-to-all dispatch runs (trainer/fsdp/expert_parallel.py);
+Nemotron-H's experts are not gated."""
+
+
+def _fsdp_ep_gap(model: ModelConfig, ep: int) -> str:
+    if model.family not in FSDP_EP_FAMILIES:
+        return (
+            f"trainer=fsdp splits the experts of {', '.join(FSDP_EP_FAMILIES)} over trainer.ep, not "
+            f"{model.name}'s (family {model.family}): set trainer.ep=1, or use trainer=megatron"
+        )
+    if model.num_experts % ep:
+        return f"trainer.ep={ep} must divide {model.name}'s {model.num_experts} experts"
     return ""
 
 

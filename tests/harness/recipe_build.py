@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from mamba_mixer_check import mixer_check  # beside this script (sys.path[0])
-from megatron_parity import _state_round_trip, parity_batch, stepped_grads
+from megatron_parity import _state_round_trip, expert_layout, parity_batch, stepped_grads
 from weight_stream_check import stream_check
 
 from hpcrl.config.compose import compose_config
@@ -111,9 +111,11 @@ def parity_step(trainer: Any, backend: str, world: int, out: Path) -> dict[str, 
 
 def ran_layout(trainer: Any, world: int) -> dict[str, Any]:
     """What the ranks ran: Megatron's groups as built (not as asked), fsdp's data-parallel and
-    context-parallel sizes."""
+    context-parallel sizes (and the EP size of its experts' mesh)."""
     if not hasattr(trainer, "ps"):
-        return {"dp": trainer.data_rank()[1], "cp": trainer.cp.size}
+        mesh = expert_layout(trainer).get("expert_mesh", {})
+        moe = {"ep": mesh.get("ep", 1)} if mesh else {}
+        return {"dp": trainer.data_rank()[1], "cp": trainer.cp.size, **moe}
     ps = trainer.ps
     return {
         "tp": ps.get_tensor_model_parallel_world_size(),

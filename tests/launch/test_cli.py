@@ -88,8 +88,8 @@ def test_plan_and_render_do_not_import_heavy_frameworks(tmp_path):
 def test_fsdp_context_parallel_plans_and_what_fsdp_cannot_split_is_refused_before_submit(tmp_path):
     """fsdp splits sequences over attention (trainer.cp): the CP2 recipe plans and may be submitted.
     Tensor parallel and CP over Mamba layers are not run as something else (plain data parallel, with
-    more memory per GPU than the plan says), nor an expert degree fsdp would not apply: refused before
-    anything is written."""
+    more memory per GPU than the plan says), nor an expert degree over experts fsdp cannot split
+    (Nemotron-H's are not gated): refused before anything is written."""
     site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh"]
     recipe = "+experiment=dapo-gemma4-e2b-it-1n8g-fsdp2cp2"
     plan = run_cli("plan", recipe, *site)
@@ -105,7 +105,10 @@ def test_fsdp_context_parallel_plans_and_what_fsdp_cannot_split_is_refused_befor
             "trainer=fsdp splits sequences over attention only, and tiny_nemotronh has Mamba layers: "
             "set trainer.cp=1",
         ),
-        ((moe, "trainer.ep=16"), "trainer=fsdp has no expert parallelism (trainer.ep=16): it shards every"),
+        (
+            (moe, "model=nemotron_super"),
+            "trainer=fsdp splits the experts of qwen3_moe, gemma4 over trainer.ep, not nemotron_super's",
+        ),
     ]
     for overrides, why in refused:
         submitted = run_cli("submit", *overrides, f"run.output_root={tmp_path}", *site)

@@ -73,6 +73,20 @@ def test_llama_8b_fsdp_hand_computed():
     assert plain.memory.train.logits == pytest.approx(2 * m.logits)  # fp32 logits + gradient, all tokens
 
 
+def test_fsdp_expert_parallel_gathers_a_layers_share_of_its_experts():
+    """fsdp shards everything over the training world with or without EP; EP8 changes only the two
+    gathered layers (bf16): their dense part whole, 1/8 of their experts."""
+    base = ("model=qwen3_30b_a3b", "trainer=fsdp", "cluster=h100", "layout.train_nodes=4", *SITE)
+    one, ep8 = plan(*base).memory.train, plan(*base, "trainer.ep=8").memory.train
+    model = plan(*base).cfg.model
+    expert_layer = model.param_counts().expert / model.num_layers
+    assert one.gathered - ep8.gathered == pytest.approx(2 * 2 * expert_layer * (1 - 1 / 8) / GB)
+    assert one.weights - ep8.weights == pytest.approx(one.gathered - ep8.gathered)
+    assert (one.grads, one.optimizer) == (ep8.grads, ep8.optimizer)
+    shown = plan_text(*base, "trainer.ep=8")
+    assert re.search(r"train\s*│\s*32\s*│\s*1\s*│\s*1\s*│\s*1\s*│\s*8\s*│\s*32\s*│ expert DP 4", shown), shown
+
+
 def test_recompute_shrinks_activations():
     base = ("model=qwen3_8b", "cluster=h100", *SITE)
     without = plan(*base, "trainer.activation_checkpointing=false").memory.train.activations

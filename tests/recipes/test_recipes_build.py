@@ -8,7 +8,7 @@ family and layer kinds (tests/harness/tiny_checkpoints.py), its backend, and its
 ranks: every degree above 1 (TP, PP, CP, EP, expert TP, DP; sequence parallel as the recipe has it)
 becomes 2, at most 4 ranks; a layout that needs more drops the fewest degrees, DP first (the id says
 which: dapo-gemma4-31b-it-4n8g-megatron's TP4 x PP2 x DP4 runs as "TP2xPP2xSP-no-DP"). Recipes with the
-same case share one run; the id names them all. fsdp has no EP (the plan refuses trainer.ep > 1 there).
+same case share one run; the id names them all.
 
 The slow tests build each case's trainer under torchrun (gloo, CPU, fp32) and run one step on
 tests/harness/megatron_parity.py's batch (tests/harness/recipe_build.py, one torchrun per world size): the loss is
@@ -146,7 +146,7 @@ def expected_run(case: Case) -> dict[str, Any]:
     """What tests/harness/recipe_build.py reads back from the ranks for this case."""
     lay = case.layout
     if case.backend != "megatron":
-        return {"dp": lay.dp, "cp": lay.cp}
+        return {"dp": lay.dp, "cp": lay.cp} | ({"ep": lay.ep} if case.kinds.moe else {})
     keys = ["tp", "pp", "cp", "dp", "sequence_parallel"] + ["ep", "expert_tp"] * case.kinds.moe
     return {k: getattr(lay, k) for k in keys}
 
@@ -254,10 +254,13 @@ def test_recipes_map_to_their_tiny_layouts():
             gemma4,
             TinyLayout(tp=2, pp=2, sequence_parallel=True, dropped=("dp",)),
         ),
-        "dapo-gemma4-26ba4b-it-4n8g-fsdp2": (Kinds(**{**gemma4.__dict__, "moe": True}), TinyLayout(dp=2)),
+        "dapo-gemma4-26ba4b-it-4n8g-fsdp2": (
+            Kinds(**{**gemma4.__dict__, "moe": True}),
+            TinyLayout(ep=2, dp=2),
+        ),
         "dapo-gemma4-26ba4b-it-4n8g-fsdp2ep16cp2": (
             Kinds(**{**gemma4.__dict__, "moe": True}),
-            TinyLayout(cp=2, dp=2),
+            TinyLayout(cp=2, ep=2, dp=2),
         ),
         "grpo-tiny-1n1g-fsdp": (Kinds("qwen2", tied=True), TinyLayout()),
     }

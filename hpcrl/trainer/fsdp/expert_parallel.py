@@ -84,8 +84,8 @@ def split_experts(experts: torch.nn.Module, mesh: Any) -> None:
         local = whole.detach()[rank * n : (rank + 1) * n]
         shard = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
         setattr(experts, name, torch.nn.Parameter(shard, requires_grad=whole.requires_grad))
-    experts.ep_group = ep_mesh.get_group()  # type: ignore[assignment]
-    experts.forward = MethodType(dispatch_forward, experts)  # type: ignore[method-assign]
+    experts.ep_group = ep_mesh.get_group()
+    experts.forward = MethodType(dispatch_forward, experts)
 
 
 def shard_experts(experts: torch.nn.Module, mesh: Any, shard: dict[str, Any], world: int) -> None:
