@@ -15,9 +15,12 @@ still shards over every rank; the ranks of a CP group train the same rows (``dat
 MoE models take the quirks' settings: ``trainer.router_dtype=fp32`` makes each router an fp32 unit
 under bf16 compute; no load-balancing loss is ever added (``trainer.moe_aux_loss_coeff`` is 0 by the
 quirk); buffers ``trainer.freeze`` names (Nemotron-H's correction bias) stay out of refits.
+``trainer.ep`` > 1 splits each MoE layer's experts over expert-parallel ranks and sends tokens to them
+by all-to-all (expert_parallel.py).
 
 trainer.py   FSDPTrainer: the step's backend (trainer/step.py), weights to the engines, checkpoints
 model.py     the model before and under FSDP2 (fully_shard per decoder layer, routers in fp32)
+expert_parallel.py   experts split over trainer.ep ranks, the all-to-all token dispatch
 The process group is set up as megatron's is (trainer/process_group.py).
 """
 
