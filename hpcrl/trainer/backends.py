@@ -112,10 +112,11 @@ def layer_params(counts: ParamCounts, model: ModelConfig) -> float:
 def _fsdp_choices(
     model: ModelConfig, trainer: TrainerConfig, gpn: int, seq: int, options: Options
 ) -> list[Degrees]:
-    """CP, and EP as configured (``fsdp_build_gap``): FSDP shards experts over every rank either
-    way, so EP only shrinks the gathered layer; the search leaves it where the config puts it."""
+    """CP, and EP as configured or 1 (``fsdp_build_gap``): FSDP shards experts over every rank
+    either way, so EP only shrinks the gathered layer; a configured EP that does not divide another
+    node count's GPUs leaves EP1 there."""
     fixed = [options(f"trainer.{k}", [1]) for k in ("tp", "pp")]
-    eps = options("trainer.ep", [trainer.ep])
+    eps = options("trainer.ep", sorted({1, trainer.ep}))
     cps = options("trainer.cp", [c for c in (1, 2, 4, 8) if not fsdp_build_gap(model, cp=c)])
     return [(tp, pp, cp, ep, 1) for tp in fixed[0] for pp in fixed[1] for ep in eps for cp in cps]
 
