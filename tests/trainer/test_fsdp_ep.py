@@ -1,8 +1,11 @@
 """fsdp's expert parallelism (trainer/fsdp/expert_parallel.py) under torchrun, gloo on CPU: EP2, EP2 x
 expert-DP 2 and EP4 take the one-rank step on a small Qwen3-MoE, EP2 x CP2 with recompute on a small
-Gemma 4 MoE (26B-A4B's block); an EP checkpoint resumes on one rank, a one-rank one under EP."""
+Gemma 4 MoE (26B-A4B's block); an EP checkpoint resumes on one rank, a one-rank one under EP; the
+dispatch alone (two ranks, uneven routes, no FSDP) equals the whole experts."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,3 +88,71 @@ def test_experts_that_do_not_split_evenly_are_refused(qwen3_moe_dir):  # noqa: F
     assert len(check_model(model, 2)) == 2  # one grouped-experts module per layer
     with pytest.raises(ValueError, match=r"trainer\.ep=3 must divide the model's 4 experts"):
         check_model(model, 3)
+
+
+def _experts(num_experts: int = 4) -> torch.nn.Module:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=6, num_experts=num_experts)
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    experts = Qwen3MoeExperts(config)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.5)
+    return experts
+
+
+def _routes(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank 0: 5 tokens over every expert; rank 1: 3 tokens only to experts 0 and 1 (so rank 1's
+    experts get nothing from it, and rank 0 sends it more rows than it gets back)."""
+    gen = torch.Generator().manual_seed(rank)
+    tokens = (5, 3)[rank]
+    index = (
+        torch.tensor([[0, 3], [1, 2], [3, 0], [2, 1], [0, 2]]) if rank == 0 else torch.tensor([[0, 1]] * 3)
+    )
+    return torch.randn(tokens, 8, generator=gen), index, torch.rand(tokens, 2, generator=gen)
+
+
+def _dispatch_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpcrl.trainer.fsdp.expert_parallel import split_experts
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        experts = _experts()
+        split_experts(experts, init_device_mesh("cpu", (1, 2), mesh_dim_names=("edp", "ep")))
+        x, index, weights = _routes(rank)
+        x.requires_grad_(True)
+        y = experts(x, index, weights)
+        (y * torch.arange(y.numel()).view_as(y)).sum().backward()
+        grads = {n: p.grad.to_local() for n, p in experts.named_parameters()}
+        torch.save({"y": y.detach(), "dx": x.grad, "grads": grads}, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_all_to_all_dispatch_equals_every_expert_on_every_rank(tmp_path):
+    """Two gloo ranks, EP2, uneven routes: each rank's outputs and input gradients are those of the
+    whole experts on its own tokens, and each rank's expert gradients sum both ranks' tokens."""
+    from hpcrl.trainer.process_group import free_port
+
+    torch.multiprocessing.spawn(_dispatch_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    whole = _experts()
+    for rank in (0, 1):
+        x, index, weights = _routes(rank)
+        x.requires_grad_(True)
+        y = whole(x, index, weights)
+        (y * torch.arange(y.numel()).view_as(y)).sum().backward()
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.allclose(got["y"], y, atol=1e-6), rank
+        assert torch.allclose(got["dx"], x.grad, atol=1e-6), rank
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")["grads"]
+        for name, p in whole.named_parameters():
+            assert torch.allclose(got[name], p.grad[2 * rank : 2 * rank + 2], atol=1e-6), (rank, name)
+    assert torch.count_nonzero(whole.down_proj.grad) > 0
