@@ -86,7 +86,8 @@ def test_plan_and_render_do_not_import_heavy_frameworks(tmp_path):
 
 
 def test_fsdp_context_parallel_plans_and_what_fsdp_cannot_split_is_refused_before_submit(tmp_path):
-    """fsdp splits sequences over attention (trainer.cp): the CP2 recipe plans and may be submitted.
+    """fsdp splits sequences over attention (trainer.cp) and experts over trainer.ep: the CP2 and
+    EP16 x CP2 recipes plan and may be submitted.
     Tensor parallel and CP over Mamba layers are not run as something else (plain data parallel, with
     more memory per GPU than the plan says), nor an expert degree over experts fsdp cannot split
     (Nemotron-H's are not gated): refused before anything is written."""
@@ -94,7 +95,10 @@ def test_fsdp_context_parallel_plans_and_what_fsdp_cannot_split_is_refused_befor
     recipe = "+experiment=dapo-gemma4-e2b-it-1n8g-fsdp2cp2"
     plan = run_cli("plan", recipe, *site)
     assert plan.returncode == 0 and "cannot submit yet" not in plan.stdout, plan.stdout + plan.stderr
-    moe = "+experiment=dapo-gemma4-26ba4b-it-4n8g-fsdp2ep16cp2"
+    # the seed's EP16 x CP2 layout plans as named (EP 16 of 32 GPUs: expert DP 2)
+    moe = run_cli("plan", "+experiment=dapo-gemma4-26ba4b-it-4n8g-fsdp2ep16cp2", *site)
+    assert moe.returncode == 0 and "cannot submit yet" not in moe.stdout, moe.stdout + moe.stderr
+    assert re.search(r"train\s*│\s*32\s*│\s*1\s*│\s*1\s*│\s*2\s*│\s*16\s*│.*expert DP 2", moe.stdout)
     refused = [
         (
             (recipe, "trainer.tp=2"),
@@ -106,8 +110,8 @@ def test_fsdp_context_parallel_plans_and_what_fsdp_cannot_split_is_refused_befor
             "set trainer.cp=1",
         ),
         (
-            (moe, "model=nemotron_super"),
-            "trainer=fsdp splits the experts of qwen3_moe, gemma4 over trainer.ep, not nemotron_super's",
+            (recipe, "model=tiny_nemotronh", "trainer.cp=1", "trainer.ep=2"),
+            "trainer=fsdp splits the experts of qwen3_moe, gemma4 over trainer.ep, not tiny_nemotronh's",
         ),
     ]
     for overrides, why in refused:
