@@ -17,8 +17,15 @@ from hpcrl.core.checks import MISSING, positive
 from hpcrl.data.config import DataConfig
 from hpcrl.errors import ConfigError
 from hpcrl.rewards.config import RewardsConfig
-from hpcrl.rollout.backends import inflight_updates, logprob_sampling, sends_logprobs
+from hpcrl.rollout.backends import (
+    inflight_updates,
+    logprob_sampling,
+    rollout_spec,
+    sends_logprobs,
+    served_weights,
+)
 from hpcrl.rollout.config import HFRolloutConfig, RolloutConfig, VLLMRolloutConfig
+from hpcrl.trainer.backends import trainer_spec
 from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig, TrainerConfig
 
 GROUPS = ("cluster", "model", "algo", "trainer", "rollout", "data", "experiment")
@@ -133,11 +140,34 @@ class RunConfig:
                 "which only algo.max_staleness >= 1 has: set algo.max_staleness=1 or drop it"
             )
         check_run(self.data, self.model, self.trainer)
+        if self.data.image_field:
+            self.check_images(self.data.image_field)
         positive("checkpoint.period", self.checkpoint.period)
         positive("checkpoint.keep_top_k", self.checkpoint.keep_top_k)
         if self.logger.wandb_mode not in ("offline", "online", "disabled"):
             raise ConfigError(
                 f"logger.wandb_mode='{self.logger.wandb_mode}' must be offline, online or disabled"
+            )
+
+    def check_images(self, key: str) -> None:
+        """An image data set needs an engine and a trainer that take images, with the vision tower."""
+        if not rollout_spec(self.rollout).images:
+            raise ConfigError(
+                f"data.image_field={key}: rollout={self.rollout.backend} generates from text only; use rollout=vllm"
+            )
+        if not trainer_spec(self.trainer).images:
+            raise ConfigError(
+                f"data.image_field={key}: trainer={self.trainer.backend} trains on text only; use trainer=fsdp"
+            )
+        if (served := served_weights(self.rollout)) and served.language_model_only:
+            raise ConfigError(
+                f"data.image_field={key} sends images, and rollout.language_model_only=true serves the model "
+                "without its vision tower: set rollout.language_model_only=false"
+            )
+        if self.trainer.cp > 1:
+            raise ConfigError(
+                f"data.image_field={key}: trainer.cp={self.trainer.cp} splits token ids only, not the images "
+                "their tokens come from; set trainer.cp=1"
             )
 
     @property

@@ -54,6 +54,11 @@ class DataConfig:
     """Record field holding the problem (dotted for nested fields, e.g. ``prompt.0.content``); for a
     reasoning_gym source, the entry's ``question`` or ``metadata.<key>``."""
     answer_field: str = "answer"
+    image_field: str | None = None
+    """Record field holding each prompt's images (geo3k: ``images``, a list of {bytes, path} as Hugging
+    Face ``Image`` columns store them; a single image, or raw bytes, also do): they go through the
+    model's processor to the engines and the trainer (``run/vision.py``). None: text only. A
+    ``<image>`` marker in the problem text is dropped: the chat template places the images."""
     """Record field holding the reference answer (e.g. ``reward_model.ground_truth``)."""
     answer_after: str | None = None
     """The reference answer is what follows the last occurrence of this marker in the answer field, where
@@ -110,6 +115,16 @@ class DataConfig:
                     f"{key} goes through the chat template, and data.template=plain prompts without it: "
                     f"use another data.template or drop {key}"
                 )
+        if self.image_field and (self.source == "synthetic" or is_procedural(self.source)):
+            raise ConfigError(
+                f"data.image_field={self.image_field}: data.source={self.source} has no images; drop "
+                "data.image_field or read an image data set (a file or hf:<dataset>)"
+            )
+        if self.image_field and self.template == "plain":
+            raise ConfigError(
+                f"data.image_field={self.image_field}: images go into the prompt through the chat template, "
+                "which data.template=plain leaves out; use another data.template"
+            )
         self.check_procedural()
 
     def check_procedural(self) -> None:

@@ -21,6 +21,12 @@ from hpcrl.errors import ConfigError
 class Example:
     prompt: str
     answer: str
+    images: tuple[bytes, ...] = ()
+    """The prompt's images as encoded files (PNG, JPEG ...: what data sets store), in prompt order."""
+
+
+IMAGE_MARKER = "<image>"
+"""Where geo3k's problems say their image goes; the chat template places images itself."""
 
 
 def records_to_examples(
@@ -36,8 +42,31 @@ def records_to_examples(
         answer = str(record_field(rec, answer_field, source))
         if cfg.answer_after and cfg.answer_after in answer:
             answer = answer.rsplit(cfg.answer_after, 1)[1].strip()
-        out[Example(render_prompt(cfg.template, str(problem)), answer)] = None
+        images: tuple[bytes, ...] = ()
+        if cfg.image_field:
+            images = image_files(record_field(rec, cfg.image_field, source), cfg.image_field, source)
+            problem = str(problem).replace(IMAGE_MARKER, "").strip()
+        out[Example(render_prompt(cfg.template, str(problem)), answer, images)] = None
     return list(out)
+
+
+def image_files(value: Any, key: str, source: str) -> tuple[bytes, ...]:
+    """A record's images as encoded files: a list of them or one, each raw bytes or a Hugging Face
+    ``Image`` cell ({bytes, path}: the bytes, else the file at path)."""
+    out = [_image_bytes(item) for item in (value if isinstance(value, list) else [value])]
+    for item, data in zip(value if isinstance(value, list) else [value], out, strict=True):
+        if not isinstance(data, bytes):
+            raise ConfigError(
+                f"{source}: data.image_field={key} holds {type(item).__name__}, not image files (bytes or "
+                "{bytes, path} cells); point data.image_field at the images column"
+            )
+    return tuple(out)
+
+
+def _image_bytes(item: Any) -> Any:
+    if isinstance(item, dict):
+        return item.get("bytes") or (Path(item["path"]).read_bytes() if item.get("path") else None)
+    return item
 
 
 def read_records(
@@ -93,10 +122,14 @@ def load_examples(cfg: DataConfig, seed: int, hub: Path | None = None) -> tuple[
             [Example(render_prompt(cfg.template, q), a) for q, a in train_pairs],
             [Example(render_prompt(cfg.template, q), a) for q, a in val_pairs],
         )
-    fields = (cfg.prompt_field, cfg.answer_field)
+    fields = (cfg.prompt_field, cfg.answer_field, *([cfg.image_field] if cfg.image_field else []))
     train = records_to_examples(read_records(cfg.source, cfg.split, hub, fields), cfg, cfg.source)
     if cfg.val_source:
-        val_fields = (cfg.val_prompt_field or cfg.prompt_field, cfg.val_answer_field or cfg.answer_field)
+        val_fields: tuple[str, ...] = (
+            cfg.val_prompt_field or cfg.prompt_field,
+            cfg.val_answer_field or cfg.answer_field,
+        )
+        val_fields += fields[2:]  # the images
         records = read_records(cfg.val_source, cfg.val_split, hub, val_fields)
         val = records_to_examples(records, cfg, cfg.val_source, validation=True)
     else:

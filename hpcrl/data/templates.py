@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from hpcrl.data.config import TEMPLATES, is_template_file, read_template
+from hpcrl.data.config import TEMPLATES, DataConfig, is_template_file, read_template
 from hpcrl.errors import ConfigError
 
 
@@ -46,3 +46,10 @@ def fewshot_turns(fewshot: dict[str, str], template: str) -> list[dict[str, str]
             {"role": "assistant", "content": reply},
         )
     ]
+
+
+def earlier_turns(data: DataConfig) -> list[dict[str, str]]:
+    """What comes before every prompt's user turn in the chat: ``data.system_prompt`` as a system turn,
+    then ``data.fewshot``'s solved problems."""
+    system = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+    return [*system, *fewshot_turns(data.fewshot, data.template)]

@@ -94,7 +94,7 @@ def _gemma3_settings(cfg: RunConfig) -> list[Setting]:
 
 def _gemma4_settings(cfg: RunConfig) -> list[Setting]:
     out = []
-    if cfg.model.vlm:
+    if cfg.model.vlm and not cfg.data.image_field:
         out.append(
             Setting(
                 "rollout.language_model_only",

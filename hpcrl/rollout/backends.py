@@ -43,6 +43,8 @@ class RolloutSpec:
     """On CPUs it needs the KV cache's size given (vLLM sizes memory from one NUMA node there)."""
     ipc_refit: bool
     """Loads weight buckets shared by a trainer on the same GPU through CUDA IPC (``load_ipc``)."""
+    images: bool = False
+    """Generates from image prompts (``ImagePrompt``: ``data.image_field``)."""
     shares_gpu: bool = False
     """Measured faster with several engines on one GPU for small models (``rollout.engines_per_gpu``
     None resolves to more than one only for such engines)."""
@@ -71,6 +73,7 @@ VLLM = RolloutSpec(
     served_dtype=True,
     cpu_kv_budget=True,
     ipc_refit=True,
+    images=True,
     shares_gpu=True,
     why=(
         "in-flight generation with streamed rewards, prefix caching over a prompt's samples and paged KV "

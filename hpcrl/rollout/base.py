@@ -26,6 +26,20 @@ class Completion:
 
 
 @dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt with images, as the engines take it: the chat template's token ids, with the model's
+    image placeholder where each image goes (the engine expands it into the image's tokens, as the
+    model's processor does: ``run/vision.py``), and the images (PIL)."""
+
+    token_ids: list[int]
+    images: list[Any]
+
+
+Prompt = list[int] | ImagePrompt
+"""What an engine generates from: token ids, or token ids and images."""
+
+
+@dataclass(frozen=True)
 class SamplingSettings:
     """One call's sampling, as every engine applies it (``rollout/hf_engine.py``'s ``restrict`` mirrors
     vLLM's order): repetition penalty on the logits, then temperature (0: greedy), then ``min_p``, then
@@ -67,12 +81,12 @@ class RolloutEngine(Protocol):
         """The dtype the engine holds weights in: senders cast to it."""
         ...
 
-    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
-        """``n`` completions per prompt (prompts are token ids), in prompt order."""
+    def generate(self, prompts: list[Prompt], settings: SamplingSettings) -> list[list[Completion]]:
+        """``n`` completions per prompt (token ids, or an ``ImagePrompt``), in prompt order."""
         ...
 
     def generate_stream(
-        self, prompts: list[list[int]], settings: SamplingSettings
+        self, prompts: list[Prompt], settings: SamplingSettings
     ) -> Iterator[list[tuple[int, list[Completion]]]]:
         """``generate``, handing over (prompt index, its completions) as groups finish (an engine
         that cannot stream hands over the whole batch once)."""

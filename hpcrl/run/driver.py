@@ -25,7 +25,9 @@ from hpcrl.trainer.backends import trainer_spec
 if TYPE_CHECKING:
     from hpcrl.config.schema import RunConfig
     from hpcrl.data.config import DataConfig
+    from hpcrl.data.loader import Example
     from hpcrl.run.loop import Actors, Run, Scorer
+    from hpcrl.run.vision import Encoded
 
 
 def say(msg: str) -> None:
@@ -76,13 +78,12 @@ def make_encoder(model_dir: Path, data: DataConfig) -> tuple[Callable[[str], lis
     turns of the same chat (each problem through ``data.template``, as the prompts)."""
     from transformers import AutoTokenizer
 
-    from hpcrl.data.templates import fewshot_turns
+    from hpcrl.data.templates import earlier_turns
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if tok.chat_template and data.template != "plain":
-        system = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
-        earlier = [*system, *fewshot_turns(data.fewshot, data.template)]
+        earlier = earlier_turns(data)
         extra = dict(data.chat_template_kwargs)
 
         def encode(prompt: str) -> list[int]:
@@ -156,7 +157,7 @@ class _Prepared:
     logs. With the actors and the reward pool, most of it becomes the loop's ``loop.Run``."""
 
     model_dir: Path
-    encode: Callable[[str], list[int]]
+    encode: Callable[[Example], Encoded]
     pad_id: int
     stream: Any
     """The training prompts (``PromptStream``), in the order the checkpoint restores."""
@@ -183,10 +184,11 @@ def _prepare(plan: Plan, run_dir: Path) -> _Prepared:
     from hpcrl.run.checkpoint import CheckpointManager, check_resumable
     from hpcrl.run.metrics import MetricsLogger
     from hpcrl.run.rundir import config_yaml
+    from hpcrl.run.vision import prompt_encoder
 
     cfg = plan.cfg
     model_dir = prepare_model(plan)
-    encode, pad_id = make_encoder(model_dir, cfg.data)
+    encode, pad_id = prompt_encoder(model_dir, cfg.data, make_encoder)
     train_ex, val_ex = prepare_data(plan)
     say(f"data: {len(train_ex)} training / {len(val_ex)} validation prompts ({cfg.data.name})")
     random.seed(cfg.run.seed)

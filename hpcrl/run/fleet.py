@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from hpcrl.core.parallel import RolloutParallel
 from hpcrl.plan.planner import Plan
 from hpcrl.rollout.backends import inflight_updates, sleeps
-from hpcrl.rollout.base import Completion, SamplingSettings
+from hpcrl.rollout.base import Completion, Prompt, SamplingSettings
 from hpcrl.run.actors import RolloutActor, TrainerActor
 from hpcrl.run.refit import Refit
 from hpcrl.run.slots import place, plan_slots
@@ -93,7 +93,7 @@ class Fleet:
             parts.append(f"{role} x{n} on {', '.join(hosts)}")
         return "; ".join(parts)
 
-    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
+    def generate(self, prompts: list[Prompt], settings: SamplingSettings) -> list[list[Completion]]:
         out: list[list[Completion]] = [[] for _ in prompts]
         for part in self.generate_stream(prompts, settings):
             for i, group in part:
@@ -101,7 +101,7 @@ class Fleet:
         return out
 
     def generate_stream(
-        self, prompts: list[list[int]], settings: SamplingSettings
+        self, prompts: list[Prompt], settings: SamplingSettings
     ) -> Iterator[list[tuple[int, list[Completion]]]]:
         """Every engine generates its share (prompts i::k, seed + i); (prompt index, group) pairs come
         back as the engines finish them, whichever engine is first."""

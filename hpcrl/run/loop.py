@@ -34,10 +34,11 @@ from hpcrl.config.schema import RunConfig
 from hpcrl.data.loader import Example, PromptStream
 from hpcrl.rewards.pool import Task
 from hpcrl.rewards.verifiers import Outcome, Verdict, reward_of
-from hpcrl.rollout.base import Completion, SamplingSettings
+from hpcrl.rollout.base import Completion, Prompt, SamplingSettings
 from hpcrl.run.checkpoint import CheckpointManager
 from hpcrl.run.metrics import console_line, sample_rows
 from hpcrl.run.preempt import REQUEST, Preempted
+from hpcrl.run.vision import Encoded
 from hpcrl.trainer.batch import TrainBatch, build_batch
 
 
@@ -94,7 +95,7 @@ class Actors(Protocol):
     tests/run/test_loop.py)."""
 
     def generate_stream(
-        self, prompts: list[list[int]], settings: SamplingSettings
+        self, prompts: list[Prompt], settings: SamplingSettings
     ) -> Iterator[list[tuple[int, list[Completion]]]]:
         """(prompt index, its group) pairs, handed over as the engines finish them."""
         ...
@@ -124,8 +125,8 @@ class Run:
     cfg: RunConfig
     actors: Actors
     pool: Scorer
-    encode: Callable[[str], list[int]]
-    """Prompt text to token ids (the chat template applied)."""
+    encode: Callable[[Example], Encoded]
+    """An example's prompt as the engines and the trainer take it (``run/vision.py``)."""
     pad_id: int
     stream: PromptStream
     """The training prompts, in the order a checkpoint restores."""
@@ -139,13 +140,13 @@ class Run:
 def generate_and_score(
     actors: Actors,
     pool: Scorer,
-    encode: Callable[[str], list[int]],
+    encode: Callable[[Example], Encoded],
     examples: list[Example],
     settings: SamplingSettings,
 ) -> Scored:
     n = settings.n
     groups: list[list[Completion]] = [[] for _ in examples]
-    for part in actors.generate_stream([encode(e.prompt) for e in examples], settings):
+    for part in actors.generate_stream([encode(e).engine for e in examples], settings):
         tasks = []
         for i, group in part:
             groups[i], e = group, examples[i]
@@ -224,18 +225,17 @@ def rollout_stats(seen: list[Scored], kept_groups: int) -> dict[str, float]:
 def make_batch(run: Run, s: Scored, shaped: torch.Tensor) -> TrainBatch:
     algo, pad_id = run.cfg.algo, run.pad_id
     adv = group_advantages(shaped, algo.baseline, algo.std_normalize)
-    prompts, comps, lps, advs, keep = [], [], [], [], []
+    prompts, comps, lps, advs, keep, images = [], [], [], [], [], []
     for i, (e, g) in enumerate(zip(s.examples, s.groups, strict=True)):
-        p = run.encode(e.prompt)
+        p = run.encode(e)
         for j, c in enumerate(g):
-            prompts.append(p)
+            prompts.append(p.ids)
+            images.append(p.images)
             comps.append(c.token_ids or [pad_id])
             lps.append(c.logprobs if c.token_ids else [])  # []: none from the engine (NaN in the batch)
             advs.append(float(adv[i, j]))
-            keep.append(
-                float(truncation_mask(torch.tensor([c.truncated]))[0]) if algo.overlong_filter else 1.0
-            )
-    return build_batch(prompts, comps, lps, advs, keep, pad_id)
+            keep.append(float(truncation_mask(torch.tensor(c.truncated))) if algo.overlong_filter else 1.0)
+    return build_batch(prompts, comps, lps, advs, keep, pad_id, images)
 
 
 def validate(run: Run, step: int) -> dict[str, float]:

@@ -119,12 +119,14 @@ def answer_all(cfg: RunConfig, model_dir: Path, examples: list[Example], log: Lo
     from hpcrl.rewards.pool import RewardPool, Task
     from hpcrl.rollout.base import SamplingSettings
     from hpcrl.run.driver import make_encoder
+    from hpcrl.run.vision import prompt_encoder
 
     e, r = cfg.eval, cfg.rollout
-    encode, _pad = make_encoder(model_dir, cfg.data)
-    prompts = [encode(x.prompt) for x in examples]
+    encode, _pad = prompt_encoder(model_dir, cfg.data, make_encoder)
+    encoded = [encode(x) for x in examples]
+    prompts = [p.engine for p in encoded]
     limit = cfg.data.max_prompt_tokens
-    if too_long := [len(p) for p in prompts if len(p) > limit]:
+    if too_long := [len(p.ids) for p in encoded if len(p.ids) > limit]:
         # the engine's context is sized from it (max_seq_len): cutting a problem short would change it
         raise HpcrlError(
             f"{len(too_long)} of {len(prompts)} prompts are longer than data.max_prompt_tokens={limit} "

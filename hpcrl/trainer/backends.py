@@ -88,6 +88,9 @@ class TrainerSpec:
     """Whether activations outside attention/MLP are split over the TP ranks."""
     notes: Callable[[TrainerConfig], list[str]]
     """Its own settings worth a word in ``hpcrl plan``'s parallelism table."""
+    images: bool = False
+    """Trains on image prompts (``data.image_field``): the processor's pixel tensors ride with the batch
+    into the model's forward, whose vision tower stays frozen."""
 
     def make(self) -> Any:
         """The Trainer class (imports the backend: torch and its libraries)."""
@@ -159,6 +162,7 @@ FSDP = TrainerSpec(
     state=_fsdp_state,
     sequence_parallel=lambda t: False,
     notes=lambda t: [],
+    images=True,
 )
 
 

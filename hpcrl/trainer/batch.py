@@ -26,6 +26,9 @@ class TrainBatch:
     """No row has a loss target before this position (``build_batch``: the shortest prompt - 1), so
     the trainer runs the LM head from here on only: at 185 prompt tokens and ~20 generated, the head
     and its log-softmax over the vocabulary would otherwise be 90% wasted (TRL's ``logits_to_keep``)."""
+    images: list[dict[str, torch.Tensor]] | None = None
+    """Per row, the model processor's tensors of its prompt's images (pixel values and what the model
+    reads beside them: ``run/vision.py``), each with a leading dimension of 1; None: text only."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -48,7 +51,29 @@ class TrainBatch:
             self.advantages[idx],
             self.rollout_logp[idx],
             self.loss_from,
+            None if self.images is None else _rows(self.images, idx),
         )
+
+    def image_inputs(self) -> dict[str, torch.Tensor]:
+        """The rows' image tensors as one forward's keyword arguments, on the batch's device: stacked
+        along the rows; token-aligned ones (``*token_type_ids``: which prompt tokens are an image's,
+        Gemma's bidirectional image attention) right-padded to the batch's width as the ids are."""
+        if not self.images:
+            return {}
+        width, out = self.input_ids.shape[1], {}
+        for key in self.images[0]:
+            parts = [row[key] for row in self.images]
+            if key.endswith("token_type_ids"):
+                parts = [torch.nn.functional.pad(p, (0, width - p.shape[-1])) for p in parts]
+            out[key] = torch.cat(parts).to(self.input_ids.device)
+        return out
+
+
+def _rows(rows: list[dict[str, torch.Tensor]], idx: slice | torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    if isinstance(idx, slice):
+        return rows[idx]
+    picked = idx.nonzero().flatten() if idx.dtype == torch.bool else idx.flatten()
+    return [rows[int(i)] for i in picked]
 
 
 def build_batch(
@@ -58,10 +83,12 @@ def build_batch(
     advantages: list[float],
     keep: list[float],
     pad_id: int,
+    images: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> TrainBatch:
     """Right-padded batch; ``keep`` (0/1 per sample) zeroes the loss mask of filtered samples. A sample
     without rollout logprobs (an empty list: the engine was not asked, ``rollout.logprob_fraction``)
-    gets NaN there, which the IS correction and ``gen_kl_error`` leave out."""
+    gets NaN there, which the IS correction and ``gen_kl_error`` leave out. ``images``: each row's
+    image tensors (``TrainBatch.images``; None for a text-only row)."""
     rows = [p + c for p, c in zip(prompts, completions, strict=True)]
     width = max(len(r) for r in rows)
     n = len(rows)
@@ -78,4 +105,14 @@ def build_batch(
             raise ValueError(f"sample {i}: {len(lp)} rollout logprobs for {len(c)} completion tokens")
         rlp[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp, dtype=torch.float32) if lp else math.nan
     loss_from = max(0, min(len(p) for p in prompts) - 1)
-    return TrainBatch(ids, attn, loss_mask, torch.tensor(advantages, dtype=torch.float32), rlp, loss_from)
+    adv = torch.tensor(advantages, dtype=torch.float32)
+    return TrainBatch(ids, attn, loss_mask, adv, rlp, loss_from, _image_rows(images or [], n))
+
+
+def _image_rows(images: list[dict[str, torch.Tensor] | None], n: int) -> list[dict[str, torch.Tensor]] | None:
+    """Every row's image tensors, or None where no row has any. One forward takes the rows' pixels
+    together, so a batch is all image rows or all text rows."""
+    rows = [i for i in images if i is not None]
+    if rows and len(rows) != n:
+        raise ValueError(f"{len(rows)} of {n} rows carry images: a batch is all image rows or all text rows")
+    return rows or None

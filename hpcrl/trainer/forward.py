@@ -35,13 +35,12 @@ def token_logprobs(
         return _split_logprobs(model, ids, targets, cp)
     mask = None if right_padded else batch.attention_mask
     skip = batch.loss_from if takes_logits_to_keep(model) else 0
+    inputs = {"input_ids": ids, "attention_mask": mask, **batch.image_inputs()}
     if skip <= 0:
-        logp, entropy = _logprobs(model, targets, input_ids=ids, attention_mask=mask)
+        logp, entropy = _logprobs(model, targets, **inputs)
         return logp[:, :-1], entropy[:, :-1]
     # the head only where a loss target can be: the last T - skip positions; zeros before them
-    logp, entropy = _logprobs(
-        model, targets[:, skip:], input_ids=ids, attention_mask=mask, logits_to_keep=ids.shape[1] - skip
-    )
+    logp, entropy = _logprobs(model, targets[:, skip:], **inputs, logits_to_keep=ids.shape[1] - skip)
     return _left_pad(logp, skip)[:, :-1], _left_pad(entropy, skip)[:, :-1]
 
 

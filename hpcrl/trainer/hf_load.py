@@ -37,12 +37,20 @@ def meta_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> Any:
     Its ``_weight_conversions`` hold transformers' whole checkpoint mapping until ``load_sharded``
     keeps the transforms that matched (as ``from_pretrained`` does): taken now, since the lookup goes
     by class name and ``fully_shard`` renames the class (``FSDPQwen3MoeForCausalLM``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = AutoConfig.from_pretrained(model_dir)
+    # vision-language models without a causal-LM entry (Idefics3, Qwen2-VL) have an image-text one
+    # (Gemma 3 and 4 have both, the same class)
+    auto = (
+        AutoModelForCausalLM
+        if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        else AutoModelForImageTextToText
+    )
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto.from_config(config, dtype=dtype)
     model._weight_conversions = get_model_conversion_mapping(model)
     return model
 

@@ -12,6 +12,7 @@ import pytest
 
 from hpcrl.data.loader import load_examples
 from hpcrl.data.templates import TEMPLATES, render_prompt
+from hpcrl.errors import ConfigError
 from hpcrl.rewards.verifiers import REGISTRY, Outcome
 from tests.conftest import compose
 
@@ -211,3 +212,43 @@ def test_a_parquet_file_is_read_for_the_fields_the_run_uses_only(tmp_path):
     read = read_file(path, ("prompt", "reward_model.ground_truth"))
     assert [sorted(r) for r in read] == 3 * [["prompt", "reward_model"]]
     assert read[2]["reward_model"]["ground_truth"] == "2" and "extra_info" in read_file(path)[0]
+
+
+def test_geo3k_rows_carry_their_images(tmp_path):
+    """Geometry3K as the hub's Parquet holds it: an ``images`` column of {bytes, path} cells and a
+    problem that says ``<image>`` where its figure goes. Each example carries its image's file bytes,
+    the marker leaves the text (the processor's chat template places images); a path-only cell is read
+    from its file; a column of something else is refused naming the key."""
+    from tests.tiny_vlm import png
+
+    on_disk = tmp_path / "figure.png"
+    on_disk.write_bytes(png(2))
+    rows = [
+        {"images": [{"bytes": png(0), "path": None}], "problem": "<image>Find x.", "answer": "3"},
+        {"images": [{"bytes": None, "path": str(on_disk)}], "problem": "<image>Find y.", "answer": "4"},
+    ]
+    train = write_parquet(tmp_path / "train.parquet", rows)
+    val = write_parquet(tmp_path / "validation.parquet", rows[:1])
+    cfg = compose("data=geo3k", f"data.source={train}", f"data.val_source={val}").data
+    assert cfg.image_field == "images"
+    examples, held_out = load_examples(cfg, seed=0)
+    by_answer = {e.answer: e for e in examples}
+    assert by_answer["3"].images == (png(0),) and by_answer["4"].images == (png(2),)
+    assert by_answer["3"].prompt == render_prompt(cfg.template, "Find x.")
+    assert [e.images for e in held_out] == [(png(0),)]
+    bad = write_parquet(tmp_path / "bad.parquet", [{"images": [3], "problem": "p", "answer": "1"}])
+    with pytest.raises(ConfigError, match=r"data\.image_field=images holds int"):
+        load_examples(compose("data=geo3k", f"data.source={bad}", f"data.val_source={val}").data, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data=geo3k", "rollout=hf"], r"rollout=hf generates from text only; use rollout=vllm"),
+        (["data=geo3k", "rollout.language_model_only=true"], r"set rollout\.language_model_only=false"),
+        (["data.image_field=images"], r"data\.source=synthetic has no images"),
+    ],
+)
+def test_an_image_set_refuses_what_cannot_take_images(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        compose(*overrides, "data.check_source=false")

@@ -23,6 +23,7 @@ from hpcrl.rollout.base import Completion, SamplingSettings
 from hpcrl.run import loop, overlap
 from hpcrl.run.checkpoint import CheckpointManager, load_loop_state
 from hpcrl.run.preempt import REQUEST, Preempted
+from hpcrl.run.vision import Encoded
 from hpcrl.trainer.batch import TrainBatch
 
 PAD = 0
@@ -33,6 +34,11 @@ VAL = EXAMPLES[:4]
 
 def encode(text: str) -> list[int]:
     return [ord(ch) for ch in text]
+
+
+def encoded(example: Example) -> Encoded:
+    ids = encode(example.prompt)
+    return Encoded(ids, ids)
 
 
 def decode(ids: list[int]) -> str:
@@ -162,7 +168,7 @@ def run(
     ckpt = CheckpointManager(tmp_path / "ckpt", cfg.checkpoint.keep_top_k, "val/accuracy", True)
     logger, said = Recorder(), []
     loop_run = loop.Run(
-        cfg, actors, scorer or FakeScorer(), encode, PAD, stream, VAL, ckpt, logger, said.append
+        cfg, actors, scorer or FakeScorer(), encoded, PAD, stream, VAL, ckpt, logger, said.append
     )
     # as the driver picks: the overlapped loop for max_staleness > 0 (tests/run/test_overlap.py)
     train = overlap.train_overlapped if cfg.algo.max_staleness else loop.train

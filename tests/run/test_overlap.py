@@ -23,7 +23,7 @@ from hpcrl.rollout.base import Completion, SamplingSettings
 from hpcrl.run.checkpoint import CheckpointManager, load_loop_state
 from hpcrl.run.preempt import REQUEST, Preempted
 from hpcrl.trainer.batch import TrainBatch
-from tests.run.test_loop import EXAMPLES, FakeActors, FakeScorer, config, encode, run
+from tests.run.test_loop import EXAMPLES, FakeActors, FakeScorer, config, encoded, run
 
 
 class VersionedActors(FakeActors):
@@ -171,7 +171,7 @@ def test_a_stop_keeps_the_generated_batch_and_resume_trains_exactly_what_the_who
         def log(self, step: int, metrics: dict[str, float]) -> None:
             logger_calls.append(step)
 
-    loop_run = Run(cfg, resumed, FakeScorer(), encode, 0, stream, [], ckpt2, Log(), lambda _m: None)
+    loop_run = Run(cfg, resumed, FakeScorer(), encoded, 0, stream, [], ckpt2, Log(), lambda _m: None)
     train_overlapped(loop_run, start_step=2, restored=state["rollouts"])
     assert logger_calls == [3, 4]
     assert resumed.gen_versions == [2]  # batch 4, from step 2's weights, as in the whole run

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from hpcrl.config.schema import RunConfig
 from hpcrl.core.parallel import TrainParallel
+from hpcrl.rollout.backends import sleeps
 from hpcrl.sync.packer import let_go
 from hpcrl.trainer.base import CollectSink, WeightSink, freeze, numel_of
 from hpcrl.trainer.batch import TrainBatch
@@ -51,8 +52,12 @@ class FSDPTrainer:
         model = self._empty_model(model_dir)
         freeze(model, cfg.trainer.freeze)
         self.unsent = frozen_buffers(model, cfg.trainer.freeze)
-        """Buffers ``trainer.freeze`` names (Nemotron-H's router correction bias): they never change,
-        engines read them from the checkpoint, so refits leave them out; checkpoints keep them."""
+        """Buffers ``trainer.freeze`` names (Nemotron-H's router correction bias) and frozen parameters
+        (a vision-language model's towers): they never change and engines load them from the
+        checkpoint, so refits leave them out (checkpoints keep them). Not the parameters where engines
+        sleep: a level-2 sleep frees every weight, and each refit sends them all."""
+        if not sleeps(cfg.rollout):
+            self.unsent |= {n for n, p in model.named_parameters() if not p.requires_grad}
         self.recurrent = has_recurrent_layers(model)
         self.cp = self._context_parallel(model, world)
         self.data_group = data_parallel_group(world, self.cp.size)

@@ -1,0 +1,130 @@
+"""Image prompts (``data.image_field``) through the real vLLM CPU engine and the fsdp trainer, on a tiny
+random Idefics3 (tests/tiny_vlm.py): the engine generates from the placeholder form and the image, the
+trainer scores the processor's expanded ids with its pixel values, and the two log-probs agree; a step
+leaves the frozen vision tower without gradients, outside the optimizer and out of the refit, and the
+refit's language-model weights reach the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpcrl.data.loader import Example
+from hpcrl.data.templates import render_prompt
+from hpcrl.rollout.base import ImagePrompt, SamplingSettings
+from hpcrl.run.vision import Encoded, ImageEncoder
+from hpcrl.trainer.batch import TrainBatch, build_batch
+from hpcrl.trainer.process_group import free_port
+from tests.conftest import compose
+from tests.tiny_vlm import VISION, build_tiny_vlm, png
+
+SETTINGS = SamplingSettings(n=4, temperature=1.0, top_p=1.0, max_tokens=5, seed=0)
+FREEZE = "trainer.freeze=[" + ",".join(VISION) + "]"
+IMAGE_TOKENS = (
+    4 + 3
+)  # for the one placeholder: the image's tokens and <fake_token_around_image><global-img> ... <fake_token_around_image>
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm"))
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return compose("data=geo3k", "data.check_source=false", FREEZE, "algo.kl_coef=0", "algo.lr=1e-2")
+
+
+@pytest.fixture(scope="module")
+def encode(vlm_dir, cfg):
+    return ImageEncoder(vlm_dir, cfg.data)
+
+
+@pytest.fixture(scope="module")
+def engine(vlm_dir, cfg, tmp_path_factory):
+    from hpcrl.rollout.vllm_engine import VLLMEngine
+
+    scratch = tmp_path_factory.mktemp("vllm")
+    return VLLMEngine(
+        vlm_dir, cfg.rollout, seed=0, max_model_len=128, on_cpu=True, scratch=scratch, kv_cache_gb=0.05
+    )
+
+
+@pytest.fixture(scope="module")
+def trainer(vlm_dir, cfg):
+    from hpcrl.trainer.fsdp import FSDPTrainer
+
+    return FSDPTrainer(vlm_dir, cfg, master=f"127.0.0.1:{free_port()}")
+
+
+def example(cfg, picture: int) -> Example:
+    return Example(render_prompt(cfg.data.template, "Find x."), "3", (png(picture),))
+
+
+def rollout_batch(engine, enc: Encoded, images: dict[str, torch.Tensor] | None = None) -> TrainBatch:
+    """The engine's completions of ``enc`` as a training batch (``images``: score them with these)."""
+    [group] = engine.generate([enc.engine], SETTINGS)
+    assert all(c.token_ids and len(c.logprobs) == len(c.token_ids) for c in group)
+    rows = len(group)
+    return build_batch(
+        [enc.ids] * rows,
+        [c.token_ids for c in group],
+        [c.logprobs for c in group],
+        [1.0, -1.0] * (rows // 2),
+        [1.0] * rows,
+        0,
+        [images or enc.images] * rows,
+    )
+
+
+def gap(trainer, batch: TrainBatch) -> float:
+    mask = batch.loss_mask.bool()
+    return float((trainer.logprobs(batch)[mask] - batch.rollout_logp[mask]).abs().max())
+
+
+def weights(trainer) -> dict[str, torch.Tensor]:
+    """A copy of every weight, whole (from the sharded state dict: the tensors registered on a
+    one-rank FSDP module may have had their storage freed)."""
+    state = trainer.model.state_dict()
+    return {
+        n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone() for n, t in state.items()
+    }
+
+
+def test_the_processor_expands_the_image_the_engine_gets_as_a_placeholder(cfg, encode):
+    enc = encode(example(cfg, 0))
+    assert isinstance(enc.engine, ImagePrompt) and len(enc.engine.images) == 1
+    assert len(enc.ids) == len(enc.engine.token_ids) - 1 + IMAGE_TOKENS
+    assert enc.images is not None and enc.images["pixel_values"].shape[-2:] == (56, 56)
+    text = encode(Example("Find x.", "3"))  # a row without images: the text path
+    assert text.images is None and text.engine == text.ids
+
+
+def test_engine_and_trainer_logprobs_agree_on_an_image_prompt(cfg, encode, engine, trainer):
+    enc, other = encode(example(cfg, 0)), encode(example(cfg, 1))
+    batch = rollout_batch(engine, enc)
+    assert gap(trainer, batch) < 1e-4
+    # the same completions scored with another picture: the image reaches both forwards
+    assert gap(trainer, rollout_batch(engine, enc, other.images)) > 1e-3
+
+
+def test_a_step_leaves_the_vision_tower_and_the_refit_reaches_the_engine(cfg, encode, engine, trainer):
+    """The vision tower: no gradient, not in the optimizer, unchanged, not sent. The text weights:
+    stepped, sent, and the engine's log-probs then equal the trainer's new ones."""
+    enc = encode(example(cfg, 0))
+    batch = rollout_batch(engine, enc)
+    params = dict(trainer.model.named_parameters())
+    vision = {n for n in params if n.startswith(VISION)}
+    before = weights(trainer)
+    trainer.train_step(batch)
+    assert vision and all(params[n].grad is None and not params[n].requires_grad for n in vision)
+    # (by count: FSDP registers other tensor objects under the names while a one-rank model is unsharded)
+    stepped = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    assert len(stepped) == len(params) - len(vision) and all(p.requires_grad for p in stepped)
+    after = weights(trainer)
+    moved = {n for n in before if not torch.equal(after[n], before[n])}
+    assert moved and not moved & vision
+    sent = trainer.export_weights()
+    assert sent and not any(n.startswith(VISION) for n in sent)
+    engine.load_weights(sent)
+    assert gap(trainer, rollout_batch(engine, enc)) < 1e-4
