@@ -127,6 +127,10 @@ class ModelConfig:
     """Vision/audio tower parameters in millions (frozen in the text RL recipes)."""
     vlm: bool = False
     """Checkpoint loads through an image-text class even when trained on text only."""
+    image_tokens: int = 0
+    """Prompt tokens one image becomes, at most (its soft tokens and the markers around them, as the
+    model's processor expands them): what an image data set (``data.image_field``) spends of
+    ``data.max_prompt_tokens``. 0: the model takes no images."""
     unified: bool = False
     """Gemma 4 ``gemma4_unified`` checkpoint (NeMo RL trains it at CP1 only: no model-owned CP
     attention there; hpcrl's fsdp CP goes through transformers' attention interface and runs it)."""
@@ -159,6 +163,7 @@ class ModelConfig:
             "global_every",
             "per_layer_embed_dim",
             "vision_params_m",
+            "image_tokens",
             "mtp_layers",
         ):
             non_negative(f"model.{key}", getattr(self, key))

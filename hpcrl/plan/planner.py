@@ -170,6 +170,7 @@ def make_plan(cfg: RunConfig, layout: Layout | None = None) -> Plan:
         engines_per_gpu=cfg.rollout.engines_per_gpu or 1,
     )
     check_model_parallel(cfg)
+    check_images(cfg)
     sleep = resolve_sleep(cfg, topo.placement)
     lines = [
         shared,
@@ -362,6 +363,23 @@ def resolve_packing(cfg: RunConfig) -> str:
         f"trainer.micro_batch_tokens={trainer.micro_batch_tokens} (auto: trainer.micro_batch_size="
         f"{trainer.micro_batch_size} x the longest sequence, {cfg.max_seq_len}: a padded micro-batch's memory)"
     )
+
+
+def check_images(cfg: RunConfig) -> None:
+    """An image data set needs a model that takes images, and prompts long enough for one."""
+    key, model, limit = cfg.data.image_field, cfg.model, cfg.data.max_prompt_tokens
+    if not key:
+        return
+    if not model.image_tokens:
+        raise ConfigError(
+            f"data.image_field={key} sends images, and {model.name} takes none (model.image_tokens=0); "
+            "use a vision-language model or drop data.image_field"
+        )
+    if model.image_tokens >= limit:
+        raise ConfigError(
+            f"data.max_prompt_tokens={limit} cannot hold one image of {model.name} ({model.image_tokens} "
+            f"tokens) and its question: raise data.max_prompt_tokens above {model.image_tokens}"
+        )
 
 
 def check_model_parallel(cfg: RunConfig) -> None:

@@ -36,6 +36,8 @@ def show_plan(plan: Plan, console: Console, sbatch: dict[str, Any] | None = None
     recipe = recipe_line(cfg)
     if recipe:
         console.print(recipe)
+    if cfg.data.image_field:
+        console.print(image_line(cfg))
     if plan.search is not None:
         _search(plan, console)
     console.print(_nodes(plan))
@@ -299,3 +301,14 @@ def _sbatch(plan: Plan, params: dict[str, Any]) -> Table:
     for name in sorted(cfg.cluster.env):
         sb.add_row(f"env {name}", cfg.cluster.env[name])
     return sb
+
+
+def image_line(cfg: RunConfig) -> str:
+    """What an image data set adds: each image's tokens (inside ``data.max_prompt_tokens``) and the
+    towers, frozen (no gradients or optimizer state; served by the engines)."""
+    model = cfg.model
+    return (
+        f"images ({cfg.data.image_field}): up to {model.image_tokens} prompt tokens each, within "
+        f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}; vision/audio towers {model.vision_params_m:g}M "
+        "params, frozen in training, served by the engines"
+    )

@@ -135,7 +135,8 @@ def _fsdp_state(
     layer = dense_layer + counts.expert / model.num_layers / par.ep
     gathered = 2 * 2 * layer / par.tp  # bf16 copies: the current and the prefetched layer
     return TrainState(
-        weights=4 * trainable + 2 * frozen / par.world + gathered,
+        # frozen towers are fp32 shards like the rest (no gradients, no Adam state)
+        weights=4 * trainable + 4 * frozen / par.world + gathered,
         reference=4 * counts.total / par.world,
         grads=4 * trainable,
         optimizer=8 * trainable,  # fp32 Adam m + v (the fp32 master weights are `weights`)

@@ -457,3 +457,35 @@ def test_engines_per_gpu_auto_follows_the_measurement_and_the_plan_says_why():
     )
     with pytest.raises(ConfigError, match=r"rollout.engines_per_gpu=2 needs rollout.tp=1"):
         plan(*QWEN_TP2, "rollout.tp=2", "rollout.engines_per_gpu=2")
+
+
+GEO3K = ("+experiment=vlm_grpo-gemma4-e4b-it-1n8g-fsdp2", *SITE)
+
+
+def test_an_image_recipe_counts_its_images_and_serves_the_vision_tower():
+    """The geo3k recipe: each image's tokens inside the prompt budget, the towers frozen in training
+    (no gradients or Adam state) yet served by the engines (not text-only vLLM), and in fp32 shards."""
+    p = plan(*GEO3K)
+    assert p.cfg.data.image_field == "images" and p.cfg.rollout.language_model_only is False
+    text = plan_text(*GEO3K)
+    assert "images (images): up to 282 prompt tokens each, within data.max_prompt_tokens=1024" in text
+    assert "vision/audio towers 450M params, frozen in training, served by the engines" in text
+    text_only = plan(*GEO3K, "data.image_field=null")
+    assert text_only.cfg.rollout.language_model_only is True  # the text recipes' quirk
+    frozen_gb = 450e6 * 2 / p.topology.rollout.tp / 1e9  # bf16 weights on each engine rank
+    assert p.memory.rollout.weights - text_only.memory.rollout.weights == pytest.approx(frozen_gb, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("model=qwen2_1p5b",), r"qwen2_1p5b takes none \(model\.image_tokens=0\)"),
+        (
+            ("data.max_prompt_tokens=256",),
+            r"data\.max_prompt_tokens=256 cannot hold one image of gemma4_e4b \(282",
+        ),
+    ],
+)
+def test_an_image_set_needs_a_model_and_prompts_that_take_images(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        plan(*GEO3K, *overrides)
