@@ -102,7 +102,12 @@ def apply_fsdp(
             split_experts(unit, experts.mesh)
             shard_experts(unit, experts.mesh, {**shard, "reshard_after_forward": reshard}, experts.world)
     # the text decoder's layers (inside the language model of a vision-language model too)
-    for layer in model.get_decoder().layers:
+    decoder = model.get_decoder()
+    for tower in towers(model, decoder):
+        # a vision-language model's towers: units of their own, gathered for their forward only
+        # (in the root unit they would stay gathered through the whole step)
+        fully_shard(tower, reshard_after_forward=reshard, **shard)
+    for layer in decoder.layers:
         if router_fp32 and policy is not None:
             for router in routers(layer):
                 fully_shard(router, reshard_after_forward=reshard, mesh=mesh, mp_policy=fp32)
@@ -111,6 +116,16 @@ def apply_fsdp(
         fully_shard(layer, reshard_after_forward=reshard, **shard)
     fully_shard(model, **shard)
     return model
+
+
+def towers(model: Any, decoder: Any) -> list[torch.nn.Module]:
+    """The decoder's siblings that hold weights in a vision-language model (vision and audio towers,
+    their projectors: ``Gemma4Model.vision_tower``, ``Idefics3Model.connector``); none in a causal LM,
+    whose base model is the decoder."""
+    base = getattr(model, "model", None)
+    if base is None or base is decoder:
+        return []
+    return [m for m in base.children() if m is not decoder and any(True for _ in m.parameters())]
 
 
 def position_dependent_rope(config: Any) -> str:
