@@ -197,3 +197,51 @@ def test_dapo_runs_the_loop_with_dynamic_sampling_and_overlong_shaping(tmp_path,
         # only informative groups are kept, never more than the step asks for
         assert 0 < r["train/kept_groups"] <= 32
     assert any(r["train/dynamic_sampling_rounds"] > 1 or r["train/kept_groups"] < 32 for r in rows)
+
+
+def test_one_grpo_step_on_an_image_task(tmp_path):
+    """data=geo3k's shape with a tiny random Idefics3 (tests/tiny_vlm.py) through `hpcrl submit`: the
+    images reach the vLLM engine and the fsdp trainer, whose log-probs of every completion agree
+    (``gen_kl_error`` over all of them), the step trains and refits the text weights, validation runs
+    before and after."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.tiny_vlm import VISION, build_tiny_vlm, png
+
+    model = build_tiny_vlm(tmp_path / "vlm")
+    rows = [
+        {
+            "images": [{"bytes": png(i), "path": None}],
+            "problem": f"<image>What is {i}+1?",
+            "answer": str(i + 1),
+        }
+        for i in range(6)
+    ]
+    data = tmp_path / "geo.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    result = submit(
+        tmp_path / "runs",
+        tmp_path / "cache",
+        f"model.hf_id={model}",
+        "model.image_tokens=7",
+        "model.max_position_embeddings=256",
+        "data=geo3k",
+        f"data.source={data}",
+        f"data.val_source={data}",
+        "data.max_prompt_tokens=128",
+        "data.max_val_samples=2",
+        "trainer.freeze=[" + ",".join(VISION) + "]",
+        "algo.max_steps=1",
+        "algo.val_period=1",
+        "algo.num_prompts_per_step=2",
+        "algo.num_generations=2",
+        "rollout.max_new_tokens=8",
+        "rollout.logprob_fraction=1",
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "data: 6 training / 2 validation prompts (geo3k)" in result.stdout
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    rows_ = metrics(run_dir)
+    assert [r["step"] for r in rows_] == [0, 1] and "val/accuracy" in rows_[-1]
+    assert rows_[-1]["train/gen_kl_error"] < 1e-4
