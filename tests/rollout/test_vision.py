@@ -128,3 +128,26 @@ def test_a_step_leaves_the_vision_tower_and_the_refit_reaches_the_engine(cfg, en
     assert sent and not any(n.startswith(VISION) for n in sent)
     engine.load_weights(sent)
     assert gap(trainer, rollout_batch(engine, enc)) < 1e-4
+
+
+def test_a_batch_keeps_each_rows_images_through_every_cut():
+    """Rows cut by the fleet's data ranks (strided slices), the step's minibatches (index tensors) and
+    masks keep their own images; a forward's inputs stack them, token-aligned marks (Gemma's
+    ``token_type_ids``) right-padded to the batch's width; a batch mixing image and text rows is refused."""
+    rows = [
+        {"pixel_values": torch.full((1, 2), float(i)), "token_type_ids": torch.ones(1, 3)} for i in range(4)
+    ]
+    batch = build_batch([[1, 2, 3]] * 4, [[4]] * 4, [[-0.1]] * 4, [0.0] * 4, [1.0] * 4, 0, rows)
+    assert batch.input_ids.shape == (4, 4)
+
+    def firsts(b: TrainBatch) -> list[float]:
+        return b.image_inputs()["pixel_values"][:, 0].tolist()
+
+    assert firsts(batch.select(slice(1, None, 2))) == [1.0, 3.0]
+    assert firsts(batch.select(torch.tensor([2, 0]))) == [2.0, 0.0]
+    assert firsts(batch.select(torch.tensor([False, True, True, False]))) == [1.0, 2.0]
+    marks = batch.image_inputs()["token_type_ids"]
+    assert marks.shape == (4, 4) and marks[:, 3].eq(0).all() and marks[:, :3].eq(1).all()
+    assert build_batch([[1]], [[2]], [[]], [0.0], [1.0], 0).image_inputs() == {}
+    with pytest.raises(ValueError, match="1 of 2 rows carry images"):
+        build_batch([[1]] * 2, [[2]] * 2, [[]] * 2, [0.0] * 2, [1.0] * 2, 0, [rows[0], None])
