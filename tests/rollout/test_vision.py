@@ -151,3 +151,54 @@ def test_a_batch_keeps_each_rows_images_through_every_cut():
     assert build_batch([[1]], [[2]], [[]], [0.0], [1.0], 0).image_inputs() == {}
     with pytest.raises(ValueError, match="1 of 2 rows carry images"):
         build_batch([[1]] * 2, [[2]] * 2, [[]] * 2, [0.0] * 2, [1.0] * 2, 0, [rows[0], None])
+
+
+def fixed_batch(vlm_dir, cfg) -> TrainBatch:
+    """Two image prompts with fixed completions (no engine): rows of opposite advantage."""
+    encode = ImageEncoder(vlm_dir, cfg.data)
+    encs = [encode(example(cfg, i)) for i in (0, 1)]
+    return build_batch(
+        [e.ids for e in encs],
+        [[30, 31, 32], [33, 34]],
+        [[], []],
+        [1.0, -1.0],
+        [1.0, 1.0],
+        0,
+        [e.images for e in encs],
+    )
+
+
+def _vlm_rank(rank: int, master: str, vlm_dir: str, out: str) -> None:
+    from pathlib import Path
+
+    from hpcrl.trainer.fsdp import FSDPTrainer
+
+    cfg = compose("data=geo3k", "data.check_source=false", FREEZE, "algo.kl_coef=0", "algo.lr=1e-2")
+    t = FSDPTrainer(Path(vlm_dir), cfg, rank=rank, world=2, master=master)
+    whole = fixed_batch(Path(vlm_dir), cfg)
+    logp = t.logprobs(whole)
+    t.train_step(whole.select(slice(rank, None, 2)))
+    grads = [p.grad is None for n, p in t.model.named_parameters() if n.startswith(VISION)]
+    torch.save({"logp": logp, "vision_grads_none": grads}, Path(out) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_score_image_rows_as_transformers_and_keep_the_tower_frozen(vlm_dir, cfg, tmp_path):
+    """FSDP over two gloo ranks (the towers units of their own, sharded): each rank's log-probs of an
+    image batch equal transformers' own model's; a step on each rank's rows leaves the tower without
+    gradients."""
+    from transformers import AutoModelForImageTextToText
+
+    master = f"127.0.0.1:{free_port()}"
+    torch.multiprocessing.spawn(_vlm_rank, args=(master, str(vlm_dir), str(tmp_path)), nprocs=2)
+    batch = fixed_batch(vlm_dir, cfg)
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, **batch.image_inputs()).logits[:, :-1].float()
+    want = logits.log_softmax(-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    mask = batch.loss_mask.bool()
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert (got["logp"][mask] - want[mask]).abs().max() < 1e-5
+        assert got["vision_grads_none"] and all(got["vision_grads_none"])
