@@ -22,11 +22,12 @@ from hpcrl.plan.layout import Layout, LayoutSearch, typed_layout_keys
 from hpcrl.plan.local_gpu import resolve_local_gpu
 from hpcrl.plan.memory import MemoryEstimate, estimate_memory
 from hpcrl.plan.nvlink import NvlinkCheck, check_nvlink
+from hpcrl.plan.packing import check_packing, resolve_packing
 from hpcrl.plan.quirks import AppliedQuirk, apply_quirks
 from hpcrl.plan.search import search_layouts
 from hpcrl.plan.topology import Placement, Topology, build_topology, check_engine_fits_node, on_gpus
 from hpcrl.rollout.backends import sleep_mode
-from hpcrl.trainer.backends import trainer_spec, with_capability, with_degree
+from hpcrl.trainer.backends import trainer_spec, with_degree
 
 
 @dataclass(frozen=True)
@@ -323,46 +324,6 @@ def check_backend(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.ep={trainer.ep} needs an MoE model; {cfg.model.name} is dense (set trainer.ep=1)"
         )
-
-
-def check_packing(cfg: RunConfig) -> None:
-    """``trainer.packing``: a backend that packs, whole sequences on one rank, attention layers only."""
-    trainer, model = cfg.trainer, cfg.model
-    if not trainer.packing:
-        return
-    if not trainer_spec(trainer).packs:
-        raise ConfigError(
-            f"trainer.packing=true: the {trainer.backend} backend does not pack sequences yet; "
-            f"use {with_capability('packs')} or trainer.packing=false"
-        )
-    if trainer.cp > 1:
-        raise ConfigError(
-            f"trainer.packing=true with trainer.cp={trainer.cp}: packed rows are not split over context "
-            "parallel ranks; set trainer.cp=1 or trainer.packing=false"
-        )
-    if model.hybrid.mamba > 0:
-        raise ConfigError(
-            f"trainer.packing=true: {model.name}'s Mamba layers would carry their state from one packed "
-            "sequence into the next; set trainer.packing=false"
-        )
-    if trainer.micro_batch_tokens is not None and trainer.micro_batch_tokens < cfg.max_seq_len:
-        raise ConfigError(
-            f"trainer.micro_batch_tokens={trainer.micro_batch_tokens} is below the longest sequence "
-            f"({cfg.max_seq_len} tokens), which must fit one micro-batch; raise it to at least {cfg.max_seq_len}"
-        )
-
-
-def resolve_packing(cfg: RunConfig) -> str:
-    """Set ``trainer.micro_batch_tokens`` in place where packing leaves it None; the line ``hpcrl plan``
-    prints for it, else ""."""
-    trainer = cfg.trainer
-    if not trainer.packing or trainer.micro_batch_tokens is not None:
-        return ""
-    trainer.micro_batch_tokens = trainer.micro_tokens(cfg.max_seq_len)
-    return (
-        f"trainer.micro_batch_tokens={trainer.micro_batch_tokens} (auto: trainer.micro_batch_size="
-        f"{trainer.micro_batch_size} x the longest sequence, {cfg.max_seq_len}: a padded micro-batch's memory)"
-    )
 
 
 def check_images(cfg: RunConfig) -> None:

@@ -192,7 +192,7 @@ def fit(t: torch.Tensor | None, rows: slice, like: torch.Tensor) -> torch.Tensor
 
 
 def _concat(parts: list[TrainBatch]) -> TrainBatch:
-    cat = {
+    cat: dict[str, Any] = {
         f: torch.cat([getattr(p, f) for p in parts])
         for f in ("input_ids", "attention_mask", "loss_mask", "advantages", "rollout_logp")
     }
