@@ -8,7 +8,11 @@ the directory once every rank has finished. No model or optimizer tensor passes 
         loop.pt       the driver's loop state: step, prompt-stream position, RNG states
         model.json    the model, backend and layout that wrote it (resume and export check it)
         hf/           the model's config, generation config and tokenizer (export copies them)
+        manifest.json every other file's size and CRC-32 (each rank sums its own shards as it writes them)
         meta.json     step and metrics (with the rename, the commit marker)
+
+A resume takes the newest checkpoint that verifies against its manifest (sizes of every file, checksums
+of all but the shards, whose full check is ``hpcrl export``'s), saying which it skipped and why.
 
 Saves may be async (``checkpoint.async_save``): the ranks copy their state to host memory and write
 it in the background while the next step runs; ``settle`` waits for them and commits.
@@ -19,12 +23,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from hpcrl.core.files import crc32_of
 from hpcrl.errors import HpcrlError
 
 HF_FILES = (
@@ -121,6 +127,7 @@ class CheckpointManager:
             "metric": metrics.get(self.metric),
             "metrics": metrics,
         }
+        write_manifest(tmp)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         final = self.root / f"step_{step:06d}"
         if final.exists():
@@ -141,6 +148,18 @@ class CheckpointManager:
     def latest(self) -> CheckpointInfo | None:
         found = self.list()
         return max(found, key=lambda c: c.step) if found else None
+
+    def resumable(
+        self, say: Callable[[str], None], skip: frozenset[Path] = frozenset()
+    ) -> CheckpointInfo | None:
+        """The newest committed checkpoint that verifies (``verify``) and is not in ``skip``; each
+        newer one passed over gets one line saying why."""
+        for info in sorted(self.list(), key=lambda c: c.step, reverse=True):
+            problem = "it failed to load" if info.path in skip else verify(info.path)
+            if not problem:
+                return info
+            say(f"checkpoint {info.path.name} skipped: {problem}")
+        return None
 
     def _score(self, c: CheckpointInfo) -> float:
         value = float(c.metric) if c.metric is not None else float("-inf")
@@ -208,4 +227,48 @@ def check_resumable(info: CheckpointInfo, now: dict[str, Any]) -> str:
             )
     if was.get("layout") != now.get("layout"):
         return f"resharding {info.path.name}: written by {was.get('layout')}, loaded as {now.get('layout')}"
+    return ""
+
+
+MANIFEST = "manifest.json"
+SIDECAR = ".crc_*.json"
+"""A rank's record of the shards it wrote (``trainer/shards.py``), merged into the manifest at commit."""
+
+
+def write_manifest(tmp: Path) -> None:
+    """Every file of the checkpoint being committed with its size and CRC-32: the shards' from their
+    ranks' records (no shard is read again here), the rest summed now (small files)."""
+    files: dict[str, dict[str, int]] = {}
+    for sidecar in sorted((tmp / "trainer").glob(SIDECAR)):
+        for name, entry in json.loads(sidecar.read_text()).items():
+            files[f"trainer/{name}"] = entry
+        sidecar.unlink()
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        rel = path.relative_to(tmp).as_posix()
+        if rel not in files:
+            files[rel] = {"size": path.stat().st_size, "crc32": crc32_of(path)}
+    (tmp / MANIFEST).write_text(json.dumps(files, indent=0))
+
+
+def verify(path: Path, deep: bool = False) -> str:
+    """'' when the checkpoint at ``path`` is whole, else what is wrong, in a few words: every file of
+    its manifest present at its recorded size, the checksums of all but the shards (``deep``: of the
+    shards too, a read of the whole checkpoint). One written before manifests: its key files present."""
+    manifest = path / MANIFEST
+    if not manifest.exists():
+        missing = [f for f in ("loop.pt", "trainer/.metadata") if not (path / f).exists()]
+        return f"{missing[0]} is missing" if missing else ""
+    try:
+        files = json.loads(manifest.read_text())
+    except ValueError:
+        return f"{MANIFEST} is unreadable"
+    for rel, entry in files.items():
+        file = path / rel
+        if not file.exists():
+            return f"{rel} is missing"
+        size = file.stat().st_size
+        if size != entry["size"]:
+            return f"{rel} is {size:,} bytes, {entry['size']:,} when committed"
+        if (deep or not rel.endswith(".distcp")) and crc32_of(file) != entry["crc32"]:
+            return f"{rel} does not match its checksum (changed since it was committed)"
     return ""

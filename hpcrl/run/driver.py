@@ -166,6 +166,8 @@ class _Prepared:
     logger: Any
     weights_only: bool
     """``checkpoint.resume_weights_only``."""
+    resume_from: Any = None
+    """The newest checkpoint that verifies (``CheckpointManager.resumable``); None: a fresh start."""
 
     def loop_run(self, cfg: RunConfig, actors: Actors, pool: Scorer) -> Run:
         """What the loop works with, once the actors and the reward pool are up."""
@@ -203,11 +205,23 @@ def _prepare(plan: Plan, run_dir: Path) -> _Prepared:
     )
     stream = PromptStream(train_ex, cfg.run.seed)
     logger = MetricsLogger(run_dir, cfg.logger, cfg.run.name, {"config": config_yaml(cfg)})
-    latest = ckpt.latest()  # checked before any actor starts: a mismatch costs no GPU time
+    latest = resume_point(ckpt)  # checked before any actor starts: a mismatch costs no GPU time
     if latest is not None and (note := check_resumable(latest, ckpt.about)):
         say(note)
     weights_only = cfg.checkpoint.resume_weights_only
-    return _Prepared(model_dir, encode, pad_id, stream, val_ex, ckpt, logger, weights_only)
+    return _Prepared(model_dir, encode, pad_id, stream, val_ex, ckpt, logger, weights_only, latest)
+
+
+def resume_point(ckpt: Any, failed: frozenset[Path] = frozenset()) -> Any:
+    """The newest checkpoint that verifies and has not ``failed`` to load; None where there is none
+    at all. Raises where every one is damaged: starting afresh would write over a run's history."""
+    found = ckpt.resumable(say, failed)
+    if found is None and ckpt.list():
+        raise HpcrlError(
+            f"no checkpoint under {ckpt.root} is whole (each is named above with what is wrong): move them "
+            "away, or set checkpoint.dir elsewhere, to start afresh"
+        )
+    return found
 
 
 def _start_actors(plan: Plan, model_dir: Path, scratch: Path, run_dir: Path, *, slurm: bool) -> Any:
@@ -259,11 +273,20 @@ def _resume(actors: Any, prep: _Prepared, lag: int) -> tuple[int, list[Any]]:
     from hpcrl.run.checkpoint import load_loop_state
     from hpcrl.run.overlap import resumable
 
-    latest = prep.ckpt.latest()
+    latest, failed = prep.resume_from, frozenset[Path]()
+    while latest is not None:
+        try:  # the trainer state and the loop state of one step, or of the next older one that loads
+            state = load_loop_state(latest)
+            actors.load_checkpoint(str(latest.path / "trainer"), prep.weights_only)
+            break
+        except Exception as exc:  # damage within a file's recorded size: the manifest checks no shard sums
+            say(
+                f"checkpoint {latest.path.name} failed to load: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            )
+            failed |= {latest.path}
+            latest = resume_point(prep.ckpt, failed)
     if latest is None:
         return 0, []
-    state = load_loop_state(latest)
-    actors.load_checkpoint(str(latest.path / "trainer"), prep.weights_only)
     prep.stream.restore(state["stream"])
     random.setstate(state["rng"]["python"])
     torch.set_rng_state(state["rng"]["torch"])

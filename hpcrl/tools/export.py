@@ -34,12 +34,25 @@ def resolve(path: Path) -> Path:
     from hpcrl.run.checkpoint import best_or_latest
 
     if (path / "meta.json").exists():
-        return path
+        return whole(path)
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     found = best_or_latest(root)
     if found is None:
         raise HpcrlError(f"{path}: no committed checkpoint there (a step_NNNNNN/ directory with meta.json)")
-    return found.path
+    return whole(found.path)
+
+
+def whole(ckpt: Path) -> Path:
+    """``ckpt`` once every file of it matches its manifest, shards summed too (they are read next
+    anyway); else one line naming the file and the intact checkpoints beside it."""
+    from hpcrl.run.checkpoint import committed, verify
+
+    problem = verify(ckpt, deep=True)
+    if not problem:
+        return ckpt
+    others = [c.path.name for c in committed(ckpt.parent) if c.path != ckpt and not verify(c.path)]
+    hint = f"; intact beside it: {', '.join(others)}" if others else ""
+    raise HpcrlError(f"checkpoint {ckpt} is damaged: {problem}{hint}")
 
 
 def export(checkpoint: Path, out: Path, dtype: str = "bf16", log: Callable[[str], None] = print) -> Path:
@@ -48,7 +61,11 @@ def export(checkpoint: Path, out: Path, dtype: str = "bf16", log: Callable[[str]
         raise HpcrlError(f"{ckpt} has no model.json: it predates sharded checkpoints and cannot be exported")
     about = json.loads((ckpt / "model.json").read_text())
     log(f"exporting {ckpt} ({about['backend']}, {about['model']}) to {out} in {dtype}")
-    files = write_export(ckpt / "trainer", about, ckpt / "hf", out, dtype, log)
+    try:
+        files = write_export(ckpt / "trainer", about, ckpt / "hf", out, dtype, log)
+    except (EOFError, RuntimeError, OSError) as exc:  # damage in a checkpoint older than its manifest
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise HpcrlError(f"checkpoint {ckpt} could not be read ({type(exc).__name__}: {first})") from exc
     log(f"wrote {files} safetensors file(s), the config and the tokenizer to {out}")
     return out
 

@@ -15,12 +15,16 @@ background thread never shares a communicator with training.
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from hpcrl.core.files import crc32_of
 
 
 class ShardWriter:
@@ -44,7 +48,6 @@ class ShardWriter:
         weights in place) and written by a background thread; the host copy (the size of this
         rank's shards) stays allocated for the next save. torch's own ``dcp.async_save`` stager
         could not copy DTensors made from local slices (torch 2.13: "invalid python storage")."""
-        import torch.distributed.checkpoint as dcp
 
         start = time.perf_counter()
         self.wait()
@@ -53,10 +56,22 @@ class ShardWriter:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the copies were issued non-blocking
             self._thread = self._thread or ThreadPoolExecutor(1, thread_name_prefix="hpcrl-ckpt")
-            self.pending = self._thread.submit(dcp.save, staged, checkpoint_id=path, process_group=self.group)
+            self.pending = self._thread.submit(self._write, staged, path)
         else:
-            dcp.save(state, checkpoint_id=path, process_group=self.group)
+            self._write(state, path)
         return time.perf_counter() - start
+
+    def _write(self, state: dict[str, Any], path: str) -> None:
+        """The shards, then this rank's record of them (size and CRC-32 of each file it wrote, summed
+        while they are still in the page cache): the commit's manifest (run/checkpoint.py) reads these
+        records instead of the shards."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, checkpoint_id=path, process_group=self.group)
+        rank = dist.get_rank(self.group) if self.group is not None else 0
+        mine = sorted(Path(path).glob(f"__{rank}_*.distcp"))
+        record = {f.name: {"size": f.stat().st_size, "crc32": crc32_of(f)} for f in mine}
+        (Path(path) / f".crc_{rank}.json").write_text(json.dumps(record))
 
     def wait(self) -> float:
         """Block until the async save in flight (if any) has written its files; the seconds waited.

@@ -179,3 +179,122 @@ def test_the_drivers_memory_does_not_grow_with_the_model(tmp_path):
     print(f"checkpoint {got['checkpoint_bytes'] / 2**20:.0f} MiB, driver grew {growth / 2**20:.1f} MiB")
     assert got["checkpoint_bytes"] > 120 * 2**20
     assert growth < got["checkpoint_bytes"] / 20, got
+
+
+def three_steps(tmp_path: Path) -> CheckpointManager:
+    mgr = CheckpointManager(tmp_path, keep_top_k=5, metric="m", higher_is_better=True)
+    for step in (1, 2, 3):
+        save(mgr, step, {"m": float(step)})
+    return mgr
+
+
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        (lambda p: (p / "trainer" / "__0_0.distcp").write_bytes(b"sh"), "trainer/__0_0.distcp is 2 bytes, 5"),
+        (lambda p: (p / "trainer" / "__0_0.distcp").unlink(), "trainer/__0_0.distcp is missing"),
+        (
+            lambda p: (p / "loop.pt").write_bytes(bytes(len((p / "loop.pt").read_bytes()))),
+            "loop.pt does not match",
+        ),
+        (lambda p: (p / "manifest.json").write_text("{"), "manifest.json is unreadable"),
+    ],
+    ids=["truncated-shard", "missing-shard", "zeroed-loop-state", "bad-manifest"],
+)
+def test_resume_takes_the_newest_checkpoint_that_verifies_and_says_which_it_skipped(tmp_path, damage, why):
+    mgr = three_steps(tmp_path)
+    damage(tmp_path / "step_000003")
+    said: list[str] = []
+    found = mgr.resumable(said.append)
+    assert found is not None and found.step == 2
+    assert len(said) == 1 and said[0].startswith("checkpoint step_000003 skipped: ") and why in said[0]
+    assert mgr.resumable(said.append, frozenset({found.path})).step == 1  # step 2 then failed to load
+
+
+def test_the_manifest_takes_the_ranks_records_and_sums_the_rest(tmp_path):
+    """A rank's record (trainer/shards.py writes it as the shard lands) goes into the manifest unread;
+    every other file is summed at commit; nothing of the records stays behind."""
+    from hpcrl.core.files import crc32_of
+
+    class RecordingShards(FakeShards):
+        def save_checkpoint(self, path: str, async_save: bool) -> float:
+            super().save_checkpoint(path, async_save)
+            shard = Path(path) / "__0_0.distcp"
+            record = {shard.name: {"size": 5, "crc32": crc32_of(shard)}}
+            (Path(path) / ".crc_0.json").write_text(json.dumps(record))
+            return 0.0
+
+    mgr = CheckpointManager(tmp_path, keep_top_k=3, metric="m", higher_is_better=True)
+    save(mgr, 1, {"m": 1.0}, RecordingShards())
+    ckpt = mgr.latest().path
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert set(manifest) == {"trainer/__0_0.distcp", "loop.pt", "model.json"}
+    assert manifest["loop.pt"]["crc32"] == crc32_of(ckpt / "loop.pt")
+    assert not list((ckpt / "trainer").glob(".crc_*"))
+
+
+def test_export_refuses_a_damaged_checkpoint_in_one_line_naming_the_intact_ones(tmp_path):
+    from hpcrl.tools.export import resolve
+
+    three_steps(tmp_path)
+    shard = tmp_path / "step_000003" / "trainer" / "__0_0.distcp"
+    shard.write_bytes(b"SHARD")  # same size: only the shards' own sums (a deep check) see it
+    with pytest.raises(HpcrlError) as err:
+        resolve(tmp_path / "step_000003")
+    message = str(err.value)
+    assert "\n" not in message and "does not match its checksum" in message
+    assert "intact beside it: step_000001, step_000002" in message
+    assert resolve(tmp_path / "step_000002") == tmp_path / "step_000002"
+
+
+def test_a_run_whose_checkpoints_are_all_damaged_refuses_to_start_afresh(tmp_path):
+    from hpcrl.run.driver import resume_point
+
+    mgr = three_steps(tmp_path)
+    for step in (1, 2, 3):
+        (tmp_path / f"step_{step:06d}" / "loop.pt").unlink()
+    with pytest.raises(HpcrlError, match=r"no checkpoint under .* is whole"):
+        resume_point(mgr)
+    assert resume_point(CheckpointManager(tmp_path / "empty", 1, "m", True)) is None
+
+
+def test_a_checkpoint_that_fails_to_load_gives_way_to_the_next_older_one_whole(tmp_path):
+    """Damage inside a shard's recorded size shows only when the ranks read it: the driver loads the
+    next older checkpoint, trainer state and loop state of that one step, never a mix."""
+    import random
+
+    from hpcrl.run.driver import _Prepared, _resume
+
+    mgr = CheckpointManager(tmp_path, keep_top_k=5, metric="m", higher_is_better=True)
+    for step in (1, 2, 3):
+        state = {
+            "step": step,
+            "stream": {"at": step},
+            "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
+        }
+        mgr.save(step, FakeShards(), state, {"m": float(step)}, False)
+
+    class Actors:
+        def __init__(self) -> None:
+            self.loaded: list[str] = []
+            self.synced: list[int] = []
+
+        def load_checkpoint(self, path: str, weights_only: bool) -> None:
+            self.loaded.append(Path(path).parent.name)
+            if "step_000003" in path:
+                raise RuntimeError(
+                    "PytorchStreamReader failed reading zip archive: failed finding central directory"
+                )
+
+        def sync_weights(self, step: int) -> None:
+            self.synced.append(step)
+
+    class Stream:
+        def restore(self, state: dict) -> None:
+            self.at = state["at"]
+
+    stream, actors = Stream(), Actors()
+    prep = _Prepared(tmp_path, str, 0, stream, [], mgr, None, False, mgr.resumable(print))
+    step, kept = _resume(actors, prep, 0)
+    assert step == 2 and stream.at == 2 and actors.synced == [2] and kept == []
+    assert actors.loaded == ["step_000003", "step_000002"]

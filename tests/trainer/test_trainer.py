@@ -3,11 +3,13 @@ metrics of two data-parallel ranks."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from hpcrl.core.files import crc32_of
 from hpcrl.trainer.batch import build_batch
 from hpcrl.trainer.fsdp import FSDPTrainer
 from hpcrl.trainer.process_group import free_port
@@ -128,6 +130,10 @@ def test_checkpoint_round_trip_and_tied_head(tiny_dir, tmp_path):
     a.train_step(batch())
     a.save_checkpoint(str(tmp_path / "ckpt"), async_save=True)
     a.finish_checkpoint()
+    # the rank's record of its shard, summed as it was written (the commit's manifest takes it)
+    record = json.loads((tmp_path / "ckpt" / ".crc_0.json").read_text())
+    shard = tmp_path / "ckpt" / "__0_0.distcp"
+    assert record == {shard.name: {"size": shard.stat().st_size, "crc32": crc32_of(shard)}}
     b = trainer(tiny_dir)
     b.load_checkpoint(str(tmp_path / "ckpt"))
     wa, wb = a.export_weights(), b.export_weights()
