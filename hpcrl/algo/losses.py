@@ -14,6 +14,11 @@ import torch
 from hpcrl.algo.config import AlgoConfig, ISCorrection, KLType, LossAgg, PolicyLossType
 
 MAX_LOG_RATIO = 20.0  # clamp |log ratio| before exp() so a large mismatch cannot overflow
+MAX_KL = 10.0
+"""Bound of the per-token KL estimate: k3 = e^x - 1 - x grows exponentially in x = log(ref/policy),
+so a token where the reference is 15 nats above the policy gives 3.3e6 and would be the step's whole
+KL term and gradient. veRL clamps the estimate to +-10 as well; beyond it the token adds no gradient.
+The loss's KL term is bounded; ``gen_kl_error`` (a diagnostic) reports the estimate as it is."""
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAgg, norm: float = 1.0) -> torch.Tensor:
@@ -200,7 +205,7 @@ class PolicyLoss:
         surrogate = surrogate * importance_weights(old_logp, rollout_logp, self.is_correction, self.is_cap)
         policy = self.aggregate(surrogate, mask)
         kl = (
-            self.aggregate(kl_penalty(logp, ref_logp, self.kl_type), mask)
+            self.aggregate(kl_penalty(logp, ref_logp, self.kl_type).clamp(-MAX_KL, MAX_KL), mask)
             if ref_logp is not None and self.kl_coef
             else None
         )

@@ -198,10 +198,12 @@ def site_snippet(cluster: str, keys: list[str]) -> str:
 
 
 SECRET_PATTERN = re.compile(
-    r"(TOKEN|SECRETS?|PASSWORD|PASSWD|API_?KEY|CREDENTIALS?|PRIVATE_KEY)(_|$)", re.IGNORECASE
+    r"(TOKEN|SECRETS?|PASSWORD|PASSWD|API_?KEY|CREDENTIALS?)(_|$)|(^|_)(KEY|PAT|AUTH\w*)(_|$)|AUTH",
+    re.IGNORECASE,
 )
-"""A secret's name ends a word with one of these (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY);
-TOKENIZERS_PARALLELISM or MAX_TOKENS do not."""
+"""A secret's name ends a word with one of these (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY,
+DB_PASSWD), has KEY or PAT as a word of its own (AWS_ACCESS_KEY_ID, SSH_PRIVATE_KEY, GITLAB_PAT), or
+says AUTH anywhere (NGC_AUTH, BASIC_AUTH_USER); TOKENIZERS_PARALLELISM, MAX_TOKENS, PATH, MONKEY do not."""
 
 
 def looks_secret(name: str) -> bool:

@@ -10,6 +10,7 @@ import torch
 from hpcrl.algo.advantages import group_advantages
 from hpcrl.algo.config import AlgoConfig, Baseline, ISCorrection, KLType, LossAgg, PolicyLossType
 from hpcrl.algo.losses import (
+    MAX_KL,
     CISPOLoss,
     GSPOLoss,
     PolicyLoss,
@@ -339,6 +340,19 @@ class TestDrGRPO:
         loss = PolicyLoss(kl_coef=1.0, kl_type=KLType.k1, loss_agg=LossAgg.sequence_sum_norm, sum_norm=4.0)
         terms = loss(logp, logp, t([lg(0.25), lg(0.25)]), logp, t(0.0)[0:1].reshape(1), t([1, 1]))
         assert float(terms.kl) == pytest.approx(0.5 * math.log(2))
+
+    def test_one_extreme_token_cannot_be_the_whole_kl_term(self):
+        """The reference 15 nats above the policy on one token: k3 is 3.3e6 there unbounded; the
+        loss's term holds it at MAX_KL (no gradient beyond), while gen_kl_error reports it as it is."""
+        logp = leaf([-16.0, -1.0])
+        ref = t([-1.0, -1.0])
+        loss = PolicyLoss(kl_coef=1.0, kl_type=KLType.k3, loss_agg=LossAgg.token)
+        terms = loss(logp, logp.detach(), ref, logp.detach(), t(0.0)[0:1].reshape(1), t([1, 1]))
+        assert float(terms.kl) == pytest.approx(MAX_KL / 2)  # (10 + 0) over 2 tokens
+        terms.loss.backward()
+        assert logp.grad is not None and logp.grad[0, 0] == 0.0
+        raw = kl_penalty(logp.detach(), ref, KLType.k3)
+        assert float(raw[0, 0]) > 3e6
 
 
 class TestVariantsCompose:

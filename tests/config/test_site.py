@@ -12,7 +12,7 @@ import yaml
 from hpcrl.config import compose
 from hpcrl.config.cluster import ContainerConfig
 from hpcrl.errors import ConfigError
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, SITE, run_cli
 
 SITE_YAML = """\
 clusters:
@@ -376,3 +376,19 @@ def test_a_site_recipe_builds_on_a_shipped_one(site):
     cfg = both("+experiment=my-nemotron")
     assert (cfg.run.name, cfg.algo.max_steps, cfg.layout.rollout_nodes) == ("my-nemotron", 7, 1)
     assert cfg.cluster.slurm.account == "my-acc" and cfg.trainer.ep == 16
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["AWS_ACCESS_KEY_ID", "SSH_PRIVATE_KEY", "DB_PASSWD", "GITLAB_PAT", "NGC_AUTH", "DEPLOY_KEY", "HF_TOKEN"],
+)
+def test_secret_looking_env_names_are_refused_on_the_command_line(site, name):
+    """cluster.env entries are written into sbatch.sh and config.yaml: a secret's name is refused there."""
+    with pytest.raises(ConfigError, match=rf"cluster.env.{name} looks like a secret; export it in your shell"):
+        compose.compose_config(["+cluster=h100", f"+cluster.env.{name}=x"]).cluster.check()
+
+
+def test_ordinary_env_names_pass(site):
+    names = ["TOKENIZERS_PARALLELISM", "MAX_TOKENS", "LD_LIBRARY_PATH", "NCCL_IB_PKEY", "KEYBOARD_LAYOUT"]
+    cfg = compose.compose_config(["+cluster=h100", *(f"+cluster.env.{n}=1" for n in names), *SITE])
+    assert set(names) <= set(cfg.cluster.env)
