@@ -45,6 +45,9 @@ class RolloutSpec:
     """Loads weight buckets shared by a trainer on the same GPU through CUDA IPC (``load_ipc``)."""
     images: bool = False
     """Generates from image prompts (``ImagePrompt``: ``data.image_field``)."""
+    routes: bool = False
+    """Its completions can carry the experts its MoE routers chose (``Completion.routes``), which
+    ``trainer.router_replay`` replays; the engine records them only when asked (``build_engine``)."""
     shares_gpu: bool = False
     """Measured faster with several engines on one GPU for small models (``rollout.engines_per_gpu``
     None resolves to more than one only for such engines)."""
@@ -74,6 +77,7 @@ VLLM = RolloutSpec(
     cpu_kv_budget=True,
     ipc_refit=True,
     images=True,
+    routes=True,
     shares_gpu=True,
     why=(
         "in-flight generation with streamed rewards, prefix caching over a prompt's samples and paged KV "
@@ -92,10 +96,16 @@ HF = RolloutSpec(
     served_dtype=False,
     cpu_kv_budget=False,
     ipc_refit=True,
+    routes=False,
     why="256 sequences at once generate 2.0-2.2x the tokens/s of 64; no streaming, no prefix caching",
 )
 ROLLOUTS: dict[str, RolloutSpec] = {spec.name: spec for spec in (VLLM, HF)}
 """Every rollout engine, by the ``rollout`` group's option."""
+
+
+def with_routes() -> str:
+    """The engines that return routes, for a message."""
+    return " or ".join(f"rollout={n}" for n, s in ROLLOUTS.items() if s.routes)
 
 
 def rollout_spec(rollout: RolloutConfig) -> RolloutSpec:

@@ -23,6 +23,10 @@ class Completion:
     versions: tuple[int, int] = (0, 0)
     """The first and last policy version whose weights generated its tokens (optimizer steps behind
     them): stamped by the loop, equal unless weights changed while it was generated."""
+    routes: Any = None
+    """The experts the engine's MoE routers chose (``trainer.router_replay``): an int16 array
+    [prompt + generated - 1, layers, k], one row per position a forward ran (the last generated token
+    never ran through one); None when routes were not asked for."""
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,11 @@ def build_engine(
     on_cpu: bool,
     scratch: Path,
     kv_cache_gb: float | None,
+    routes: bool = False,
 ) -> RolloutEngine:
     """The engine the rollout group chose, started through its class's ``start`` (``kv_cache_gb``:
-    where the spec's ``cpu_kv_budget`` asks for it)."""
+    where the spec's ``cpu_kv_budget`` asks for it; ``routes``: its completions carry the experts
+    routed to, ``trainer.router_replay``, on an engine whose spec has ``routes``)."""
     engine: RolloutEngine = (
         rollout_spec(rollout)
         .make()
@@ -35,6 +37,7 @@ def build_engine(
             on_cpu=on_cpu,
             scratch=scratch,
             kv_cache_gb=kv_cache_gb,
+            routes=routes,
         )
     )
     return engine

@@ -104,6 +104,17 @@ class WeightReloader:
             out[name] = (plain, weighted)
         return out
 
+    def hpcrl_record_routes(self) -> tuple[int, int]:
+        """Record the experts every MoE router chooses (``rollout/vllm_routes.py``); (layers, k)."""
+        from hpcrl.rollout import vllm_routes
+
+        return vllm_routes.install(self)
+
+    def hpcrl_take_routes(self, sequences: list[list[int]]) -> list[Any]:
+        """The recorded routes of finished sequences, by their tokens (``RouteRecorder.take``)."""
+        recorder: Any = getattr(self, "_hpcrl_routes")  # noqa: B009 (set by vllm_routes.install)
+        return list(recorder.take(sequences))
+
     def hpcrl_reload_weights(self, payload: bytes) -> int:
         from safetensors.torch import load
 
@@ -135,6 +146,7 @@ class VLLMEngine:
         on_cpu: bool,
         scratch: Path,
         kv_cache_gb: float | None = None,
+        routes: bool = False,
     ) -> None:
         scratch.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("VLLM_CACHE_ROOT", str(scratch / "vllm-cache"))
@@ -158,13 +170,18 @@ class VLLMEngine:
             load_format=cfg.load_format or "auto",
             max_model_len=max_model_len,
             max_num_seqs=cfg.max_num_seqs,
-            enable_prefix_caching=cfg.enable_prefix_caching,
+            # a cached prompt runs no forward, so records no routes (rollout/vllm_routes.py)
+            enable_prefix_caching=cfg.enable_prefix_caching and not routes,
             enable_sleep_mode=self.sleeps,
             seed=seed,
             worker_extension_cls="hpcrl.rollout.vllm_engine.WeightReloader",
             **kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self.routes = routes
+        """Completions carry the experts the routers chose (``trainer.router_replay``)."""
+        if routes:
+            self.llm.collective_rpc("hpcrl_record_routes")
         self.gate = WeightGate()
         self.stale_cache = False
         self.stop_token_ids = list(cfg.stop_token_ids)
@@ -178,7 +195,7 @@ class VLLMEngine:
 
     @classmethod
     def start(cls, model_dir: Path, cfg: VLLMRolloutConfig, **settings: Any) -> VLLMEngine:
-        """``build_engine``'s way in: seed, max_model_len, on_cpu, scratch, kv_cache_gb."""
+        """``build_engine``'s way in: seed, max_model_len, on_cpu, scratch, kv_cache_gb, routes."""
         return cls(model_dir, cfg, **settings)
 
     def generate(self, prompts: list[Prompt], settings: SamplingSettings) -> list[list[Completion]]:
@@ -254,7 +271,22 @@ class VLLMEngine:
                 truncated = c.finish_reason == "length"
                 group.append(Completion(tokens, lps, next(texts), truncated, (first, now)))
             groups.append(group)
+        if self.routes:
+            self._attach_routes(outputs, groups)
         return groups
+
+    def _attach_routes(self, outputs: list[Any], groups: list[list[Completion]]) -> None:
+        """Each completion's routes: every position a forward ran, the prompt's and all generated
+        tokens' but the last (rank 0's: TP ranks route alike)."""
+        seqs = [
+            list(out.prompt_token_ids) + c.token_ids[:-1]
+            for out, group in zip(outputs, groups, strict=True)
+            for c in group
+        ]
+        found = iter(self.llm.collective_rpc("hpcrl_take_routes", args=(seqs,))[0])
+        for group in groups:
+            for c in group:
+                c.routes = next(found)
 
     def _fresh_cache(self) -> None:
         """A refit under running requests could not drop the prefix cache (vLLM keeps blocks in use):

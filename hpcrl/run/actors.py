@@ -175,6 +175,7 @@ class RolloutActor:
             on_cpu=on_cpu,
             scratch=Path(scratch),
             kv_cache_gb=kv_cache_gb,
+            routes=cfg.trainer.router_replay,
         )
         self.threads = torch.get_num_threads()  # as the engine left it (vLLM on CPU sets its own)
 

@@ -9,10 +9,9 @@
             (the reference log-probs computed there, the metrics reduced over the ranks)
         broadcast the new weights to the engines; validate, checkpoint and log when due
 
-``train`` is that loop and ``one_step`` one pass of it, which the overlapped loop (run/overlap.py)
-shares: the two differ only in where a step's batch comes from (``Batches``). The driver hands it one
-``Run``: the config and the run's actors, reward pool, tokenizer, prompts, checkpoints and logs, the
-actors and pool seen only through protocols (tests/run/test_loop.py drives it with fakes).
+``train`` is that loop, ``one_step`` one pass of it, shared with the overlapped loop (run/overlap.py), which
+differs only in where a step's batch comes from (``Batches``). The driver hands it one ``Run``: config, actors,
+reward pool, tokenizer, prompts, checkpoints, logs (actors and pool as protocols: tests/run/test_loop.py).
 """
 
 from __future__ import annotations
@@ -225,17 +224,18 @@ def rollout_stats(seen: list[Scored], kept_groups: int) -> dict[str, float]:
 def make_batch(run: Run, s: Scored, shaped: torch.Tensor) -> TrainBatch:
     algo, pad_id = run.cfg.algo, run.pad_id
     adv = group_advantages(shaped, algo.baseline, algo.std_normalize)
-    prompts, comps, lps, advs, keep, images = [], [], [], [], [], []
+    prompts, comps, lps, advs, keep, images, routes = [], [], [], [], [], [], []
     for i, (e, g) in enumerate(zip(s.examples, s.groups, strict=True)):
         p = run.encode(e)
         for j, c in enumerate(g):
             prompts.append(p.ids)
             images.append(p.images)
+            routes.append(c.routes)
             comps.append(c.token_ids or [pad_id])
             lps.append(c.logprobs if c.token_ids else [])  # []: none from the engine (NaN in the batch)
             advs.append(float(adv[i, j]))
             keep.append(float(truncation_mask(torch.tensor(c.truncated))) if algo.overlong_filter else 1.0)
-    return build_batch(prompts, comps, lps, advs, keep, pad_id, images)
+    return build_batch(prompts, comps, lps, advs, keep, pad_id, images, routes)
 
 
 def validate(run: Run, step: int) -> dict[str, float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,6 +30,10 @@ class TrainBatch:
     images: list[dict[str, torch.Tensor]] | None = None
     """Per row, the model processor's tensors of its prompt's images (pixel values and what the model
     reads beside them: ``run/vision.py``), each with a leading dimension of 1; None: text only."""
+    routes: torch.Tensor | None = None
+    """[B, T, layers, k] int16: the experts the rollout engine's routers chose at each input position
+    (``trainer.router_replay``), -1 where the trainer's routers choose (padding, each row's last
+    token, a sample without routes); None: no replay."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -41,6 +46,7 @@ class TrainBatch:
             loss_mask=self.loss_mask.to(device),
             advantages=self.advantages.to(device),
             rollout_logp=self.rollout_logp.to(device),
+            routes=None if self.routes is None else self.routes.to(device),
         )
 
     def select(self, idx: slice | torch.Tensor) -> TrainBatch:
@@ -52,6 +58,7 @@ class TrainBatch:
             self.rollout_logp[idx],
             self.loss_from,
             None if self.images is None else _rows(self.images, idx),
+            None if self.routes is None else self.routes[idx],
         )
 
     def image_inputs(self) -> dict[str, torch.Tensor]:
@@ -84,11 +91,13 @@ def build_batch(
     keep: list[float],
     pad_id: int,
     images: list[dict[str, torch.Tensor] | None] | None = None,
+    routes: list[Any] | None = None,
 ) -> TrainBatch:
     """Right-padded batch; ``keep`` (0/1 per sample) zeroes the loss mask of filtered samples. A sample
     without rollout logprobs (an empty list: the engine was not asked, ``rollout.logprob_fraction``)
     gets NaN there, which the IS correction and ``gen_kl_error`` leave out. ``images``: each row's
-    image tensors (``TrainBatch.images``; None for a text-only row)."""
+    image tensors (``TrainBatch.images``; None for a text-only row). ``routes``: each sample's
+    ``Completion.routes`` (or None), for ``trainer.router_replay``."""
     rows = [p + c for p, c in zip(prompts, completions, strict=True)]
     width = max(len(r) for r in rows)
     n = len(rows)
@@ -106,7 +115,8 @@ def build_batch(
         rlp[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp, dtype=torch.float32) if lp else math.nan
     loss_from = max(0, min(len(p) for p in prompts) - 1)
     adv = torch.tensor(advantages, dtype=torch.float32)
-    return TrainBatch(ids, attn, loss_mask, adv, rlp, loss_from, _image_rows(images or [], n))
+    routed = _routes(routes, rows, width)
+    return TrainBatch(ids, attn, loss_mask, adv, rlp, loss_from, _image_rows(images or [], n), routed)
 
 
 def _image_rows(images: list[dict[str, torch.Tensor] | None], n: int) -> list[dict[str, torch.Tensor]] | None:
@@ -116,3 +126,22 @@ def _image_rows(images: list[dict[str, torch.Tensor] | None], n: int) -> list[di
     if rows and len(rows) != n:
         raise ValueError(f"{len(rows)} of {n} rows carry images: a batch is all image rows or all text rows")
     return rows or None
+
+
+def _routes(routes: list[Any] | None, rows: list[list[int]], width: int) -> torch.Tensor | None:
+    """[B, width, layers, k]: each sample's routes from position 0 on (a route per position but the
+    last), -1 elsewhere; None when no sample has routes."""
+    given = [torch.as_tensor(r) for r in routes or [] if r is not None]
+    if not given:
+        return None
+    assert routes is not None
+    out = torch.full((len(rows), width, *given[0].shape[1:]), -1, dtype=torch.int16)
+    for i, (r, row) in enumerate(zip(routes, rows, strict=True)):
+        if r is None:
+            continue
+        if len(r) != len(row) - 1:
+            raise ValueError(
+                f"sample {i}: routes for {len(r)} positions, its {len(row)} tokens need {len(row) - 1}"
+            )
+        out[i, : len(r)] = torch.as_tensor(r)
+    return out

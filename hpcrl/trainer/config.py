@@ -84,6 +84,13 @@ class TrainerConfig:
     """MoE router precision; None keeps the model dtype (the MoE quirk sets fp32)."""
     moe_aux_loss_coeff: float | None = None
     """MoE load-balancing loss weight; None keeps the checkpoint's (the MoE quirk turns it off)."""
+    router_replay: bool = False
+    """MoE models (R3): the log-prob and training passes send each token to the experts the rollout
+    engine's routers chose for it (``Completion.routes``), with the routing weights recomputed from
+    the trainer's own router logits at those experts, so the router still gets its gradient
+    (``trainer/router_replay.py``). Off, the trainer routes on its own, and numerics differences
+    between engine and trainer send tokens to other experts (Megatron-LM#4168 saw 94% of tokens
+    routed differently in at least one layer). The rollout engine records routes only when on."""
 
     def parallel(self, world: int) -> TrainParallel:
         """These degrees as the record, for code that runs without a plan (torchrun harnesses, benches);

@@ -12,6 +12,7 @@ from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.context_parallel import CPGroup
 from hpcrl.trainer.logprob_head import LogprobHead
 from hpcrl.trainer.packing import Packed
+from hpcrl.trainer.router_replay import set_routes
 
 
 def token_logprobs(
@@ -28,8 +29,11 @@ def token_logprobs(
     if right_padded is None:
         right_padded = is_right_padded(batch.attention_mask)
     ids = batch.input_ids
+    set_routes(model, batch.routes)
     targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))  # the last position predicts nothing
     if cp is not None and cp.size > 1:
+        if batch.routes is not None:
+            raise ValueError("trainer.router_replay does not split routes over trainer.cp ranks yet")
         if not right_padded:
             raise ValueError("trainer.cp > 1 trains on right-padded batches only (what build_batch makes)")
         return _split_logprobs(model, ids, targets, cp)
@@ -50,6 +54,7 @@ def packed_logprobs(model: Any, batch: TrainBatch) -> tuple[torch.Tensor, torch.
     masks attention across the restarts (``find_packed_sequence_indices``); [B, T-1] each, at the loss
     targets (zeros elsewhere, where no reader looks)."""
     packed = Packed.of(batch.input_ids, batch.attention_mask)
+    set_routes(model, None if batch.routes is None else packed.gather(batch.routes))
     inputs = {"input_ids": packed.ids, "position_ids": packed.positions}
     width = batch.input_ids.shape[1] - 1
     if not takes_logits_to_keep(model):

