@@ -5,11 +5,10 @@ from __future__ import annotations
 from hpcrl.config.schema import RunConfig
 from hpcrl.errors import ConfigError
 from hpcrl.rollout.backends import rollout_spec, with_routes
-from hpcrl.trainer.backends import trainer_spec, with_capability
 
 
 def check_router_replay(cfg: RunConfig) -> None:
-    """``trainer.router_replay``: an MoE model, an engine that returns routes, a trainer that replays."""
+    """``trainer.router_replay``: an MoE model, an engine that returns routes, whole sequences per rank."""
     trainer, model = cfg.trainer, cfg.model
     if not trainer.router_replay:
         return
@@ -21,11 +20,6 @@ def check_router_replay(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.router_replay=true: the {cfg.rollout.backend} engine does not return the experts it "
             f"routed to; use {with_routes()} or trainer.router_replay=false"
-        )
-    if not trainer_spec(trainer).replays_routes:
-        raise ConfigError(
-            f"trainer.router_replay=true: the {trainer.backend} backend does not replay routes yet; "
-            f"use {with_capability('replays_routes')} or trainer.router_replay=false"
         )
     if trainer.cp > 1:
         raise ConfigError(

@@ -62,8 +62,6 @@ class TrainerSpec:
     """Pads each sequence to a multiple of ``trainer.cp`` itself; otherwise cp must divide the length."""
     packs: bool
     """Runs packed micro-batches (``trainer.packing``: several sequences in one row)."""
-    replays_routes: bool
-    """Its MoE layers can replay the rollout engine's expert choices (``trainer.router_replay``)."""
     checkpoint_bytes_per_param: int
     """One checkpoint's weights and Adam state per parameter (fsdp: fp32 weights + m + v; megatron:
     bf16 weights + fp32 master + m + v)."""
@@ -154,7 +152,6 @@ FSDP = TrainerSpec(
     checkpoint_layout=(),
     pads_cp=True,
     packs=True,
-    replays_routes=True,
     checkpoint_bytes_per_param=12,
     ipc_any_world=True,
     checkpoint_prefix="model.",
@@ -253,7 +250,6 @@ MEGATRON = TrainerSpec(
     checkpoint_layout=("tp", "pp", "cp", "ep", "expert_tp"),
     pads_cp=False,
     packs=True,
-    replays_routes=False,
     checkpoint_bytes_per_param=14,
     ipc_any_world=False,
     checkpoint_prefix="model/",

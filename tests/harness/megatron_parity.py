@@ -7,7 +7,8 @@ N = TP x PP x CP x DP (CP through HPCRL_PARITY_OVERRIDES="trainer.cp=2").
 
 BACKEND is megatron (default) or fsdp (the reference: same batch, same loss, one process).
 HPCRL_PARITY_OVERRIDES adds config overrides (space separated, e.g. "trainer.cp=2");
-HPCRL_PARITY_DUMP_S prints every thread's stack and exits after that many seconds (to see a hang).
+HPCRL_PARITY_DUMP_S prints every thread's stack and exits after that many seconds (to see a hang);
+HPCRL_PARITY_ROUTES=1 gives the batch routes (``with_routes``) for ``trainer.router_replay``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,22 @@ def parity_batch() -> TrainBatch:
     logps = [(-torch.rand(len(c), generator=gen) * 5).tolist() for c in comps]
     adv = [1.0, -1.0, 0.5, -0.5, 0.25, 2.0, -2.0]
     return build_batch(prompts, comps, logps, adv, [1.0] * 7, pad_id=0)
+
+
+def with_routes(batch: TrainBatch, model_dir: Path) -> TrainBatch:
+    """``batch`` with random routes for the model's MoE layers (``trainer.router_replay``): k distinct
+    experts at every position but each row's last token and the padding (-1, the router's choice).
+    Random, not the model's own choice, so a replayed step differs from a free one."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    layers, experts, k = cfg.num_hidden_layers, cfg.num_local_experts, cfg.num_experts_per_tok
+    rows, width = batch.input_ids.shape
+    gen = torch.Generator().manual_seed(1)
+    routes = torch.rand(rows, width, layers, experts, generator=gen).argsort(-1)[..., :k].to(torch.int16)
+    for i, n in enumerate(batch.attention_mask.sum(1).tolist()):
+        routes[i, n - 1 :] = -1
+    return dataclasses.replace(batch, routes=routes)
 
 
 def after_checkpoint(batch: TrainBatch) -> TrainBatch:
@@ -167,6 +184,8 @@ def main() -> None:
     device = os.environ.get("HPCRL_PARITY_DEVICE", "cpu")
     trainer: Any = make_trainer(model_dir, cfg, rank, world, master, device)
     batch = parity_batch()
+    if os.environ.get("HPCRL_PARITY_ROUTES"):
+        batch = with_routes(batch, model_dir)
     resume = os.environ.get("HPCRL_PARITY_RESUME")  # a checkpoint of another layout: load, then step
     if resume:
         trainer.load_checkpoint(resume)

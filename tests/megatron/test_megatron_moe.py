@@ -177,3 +177,32 @@ def test_moe_plans_with_megatron_under_tensor_context_and_expert_tensor_parallel
     )
     assert "expert TP 2" in etp.stdout, etp.stdout[-2000:]
     assert "cannot submit yet" not in etp.stdout, etp.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_router_replay_gives_fsdps_step_on_the_same_routes(qwen3_moe_dir, tmp_path):
+    """trainer.router_replay with routes given in the batch (random: not the routers' own choice):
+    megatron's step equals fsdp's on the same routes, at one rank, under TP=2 (sequence parallel: each
+    rank's routers see half the tokens) and EP=2 x PP=2 (each stage's routers their own layers); and it
+    differs from the free step, so the routes were used."""
+    mask = parity_batch().loss_mask.bool()
+    replay, routes = ("trainer.router_replay=true",), {"HPCRL_PARITY_ROUTES": "1"}
+    aux_off = ("trainer.moe_aux_loss_coeff=0",)
+    fsdp = _torchrun(
+        qwen3_moe_dir, tmp_path / "fsdp.pt", 1, 1, backend="fsdp", port=29801, algo=replay, env=routes
+    )
+    base = _torchrun(
+        qwen3_moe_dir, tmp_path / "m1.pt", 1, 1, port=29802, extra=aux_off, algo=replay, env=routes
+    )
+    assert torch.allclose(base["logp"][mask], fsdp["logp"][mask], atol=1e-5)
+    for key in ("loss", "policy_loss", "kl", "grad_norm"):
+        assert base["metrics"][key] == pytest.approx(fsdp["metrics"][key], rel=1e-4, abs=1e-6), key
+    free = _torchrun(qwen3_moe_dir, tmp_path / "free.pt", 1, 1, port=29803, extra=aux_off)
+    assert (free["logp"][mask] - base["logp"][mask]).abs().max() > 1e-3
+    for i, (tp, ep, pp) in enumerate(((2, 1, 1), (1, 2, 2))):
+        where = f"TP={tp} EP={ep} PP={pp}"
+        run = _torchrun(
+            qwen3_moe_dir, tmp_path / f"tp{tp}ep{ep}pp{pp}.pt", tp, pp, dp=ep, port=29804 + i,
+            extra=(*aux_off, f"trainer.ep={ep}"), algo=replay, env=routes,
+        )  # fmt: skip
+        _assert_same_step(run, base, mask, where)

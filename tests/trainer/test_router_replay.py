@@ -191,7 +191,7 @@ def test_packed_replay_equals_padded_replay_and_the_router_learns(rollout, moe_d
     [
         (("model=tiny",), "is dense"),
         (("model=qwen3_30b_a3b", "rollout=hf"), "rollout=vllm"),
-        (("model=qwen3_30b_a3b", "trainer=megatron"), "trainer=fsdp"),
+        (("model=qwen3_30b_a3b", "trainer.cp=2"), "trainer.cp=1"),
     ],
 )
 def test_router_replay_is_refused_where_it_cannot_run(overrides, words):

@@ -25,6 +25,7 @@ from hpcrl.core.parallel import TrainParallel
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.logprob_head import chunked_logprob, soft_cap
 from hpcrl.trainer.megatron.attention import cp_gather
+from hpcrl.trainer.megatron.router_replay import RouteReplay, local_routes
 from hpcrl.trainer.packing import Packed
 from hpcrl.trainer.step import StepBatch
 
@@ -45,6 +46,8 @@ class Pipeline:
     pack_width: int | None = None
     """``trainer.packing``: each micro-batch's rows run as one packed row of this many tokens (the
     budget, rounded up to a multiple of TP); None: rows as they are."""
+    replay: RouteReplay | None = None
+    """``trainer.router_replay``: where each forward's routes go (``megatron/router_replay.py``)."""
 
     def micro_batches(self, batch: TrainBatch, size: int) -> list[TrainBatch]:
         """Equal micro-batches of ``size`` rows (fewer for a smaller batch), width a multiple of TP and
@@ -68,10 +71,15 @@ class Pipeline:
 
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
             i, mb = next(data_iterator)
-            ids, mask = mb.data.input_ids.to(self.device), None
+            ids, mask, routes = mb.data.input_ids.to(self.device), None, mb.data.routes
             if self.pack_width is not None:
                 packed = self.packed(mb.data)
                 ids, mask = packed.ids, packed.attention_mask()
+                routes = None if routes is None else packed.gather(routes.to(self.device))
+            if self.replay is not None:
+                self.replay.routes = (
+                    None if routes is None else local_routes(routes, self.par.tp, self.cp_split)
+                )
             # RoPE is relative: a packed sequence's offset in its row changes no score inside it
             pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
             out = model(input_ids=self.cp_split(ids), position_ids=self.cp_split(pos), attention_mask=mask)
@@ -196,7 +204,8 @@ def _concat(parts: list[TrainBatch]) -> TrainBatch:
         f: torch.cat([getattr(p, f) for p in parts])
         for f in ("input_ids", "attention_mask", "loss_mask", "advantages", "rollout_logp")
     }
-    return TrainBatch(**cat, loss_from=min(p.loss_from for p in parts))
+    routes = None if parts[0].routes is None else torch.cat([p.routes for p in parts if p.routes is not None])
+    return TrainBatch(**cat, loss_from=min(p.loss_from for p in parts), routes=routes)
 
 
 def _widen(batch: TrainBatch, width: int) -> TrainBatch:
@@ -208,4 +217,6 @@ def _widen(batch: TrainBatch, width: int) -> TrainBatch:
         pad(batch.loss_mask, (0, grow)),
         batch.advantages,
         pad(batch.rollout_logp, (0, grow)),
+        batch.loss_from,
+        None if batch.routes is None else pad(batch.routes, (0, 0, 0, 0, 0, grow), value=-1),
     )

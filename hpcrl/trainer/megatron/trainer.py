@@ -39,6 +39,8 @@ from hpcrl.trainer.megatron.model import (
 from hpcrl.trainer.megatron.optimizer import ShardedAdamW
 from hpcrl.trainer.megatron.pipeline import Pipeline, as_floats, fit
 from hpcrl.trainer.megatron.placement import Placement, gather_to_rank0
+from hpcrl.trainer.megatron.router_replay import RouteReplay
+from hpcrl.trainer.megatron.router_replay import install as install_route_replay
 from hpcrl.trainer.megatron.sharded import Pieces, model_pieces, optimizer_pieces, restorable
 from hpcrl.trainer.megatron.spec import family_of, text_config, transformer_config, uses_local_spec
 from hpcrl.trainer.megatron.stream import WeightStream
@@ -110,7 +112,10 @@ class MegatronTrainer:
         width = (
             None if budget is None else -(-budget // self.par.tp) * self.par.tp
         )  # sequence parallel splits it
-        self.pipeline = Pipeline(self.par, self.device, chunked, self.tied, compute_dtype, softcap, width)
+        replay = RouteReplay() if t.router_replay else None
+        self.pipeline = Pipeline(
+            self.par, self.device, chunked, self.tied, compute_dtype, softcap, width, replay
+        )
         build = partial(
             build_model,
             config,
@@ -132,6 +137,10 @@ class MegatronTrainer:
         # The frozen reference policy for the KL term (a second model: Megatron modules hold process
         # groups, which cannot be deep-copied), filled in the same pass over the checkpoint.
         self.ref = build().eval().requires_grad_(False) if self.cfg.algo.kl_coef > 0 else None
+        if replay is not None:  # the reference too: both sides of the KL on the engine's experts
+            for m in (self.model, self.ref):
+                if m is not None:
+                    install_route_replay(m, replay, recomputes=t.activation_checkpointing)
         with HFCheckpoint(model_dir) as ckpt:
             # names and shapes only: export_weights names the text decoder's weights as the checkpoint does
             self.lm = LanguageModel.of({n: ckpt.meta(n) for n in ckpt.names()})
