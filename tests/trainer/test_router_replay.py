@@ -6,6 +6,7 @@ its own router would choose others, and its log-probs stay on the engine's."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -197,3 +198,47 @@ def test_packed_replay_equals_padded_replay_and_the_router_learns(rollout, moe_d
 def test_router_replay_is_refused_where_it_cannot_run(overrides, words):
     with pytest.raises(ConfigError, match=words):
         plan("trainer.router_replay=true", *overrides)
+
+
+def _moe_model(family: str) -> Any:
+    from tests.harness.tiny_checkpoints import Kinds, _qwen_like, gemma4_model, nemotron_h_model
+
+    torch.manual_seed(0)
+    if family == "nemotron_h":  # LatentMoE between Mamba and attention layers
+        return nemotron_h_model(Kinds(family, moe=True, layers="M*E", latent=True))
+    return (gemma4_model if family == "gemma4" else _qwen_like)(Kinds(family, moe=True))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma4", "nemotron_h"])
+def test_each_router_replays_given_experts_with_its_own_weights(family):
+    """transformers' routers of every MoE family hpcrl trains: replaying a router's own choice changes
+    no number (the routing weights are recomputed as the router computes them); replaying other experts
+    sends the tokens there, and the router still gets a gradient."""
+    from hpcrl.trainer.router_replay import WEIGHTS, install, set_routes
+
+    model = _moe_model(family).eval()
+    layers = model.get_decoder().layers
+    ids = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    chosen: dict[int, torch.Tensor] = {}
+    install(model)
+    for i, layer in enumerate(layers):  # after install's hooks: sees what the experts get
+        for router in (m for m in layer.modules() if type(m).__name__ in WEIGHTS):
+            router.register_forward_hook(lambda _m, _a, out, i=i: chosen.__setitem__(i, out[2]))
+    free = model(input_ids=ids).logits
+    k = next(iter(chosen.values())).shape[1]
+    own = torch.full((2, 10, len(layers), k), -1, dtype=torch.int16)
+    for i, c in chosen.items():
+        own[:, :, i] = c.view(2, 10, k)
+    set_routes(model, own)
+    assert torch.allclose(model(input_ids=ids).logits, free, atol=1e-6)
+    experts = int(max(c.max() for c in chosen.values())) + 1
+    other = (own.long() + 1) % max(experts, k + 1)  # every expert moved, still k distinct ones
+    other[own < 0] = -1
+    set_routes(model, other.to(torch.int16))
+    out = model(input_ids=ids).logits
+    assert all(torch.equal(chosen[i].view(2, 10, k), other[:, :, i]) for i in chosen)
+    assert (out - free).abs().max() > 1e-4
+    out.sum().backward()
+    routers = [m for m in model.modules() if type(m).__name__ in WEIGHTS]
+    grads = [[p.grad for n, p in r.named_parameters() if n in ("weight", "proj.weight")] for r in routers]
+    assert all(g is not None and g.abs().sum() > 0 for (g,) in grads)
