@@ -284,3 +284,29 @@ def test_completions_are_scored_as_the_engines_hand_them_over(tmp_path: Path) ->
     # each hand-over is submitted before the engines hand over the next: one submit per hand-over
     assert scorer.submitted_at == list(range(1, len(actors.handed) + 1))
     assert dict(logger.logged)[1]["train/accuracy"] == 0.5  # every group's verdicts arrived in place
+
+
+class RoutedActors(FakeActors):
+    """``FakeActors`` whose completions carry routes (``trainer.router_replay``): at each position the
+    token there and the prompt's first character, so a row shows whose routes it got."""
+
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
+        groups = super().generate(prompts, settings)
+        for prompt, group in zip(prompts, groups, strict=True):
+            for c in group:
+                seq = torch.tensor(prompt + c.token_ids[:-1], dtype=torch.int16)
+                c.routes = torch.stack([seq, torch.full_like(seq, prompt[0])], -1)[:, None].numpy()
+        return groups
+
+
+def test_routes_travel_with_their_samples_into_the_batch(tmp_path: Path) -> None:
+    cfg = config("algo.dynamic_sampling=false", "algo.kl_coef=0.0", "checkpoint.enabled=false")
+    actors = RoutedActors(["mixed", "right", "mixed"])
+    run(cfg, actors, tmp_path)
+    b = actors.batches[0]
+    assert b.routes is not None and b.routes.shape == (*b.input_ids.shape, 1, 2)
+    for row in range(len(b)):
+        n = int(b.attention_mask[row].sum())
+        assert torch.equal(b.routes[row, : n - 1, 0, 0], b.input_ids[row, : n - 1].to(torch.int16))
+        assert (b.routes[row, : n - 1, 0, 1] == b.input_ids[row, 0]).all()
+        assert (b.routes[row, n - 1 :] == -1).all()
