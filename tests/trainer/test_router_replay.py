@@ -33,18 +33,24 @@ def moe_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rollout(moe_dir, tmp_path_factory):
-    """(prompts, completions) of one generation with routes: 4 samples a prompt."""
+def engine(moe_dir, tmp_path_factory):
     from hpcrl.rollout.config import VLLMRolloutConfig
     from hpcrl.rollout.vllm_engine import VLLMEngine
 
     scratch, cfg = tmp_path_factory.mktemp("vllm"), compose().rollout
     assert isinstance(cfg, VLLMRolloutConfig)
-    engine = VLLMEngine(
-        moe_dir, cfg, seed=0, max_model_len=48, on_cpu=True, scratch=scratch,
-        kv_cache_gb=0.05, routes=True,
-    )  # fmt: skip
-    groups = engine.generate(PROMPTS, SamplingSettings(n=4, temperature=1.0, top_p=1.0, max_tokens=8, seed=0))
+    return VLLMEngine(
+        moe_dir, cfg, seed=0, max_model_len=48, on_cpu=True, scratch=scratch, kv_cache_gb=0.05, routes=True
+    )
+
+
+SETTINGS = SamplingSettings(n=4, temperature=1.0, top_p=1.0, max_tokens=8, seed=0)
+
+
+@pytest.fixture(scope="module")
+def rollout(engine):
+    """(prompts, completions) of one generation with routes: 4 samples a prompt."""
+    groups = engine.generate(PROMPTS, SETTINGS)
     return [p for p in PROMPTS for _ in range(4)], [c for g in groups for c in g]
 
 
@@ -85,6 +91,17 @@ def test_vllm_returns_the_experts_of_every_forward_position(rollout, moe_dir):
     prompt, c = prompts[5], comps[5]
     want = hf_routes(moe_dir, prompt + c.token_ids)[:-1]
     assert torch.equal(torch.as_tensor(c.routes).long().sort(-1).values, want)
+
+
+def test_streamed_completions_carry_their_routes(engine, rollout):
+    """``generate_stream`` hands groups over as they finish, each with its routes: the same as
+    ``generate``'s for the same seed."""
+    streamed = dict(i_g for part in engine.generate_stream(PROMPTS, SETTINGS) for i_g in part)
+    _, comps = rollout
+    for i, group in streamed.items():
+        for j, c in enumerate(group):
+            whole = comps[4 * i + j]
+            assert c.token_ids == whole.token_ids and (c.routes == whole.routes).all()
 
 
 def test_routes_travel_in_the_batch_padded_and_packed(rollout):
