@@ -183,8 +183,8 @@ def test_moe_plans_with_megatron_under_tensor_context_and_expert_tensor_parallel
 def test_router_replay_gives_fsdps_step_on_the_same_routes(qwen3_moe_dir, tmp_path):
     """trainer.router_replay with routes given in the batch (random: not the routers' own choice):
     megatron's step equals fsdp's on the same routes, at one rank, under TP=2 (sequence parallel: each
-    rank's routers see half the tokens) and EP=2 x PP=2 (each stage's routers their own layers); and it
-    differs from the free step, so the routes were used."""
+    rank's routers see half the tokens), EP=2 x PP=2 (each stage's routers their own layers, recomputed
+    in 1F1B) and packed at TP=2; and it differs from the free step, so the routes were used."""
     mask = parity_batch().loss_mask.bool()
     replay, routes = ("trainer.router_replay=true",), {"HPCRL_PARITY_ROUTES": "1"}
     aux_off = ("trainer.moe_aux_loss_coeff=0",)
@@ -197,6 +197,13 @@ def test_router_replay_gives_fsdps_step_on_the_same_routes(qwen3_moe_dir, tmp_pa
     assert torch.allclose(base["logp"][mask], fsdp["logp"][mask], atol=1e-5)
     for key in ("loss", "policy_loss", "kl", "grad_norm"):
         assert base["metrics"][key] == pytest.approx(fsdp["metrics"][key], rel=1e-4, abs=1e-6), key
+    # fsdp's expert parallel dispatch takes the replayed experts too (EP=2 over two gloo ranks)
+    ep2 = _torchrun(
+        qwen3_moe_dir, tmp_path / "fsdp_ep2.pt", 1, 1, backend="fsdp", dp=2, port=29808,
+        algo=(*replay, "trainer.ep=2"), env=routes,
+    )  # fmt: skip
+    assert ep2["layout"]["dispatch"] and torch.allclose(ep2["logp"][mask], fsdp["logp"][mask], atol=1e-5)
+    assert ep2["metrics"]["loss"] == pytest.approx(fsdp["metrics"]["loss"], rel=1e-4, abs=1e-6)
     free = _torchrun(qwen3_moe_dir, tmp_path / "free.pt", 1, 1, port=29803, extra=aux_off)
     assert (free["logp"][mask] - base["logp"][mask]).abs().max() > 1e-3
     for i, (tp, ep, pp) in enumerate(((2, 1, 1), (1, 2, 2))):
@@ -206,3 +213,18 @@ def test_router_replay_gives_fsdps_step_on_the_same_routes(qwen3_moe_dir, tmp_pa
             extra=(*aux_off, f"trainer.ep={ep}"), algo=replay, env=routes,
         )  # fmt: skip
         _assert_same_step(run, base, mask, where)
+    # packed rows (TP=2: each rank's routers see half of each packed row) replay as the padded ones
+    packing = ("trainer.packing=true", "trainer.micro_batch_tokens=16")
+    run = _torchrun(
+        qwen3_moe_dir,
+        tmp_path / "packed.pt",
+        2,
+        1,
+        port=29807,
+        extra=(*aux_off, *packing),
+        algo=replay,
+        env=routes,
+    )
+    assert torch.allclose(run["logp"][mask], base["logp"][mask], atol=1e-5)
+    for key in ("loss", "policy_loss", "kl", "grad_norm"):
+        assert run["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-4, abs=1e-6), key
