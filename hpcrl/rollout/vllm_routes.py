@@ -90,9 +90,17 @@ def install(worker: Any) -> tuple[int, int]:
     """Bind a ``RouteRecorder`` to a vLLM worker's MoE routers and runner; (layers, k)."""
     from types import MethodType
 
-    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
-        bind_routed_experts_capturer,
-    )
+    try:
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+            bind_routed_experts_capturer,
+        )
+    except ImportError as e:
+        import vllm
+
+        raise RuntimeError(
+            f"trainer.router_replay=true: vLLM {vllm.__version__} has no routed-experts capture hook "
+            "(bind_routed_experts_capturer); use a vLLM that has it or trainer.router_replay=false"
+        ) from e
 
     runner = worker.model_runner
     config = runner.vllm_config.model_config
