@@ -384,7 +384,9 @@ def test_a_site_recipe_builds_on_a_shipped_one(site):
 )
 def test_secret_looking_env_names_are_refused_on_the_command_line(site, name):
     """cluster.env entries are written into sbatch.sh and config.yaml: a secret's name is refused there."""
-    with pytest.raises(ConfigError, match=rf"cluster.env.{name} looks like a secret; export it in your shell"):
+    with pytest.raises(
+        ConfigError, match=rf"cluster.env.{name} looks like a secret; export it in your shell"
+    ):
         compose.compose_config(["+cluster=h100", f"+cluster.env.{name}=x"]).cluster.check()
 
 

@@ -218,5 +218,5 @@ def _widen(batch: TrainBatch, width: int) -> TrainBatch:
         batch.advantages,
         pad(batch.rollout_logp, (0, grow)),
         batch.loss_from,
-        None if batch.routes is None else pad(batch.routes, (0, 0, 0, 0, 0, grow), value=-1),
+        routes=None if batch.routes is None else pad(batch.routes, (0, 0, 0, 0, 0, grow), value=-1),
     )
