@@ -36,7 +36,9 @@ def test_shards_stay_under_the_limit_and_the_index_names_every_tensor(tmp_path):
 def test_a_run_directory_exports_its_best_checkpoint(tmp_path):
     for step, metric in [(1, 0.2), (2, 0.7), (3, 0.4)]:
         d = tmp_path / "checkpoints" / f"step_{step:06d}"
-        d.mkdir(parents=True)
+        (d / "trainer").mkdir(parents=True)
+        (d / "trainer" / ".metadata").write_bytes(b"m")  # written before manifests: its key files
+        (d / "loop.pt").write_bytes(b"l")
         (d / "meta.json").write_text(json.dumps({"step": step, "metric": metric}))
     (tmp_path / "checkpoints" / "step_000004.tmp").mkdir()  # being written: never chosen
     assert resolve(tmp_path).name == "step_000002"
