@@ -101,6 +101,9 @@ class ClusterConfig:
     """Usable HBM per GPU in GB (1e9 bytes), as the vendor tools report it."""
     gpu_bf16_tflops: float = 0.0
     """Dense bf16 peak per GPU, for MFU figures."""
+    host_memory_gb: float | None = None
+    """Host memory per node in GB a job may use: ``hpcrl plan`` refuses a run whose offloaded optimizer
+    state (``trainer.optimizer_offload``) does not fit in it. None: not checked."""
     cpus_per_node: int = 1
     arch: str = "x86_64"
     nvlink_domain_nodes: int = 1
@@ -125,6 +128,8 @@ class ClusterConfig:
         positive("cluster.gpu_memory_gb", self.gpu_memory_gb)
         positive("cluster.cpus_per_node", self.cpus_per_node)
         non_negative("cluster.gpu_bf16_tflops", self.gpu_bf16_tflops)
+        if self.host_memory_gb is not None:
+            positive("cluster.host_memory_gb", self.host_memory_gb)
         positive("cluster.nvlink_domain_nodes", self.nvlink_domain_nodes)
         if self.max_nodes is not None:
             positive("cluster.max_nodes", self.max_nodes)

@@ -25,7 +25,7 @@ from hpcrl.rollout.backends import (
     served_weights,
 )
 from hpcrl.rollout.config import HFRolloutConfig, RolloutConfig, VLLMRolloutConfig
-from hpcrl.trainer.backends import trainer_spec
+from hpcrl.trainer.backends import optimizer_gap, trainer_spec
 from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig, TrainerConfig
 
 GROUPS = ("cluster", "model", "algo", "trainer", "rollout", "data", "experiment")
@@ -112,6 +112,8 @@ class RunConfig:
         )
         for part in parts:
             part.check()
+        if gap := optimizer_gap(self.trainer):
+            raise ConfigError(gap)
         positive("layout.train_nodes", self.layout.train_nodes)
         if self.layout.rollout_nodes < 0:
             raise ConfigError(

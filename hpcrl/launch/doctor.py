@@ -95,9 +95,9 @@ class Expect:
 
 
 def checkpoint_gb(plan: Plan) -> float:
-    """One checkpoint's size: the trainer's weights and Adam state (the backend's bytes per parameter:
-    ``TrainerSpec.checkpoint_bytes_per_param``)."""
-    per_param = trainer_spec(plan.cfg.trainer).checkpoint_bytes_per_param
+    """One checkpoint's size: the trainer's weights and optimizer state (the backend's bytes per
+    parameter: ``TrainerSpec.checkpoint_bytes``)."""
+    per_param = trainer_spec(plan.cfg.trainer).checkpoint_bytes(plan.cfg.model, plan.cfg.trainer)
     return per_param * plan.cfg.model.param_counts().total / GB
 
 

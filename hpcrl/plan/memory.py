@@ -20,9 +20,12 @@ from one that cannot, before an allocation is spent finding out. Sources of each
   while the trainer trains, wakes its weights for the refit (written through two buckets of
   ``rollout.weight_sync_bucket_mb``), then its KV cache to generate; the GPU's peak is the largest of
   the three phases, not training plus the engine's share. The trainer keeps its weights and
-  optimizer state resident throughout (neither backend offloads); its gradients exist only inside a
+  optimizer state resident throughout (the latter in host memory when offloaded); its gradients exist only inside a
   step (``trainer/step.py`` frees them after the last optimizer step), so the refit and generation
   phases do not count them.
+- ``trainer.optimizer_offload`` (fsdp): the optimizer state lives in host memory and only the one
+  tensor being stepped has its state on the GPU (``optimizer``); ``host`` is the state per training
+  rank, counted per node against ``cluster.host_memory_gb`` where the cluster gives it.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class TrainMemory:
     """The part of ``weights`` that is unsharded layer copies gathered for compute (fsdp)."""
     loading: float = 0.0
     """One layer's full tensors, read from the checkpoint at start-up."""
+    host: float = 0.0
+    """Host memory of one rank's offloaded optimizer state (``trainer.optimizer_offload``)."""
 
     @property
     def resident(self) -> float:
@@ -168,6 +173,10 @@ class MemoryEstimate:
     rollout: RolloutMemory
     colocated: ColocatedPeaks | None = None
     """The phases of a shared GPU (None: split, the engines have GPUs of their own)."""
+    host_per_node: float = 0.0
+    """Host memory the training ranks of one node take for their offloaded optimizer state."""
+    host_capacity: float | None = None
+    """``cluster.host_memory_gb`` (None: not known, not checked)."""
 
     @property
     def train_gpu_peak(self) -> float:
@@ -187,6 +196,11 @@ class MemoryEstimate:
             found.append(f"training needs {self.train.peak:.0f} GB per GPU of {cap:.0f} GB")
         if self.train.startup > cap:
             found.append(f"loading the models needs {self.train.startup:.0f} GB per GPU of {cap:.0f} GB")
+        if self.host_capacity is not None and self.host_per_node > self.host_capacity:
+            found.append(
+                f"the offloaded optimizer state needs {self.host_per_node:.0f} GB of host memory per node "
+                f"of {self.host_capacity:.0f} GB (cluster.host_memory_gb)"
+            )
         if self.rollout.sequences_that_fit < 1:
             found.append(
                 f"a rollout engine's share ({self.rollout.engine_budget:.0f} GB) cannot hold its weights "
@@ -232,7 +246,16 @@ def estimate_memory(cfg: RunConfig, topo: Topology, *, recompute: bool) -> Memor
     if topo.placement is Placement.COLOCATED:
         sleep = sleeps(cfg.rollout)
         phases = colocated_peaks(train, rollout, sleep=sleep, bucket_mb=cfg.rollout.weight_sync_bucket_mb)
-    return MemoryEstimate(cfg.cluster.gpu_memory_gb, topo.placement, train, rollout, phases)
+    ranks_per_node = min(cfg.cluster.gpus_per_node, topo.train.world)
+    return MemoryEstimate(
+        cfg.cluster.gpu_memory_gb,
+        topo.placement,
+        train,
+        rollout,
+        phases,
+        host_per_node=train.host * ranks_per_node,
+        host_capacity=cfg.cluster.host_memory_gb,
+    )
 
 
 def estimate_train(cfg: RunConfig, topo: Topology, *, recompute: bool) -> TrainMemory:
@@ -258,6 +281,7 @@ def estimate_train(cfg: RunConfig, topo: Topology, *, recompute: bool) -> TrainM
         reference=state.reference / GB if cfg.algo.kl_coef > 0 else 0.0,
         gathered=state.gathered / GB,
         loading=4 * layer / GB,  # fp32 at most (the tensors are cast as they are copied in)
+        host=state.host / GB,
     )
 
 

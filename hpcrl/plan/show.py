@@ -214,6 +214,9 @@ def _memory(plan: Plan) -> Table:
     table.add_row("rollout: sequences in KV (fit / wanted)", f"{r.sequences_that_fit} / {r.wanted_sequences}")
     for name, value in _colocated_rows(plan):
         table.add_row(name, f"{value:.1f}")
+    if mem.host_per_node:
+        of = f" of {mem.host_capacity:.0f}" if mem.host_capacity is not None else ""
+        table.add_row(f"host: offloaded optimizer state per node (GB{of})", f"{mem.host_per_node:.1f}")
     return table
 
 

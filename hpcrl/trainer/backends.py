@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from hpcrl.core.parallel import TrainParallel
 from hpcrl.trainer.config import (
     MegatronTrainerConfig,
+    Optimizer,
     Precision,
     TrainerConfig,
     fsdp_build_gap,
@@ -42,7 +43,10 @@ class TrainState:
     """The frozen reference policy, in fp32 (``algo.kl_coef`` > 0)."""
     grads: float
     optimizer: float
+    """On the GPU (with ``trainer.optimizer_offload``: the one tensor's state being stepped)."""
     gathered: float = 0.0
+    host: float = 0.0
+    """Host memory this rank's optimizer state takes (``trainer.optimizer_offload``)."""
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,9 @@ class TrainerSpec:
     """Pads each sequence to a multiple of ``trainer.cp`` itself; otherwise cp must divide the length."""
     packs: bool
     """Runs packed micro-batches (``trainer.packing``: several sequences in one row)."""
-    checkpoint_bytes_per_param: int
-    """One checkpoint's weights and Adam state per parameter (fsdp: fp32 weights + m + v; megatron:
-    bf16 weights + fp32 master + m + v)."""
+    checkpoint_weight_bytes: int
+    """One checkpoint's weights per parameter, beside the optimizer state (``optimizer_bytes``; fsdp:
+    fp32 weights; megatron: bf16 weights + fp32 master)."""
     ipc_any_world: bool
     """Every rank gathers each tensor whole, so every rank can feed the engine on its own GPU by CUDA
     IPC at any world size; otherwise only a single rank can."""
@@ -91,6 +95,13 @@ class TrainerSpec:
     images: bool = False
     """Trains on image prompts (``data.image_field``): the processor's pixel tensors ride with the batch
     into the model's forward, whose vision tower stays frozen."""
+    optimizer_options: tuple[str, ...] = ()
+    """The optimizer settings it runs beyond AdamW in fp32 on the GPU, as ``key=value`` of
+    ``trainer.*`` (``optimizer_gap`` refuses the others)."""
+
+    def checkpoint_bytes(self, model: ModelConfig, trainer: TrainerConfig) -> float:
+        """One checkpoint's bytes per parameter: weights and optimizer state."""
+        return self.checkpoint_weight_bytes + optimizer_bytes(model, trainer)
 
     def make(self) -> Any:
         """The Trainer class (imports the backend: torch and its libraries)."""
@@ -124,6 +135,60 @@ def _fsdp_choices(
     return [(tp, pp, cp, ep, 1) for tp in fixed[0] for pp in fixed[1] for ep in eps for cp in cps]
 
 
+def optimizer_settings(trainer: TrainerConfig) -> list[str]:
+    """The optimizer settings ``trainer`` asks for beyond the default (``TrainerSpec.optimizer_options``)."""
+    return [
+        f"{key}={value}"
+        for key, value, default in (
+            ("optimizer", trainer.optimizer.value, Optimizer.adamw.value),
+            ("optimizer_dtype", trainer.optimizer_dtype.value, Precision.float32.value),
+            ("optimizer_offload", str(trainer.optimizer_offload).lower(), "false"),
+        )
+        if value != default
+    ]
+
+
+def optimizer_gap(trainer: TrainerConfig) -> str:
+    """Why the chosen backend cannot run ``trainer``'s optimizer settings ("": it can)."""
+    spec = trainer_spec(trainer)
+    for setting in optimizer_settings(trainer):
+        if setting not in spec.optimizer_options:
+            others = [f"trainer={n}" for n, s in TRAINERS.items() if setting in s.optimizer_options]
+            return (
+                f"trainer.{setting} is not supported by trainer={spec.name}: use "
+                f"{' or '.join(others) or 'the default'}, or drop trainer.{setting.partition('=')[0]}"
+            )
+    return ""
+
+
+def optimizer_bytes(model: ModelConfig, trainer: TrainerConfig, fp32: bool = False) -> float:
+    """Bytes of optimizer state per trainable parameter as kept between steps (``fp32``: as stepped):
+    AdamW's m and v; Adafactor's row and column means of each matrix (rows + columns values for rows
+    x columns parameters, about 2 / hidden_size of them; vectors, with a full second moment, are few)."""
+    dtype = 2 if trainer.optimizer_dtype is Precision.bfloat16 and not fp32 else 4
+    if trainer.optimizer is Optimizer.adafactor:
+        return dtype * 2 / model.hidden_size
+    return 2 * dtype
+
+
+def largest_tensor(counts: ParamCounts, model: ModelConfig) -> float:
+    """Elements of the largest parameter tensor: the embedding, or one layer's fused experts."""
+    experts = counts.expert / model.num_layers if counts.expert else 0
+    return max(model.vocab_size * model.hidden_size, experts)
+
+
+def _fsdp_optimizer(
+    counts: ParamCounts, model: ModelConfig, trainer: TrainerConfig, trainable: float, world: int
+) -> tuple[float, float]:
+    """(GPU, host) bytes of one rank's optimizer state. Offloaded or in bf16, one tensor at a time is
+    stepped on the GPU in fp32 (trainer/fsdp/optim.py): the largest tensor's shard's state."""
+    state = optimizer_bytes(model, trainer) * trainable
+    if not (trainer.optimizer_offload or trainer.optimizer_dtype is Precision.bfloat16):
+        return state, 0.0
+    one = optimizer_bytes(model, trainer, fp32=True) * largest_tensor(counts, model) / world
+    return (one, state) if trainer.optimizer_offload else (state + one, 0.0)
+
+
 def _fsdp_state(
     counts: ParamCounts, model: ModelConfig, trainer: TrainerConfig, par: TrainParallel
 ) -> TrainState:
@@ -134,13 +199,16 @@ def _fsdp_state(
     dense_layer = layer_params(counts, model) - counts.expert / model.num_layers
     layer = dense_layer + counts.expert / model.num_layers / par.ep
     gathered = 2 * 2 * layer / par.tp  # bf16 copies: the current and the prefetched layer
+    # the optimizer's state (the fp32 master weights are `weights`)
+    optimizer, host = _fsdp_optimizer(counts, model, trainer, trainable, par.world)
     return TrainState(
         # frozen towers are fp32 shards like the rest (no gradients, no Adam state)
         weights=4 * trainable + 4 * frozen / par.world + gathered,
         reference=4 * counts.total / par.world,
         grads=4 * trainable,
-        optimizer=8 * trainable,  # fp32 Adam m + v (the fp32 master weights are `weights`)
+        optimizer=optimizer,
         gathered=gathered,
+        host=host,
     )
 
 
@@ -152,7 +220,7 @@ FSDP = TrainerSpec(
     checkpoint_layout=(),
     pads_cp=True,
     packs=True,
-    checkpoint_bytes_per_param=12,
+    checkpoint_weight_bytes=4,
     ipc_any_world=True,
     checkpoint_prefix="model.",
     export_names="hpcrl.trainer.fsdp.export:hf_names",
@@ -164,6 +232,7 @@ FSDP = TrainerSpec(
     sequence_parallel=lambda t: False,
     notes=lambda t: [],
     images=True,
+    optimizer_options=("optimizer=adafactor", "optimizer_dtype=bfloat16", "optimizer_offload=true"),
 )
 
 
@@ -250,7 +319,7 @@ MEGATRON = TrainerSpec(
     checkpoint_layout=("tp", "pp", "cp", "ep", "expert_tp"),
     pads_cp=False,
     packs=True,
-    checkpoint_bytes_per_param=14,
+    checkpoint_weight_bytes=6,
     ipc_any_world=False,
     checkpoint_prefix="model/",
     export_names="hpcrl.trainer.megatron.export:hf_names",

@@ -31,6 +31,11 @@ class Precision(StrEnum):
     float32 = "float32"
 
 
+class Optimizer(StrEnum):
+    adamw = "adamw"
+    adafactor = "adafactor"
+
+
 @dataclass
 class TrainerConfig:
     backend: ClassVar[str]
@@ -74,10 +79,28 @@ class TrainerConfig:
     of materialising the [tokens, vocab] logits: the same numbers, 40 GB less memory and 1.1x faster
     on the Qwen2-1.5B benchmark. (megatron: at tp=1; under TP the vocab-parallel loss is used.)"""
     grad_clip: float = 1.0
+    optimizer: Optimizer = Optimizer.adamw
+    """``adamw``, or ``adafactor`` (seed 003's optax.adafactor, as torch's ``Adafactor``): no first
+    moment, the second moment of each matrix factored into its row and column means (state ~ rows +
+    columns instead of 2 x its size); ``algo.lr`` caps its relative step size, scaled by each
+    tensor's RMS. fsdp runs it on each rank's shard, the column and norm sums reduced over the shard
+    group (trainer/fsdp/optim.py): the same update as on the whole tensor."""
+    optimizer_dtype: Precision = Precision.float32
+    """The dtype the optimizer's state (Adam's m and v, Adafactor's statistics) is kept in between
+    steps. ``bfloat16`` halves it (seed 003's ``mu_dtype``); each step runs in fp32 on one tensor's
+    state at a time and rounds back stochastically, so that updates smaller than bf16's precision
+    (v's 0.1% a step at beta2=0.999) still land on average instead of never."""
+    optimizer_offload: bool = False
+    """Keep the optimizer's state in host memory (pinned) instead of on the GPU, and step one tensor at
+    a time: its state copied in, stepped, copied back (seed 001's 12B recipe offloads its optimizer).
+    The GPU then holds one tensor's state at most; the weights and gradients stay on the GPU (torch's
+    ``CPUOffloadPolicy``, which moves them too and steps on the CPU, is not what this does). Costs
+    two host transfers of the state per step; ``hpcrl plan`` counts the host memory per node."""
     weight_decay: float = 0.0
-    """AdamW's decoupled weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW's (beta1, beta2): the decay rates of its gradient and squared-gradient averages."""
+    """Decoupled weight decay (both optimizers)."""
+    betas: list[float] | None = None
+    """AdamW's (beta1, beta2): the decay rates of its gradient and squared-gradient averages; None:
+    (0.9, 0.999). Adafactor has none (its beta2 grows with the step count)."""
     freeze: list[str] = field(default_factory=list)
     """Parameter-name prefixes kept frozen (vision/audio towers)."""
     router_dtype: str | None = None
@@ -118,6 +141,10 @@ class TrainerConfig:
         """Sequences per forward of a log-prob pass."""
         return self.logprob_batch_size or self.micro_batch_size
 
+    def adamw_betas(self) -> tuple[float, float]:
+        b = self.betas or [0.9, 0.999]
+        return b[0], b[1]
+
     def check(self) -> None:
         if self.logprob_batch_size is not None:
             positive("trainer.logprob_batch_size", self.logprob_batch_size)
@@ -134,7 +161,11 @@ class TrainerConfig:
                 )
         positive("trainer.grad_clip", self.grad_clip)
         non_negative("trainer.weight_decay", self.weight_decay)
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+        if self.betas is not None and self.optimizer is Optimizer.adafactor:
+            raise ConfigError(
+                f"trainer.betas={self.betas} is AdamW's; trainer.optimizer=adafactor has no betas: drop trainer.betas"
+            )
+        if self.betas is not None and (len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas)):
             raise ConfigError(f"trainer.betas={self.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
         if self.moe_aux_loss_coeff is not None:
             non_negative("trainer.moe_aux_loss_coeff", self.moe_aux_loss_coeff)

@@ -25,6 +25,7 @@ from hpcrl.trainer.fsdp.model import (
     position_dependent_rope,
     shard_model,
 )
+from hpcrl.trainer.fsdp.optim import StateStore, make_optimizer
 from hpcrl.trainer.hf_load import load_sharded, meta_model
 from hpcrl.trainer.logprob_head import install_logprob_head
 from hpcrl.trainer.process_group import collective_backend, init_process_group
@@ -72,13 +73,9 @@ class FSDPTrainer:
             ref = self._empty_model(model_dir).eval().requires_grad_(False)
             self.ref = shard_model(ref, cfg, device, world, self.par.ep)
         load_sharded([m for m in (self.model, self.ref) if m is not None], model_dir, device)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=cfg.algo.lr,
-            weight_decay=cfg.trainer.weight_decay,
-            betas=(cfg.trainer.betas[0], cfg.trainer.betas[1]),
-            fused=device.startswith("cuda") or None,  # one kernel per step instead of ~10 per tensor list
-        )
+        self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg, device)
+        self.store = StateStore(self.optimizer, cfg, device, rank)
+        """Where the optimizer's state lives between steps (``trainer.optimizer_dtype``, ``_offload``)."""
         self.step = TrainStep.from_config(cfg)
         self.writer = ShardWriter()
         self._conversions: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
@@ -183,7 +180,7 @@ class FSDPTrainer:
 
     def optimizer_step(self) -> torch.Tensor:
         norm = clip_grad_norm(list(self.model.parameters()), self.cfg.trainer.grad_clip)
-        self.optimizer.step()
+        self.store.step()
         return norm
 
     # -- weights to the engines: one tensor at a time (sync/packer.py packs them) ------------------

@@ -159,7 +159,7 @@ class MegatronTrainer:
         kwargs: dict[str, Any] = {
             "lr": algo.lr,
             "weight_decay": t.weight_decay,
-            "betas": tuple(t.betas),
+            "betas": t.adamw_betas(),
             "fused": True if self.device.type == "cuda" else None,
         }
         shard = t.distributed_optimizer
