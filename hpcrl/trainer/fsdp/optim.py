@@ -196,6 +196,24 @@ class StateStore:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the host copies are complete
 
+    def create(self) -> None:
+        """Every tensor's state, as kept, before a checkpoint is loaded into it: a step at rate 0 on
+        zero gradients, one tensor at a time (torch's state-dict helpers would take the same step on
+        the whole optimizer, with all of its state on the GPU at once)."""
+        if self.optimizer.state or not self.active:
+            return
+        rates = [g["lr"] for g in self.optimizer.param_groups]
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        self.step()
+        for p in params:
+            p.grad = None
+        for g, lr in zip(self.optimizer.param_groups, rates, strict=True):
+            g["lr"] = lr
+
     def put_all(self) -> None:
         """Every tensor's state as kept (after a load or a first step outside ``step``)."""
         for p in list(self.optimizer.state):

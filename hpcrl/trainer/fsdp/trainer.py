@@ -267,13 +267,18 @@ class FSDPTrainer:
             set_state_dict,
         )
 
+        if not weights_only:
+            self.store.create()
         state = self._state(optimizer=not weights_only)
         self.writer.load(state, path)
         # not strict: dcp.load has already failed on any key the checkpoint lacks; what strict would
         # add is a refusal of parameters that never had Adam state (a VLM's vision tower, trainable
         # but outside every text-only forward, so never stepped)
         opts = StateDictOptions(strict=False)
-        if weights_only:
+        if weights_only or self.store.active:
+            # The optimizer's state dict holds its own state tensors, so dcp.load has filled them in
+            # place, as kept (bf16, host memory); loading it into the optimizer would cast all of it
+            # to fp32 on the GPU first.
             set_model_state_dict(self.model, state["model"], options=opts)
         else:
             set_state_dict(
