@@ -72,8 +72,10 @@ def run(name: str, hidden: int, layers: int, steps: int) -> tuple[dict[str, obje
     opt.zero_grad(set_to_none=True)
     weights = torch.cuda.memory_allocated() - start_mb  # the parameters and the state on the GPU
     kept = [v.to_local() for s in opt.state.values() for v in s.values() if v.dim() > 0]
+    load_extra = resume(net, opt, store, hidden, layers, cfg) if offload else None
     row = {
         "option": name,
+        "gpu_load_extra_MB": load_extra,
         "state_MB": round(sum(v.numel() * v.element_size() for v in kept) / MB, 1),
         "state_dtype": sorted({str(v.dtype) for v in kept}),
         "state_device": sorted({v.device.type for v in kept}),
@@ -83,6 +85,36 @@ def run(name: str, hidden: int, layers: int, steps: int) -> tuple[dict[str, obje
         "step_s": round(min(times), 4),
     }
     return row, [p.full_tensor().detach().cpu() for p in net.parameters()]
+
+
+def resume(net, opt, store, hidden: int, layers: int, cfg) -> float:  # type: ignore[no-untyped-def]
+    """Save, then load into a fresh model and optimizer as ``FSDPTrainer.load_checkpoint`` does; the GPU
+    memory the load takes beyond the fresh model's (MB), after checking the state came back whole."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
+
+    path = tempfile.mkdtemp()
+    model_sd, optim_sd = get_state_dict(net, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    fresh = model(hidden, layers)
+    fresh_opt = make_optimizer(list(fresh.parameters()), cfg, "cuda")
+    fresh_store = StateStore(fresh_opt, cfg, "cuda", 0)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fresh_store.create()
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(fresh, state["model"])
+    torch.cuda.synchronize()
+    extra = (torch.cuda.max_memory_allocated() - before) / MB
+    ours = [v.to_local() for s in opt.state.values() for v in s.values() if v.dim() > 0]
+    theirs = [v.to_local() for s in fresh_opt.state.values() for v in s.values() if v.dim() > 0]
+    assert all(torch.equal(a, b) and b.is_pinned() for a, b in zip(ours, theirs, strict=True))
+    return round(extra, 1)
 
 
 def main() -> None:
