@@ -29,6 +29,8 @@ PLAIN = [
     ["checkpoint.dir=null", "logger.wandb=True", "algo.dual_clip=3", "algo.eps_high=0.28", "run.seed=-1"],
     ["rewards.processes=4", "rewards.timeout_s=2", "cluster=h100", "cluster.bootstrap.ray_nodes_s=600"],
     ["trainer=megatron", "trainer.activation_checkpointing=false", "trainer.micro_batch_size=2"],
+    ["trainer.optimizer=adafactor", "trainer.optimizer_dtype=bfloat16", "trainer.optimizer_offload=true"],
+    ["cluster=h100", "cluster.host_memory_gb=512", "trainer.weight_decay=0.01"],
     *[[f"+experiment={name}"] for name in EXPERIMENTS],
 ]
 
