@@ -165,3 +165,40 @@ def test_offload_and_bf16_change_where_the_state_lives_not_the_step(tiny_dir):
     moved = torch.cat([v.flatten() for v in fp32.values()])
     off = torch.cat([(runs["bf16"][k] - fp32[k]).flatten() for k in fp32])
     assert moved.abs().max() > 1e-3 and off.norm() < 0.05 * moved.norm()
+
+
+def _adafactor_trainer_rank(rank: int, master: str, tiny_dir: str, out: str) -> None:
+    """fsdp rank ``rank`` of two with Adafactor, both ranks on the whole batch (so the averaged
+    gradient is one rank's)."""
+    from hpcrl.trainer.fsdp import FSDPTrainer
+    from tests.conftest import compose
+    from tests.trainer.test_trainer import batch
+
+    cfg = compose("algo.lr=3e-3", "algo.kl_coef=0", "trainer.optimizer=adafactor")
+    t = FSDPTrainer(Path(tiny_dir), cfg, rank=rank, world=2, master=master)
+    for _ in range(2):
+        t.train_step(batch())
+    weights = t.export_weights()
+    if rank == 0:
+        torch.save(weights, Path(out))
+    torch.distributed.destroy_process_group()
+
+
+def test_adafactor_trainer_on_two_ranks_steps_as_one(tiny_dir, tmp_path):
+    """The trainer's Adafactor over two FSDP2 ranks (every tensor split in half) moves the tiny model
+    as one rank holding it whole does."""
+    from tests.trainer.test_trainer import batch
+
+    out = tmp_path / "rank0.pt"
+    args = (f"127.0.0.1:{free_port()}", str(tiny_dir), str(out))
+    torch.multiprocessing.spawn(_adafactor_trainer_rank, args=args, nprocs=2)
+    two = torch.load(out)
+    one = _trainer(tiny_dir, "trainer.optimizer=adafactor")
+    start = one.export_weights()
+    for _ in range(2):
+        one.train_step(batch())
+    whole = one.export_weights()
+    assert two.keys() == whole.keys()
+    assert max((whole[k] - start[k]).abs().max().item() for k in whole) > 1e-3  # it moved
+    for k in whole:
+        torch.testing.assert_close(two[k], whole[k], rtol=1e-4, atol=1e-5)
