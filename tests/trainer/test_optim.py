@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hpcrl.trainer.process_group import free_port
+from tests.megatron.test_megatron_moe import qwen3_moe_dir  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -202,3 +203,21 @@ def test_adafactor_trainer_on_two_ranks_steps_as_one(tiny_dir, tmp_path):
     assert max((whole[k] - start[k]).abs().max().item() for k in whole) > 1e-3  # it moved
     for k in whole:
         torch.testing.assert_close(two[k], whole[k], rtol=1e-4, atol=1e-5)
+
+
+def test_adafactor_under_expert_parallel_takes_the_one_rank_step(tmp_path, qwen3_moe_dir):  # noqa: F811
+    """Adafactor on a Qwen3-MoE's experts split over EP2 (each fused expert tensor sharded on dim 0
+    over the EP group): the same step as on one rank holding every expert."""
+    from tests.harness.megatron_parity import parity_batch
+    from tests.megatron.common import _assert_same_step, _torchrun
+
+    mask = parity_batch().loss_mask.bool()
+    algo = ("trainer.optimizer=adafactor", "algo.lr=0.5")  # a relative step: weights move by ~1e-2
+    base = _torchrun(qwen3_moe_dir, tmp_path / "one.pt", 1, 1, "fsdp", free_port(), algo=algo)
+    algo += ("trainer.ep=2",)
+    run = _torchrun(qwen3_moe_dir, tmp_path / "ep2.pt", 1, 1, "fsdp", free_port(), dp=2, algo=algo)
+    assert run["layout"]["expert_mesh"] == {"edp": 1, "ep": 2}
+    _assert_same_step(run, base, mask, "fsdp EP2 adafactor")
+    adamw = _torchrun(qwen3_moe_dir, tmp_path / "adamw.pt", 1, 1, "fsdp", free_port(), algo=("algo.lr=1e-8",))
+    apart = max((adamw["weights"][k] - w).abs().max().item() for k, w in base["weights"].items())
+    assert apart > 1e-3  # Adafactor's step moved the weights far past tolerance (AdamW at lr 1e-8 barely)

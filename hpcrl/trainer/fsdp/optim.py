@@ -38,23 +38,31 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: RunConfig, device: str
     )
 
 
-def _local(t: torch.Tensor) -> tuple[torch.Tensor, dist.ProcessGroup | None]:
-    """A tensor's local shard and the group its dim-0 shards span (None: it is whole here)."""
-    from torch.distributed.tensor import DTensor, Shard
+def _local(t: torch.Tensor) -> tuple[torch.Tensor, list[dist.ProcessGroup]]:
+    """A tensor's local shard and the groups its dim-0 shards span, one a mesh dim (none: whole
+    here). Expert weights under ``trainer.ep`` are split on dim 0 twice, over EP and (strided) over
+    expert DP: which rows a rank holds does not matter to sums over all of them."""
+    from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
-        return t, None
-    if t.placements != (Shard(0),):
-        raise ValueError(f"ShardedAdafactor takes tensors sharded on dim 0 (FSDP2), not {t.placements}")
-    return t.to_local(), t.device_mesh.get_group()
+        return t, []
+    mesh, groups = t.device_mesh, []
+    for i, placement in enumerate(t.placements):
+        if placement.is_replicate():
+            continue
+        if getattr(placement, "dim", None) != 0:  # Shard(0) or _StridedShard(0)
+            raise ValueError(f"ShardedAdafactor takes tensors sharded on dim 0 (FSDP2), not {t.placements}")
+        groups.append(mesh.get_group(i) if mesh.ndim > 1 else mesh.get_group())
+    return t.to_local(), groups
 
 
-def _sum(values: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
-    """Each of ``values`` summed over ``group`` (one collective for all)."""
-    if group is None:
+def _sum(values: list[torch.Tensor], groups: list[dist.ProcessGroup]) -> list[torch.Tensor]:
+    """Each of ``values`` summed over the shards of ``groups`` (one collective a group for all)."""
+    if not groups:
         return values
     flat = torch.cat([v.reshape(-1) for v in values])
-    dist.all_reduce(flat, group=group)
+    for group in groups:
+        dist.all_reduce(flat, group=group)
     return list(flat.split([v.numel() for v in values]))
 
 
@@ -65,7 +73,7 @@ def _like(p: torch.Tensor, local: torch.Tensor, shape: list[int], replicated: bo
 
     if not isinstance(p, DTensor):
         return local
-    placements = [Replicate()] if replicated else list(p.placements)
+    placements = [Replicate()] * p.device_mesh.ndim if replicated else list(p.placements)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(
         local, p.device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
@@ -124,13 +132,13 @@ class ShardedAdafactor(torch.optim.Optimizer):
         beta = step ** group["beta2_decay"]  # 1 - beta2 at this step
         rho = min(lr, 1 / step**0.5)
         numel = p.numel()
-        across = shards if p.dim() == 2 else None  # only a matrix's dim -2 is the sharded dim
+        across = shards if p.dim() == 2 else []  # only a matrix's dim -2 is the sharded dim
         if p.dim() >= 2:
             row_var, _ = _local(state["row_var"])
-            col_var = state["col_var"].to_local() if across is not None else _local(state["col_var"])[0]
+            col_var, _ = _local(state["col_var"])
             row_var.lerp_(grad.square().sum(-1, keepdim=True) / grad.size(-1), beta)
             col_sq, row_sum = grad.square().sum(-2, keepdim=True), row_var.sum(-2, keepdim=True)
-            if across is not None:
+            if across:
                 col_sq, row_sum = _sum([col_sq, row_sum], across)
                 col_sq, row_sum = col_sq.view(col_var.shape), row_sum.view(1, 1)
             col_var.lerp_(col_sq / p.shape[-2], beta)
