@@ -208,10 +208,11 @@ def load_loop_state(info: CheckpointInfo) -> dict[str, Any]:
     return dict(torch.load(info.path / "loop.pt", weights_only=False))
 
 
-def check_resumable(info: CheckpointInfo, now: dict[str, Any]) -> str:
+def check_resumable(info: CheckpointInfo, now: dict[str, Any], weights_only: bool = False) -> str:
     """'' when this run can resume ``info`` as it was written, else a line saying how the layout
     changes (the shards are resharded on load). Raises with one line naming both sides when the
-    checkpoint is of another model or backend (no format maps those)."""
+    checkpoint is of another model or backend (no format maps those), or holds another optimizer's
+    state than ``weights_only`` lets this run start afresh."""
     if not (info.path / "model.json").exists():
         raise HpcrlError(
             f"checkpoint {info.path} was written by an older hpcrl (one gathered state.pt, no per-rank "
@@ -225,6 +226,14 @@ def check_resumable(info: CheckpointInfo, now: dict[str, Any]) -> str:
                 f"this run is model={now.get('model')} trainer={now.get('backend')}: point checkpoint.dir "
                 "elsewhere (or run.dir to a new run directory) to start fresh"
             )
+    # (checkpoints from before trainer.optimizer existed hold AdamW's)
+    was_opt, now_opt = was.get("optimizer", "adamw"), now.get("optimizer", "adamw")
+    if was_opt != now_opt and not weights_only:
+        raise HpcrlError(
+            f"checkpoint {info.path} holds trainer.optimizer={was_opt} state; this run is "
+            f"trainer.optimizer={now_opt}: set checkpoint.resume_weights_only=true to start its state "
+            f"afresh, or trainer.optimizer={was_opt}"
+        )
     if was.get("layout") != now.get("layout"):
         return f"resharding {info.path.name}: written by {was.get('layout')}, loaded as {now.get('layout')}"
     return ""

@@ -206,9 +206,9 @@ def _prepare(plan: Plan, run_dir: Path) -> _Prepared:
     stream = PromptStream(train_ex, cfg.run.seed)
     logger = MetricsLogger(run_dir, cfg.logger, cfg.run.name, {"config": config_yaml(cfg)})
     latest = resume_point(ckpt)  # checked before any actor starts: a mismatch costs no GPU time
-    if latest is not None and (note := check_resumable(latest, ckpt.about)):
-        say(note)
     weights_only = cfg.checkpoint.resume_weights_only
+    if latest is not None and (note := check_resumable(latest, ckpt.about, weights_only)):
+        say(note)
     return _Prepared(model_dir, encode, pad_id, stream, val_ex, ckpt, logger, weights_only, latest)
 
 
@@ -259,6 +259,7 @@ def checkpoint_about(plan: Plan, model_dir: Path) -> dict[str, Any]:
         "model": cfg.model.name,
         "family": cfg.model.family,
         "backend": cfg.trainer.backend,
+        "optimizer": cfg.trainer.optimizer.value,
         "layout": layout,
         "source": str(model_dir),
     }

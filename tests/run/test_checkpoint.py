@@ -100,6 +100,14 @@ def test_model_json_and_the_model_files_travel_with_each_checkpoint(tmp_path):
     with pytest.raises(HpcrlError) as other:
         check_resumable(info, {**about, "backend": "megatron"})
     assert "model=tiny trainer=fsdp; this run is model=tiny trainer=megatron" in str(other.value)
+    # another optimizer's state: refused, unless the run starts its optimizer afresh
+    with pytest.raises(HpcrlError) as other:
+        check_resumable(info, {**about, "optimizer": "adafactor"})
+    assert str(other.value).endswith(
+        "holds trainer.optimizer=adamw state; this run is trainer.optimizer=adafactor: set "
+        "checkpoint.resume_weights_only=true to start its state afresh, or trainer.optimizer=adamw"
+    )
+    assert check_resumable(info, {**about, "optimizer": "adafactor"}, weights_only=True) == ""
     (info.path / "model.json").unlink()  # as an older hpcrl wrote them
     with pytest.raises(HpcrlError, match="older hpcrl"):
         check_resumable(info, about)
