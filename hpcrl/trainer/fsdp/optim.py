@@ -161,8 +161,9 @@ class StateStore:
     """Steps ``optimizer`` one tensor at a time with its state kept, between steps, in ``dtype`` and
     (``host``) in pinned host memory: the state of the tensor being stepped is brought to the GPU in
     fp32, stepped, and put back (rounded stochastically to bf16: its expected value is the fp32 one,
-    so updates below bf16's precision still land on average). Checkpoints read and write the state
-    as kept; a load (which casts it back to the parameters' dtype and device) puts it back too."""
+    so updates below bf16's precision still land on average). Checkpoints write the state as kept
+    and load into it in place (``create``); an optimizer ``load_state_dict``, which casts the state
+    to the parameters' dtype and device, is put back as kept after it."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg: RunConfig, device: str, rank: int) -> None:
         t = cfg.trainer
