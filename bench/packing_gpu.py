@@ -112,7 +112,10 @@ def main() -> int:
     args = p.parse_args()
     model = [f"model={args.model}"] + ([f"model.num_layers={args.layers}"] if args.layers else [])
     base = compose_config(model)
-    model_dir = args.model_dir or make_model_dir(base)
+    if args.model_dir is None:
+        with torch.device("cuda" if GPU else "cpu"):  # billions of random weights: on the GPU in seconds
+            args.model_dir = make_model_dir(base)
+    model_dir = args.model_dir
     common = [
         *model,
         f"model.hf_id={model_dir}",

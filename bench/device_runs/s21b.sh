@@ -14,8 +14,8 @@ for task in "$@"; do
   echo "== $task at $((SECONDS - T0)) s"
   case $task in
     packing)
-      need 200 $task && shape q15 qwen2_1p5b || continue
-      timeout -k 10 $(($(left) - 5)) python3 bench/packing_gpu.py --model qwen2_1p5b --model-dir "$TMP/m/q15" \
+      need 200 $task || continue
+      timeout -k 10 $(($(left) - 5)) python3 bench/packing_gpu.py --model qwen2_1p5b \
         --seqs "${PACK_SEQS:-128}" --max-new 3840 --mbs 4 --steps 2 --out "$OUT/packing_q15.json" > "$OUT/packing.log" 2>&1
       echo "== packing rc=$? $((SECONDS - T0)) s"; grep -E "^(batch|padded|packed)|Error|Traceback" "$OUT/packing.log" | tail -6 ;;
     submit_8b) need 200 $task && shape q8b16 qwen3_8b 16 && submit_shape q8b16 qwen3_8b 16 "$(left)" algo.max_steps=3 \
