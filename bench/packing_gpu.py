@@ -40,7 +40,7 @@ GPU = torch.cuda.is_available()
 
 def sync() -> None:
     if GPU:
-        sync()
+        torch.cuda.synchronize()
 
 
 def lengths(n: int, max_new: int, seed: int = 0) -> list[tuple[int, int]]:

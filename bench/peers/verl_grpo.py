@@ -157,7 +157,7 @@ def overrides(
         f"{a}.optim.lr_warmup_steps={algo.lr_warmup_steps}",
         "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.0",
         f"{a}.optim.weight_decay={trainer.weight_decay}",
-        f"{a}.optim.betas=[{trainer.betas[0]},{trainer.betas[1]}]",
+        f"{a}.optim.betas=[{trainer.adamw_betas()[0]},{trainer.adamw_betas()[1]}]",
         f"{a}.optim.clip_grad={trainer.grad_clip}",
         f"{a}.grad_clip={trainer.grad_clip}",
         f"{a}.ppo_mini_batch_size={prompts}",
