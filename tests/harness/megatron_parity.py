@@ -128,7 +128,7 @@ def watch_forwards(trainer: Any) -> dict[str, Any]:
 
 
 def expert_layout(trainer: Any) -> dict[str, Any]:
-    """fsdp's MoE experts as this rank holds them: the mesh of the first layer's ``gate_up_proj``
+    """fsdp's MoE experts as this rank holds them: the mesh of the first layer's first expert weight
     (named dimensions under expert parallelism), the experts whose rows it holds, and whether the
     layer's forward is the all-to-all dispatch."""
     from hpcrl.trainer.fsdp.expert_parallel import dispatch_forward, expert_modules
@@ -136,7 +136,8 @@ def expert_layout(trainer: Any) -> dict[str, Any]:
     experts = expert_modules(trainer.model)
     if not experts:
         return {}
-    weight = experts[0].gate_up_proj
+    # the first weight of the first layer's experts (gated: gate_up_proj; Nemotron-H's: up_proj)
+    weight = next(iter(experts[0].parameters()))
     mesh = weight.device_mesh
     return {
         "expert_mesh": dict(zip(mesh.mesh_dim_names or ("world",), mesh.shape, strict=True)),
