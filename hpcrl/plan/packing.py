@@ -48,5 +48,5 @@ def resolve_packing(cfg: RunConfig) -> str:
     trainer.micro_batch_tokens = trainer.micro_tokens(cfg.max_seq_len)
     return (
         f"trainer.micro_batch_tokens={trainer.micro_batch_tokens} (auto: trainer.micro_batch_size="
-        f"{trainer.micro_batch_size} x the longest sequence, {cfg.max_seq_len}: a padded micro-batch's memory)"
+        f"{trainer.micro_batch_size} x the longest sequence, {cfg.max_seq_len}: the largest padded micro-batch's tokens)"
     )
