@@ -203,12 +203,13 @@ def site_snippet(cluster: str, keys: list[str]) -> str:
 
 
 SECRET_PATTERN = re.compile(
-    r"(TOKEN|SECRETS?|PASSWORD|PASSWD|API_?KEY|CREDENTIALS?)(_|$)|(^|_)(KEY|PAT|AUTH\w*)(_|$)|AUTH",
+    r"(TOKEN|SECRETS?|PASSWORD|PASSWD|API_?KEY|CREDENTIALS?)(_|$)|(^|_)(KEY|PAT)(_|$)|AUTH(?!OR)",
     re.IGNORECASE,
 )
 """A secret's name ends a word with one of these (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY,
 DB_PASSWD), has KEY or PAT as a word of its own (AWS_ACCESS_KEY_ID, SSH_PRIVATE_KEY, GITLAB_PAT), or
-says AUTH anywhere (NGC_AUTH, BASIC_AUTH_USER); TOKENIZERS_PARALLELISM, MAX_TOKENS, PATH, MONKEY do not."""
+says AUTH anywhere but in AUTHOR (NGC_AUTH, BASIC_AUTH_USER, SSH_AUTH_SOCK); TOKENIZERS_PARALLELISM,
+MAX_TOKENS, PATH, MONKEY, GIT_AUTHOR_NAME do not."""
 
 
 def looks_secret(name: str) -> bool:

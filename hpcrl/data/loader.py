@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ def records_to_examples(
     prompt_field = (cfg.val_prompt_field if validation else None) or cfg.prompt_field
     answer_field = (cfg.val_answer_field if validation else None) or cfg.answer_field
     out: dict[Example, None] = {}  # insertion-ordered set: a repeated record is one example
+    imageless = 0
     for rec in records:
         problem = record_field(rec, prompt_field, source)
         if isinstance(problem, list):  # chat-style prompt: [{"role": "user", "content": ...}]
@@ -46,7 +48,15 @@ def records_to_examples(
         if cfg.image_field:
             images = image_files(record_field(rec, cfg.image_field, source), cfg.image_field, source)
             problem = str(problem).replace(IMAGE_MARKER, "").strip()
+            if not images:  # a batch is all image rows or all text rows: a text row would stop a step
+                imageless += 1
+                continue
         out[Example(render_prompt(cfg.template, str(problem)), answer, images)] = None
+    if imageless:
+        warnings.warn(
+            f"{source}: {imageless} records have no image in data.image_field={cfg.image_field}; left out",
+            stacklevel=2,
+        )
     return list(out)
 
 

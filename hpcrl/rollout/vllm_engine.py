@@ -166,7 +166,9 @@ class VLLMEngine:
             tokenizer=str(model_dir),
             dtype="float32" if on_cpu else cfg.dtype,
             tensor_parallel_size=cfg.tp,
-            enforce_eager=cfg.enforce_eager or on_cpu,
+            # the route recorder copies each router's choice to the host inside the forward, which a
+            # captured CUDA graph would replay without (rollout/vllm_routes.py): eager while recording
+            enforce_eager=cfg.enforce_eager or on_cpu or routes,
             load_format=cfg.load_format or "auto",
             max_model_len=max_model_len,
             max_num_seqs=cfg.max_num_seqs,

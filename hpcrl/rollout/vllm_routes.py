@@ -78,11 +78,16 @@ class RouteRecorder:
     def take(self, sequences: list[list[int]]) -> list[np.ndarray | None]:
         """The routes of each sequence (by its tokens; None where none was recorded); the requests
         they came from are forgotten."""
-        by_tokens = {tuple(t.tolist()): req for req, (t, _) in self.rows.items()}
-        found = [by_tokens.get(tuple(s)) for s in sequences]
-        out = [None if req is None else self.rows[req][1] for req in found]
-        for req in {r for r in found if r is not None}:
-            del self.rows[req]
+        # two samples of a prompt may be the same tokens (GRPO draws several): each request once,
+        # and every request with a taken sequence's tokens is forgotten, not only the one handed out
+        by_tokens: dict[tuple[int, ...], list[str]] = {}
+        for req, (t, _) in self.rows.items():
+            by_tokens.setdefault(tuple(t.tolist()), []).append(req)
+        routes = {key: self.rows[reqs[0]][1] for key, reqs in by_tokens.items()}
+        out = [routes.get(tuple(seq)) for seq in sequences]
+        for seq in sequences:
+            for req in by_tokens.get(tuple(seq), []):
+                self.rows.pop(req, None)
         return out
 
 

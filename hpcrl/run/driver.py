@@ -271,7 +271,7 @@ def _resume(actors: Any, prep: _Prepared, lag: int) -> tuple[int, list[Any]]:
     ranks read their shards themselves (resharded when this layout is another)."""
     import torch
 
-    from hpcrl.run.checkpoint import load_loop_state
+    from hpcrl.run.checkpoint import check_resumable, load_loop_state, verify
     from hpcrl.run.overlap import resumable
 
     latest, failed = prep.resume_from, frozenset[Path]()
@@ -280,12 +280,18 @@ def _resume(actors: Any, prep: _Prepared, lag: int) -> tuple[int, list[Any]]:
             state = load_loop_state(latest)
             actors.load_checkpoint(str(latest.path / "trainer"), prep.weights_only)
             break
-        except Exception as exc:  # damage within a file's recorded size: the manifest checks no shard sums
-            say(
-                f"checkpoint {latest.path.name} failed to load: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
-            )
+        except Exception as exc:
+            # damage within a file's recorded size (the resume's check sums no shard): the shards'
+            # sums say so; anything else (out of memory, a dead rank) would fail on every checkpoint
+            damage = verify(latest.path, deep=True)
+            if not damage:
+                raise
+            first = (str(exc).splitlines() or [""])[0][:200]
+            say(f"checkpoint {latest.path.name} failed to load ({type(exc).__name__}: {first}): {damage}")
             failed |= {latest.path}
             latest = resume_point(prep.ckpt, failed)
+            if latest is not None and (note := check_resumable(latest, prep.ckpt.about)):
+                say(note)
     if latest is None:
         return 0, []
     prep.stream.restore(state["stream"])

@@ -94,12 +94,14 @@ class Packed:
         return (later | (doc[:, None] != doc[None, :]))[None, None]
 
     def index_of(self, mask: torch.Tensor) -> torch.Tensor:
-        """Packed positions of the targets ``mask`` ([rows, T-1], the rows' loss mask) marks, in order."""
+        """Packed positions of the targets ``mask`` ([rows, T-1], the rows' loss mask) marks, in order;
+        position 0 where it marks none (a filler micro-batch: ``TrainStep.even``), so the head still runs."""
         where = [
             start + torch.nonzero(row[: n - 1]).flatten()
             for row, start, n in zip(mask, self.starts, self.lengths, strict=True)
         ]
-        return torch.cat(where).to(self.ids.device)
+        found = torch.cat(where)
+        return (found if found.numel() else torch.zeros(1, dtype=torch.long)).to(self.ids.device)
 
     def unpack(self, values: torch.Tensor, width: int) -> torch.Tensor:
         """[1, L] per-position values back to right-padded rows [rows, width] (zeros past each row's

@@ -127,6 +127,21 @@ class TrainStep:
         budget = trainer.micro_tokens(cfg.max_seq_len) if trainer.packing else None
         return cls(loss, cfg.algo.num_minibatches, trainer.micro_batch_size, budget, logprobs)
 
+    def even(
+        self, groups: list[torch.Tensor], group: dist.ProcessGroup | None, device: torch.device | str
+    ) -> int:
+        """Filler micro-batches appended to ``groups`` (a copy of its first row, which callers give no
+        weight) until every data-parallel rank has as many: packed bins differ in number between ranks,
+        and each micro-batch's forward is collective (FSDP's gathers, the experts' all-to-all). How many
+        were added; none unpacked (equal runs of rows on every rank)."""
+        if self.pack_tokens is None or group is None:
+            return 0
+        count = torch.tensor([len(groups)], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        extra = int(count.item()) - len(groups)
+        groups.extend(groups[0][:1].clone() for _ in range(extra))
+        return extra
+
     def cut(self, lengths: torch.Tensor) -> list[torch.Tensor]:
         """Row indices of each micro-batch of a minibatch whose rows hold ``lengths`` real tokens:
         runs of ``micro_batch_size`` rows, or packed, first-fit-decreasing bins of the token budget."""
@@ -162,11 +177,13 @@ class TrainStep:
         for part, rows in enumerate(torch.arange(len(batch)).chunk(self.minibatches)):
             # counts from the CPU tensors (no wait on the GPU), before a backend adds padding rows
             mask, groups = batch.loss_mask[rows], self.cut(lengths[rows])
+            real = len(groups)
+            fill = [0.0] * self.even(groups, backend.data_group, device)
             units, tokens = float(self.loss.units(mask)), float(mask.sum())
             shares = Shares(
-                [float(self.loss.units(mask[g])) / max(units, 1.0) for g in groups],
+                [float(self.loss.units(mask[g])) / max(units, 1.0) for g in groups[:real]] + fill,
                 max(tokens, 1.0),
-                [float(sent[rows][g].sum()) / max(sent_tokens, 1.0) for g in groups],
+                [float(sent[rows][g].sum()) / max(sent_tokens, 1.0) for g in groups[:real]] + fill,
             )
             # what each metric is a mean over in this minibatch (its weight among the ranks): the loss's
             # units, but for these
@@ -174,6 +191,8 @@ class TrainStep:
             backend.zero_grad()
             micro = backend.micro_batches(whole.select(rows), groups)
             assert len(micro) == len(groups), "micro_batches must give one micro-batch a group"
+            for filler in micro[real:]:  # runs for the collectives only: no loss token, no weight
+                filler.data.loss_mask.zero_()
             for metrics in backend.forward_backward(micro, partial(self.micro_loss, shares)):
                 for key, value in metrics.items():
                     totals.add(key, value, part, weights.get(key, units))

@@ -391,6 +391,13 @@ def test_secret_looking_env_names_are_refused_on_the_command_line(site, name):
 
 
 def test_ordinary_env_names_pass(site):
-    names = ["TOKENIZERS_PARALLELISM", "MAX_TOKENS", "LD_LIBRARY_PATH", "NCCL_IB_PKEY", "KEYBOARD_LAYOUT"]
+    names = [
+        "TOKENIZERS_PARALLELISM",
+        "MAX_TOKENS",
+        "LD_LIBRARY_PATH",
+        "NCCL_IB_PKEY",
+        "KEYBOARD_LAYOUT",
+        "GIT_AUTHOR_NAME",
+    ]
     cfg = compose.compose_config(["+cluster=h100", *(f"+cluster.env.{n}=1" for n in names), *SITE])
     assert set(names) <= set(cfg.cluster.env)

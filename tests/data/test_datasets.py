@@ -236,6 +236,13 @@ def test_geo3k_rows_carry_their_images(tmp_path):
     assert by_answer["3"].images == (png(0),) and by_answer["4"].images == (png(2),)
     assert by_answer["3"].prompt == render_prompt(cfg.template, "Find x.")
     assert [e.images for e in held_out] == [(png(0),)]
+    # a record without an image would make a text row in an image batch: left out, with one warning
+    mixed = write_parquet(tmp_path / "mixed.parquet", [*rows, {"images": [], "problem": "p", "answer": "9"}])
+    with pytest.warns(UserWarning, match=r"1 records have no image in data\.image_field=images; left out"):
+        examples, _ = load_examples(
+            compose("data=geo3k", f"data.source={mixed}", f"data.val_source={val}").data, seed=0
+        )
+    assert sorted(e.answer for e in examples) == ["3", "4"]
     bad = write_parquet(tmp_path / "bad.parquet", [{"images": [3], "problem": "p", "answer": "1"}])
     with pytest.raises(ConfigError, match=r"data\.image_field=images holds int"):
         load_examples(compose("data=geo3k", f"data.source={bad}", f"data.val_source={val}").data, seed=0)

@@ -303,6 +303,13 @@ def test_a_checkpoint_that_fails_to_load_gives_way_to_the_next_older_one_whole(t
 
     stream, actors = Stream(), Actors()
     prep = _Prepared(tmp_path, str, 0, stream, [], mgr, None, False, mgr.resumable(print))
+    # not damage (the files match their sums): the error is the run's, raised as it is, not a fallback
+    with pytest.raises(RuntimeError, match="PytorchStreamReader"):
+        _resume(actors, prep, 0)
+    # damage the resume's check cannot see (same size; only the shard's own sum): the next older one
+    (tmp_path / "step_000003" / "trainer" / "__0_0.distcp").write_bytes(b"SHARD")
+    stream, actors = Stream(), Actors()
+    prep = _Prepared(tmp_path, str, 0, stream, [], mgr, None, False, mgr.resumable(print))
     step, kept = _resume(actors, prep, 0)
     assert step == 2 and stream.at == 2 and actors.synced == [2] and kept == []
     assert actors.loaded == ["step_000003", "step_000002"]

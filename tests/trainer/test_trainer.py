@@ -164,23 +164,29 @@ def test_fused_logprob_head_matches_the_logits_path(tiny_dir):
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
 
 
-def _dp_rank(rank: int, master: str, tiny_dir: str, out: str) -> None:
+PACKED_UNEVEN = ("trainer.packing=true", "trainer.micro_batch_tokens=14")
+"""Rank 0's rows (7 and 8 tokens) pack into two bins, rank 1's (7 and 7) into one: the ranks must still
+run as many forwards (FSDP's gathers are collective), or the step hangs."""
+
+
+def _dp_rank(rank: int, master: str, tiny_dir: str, out: str, extra: tuple[str, ...] = ()) -> None:
     """fsdp rank ``rank`` of two (gloo): the step on its shard, rows rank::2, as ``Fleet`` hands it."""
-    cfg = compose("algo.lr=1e-3", "algo.kl_coef=0.05")
+    cfg = compose("algo.lr=1e-3", "algo.kl_coef=0.05", *extra)
     t = FSDPTrainer(Path(tiny_dir), cfg, rank=rank, world=2, master=master)
     assert t.ref is not None and t.data_rank() == (rank, 2)
     torch.save(t.train_step(batch().select(slice(rank, None, 2))), Path(out) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
-def test_data_parallel_ranks_log_the_whole_batch(tiny_dir, tmp_path):
+@pytest.mark.parametrize("extra", [(), PACKED_UNEVEN], ids=["padded", "packed-uneven-bins"])
+def test_data_parallel_ranks_log_the_whole_batch(tiny_dir, tmp_path, extra):
     """Two fsdp ranks on their shards of a batch (5 and 4 loss tokens, rows of opposite advantage),
     each scoring its shard under its own reference model inside the step (algo.kl_coef > 0): both
     log the loss, KL, clip fraction, entropy and engine mismatch one rank logs for the whole batch,
     which rank 0's shard alone does not give. (The gradient norm differs: the ranks' gradients are
     averaged, each the mean over its own shard's tokens.)"""
     master = f"127.0.0.1:{free_port()}"
-    torch.multiprocessing.spawn(_dp_rank, args=(master, str(tiny_dir), str(tmp_path)), nprocs=2)
+    torch.multiprocessing.spawn(_dp_rank, args=(master, str(tiny_dir), str(tmp_path), extra), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     whole = trainer(tiny_dir, "algo.kl_coef=0.05").train_step(batch())
     own = trainer(tiny_dir, "algo.kl_coef=0.05").train_step(batch().select(slice(0, None, 2)))

@@ -77,6 +77,8 @@ class FSDPTrainer:
         self.store = StateStore(self.optimizer, cfg, device, rank)
         """Where the optimizer's state lives between steps (``trainer.optimizer_dtype``, ``_offload``)."""
         self.step = TrainStep.from_config(cfg)
+        if self.recurrent and self.step.pack_tokens is not None:  # the plan refuses it; a config may skip it
+            raise ValueError("trainer.packing: Mamba layers would carry state across packed sequences")
         self.writer = ShardWriter()
         self._conversions: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
         """State-dict name -> the checkpoint tensors it becomes (``_hf_metas``)."""
@@ -127,9 +129,12 @@ class FSDPTrainer:
         batch = batch.to(self.device)  # the driver sends CPU tensors
         out = []
         groups = self._logprob_groups(batch)
+        real = len(groups)
+        self.step.even(groups, self.data_group, self.device)  # as many forwards as every other rank
         with torch.no_grad():
             for rows in groups:
                 out.append(self._forward(model, batch.select(rows), mask_ok)[0])
+        groups, out = groups[:real], out[:real]
         logp = _cat_padded(out)
         if self.step.pack_tokens is not None:  # bins hold rows out of order: put each back in its place
             logp = torch.empty_like(logp).index_copy_(0, torch.cat(groups).to(logp.device), logp)

@@ -239,8 +239,11 @@ class MegatronTrainer:
             return out.new_zeros(()), {"logp": logp.detach().cpu()}
 
         groups = self.step.cut(batch.attention_mask.sum(dim=1)) if self.step.pack_tokens else None
-        if groups is not None:  # packed: the step's bins, one packed row each
+        if groups is not None:  # packed: the step's bins, one packed row each, as many as on every rank
+            real = len(groups)
+            self.step.even(groups, self.data_group, self.device)
             mbs = [StepBatch(batch.select(g), None, None) for g in groups]
+            groups = groups[:real]
         else:
             datas = self.pipeline.micro_batches(batch, self.cfg.trainer.logprob_rows())
             mbs = [StepBatch(d, None, None) for d in datas]
@@ -249,7 +252,7 @@ class MegatronTrainer:
         with torch.no_grad():
             outs = self.pipeline.run(model, mbs, keep_logp, forward_only=True)
         model.train(training)
-        logp = _rows(outs, groups, n, width) if outs else None
+        logp = _rows(outs[: len(groups)] if groups else outs, groups, n, width) if outs else None
         return self.pipeline.from_last_stage(logp)
 
     def train_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
