@@ -72,16 +72,15 @@ class Pipeline:
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
             i, mb = next(data_iterator)
             ids, mask, routes = mb.data.input_ids.to(self.device), None, mb.data.routes
-            if self.pack_width is not None:
-                packed = self.packed(mb.data)
-                ids, mask = packed.ids, packed.attention_mask()
+            pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+            if self.pack_width is not None:  # positions restart per sequence (GPTModel's RoPE reads the
+                packed = self.packed(mb.data)  # length only: relative, so an offset changes no score)
+                ids, mask, pos = packed.ids, packed.attention_mask(), packed.positions
                 routes = None if routes is None else packed.gather(routes.to(self.device))
             if self.replay is not None:
                 self.replay.routes = (
                     None if routes is None else local_routes(routes, self.par.tp, self.cp_split)
                 )
-            # RoPE is relative: a packed sequence's offset in its row changes no score inside it
-            pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
             out = model(input_ids=self.cp_split(ids), position_ids=self.cp_split(pos), attention_mask=mask)
             return out, partial(loss, i, mb)
 
