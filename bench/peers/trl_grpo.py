@@ -44,7 +44,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--recipe", default="+experiment=grpo-smollm2-1n1g-chainsum")
     p.add_argument("--steps", type=int, default=None, help="algo.max_steps unless given")
-    p.add_argument("--out", type=Path, default=Path("trl_out"))
+    p.add_argument("--out", type=Path, default=Path("runs/peers/trl"))
     p.add_argument("--cpu", action="store_true", help="a smoke run without vLLM or a GPU")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()

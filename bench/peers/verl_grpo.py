@@ -377,7 +377,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--recipe", default="+experiment=grpo-smollm2-1n1g-chainsum")
     p.add_argument("--steps", type=int, default=None, help="algo.max_steps unless given")
-    p.add_argument("--out", type=Path, default=Path("verl_out"))
+    p.add_argument("--out", type=Path, default=Path("runs/peers/verl"))
     p.add_argument("--legacy", action="store_true", help="veRL's legacy RayPPOTrainer (trainer.use_v1=False)")
     p.add_argument("--check", action="store_true", help="inputs, config and prompt ids only; no Ray, no GPU")
     p.add_argument("overrides", nargs="*")

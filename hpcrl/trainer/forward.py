@@ -64,9 +64,7 @@ def packed_logprobs(model: Any, batch: TrainBatch) -> tuple[torch.Tensor, torch.
     # 185 prompt tokens and ~20 generated, a head over every packed token would be 90% wasted
     keep = packed.index_of(batch.loss_mask)
     logp, entropy = _logprobs(model, packed.targets[:, keep], **inputs, logits_to_keep=keep)
-    at = torch.zeros_like(packed.targets, dtype=logp.dtype)
-    full = [at.index_copy(1, keep, v) for v in (logp, entropy)]
-    return packed.unpack(full[0], width), packed.unpack(full[1], width)
+    return packed.unpack_kept(logp, keep, width), packed.unpack_kept(entropy, keep, width)
 
 
 def _left_pad(values: torch.Tensor, width: int) -> torch.Tensor:

@@ -103,6 +103,12 @@ class Packed:
         found = torch.cat(where)
         return (found if found.numel() else torch.zeros(1, dtype=torch.long)).to(self.ids.device)
 
+    def unpack_kept(self, values: torch.Tensor, keep: torch.Tensor, width: int) -> torch.Tensor:
+        """``values`` [1, K] computed at the packed positions ``keep`` (``index_of``) back to the
+        rows [rows, width], zeros elsewhere."""
+        at = torch.zeros_like(self.targets, dtype=values.dtype).index_copy(1, keep, values)
+        return self.unpack(at, width)
+
     def unpack(self, values: torch.Tensor, width: int) -> torch.Tensor:
         """[1, L] per-position values back to right-padded rows [rows, width] (zeros past each row's
         last target), as the unpacked forward returns them."""

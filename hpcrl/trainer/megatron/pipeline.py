@@ -113,9 +113,7 @@ class Pipeline:
             packed, width = self.packed(batch), batch.input_ids.shape[1]
             keep = packed.index_of(batch.loss_mask)
             logp, entropy = self._token_stats(model, out[:, keep], packed.targets[:, keep])
-            at = torch.zeros_like(packed.targets, dtype=logp.dtype)
-            logp, entropy = (at.index_copy(1, keep, v) for v in (logp, entropy))
-            return packed.unpack(logp, width - 1), packed.unpack(entropy, width - 1)
+            return packed.unpack_kept(logp, keep, width - 1), packed.unpack_kept(entropy, keep, width - 1)
         ids = batch.input_ids.to(self.device)
         # the last position predicts nothing we use
         return self._token_stats(model, out, self.cp_split(torch.nn.functional.pad(ids[:, 1:], (0, 1))))
