@@ -91,6 +91,33 @@ class BootstrapConfig:
 
 
 @dataclass
+class RolloutNodes:
+    """The dedicated rollout nodes' own kind where it differs from the training nodes' (``cluster.rollout_node``,
+    a split layout only). Then the job is a Slurm heterogeneous job: one component of rollout nodes, one
+    of training nodes, each with its own partition, GPU, time and accounting keys; srun starts one task
+    a node over both and Ray spans them. A key left None is the training nodes' value. The GPU count
+    per node is the training nodes' (engines and trainer ranks are placed one per GPU slot)."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    time: str | None = None
+    """The rollout component's wall-clock limit (Slurm syntax); None: ``cluster.slurm.time``."""
+    gpu_memory_gb: float | None = None
+    """Usable HBM per rollout GPU: what the engines' ``rollout.gpu_memory_utilization`` is a share of."""
+    cpus_per_node: int | None = None
+
+    def check(self) -> None:
+        if self.gpu_memory_gb is not None:
+            positive("cluster.rollout_node.gpu_memory_gb", self.gpu_memory_gb)
+        if self.cpus_per_node is not None:
+            positive("cluster.rollout_node.cpus_per_node", self.cpus_per_node)
+        if self.time is not None:
+            parse_slurm_time(self.time, "cluster.rollout_node.time")
+
+
+@dataclass
 class ClusterConfig:
     name: str = MISSING
     scheduler: Scheduler = Scheduler.slurm
@@ -116,6 +143,8 @@ class ClusterConfig:
     container: ContainerConfig = field(default_factory=ContainerConfig)
     imex: ImexConfig = field(default_factory=ImexConfig)
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
+    rollout_node: RolloutNodes | None = None
+    """Rollout nodes of another kind (partition, GPU, time): the job becomes a heterogeneous Slurm job."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment for every task (NCCL settings and the like). Never put secrets here."""
     setup: list[str] = field(default_factory=list)
@@ -140,6 +169,13 @@ class ClusterConfig:
         self.slurm.time_minutes()
         self.slurm.check_extra_sbatch()
         self.bootstrap.check()
+        if self.rollout_node is not None:
+            self.rollout_node.check()
+            if self.scheduler is Scheduler.local:
+                raise ConfigError(
+                    "cluster.rollout_node describes a Slurm heterogeneous job; cluster=local has one "
+                    "machine: remove cluster.rollout_node"
+                )
         for mount in self.container.mounts:
             if ":" not in mount:
                 raise ConfigError(f"cluster.container.mounts entry '{mount}' must be 'src:dst'")
@@ -158,6 +194,13 @@ class ClusterConfig:
                 )
         if self.scheduler is Scheduler.slurm:
             self.check_required_site_keys()
+
+    def rollout_memory_gb(self, split: bool) -> float:
+        """HBM per GPU the engines share: the rollout nodes' own on a split layout (``rollout_node``)."""
+        node = self.rollout_node
+        if split and node is not None and node.gpu_memory_gb is not None:
+            return node.gpu_memory_gb
+        return self.gpu_memory_gb
 
     def check_required_site_keys(self) -> None:
         missing = [key for key in self.slurm.required if self.site_value(key) in (None, "", [])]
@@ -333,11 +376,11 @@ def extra_sbatch_problem(name: str) -> str | None:
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 
-def parse_slurm_time(text: str) -> int:
-    """Slurm time string to whole minutes (rounded up); raises ConfigError on anything else."""
+def parse_slurm_time(text: str, key: str = "cluster.slurm.time") -> int:
+    """Slurm time string to whole minutes (rounded up); raises ConfigError naming ``key`` on anything else."""
     match = _TIME.match(text.strip())
     if not match:
-        raise ConfigError(f"cluster.slurm.time='{text}' is not a Slurm time; use MM, HH:MM:SS or D-HH:MM:SS")
+        raise ConfigError(f"{key}='{text}' is not a Slurm time; use MM, HH:MM:SS or D-HH:MM:SS")
     days, a, b, c = match.groups()
     if days is not None or c is not None:  # D-HH[:MM[:SS]] or HH:MM:SS
         hours, minutes, seconds = int(a), int(b or 0), int(c or 0)

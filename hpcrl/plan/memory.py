@@ -312,7 +312,8 @@ def estimate_rollout(cfg: RunConfig, topo: Topology) -> RolloutMemory:
     wanted = -(-samples // topo.rollout.engines)  # engines_per_gpu included
     wanted = min(wanted, rollout.max_num_seqs)
     return RolloutMemory(
-        budget=rollout.gpu_memory_utilization * cfg.cluster.gpu_memory_gb,
+        budget=rollout.gpu_memory_utilization
+        * cfg.cluster.rollout_memory_gb(topo.placement is Placement.SPLIT),
         weights=weight_bytes * served / tp / GB,
         kv_per_sequence=model.kv_bytes_for_sequence(seq_len, tp=tp) / GB,
         sequence_len=seq_len,

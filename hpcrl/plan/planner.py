@@ -171,6 +171,7 @@ def make_plan(cfg: RunConfig, layout: Layout | None = None) -> Plan:
         rollout_tp=layout.rollout_tp,
         engines_per_gpu=cfg.rollout.engines_per_gpu or 1,
     )
+    check_rollout_nodes(cfg, topo.placement)
     check_model_parallel(cfg)
     check_images(cfg)
     sleep = resolve_sleep(cfg, topo.placement)
@@ -269,6 +270,15 @@ def resolve_sleep(cfg: RunConfig, placement: Placement) -> SleepChoice | None:
         raise ConfigError(f"rollout.sleep=true needs colocated GPUs ({blocker}); drop it{gpu}")
     reason = blocker or (SLEEP_ON if rollout.sleep else SLEEP_OFF)
     return SleepChoice(rollout.sleep, explicit=explicit, reason=reason)
+
+
+def check_rollout_nodes(cfg: RunConfig, placement: Placement) -> None:
+    """``cluster.rollout_node`` (a heterogeneous job) describes dedicated rollout nodes: a split layout."""
+    if cfg.cluster.rollout_node is not None and placement is not Placement.SPLIT:
+        raise ConfigError(
+            "cluster.rollout_node describes dedicated rollout nodes, but this layout is colocated; "
+            "set layout.rollout_nodes>=1 (split) or remove cluster.rollout_node"
+        )
 
 
 def check_cluster_layout(cfg: RunConfig) -> None:

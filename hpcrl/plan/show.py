@@ -300,6 +300,16 @@ def _sbatch(plan: Plan, params: dict[str, Any]) -> Table:
             sb.add_row(key, f"{value} min" if key == "time" else str(value))
     for key, value in params["additional_parameters"].items():
         sb.add_row(key, str(value))
+    node = cfg.cluster.rollout_node
+    if node is not None and plan.topology.rollout_nodes:
+        # a heterogeneous job (launch/hetjob.py): the rollout nodes are component 0 with their own keys
+        own = {k: v for k, v in vars(node).items() if v is not None}
+        keys = ", ".join(f"{k} {v}" for k, v in own.items()) or "the training nodes' keys"
+        sb.add_row(
+            "hetjob",
+            f"component 0: {plan.topology.rollout_nodes} rollout node(s), {keys}; "
+            f"component 1: {plan.topology.train_nodes} training node(s)",
+        )
     sb.add_row("container", cfg.cluster.container.image or "(none)")
     for name in sorted(cfg.cluster.env):
         sb.add_row(f"env {name}", cfg.cluster.env[name])

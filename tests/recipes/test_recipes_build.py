@@ -268,13 +268,14 @@ def test_recipes_map_to_their_tiny_layouts():
         case = _case_of(recipe)
         assert (case.kinds, case.layout) == (kinds, layout), recipe
     assert _case_of("dapo-gemma4-31b-it-4n8g-megatron").layout.label() == "TP2xPP2xSP-no-DP"
-    # one run for recipes of one case: both TP2 x EP16 Nemotron layouts, both tiny fsdp recipes
+    # one run for recipes of one case: both TP2 x EP16 Nemotron layouts, the tiny fsdp recipes
     assert CASES[_case_of("dapo-nemotron-super-3n8g-megatron")] == [
         "dapo-nemotron-super-3n8g-megatron",
         "dapo-nemotron-super-5n4g-megatron",
     ]
     assert CASES[_case_of("grpo-tiny-2n1g-fsdp-split")] == [
         "grpo-tiny-1n1g-fsdp",
+        "grpo-tiny-2n1g-fsdp-hetjob",
         "grpo-tiny-2n1g-fsdp-split",
     ]
     assert all(c.layout.world <= MAX_WORLD for c in CASES)
