@@ -151,6 +151,12 @@ def cmd_render(args: argparse.Namespace) -> int:
         script = run_dir / "sbatch.sh"
         script.write_text(render_sbatch(plan, run_dir.resolve()))
         print(f"sbatch  {script}")
+    elif plan.cfg.cluster.scheduler is Scheduler.kuberay:
+        from hpcrl.launch.kuberay import manifest_yaml, pods_run_dir, rayjob
+
+        manifest = run_dir / "rayjob.yaml"
+        manifest.write_text(manifest_yaml(rayjob(plan, pods_run_dir(plan, run_dir))))
+        print(f"rayjob  {manifest}")
     else:
         print("cluster=local runs without Slurm: there is no sbatch script (`hpcrl submit` runs it here)")
     return 0
@@ -171,6 +177,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.dry_run:
         raise HpcrlError("--dry-run is for sweeps (submit -m); `hpcrl render` shows one run's files")
     plan = plan_from_overrides(args.overrides)
+    if plan.cfg.cluster.scheduler is Scheduler.kuberay:
+        raise HpcrlError(
+            f"cluster '{plan.cfg.cluster.name}' runs on Kubernetes, where `hpcrl submit` cannot submit yet; "
+            "`hpcrl render` writes the run's RayJob manifest (rayjob.yaml) for `kubectl apply -f`"
+        )
     plan.require_buildable()  # first: a model the backend cannot build is refused whatever it needs
     plan.require_fit()
     check_inputs(plan.cfg)
