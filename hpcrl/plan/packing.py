@@ -8,8 +8,9 @@ from hpcrl.trainer.backends import trainer_spec, with_capability
 
 
 def check_packing(cfg: RunConfig) -> None:
-    """``trainer.packing``: a backend that packs, whole sequences on one rank, attention layers only."""
-    trainer, model = cfg.trainer, cfg.model
+    """``trainer.packing``: a backend that packs, whole sequences on one rank (Mamba layers restart at
+    each: ``trainer/ssd.py``)."""
+    trainer = cfg.trainer
     if not trainer.packing:
         return
     if not trainer_spec(trainer).packs:
@@ -26,11 +27,6 @@ def check_packing(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.packing=true with data.image_field={cfg.data.image_field}: image rows are not packed "
             "yet; set trainer.packing=false"
-        )
-    if model.hybrid.mamba > 0:
-        raise ConfigError(
-            f"trainer.packing=true: {model.name}'s Mamba layers would carry their state from one packed "
-            "sequence into the next; set trainer.packing=false"
         )
     if trainer.micro_batch_tokens is not None and trainer.micro_batch_tokens < cfg.max_seq_len:
         raise ConfigError(

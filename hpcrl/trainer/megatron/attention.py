@@ -52,7 +52,8 @@ class SDPAttention(torch.nn.Module):
         attention_bias: Any = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
+        # hpcrl's packed rows come with their block mask; their bounds are for the Mamba layers
+        if (packed_seq_params is not None and attention_mask is None) or attention_bias is not None:
             raise ValueError("SDPAttention: packed sequences and attention bias need Transformer Engine")
         # Megatron hands [s, b, heads, dim]; SDPA wants [b, heads, s, dim]. Sequences are right-padded,
         # so the causal mask alone is exact for every real token; packed rows come with their mask.

@@ -113,8 +113,9 @@ class MegatronTrainer:
             None if budget is None else -(-budget // self.par.tp) * self.par.tp
         )  # sequence parallel splits it
         replay = RouteReplay() if t.router_replay else None
+        mamba = bool(self.shape.pattern)  # a hybrid model: its Mamba layers read packed rows' bounds
         self.pipeline = Pipeline(
-            self.par, self.device, chunked, self.tied, compute_dtype, softcap, width, replay
+            self.par, self.device, chunked, self.tied, compute_dtype, softcap, width, replay, mamba
         )
         build = partial(
             build_model,
