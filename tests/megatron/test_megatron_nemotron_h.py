@@ -65,11 +65,15 @@ def _save_model(out: Path) -> None:
     nemotron_h_model().save_pretrained(out)
 
 
-def _parity_case(name: str, tp: int, pp: int, backend: str = "megatron", **kw: int) -> TorchrunCase:
+def _parity_case(
+    name: str, tp: int, pp: int, backend: str = "megatron", packing: tuple[str, ...] = (), **kw: int
+) -> TorchrunCase:
     """tests/harness/megatron_parity.py's run of a layout (its overrides; cp and ep as test_megatron's
-    ``_torchrun`` passes them) as a case of the session's torchrun of its world size."""
+    ``_torchrun`` passes them, ``packing``'s after them) as a case of the session's torchrun of its
+    world size."""
     cp, ep = kw.get("cp", 1), kw.get("ep")
     extra = (f"trainer.cp={cp}", *([f"trainer.ep={ep}"] if ep else [])) if backend == "megatron" else ()
+    extra = (*extra, *packing)
     with mock.patch.dict(os.environ, {"HPCRL_PARITY_OVERRIDES": " ".join(extra)}):
         cfg = tuple(parity_overrides(tp, pp, backend))
     world = tp * pp * cp * max(1, (ep or 1) // tp)
@@ -93,6 +97,9 @@ PARALLEL = {
     (tp, pp, ep, cp): _parity_case(f"tp{tp}pp{pp}ep{ep}cp{cp}", tp, pp, cp=cp, ep=ep)
     for tp, pp, ep, cp in LAYOUTS
 }
+PACKING = ("trainer.packing=true", "trainer.micro_batch_tokens=21")
+"""Bins [8, 8, 5], [8, 8], [8, 8] of the parity batch's rows (chunks of 8), padded to 22 at TP=2."""
+PACKED = {tp: _parity_case(f"packed-tp{tp}", tp, 1, packing=PACKING) for tp in (1, 2)}
 MIXER = register_torchrun_case(
     TorchrunCase(
         "nemotron_h-mixer",
@@ -301,3 +308,17 @@ def test_nemotron_h_matches_fsdp_and_under_parallel_layouts(torchrun_cases):
         assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
         _assert_same_step(run, base, mask, where)
         assert all(run["state_restored"]), where
+
+
+@pytest.mark.slow
+def test_packed_rows_step_as_the_padded_ones(torchrun_cases):
+    """trainer.packing on Nemotron-H under megatron: each packed row's bounds reach the Mamba mixers
+    (``packed_seq_params``), whose conv and scan restart at every sequence, at TP=1 and TP=2 (sequence
+    parallel: the mixer gathers the whole row): the padded TP=1 step's log-probs (the reference's
+    passes packed too), metrics, gradients and weights."""
+    mask = parity_batch().loss_mask.bool()
+    base = torchrun_cases.result(BASE.id)
+    for tp, case in PACKED.items():
+        run = torchrun_cases.result(case.id)
+        assert "error" not in run, run["error"]
+        _assert_same_step(run, base, mask, f"packed TP={tp}")
