@@ -45,7 +45,8 @@ class Pipeline:
     """The family's final logit soft cap (Gemma)."""
     pack_width: int | None = None
     """``trainer.packing``: each micro-batch's rows run as one packed row of this many tokens (the
-    budget, rounded up to a multiple of TP); None: rows as they are."""
+    budget, rounded up to a multiple of TP and of 2·CP: context parallel splits the row as it splits a
+    sequence); None: rows as they are."""
     replay: RouteReplay | None = None
     """``trainer.router_replay``: where each forward's routes go (``megatron/router_replay.py``)."""
     bounds: bool = False
@@ -120,7 +121,11 @@ class Pipeline:
         if self.pack_width is not None:  # at the loss targets only (what every reader looks at), unpacked
             packed, width = self.packed(batch), batch.input_ids.shape[1]
             keep = packed.index_of(batch.loss_mask)
-            logp, entropy = self._token_stats(model, out[:, keep], packed.targets[:, keep])
+            if self.par.cp > 1:  # this rank holds its chunks of the row: all its positions, joined
+                whole = self._token_stats(model, out, self.cp_split(packed.targets))
+                logp, entropy = (t[:, keep] for t in whole)
+            else:
+                logp, entropy = self._token_stats(model, out[:, keep], packed.targets[:, keep])
             return packed.unpack_kept(logp, keep, width - 1), packed.unpack_kept(entropy, keep, width - 1)
         ids = batch.input_ids.to(self.device)
         # the last position predicts nothing we use

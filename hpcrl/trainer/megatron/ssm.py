@@ -183,13 +183,11 @@ class TorchMambaMixer(MegatronModule):
         zxbcdt, _ = self.in_proj(hidden)  # [s (/cp), b, this rank's z|x|B|C|dt]
         gn = self.groups * self.state
         z, xbc, dt = zxbcdt.split([self.inner, self.inner + 2 * gn, self.heads], dim=-1)
-        seq_idx = None
-        if packed_seq_params is not None:
-            if self.cp.cp > 1:  # the plan refuses it: CP's all-to-all reorders the row's tokens
-                raise ValueError("trainer.packing with trainer.cp > 1: Mamba layers need cp=1")
-            seq_idx = seq_index_of_bounds(packed_seq_params.cu_seqlens_q, zxbcdt.shape[0])
         # under CP: the whole sequence for this CP rank's heads (mamba_cp.py), and back after the scan
         xbc, dt = self.cp.to_heads(xbc, dt)
+        seq_idx = None  # a packed row (whole again under CP): its sequences' bounds, row order
+        if packed_seq_params is not None:
+            seq_idx = seq_index_of_bounds(packed_seq_params.cu_seqlens_q, xbc.shape[0])
         y = self._conv_scan(xbc.transpose(0, 1), dt.transpose(0, 1), seq_idx)
         y = self.cp.to_sequence(y.transpose(0, 1))
         if (kernels := kernels_for(y)) is not None:
