@@ -224,6 +224,17 @@ def test_the_scan_calls_mamba_ssm_kernels_with_the_torch_paths_arguments():
     fake = MambaKernels(scan=mamba2_chunk_scan, norm=None)
     assert torch.allclose(mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 1e-3, fake), ours, atol=1e-5)
     assert not torch.allclose(mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 0.0, fake), ours, atol=1e-5)
+    # a packed row: the kernel gets the sequences as ``seq_idx`` (the stand-in: transformers' torch
+    # scan wrapped as the fsdp backend runs it, which takes ``seq_idx`` as mamba_ssm's kernel does)
+    from functools import partial
+
+    from hpcrl.trainer.fsdp.segments import _scan
+
+    seq_idx = torch.tensor([[0] * 5 + [1] * 9 + [2] * 7] * 2, dtype=torch.int32)
+    packed = mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 1e-3, None, seq_idx)
+    fake = MambaKernels(scan=partial(_scan, mamba2_chunk_scan), norm=None)
+    assert torch.allclose(mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 1e-3, fake, seq_idx), packed, atol=1e-5)
+    assert not torch.allclose(packed, ours, atol=1e-3)
 
 
 def test_router_is_sigmoid_renormalised_scaled_in_fp32_as_transformers_routes():
