@@ -99,11 +99,12 @@ PARALLEL = {
 }
 PACKING = ("trainer.packing=true", "trainer.micro_batch_tokens=21")
 """Bins [8, 8, 5], [8, 8], [8, 8] of the parity batch's rows (chunks of 8), each row padded to a
-multiple of TP x 2·CP (22 at TP=2, 24 at CP=2, 24 at TP=2 x CP=2)."""
+multiple of TP x 2·CP (22 at TP=2, 24 at CP=2 and at TP=2 x CP=2)."""
 PACKED = {
-    (tp, cp): _parity_case(f"packed-tp{tp}cp{cp}", tp, 1, packing=PACKING, cp=cp)
-    for tp, cp in ((1, 1), (2, 1), (1, 2), (2, 2))
+    (tp, pp, ep, cp): _parity_case(f"packed-tp{tp}pp{pp}ep{ep}cp{cp}", tp, pp, packing=PACKING, cp=cp, ep=ep)
+    for tp, pp, ep, cp in ((1, 1, 1, 1), *LAYOUTS)
 }
+"""Every layout the padded parity runs (TP=1 too), packed."""
 MIXER = register_torchrun_case(
     TorchrunCase(
         "nemotron_h-mixer",
@@ -328,14 +329,16 @@ def test_nemotron_h_matches_fsdp_and_under_parallel_layouts(torchrun_cases):
 @pytest.mark.slow
 def test_packed_rows_step_as_the_padded_ones(torchrun_cases):
     """trainer.packing on Nemotron-H under megatron: each packed row's bounds reach the Mamba mixers
-    (``packed_seq_params``), whose conv and scan restart at every sequence, at TP=1, TP=2 (sequence
-    parallel: the mixer gathers the whole row), CP=2 (the row split in 2·CP chunks as a sequence is:
+    (``packed_seq_params``), whose conv and scan restart at every sequence, under every layout the
+    padded runs take: TP=2 (sequence parallel: the mixer gathers the whole row), PP=2 (every stage
+    gets the bounds), EP=2, TP=2 x EP=2, CP=2 (the row split in 2·CP chunks as a sequence is:
     attention reads its block mask's rows, the mixer scans the whole row again) and TP=2 x CP=2: the
     padded TP=1 step's log-probs (the reference's passes packed too), metrics, gradients and weights."""
     mask = parity_batch().loss_mask.bool()
     base = torchrun_cases.result(BASE.id)
-    for (tp, cp), case in PACKED.items():
+    for (tp, pp, ep, cp), case in PACKED.items():
+        where = f"packed TP={tp} PP={pp} EP={ep} CP={cp}"
         run = torchrun_cases.result(case.id)
         assert "error" not in run, run["error"]
-        assert run["layout"]["cp"] == cp and run["layout"]["sequence_parallel"] == (tp > 1)
-        _assert_same_step(run, base, mask, f"packed TP={tp} CP={cp}")
+        assert run["layout"]["cp"] == cp and run["layout"]["sequence_parallel"] == (tp > 1), where
+        _assert_same_step(run, base, mask, where)
