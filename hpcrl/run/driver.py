@@ -130,7 +130,7 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
         connect(scratch)
         actors = _start_actors(plan, prep.model_dir, scratch, run_dir, slurm=slurm)
         start_step, restored = _resume(actors, prep, cfg.algo.max_staleness)
-        with RewardPool(cfg.data.verifier, cfg.rewards) as pool:
+        with RewardPool(cfg.data.verifier, cfg.rewards, cfg.data.percent) as pool:
             say(
                 f"ready after {time.perf_counter() - started:.0f}s ({len(pool.slots)} reward processes); "
                 f"training {cfg.algo.max_steps} steps"
