@@ -6,7 +6,10 @@ Each process has its own pipe and gets one task at a time, so the parent always 
 a process holds and since when: a killed or dead process can never lose a task silently.
 A thread of the parent runs the processes, so tasks are scored while the caller waits on something
 else (``submit`` now, ``drain`` later): a step's completions are scored as they are generated.
-How many processes, the time limit and the start-up deadline: ``rewards.*`` (``rewards/config.py``).
+A verifier that raises or allocates past its memory limit fails that sample the same way. The first
+failure is said once with its reason; a batch in which every sample failed is a broken verifier, not
+bad answers, and stops the run (``HpcrlError``). How many processes, the time and memory limits and
+the start-up deadline: ``rewards.*`` (``rewards/config.py``).
 """
 
 from __future__ import annotations
