@@ -7,6 +7,7 @@ second and must not import torch, ray or vllm.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -192,14 +193,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(plan.search.summary())
     if plan.cfg.cluster.scheduler is Scheduler.local:
         from hpcrl.launch.local import run_local
-        from hpcrl.run.preempt import EXIT_PREEMPTED, Preempted
 
-        try:
+        def local() -> int:
             run_local(plan)
-        except Preempted as stop:
-            print(f"hpcrl: {stop}; to resume, run again with run.dir={stop.run_dir}", file=sys.stderr)
-            return EXIT_PREEMPTED
-        return 0
+            return 0
+
+        return _stoppable(local)
     from hpcrl.launch.submit import submit
 
     done = submit(plan, hold_s=args.hold, smoke=args.smoke)
@@ -208,6 +207,21 @@ def cmd_submit(args: argparse.Namespace) -> int:
     for path in done.logs:
         print(f"log     {path}")
     return 0
+
+
+def _stoppable(drive: Callable[[], int]) -> int:
+    """A driver in this shell: a saved stop (``run/preempt.py``) and a second Ctrl-C each end in one
+    line and their exit code, without a traceback."""
+    from hpcrl.run.preempt import EXIT_CODES, Preempted
+
+    try:
+        return drive()
+    except Preempted as stop:
+        print(f"hpcrl: {stop}; to resume, run again with {stop.resume}", file=sys.stderr)
+        return stop.exit_code
+    except KeyboardInterrupt:
+        print("hpcrl: stopped by a second Ctrl-C, without saving the step in progress", file=sys.stderr)
+        return EXIT_CODES[signal.SIGINT]
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -311,7 +325,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise HpcrlError(
             "which debug session? pass --job JOB (or run inside its allocation: `hpcrl attach JOB`)"
         )
-    return run_in_session(job_id, _debug_root(args), list(args.overrides), here=args.here)
+    return _stoppable(lambda: run_in_session(job_id, _debug_root(args), list(args.overrides), here=args.here))
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
