@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from tests.conftest import ROOT, SITE, run_cli
+from tests.conftest import JOB_FETCH, ROOT, SITE, run_cli
 
-GEMMA_MEGATRON = ["+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1", "trainer=megatron", *SITE]
+GEMMA_MEGATRON = ["+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1", "trainer=megatron", *JOB_FETCH]
 
 
 def refused(*overrides: str) -> str:
@@ -73,7 +73,7 @@ def test_a_source_deleted_after_a_cached_plan_is_still_refused(tmp_path):
 
 def test_pp_that_divides_the_layers_plans():
     result = run_cli("plan", *GEMMA_MEGATRON, "trainer.pp=2")
-    assert "does not divide" not in result.stderr and result.returncode in (0, 1), result.stderr
+    assert result.returncode == 0 and "fits" in result.stdout, result.stderr
 
 
 def test_a_plugin_verifier_is_accepted_and_a_broken_plugin_named(tmp_path, monkeypatch):
