@@ -331,3 +331,24 @@ def test_submit_pins_the_commit_it_checked_and_makes_paths_absolute(tiny_dir, hu
     pin_inputs(cfg)
     assert cfg.model.revision == got.commit and cfg.checkpoint.dir == str(tmp_path / "rel" / "ckpt")
     assert model_snapshot(hub_env, "org/tiny-math", cfg.model.revision) == got.path
+
+
+def test_a_cached_split_without_the_fields_the_run_reads_is_refused(hub_env, monkeypatch):
+    """The first record of the split's first cached file is read before submit, as of a local file."""
+    from hpcrl.hub.check import check_inputs
+    from tests.conftest import compose
+
+    hub = standin({"org/gsm": data_repo()}, monkeypatch)
+    try:
+        fetch_split(hub_env, "hf:org/gsm:main", "train", "data.source", lambda _: None)
+    finally:
+        hub.__exit__()
+    monkeypatch.setenv("HF_HOME", str(hub_env.parent))
+    check_inputs(
+        compose("data.source=hf:org/gsm:main", "data.prompt_field=question")
+    )  # the tiny model: local
+    with pytest.raises(
+        ConfigError,
+        match=r"^data\.source=hf:org/gsm:main: records have no field 'problem' \(set data\.prompt_field",
+    ):
+        check_inputs(compose("data.source=hf:org/gsm:main"))
