@@ -10,7 +10,7 @@ import json
 import os
 from importlib.machinery import ModuleSpec
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
@@ -31,9 +31,6 @@ from hpcrl.rewards.config import VERIFIER_NAMES, load_plugins
 from hpcrl.trainer.backends import trainer_spec
 from hpcrl.trainer.config import TrainerConfig
 
-if TYPE_CHECKING:
-    from hpcrl.config.schema import RunConfig
-
 
 def check_run(data: DataConfig, model: ModelConfig, trainer: TrainerConfig) -> None:
     """The checks that depend on the config alone (their result is cached with it)."""
@@ -47,29 +44,6 @@ def check_environment(data: DataConfig) -> None:
     config or not, since the answer may change between two commands."""
     check_verifier(data)
     check_paths(data)
-
-
-def check_context(cfg: RunConfig) -> None:
-    """The longest sequence fits the model's positions: vLLM refuses a longer ``max_model_len`` (every
-    engine would fail at start), and positions past them give NaN under RoPE. Asked before submit
-    (``launch/gate.py``), not at composition: tests and tools compose the tiny models freely."""
-    model, longest = cfg.model, cfg.max_seq_len
-    if longest <= model.max_position_embeddings:
-        return
-    prompt, new, most = cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens, model.max_position_embeddings
-    if cfg.trainer.max_seq_len:
-        keys, fix = f"trainer.max_seq_len={longest}", f"trainer.max_seq_len={most}"
-    else:
-        keys = f"data.max_prompt_tokens={prompt} + rollout.max_new_tokens={new} = {longest} tokens"
-        fix = (
-            f"rollout.max_new_tokens={most - prompt}"
-            if prompt < most
-            else f"data.max_prompt_tokens={most // 2} rollout.max_new_tokens={most - most // 2}"
-        )
-    raise ConfigError(
-        f"{keys} exceed the {most} positions of {model.name} (model.max_position_embeddings): its "
-        f"engines refuse a longer context; lower it, e.g. {fix}"
-    )
 
 
 def check_template(data: DataConfig) -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from hpcrl.config.cluster import Scheduler
-from hpcrl.config.preflight import check_context
+from hpcrl.config.schema import RunConfig
+from hpcrl.errors import ConfigError
 from hpcrl.hub.check import check_inputs
 from hpcrl.launch.mounts import check_mounts
 from hpcrl.plan.planner import Plan
@@ -26,3 +27,26 @@ def require_submittable(plan: Plan, run_dir: Path | None = None) -> None:
     check_inputs(plan.cfg)
     if plan.cfg.cluster.scheduler is Scheduler.slurm:
         check_mounts(plan, (run_dir or new_run_dir(plan.cfg)).resolve())
+
+
+def check_context(cfg: RunConfig) -> None:
+    """The longest sequence fits the model's positions: vLLM refuses a longer ``max_model_len`` (every
+    engine would fail at start), and positions past them give NaN under RoPE. Asked before submit,
+    not at composition: tests and tools compose the tiny models freely."""
+    model, longest = cfg.model, cfg.max_seq_len
+    if longest <= model.max_position_embeddings:
+        return
+    prompt, new, most = cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens, model.max_position_embeddings
+    if cfg.trainer.max_seq_len:
+        keys, fix = f"trainer.max_seq_len={longest}", f"trainer.max_seq_len={most}"
+    else:
+        keys = f"data.max_prompt_tokens={prompt} + rollout.max_new_tokens={new} = {longest} tokens"
+        fix = (
+            f"rollout.max_new_tokens={most - prompt}"
+            if prompt < most
+            else f"data.max_prompt_tokens={most // 2} rollout.max_new_tokens={most - most // 2}"
+        )
+    raise ConfigError(
+        f"{keys} exceed the {most} positions of {model.name} (model.max_position_embeddings): its "
+        f"engines refuse a longer context; lower it, e.g. {fix}"
+    )

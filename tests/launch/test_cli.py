@@ -163,7 +163,15 @@ def test_super_recipes_are_accepted_by_submit(recipe, tmp_path):
     ]
     exe = Path(sys.executable).with_name("hpcrl")
     cfg = compose(f"+experiment={recipe}", *site)
-    sources = [(cfg.data.source, cfg.data.split), (cfg.data.val_source, cfg.data.val_split)]
+    data = cfg.data
+    sources = [
+        (data.source, data.split, (data.prompt_field, data.answer_field)),
+        (
+            data.val_source,
+            data.val_split,
+            (data.val_prompt_field or data.prompt_field, data.val_answer_field or data.answer_field),
+        ),
+    ]
     with HubStandIn(publish_for(cfg.model.hf_id, sources)) as hub:
         fetched = subprocess.run(
             [str(exe), "fetch", f"+experiment={recipe}", *site],
