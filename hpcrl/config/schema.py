@@ -103,6 +103,15 @@ class LoggerConfig:
     """Validation problems shown per validation (prompt, completion, answer, outcome) in
     ``samples.jsonl`` and TensorBoard's text tab, to read how the answers change; 0: none."""
 
+    def check(self) -> None:
+        if self.wandb_mode not in ("offline", "online", "disabled"):
+            raise ConfigError(f"logger.wandb_mode='{self.wandb_mode}' must be offline, online or disabled")
+        if self.wandb_mode == "online" and not self.wandb:
+            raise ConfigError(
+                "logger.wandb_mode=online does nothing with logger.wandb=false: set logger.wandb=true, "
+                "or drop logger.wandb_mode"
+            )
+
 
 @dataclass
 class RunMeta:
@@ -177,10 +186,7 @@ class RunConfig:
         if self.data.image_field:
             self.check_images(self.data.image_field)
         self.checkpoint.check()
-        if self.logger.wandb_mode not in ("offline", "online", "disabled"):
-            raise ConfigError(
-                f"logger.wandb_mode='{self.logger.wandb_mode}' must be offline, online or disabled"
-            )
+        self.logger.check()
 
     def check_images(self, key: str) -> None:
         """An image data set needs an engine and a trainer that take images, with the vision tower."""

@@ -202,3 +202,16 @@ def test_plugins_are_found_not_imported_and_a_missing_one_is_named(tmp_path, mon
     monkeypatch.setenv("HPCRL_PLUGINS", "gpu_rewards,no_such_rewards")
     stderr = refused()  # data.verifier=math, built in
     assert "HPCRL_PLUGINS=gpu_rewards,no_such_rewards: no module no_such_rewards here" in stderr
+
+
+def test_wandb_online_needs_a_key_where_the_job_starts_and_wandb_on(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no `wandb login` either
+    online = ["logger.wandb=true", "logger.wandb_mode=online"]
+    assert "hpcrl: error: logger.wandb_mode=online needs a wandb key: export WANDB_API_KEY" in refused(
+        *online
+    )
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password k\n")
+    assert run_cli("plan", *online).returncode == 0  # logged in
+    stderr = refused("logger.wandb_mode=online")
+    assert "logger.wandb_mode=online does nothing with logger.wandb=false: set logger.wandb=true" in stderr
