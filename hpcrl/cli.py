@@ -111,14 +111,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         sbatch = slurm_parameters(plan)
     show_plan(plan, Console(), sbatch)
-    from hpcrl.errors import ConfigError
-    from hpcrl.hub.check import check_inputs
+    from hpcrl.launch.gate import require_submittable
 
-    try:  # what the cache lacks: the plan holds, but submit would refuse it
-        check_inputs(plan.cfg)
-    except ConfigError as exc:
-        print(f"hpcrl: warning: {exc} (`hpcrl submit` refuses this)", file=sys.stderr)
-    return 0 if plan.fits else 1
+    require_submittable(plan)  # after the tables: what they show helps to fix what submit refuses
+    return 0
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -130,19 +126,13 @@ def cmd_render(args: argparse.Namespace) -> int:
         from hpcrl.tools.sweep import preview_multirun
 
         return preview_multirun(args.overrides)
+    from hpcrl.launch.gate import require_submittable
+
     plan = plan_from_overrides(args.overrides)
-    plan.require_fit()
+    run_dir = args.out or new_run_dir(plan.cfg)
+    require_submittable(plan, run_dir)  # a script submit would refuse is not written
     if plan.search:
         print(plan.search.summary())
-    run_dir = args.out or new_run_dir(plan.cfg)
-    if plan.cfg.cluster.scheduler is Scheduler.slurm:
-        from hpcrl.errors import ConfigError
-        from hpcrl.launch.mounts import check_mounts
-
-        try:  # render shows the script all the same; submit refuses it
-            check_mounts(plan, run_dir.resolve())
-        except ConfigError as exc:
-            print(f"hpcrl: warning: {exc} (`hpcrl submit` refuses this)", file=sys.stderr)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = write_resolved_config(plan.cfg, run_dir)
     print(f"config  {config_path}")
@@ -165,7 +155,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from hpcrl.config.cluster import Scheduler
-    from hpcrl.hub.check import check_inputs
+    from hpcrl.launch.gate import require_submittable
     from hpcrl.plan.planner import plan_from_overrides
     from hpcrl.plan.show import header, recipe_line
 
@@ -183,9 +173,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             f"cluster '{plan.cfg.cluster.name}' runs on Kubernetes, where `hpcrl submit` cannot submit yet; "
             "`hpcrl render` writes the run's RayJob manifest (rayjob.yaml) for `kubectl apply -f`"
         )
-    plan.require_buildable()  # first: a model the backend cannot build is refused whatever it needs
-    plan.require_fit()
-    check_inputs(plan.cfg)
+    require_submittable(plan)
     print(header(plan.cfg))
     if line := recipe_line(plan.cfg):
         print(line)

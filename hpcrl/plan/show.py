@@ -236,8 +236,6 @@ def _colocated_rows(plan: Plan) -> list[tuple[str, float]]:
 
 def _verdict(plan: Plan, console: Console) -> None:
     mem = plan.memory
-    for gap in plan.backend_gaps:
-        console.print(f"[yellow]cannot submit yet[/]: {gap}")
     for warning in plan.nvlink.warnings:
         console.print(f"[yellow]NVLink[/]: {warning}")
     if plan.fits:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpcrl.config.schema import RANKED_METRICS
 from tests.conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.slow
@@ -59,6 +60,7 @@ def test_embedded_default_learns(tmp_path, model_cache):
         "perf/gen_tokens_per_s",
         "train/entropy",
     } <= set(last)
+    assert set(RANKED_METRICS) <= set(last)  # what checkpoint.metric may name is logged
     # the refit, traced per phase (run/refit.py): a broadcast on CPUs, CUDA IPC on one GPU
     phases = {"export_s", "send_s", "reset_s", "total_s"}
     phases |= set() if torch.cuda.is_available() else {"receive_s", "load_s"}
