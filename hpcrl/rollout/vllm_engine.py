@@ -44,9 +44,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hpcrl.errors import ConfigError
 from hpcrl.rollout import vllm_compat
 from hpcrl.rollout.base import Completion, ImagePrompt, Prompt, RolloutEngine, SamplingSettings, WeightGate
-from hpcrl.rollout.config import VLLMRolloutConfig
+from hpcrl.rollout.config import CPU_QUANTIZATION, VLLMRolloutConfig
 
 vllm_compat.quiet_logs()  # also in vLLM's worker processes, which import this module for the extension
 
@@ -69,7 +70,16 @@ class WeightReloader:
         """Take part in one broadcast; weights load bucket by bucket as they arrive. The seconds on
         the wire and in the load."""
         receiver = self._hpcrl_receiver
-        return receiver.timed(lambda: vllm_compat.load_weights(self, receiver.receive()))
+
+        def load() -> None:
+            vllm_compat.load_weights(self, receiver.receive())
+            vllm_compat.finish_reload(self)
+
+        return receiver.timed(load)
+
+    def hpcrl_finish_reload(self) -> None:
+        """After a refit's last bucket (``vllm_compat.finish_reload``)."""
+        vllm_compat.finish_reload(self)
 
     def hpcrl_seed(self, seed: int) -> None:
         """Reseed the generators the samplers draw from: torch (V1 runner), numpy (V2 runner's
@@ -158,6 +168,8 @@ class VLLMEngine:
         from vllm import LLM
 
         vllm_compat.check_version(vllm.__version__)
+        if cfg.quantization and on_cpu:
+            raise ConfigError(CPU_QUANTIZATION.format(cfg.quantization))
         kwargs = _optional_settings(cfg, kv_cache_gb)
         self.sleeps = bool(cfg.sleep) and not on_cpu
         """Sleep mode is on (None counts as off: the planner resolves it before an engine exists)."""
@@ -177,6 +189,7 @@ class VLLMEngine:
             enable_sleep_mode=self.sleeps,
             seed=seed,
             worker_extension_cls="hpcrl.rollout.vllm_engine.WeightReloader",
+            **vllm_compat.quantization_kwargs(cfg.quantization),
             **kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
@@ -190,6 +203,7 @@ class VLLMEngine:
         self.logprobs = cfg.logprobs
         self.logprob_every = round(1 / cfg.logprob_fraction) if cfg.logprob_fraction else 1
         """Every k-th prompt of a call asks for logprobs (``rollout.logprob_fraction``, resolved)."""
+        self.quantized = cfg.quantization is not None
         self.ranks = cfg.tp
         self.weight_dtype = "float32" if on_cpu else cfg.dtype
         self.images = self.llm.llm_engine.model_config.is_multimodal_model and not cfg.language_model_only
@@ -323,6 +337,8 @@ class VLLMEngine:
         (under running requests vLLM refuses; the next generation drops it first). Image embeddings
         cached under the old weights go too: vLLM-CPU's reload drops the runner's copies but not the
         scheduler's record of them, whose next hit fails ("Encoder cache miss")."""
+        if self.quantized:
+            self.llm.collective_rpc("hpcrl_finish_reload")
         self.stale_cache = not self.llm.reset_prefix_cache()
         if self.images:
             self.llm.llm_engine.reset_encoder_cache()
