@@ -11,7 +11,7 @@ from hpcrl.errors import ConfigError
 WEIGHT_SYNC = ("collective", "object_store")
 QUANTIZATIONS = ("fp8",)
 CPU_QUANTIZATION = (
-    "rollout.quantization={!r} needs GPU vLLM (vLLM-CPU's FP8 kernels need AMX and bf16; hpcrl's CPU "
+    "rollout.quantization={} needs GPU vLLM (vLLM-CPU's FP8 kernels need AMX and bf16; hpcrl's CPU "
     "engines run fp32): set rollout.quantization=null on CPUs"
 )
 

@@ -27,7 +27,8 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from hpcrl.errors import HpcrlError
+from hpcrl.errors import ConfigError, HpcrlError
+from hpcrl.rollout.config import CPU_QUANTIZATION
 
 SUPPORTED: dict[tuple[int, int], str] = {
     (0, 26): "GPU, torch 2.11 (the lent H200)",
@@ -126,7 +127,7 @@ model's quant config (Qwen3-MoE's ``mlp.gate``; Gemma 4's and Nemotron-H's ``Gat
 quantize), whose near-tied top-k choices FP8 error would flip."""
 
 
-def quantization_kwargs(quantization: str | None) -> dict[str, Any]:
+def quantization_kwargs(quantization: str | None, on_cpu: bool) -> dict[str, Any]:
     """``LLM`` arguments for ``rollout.quantization``. ``fp8``: vLLM's online quantization (0.26 and
     newer): FP8 e4m3 linear weights (dense and MoE experts), one float32 scale per 128x128 block
     (``weight_scale_inv``, the DeepSeek/Qwen FP8 checkpoints' layout), quantized on the engine's GPU from
@@ -134,6 +135,8 @@ def quantization_kwargs(quantization: str | None) -> dict[str, Any]:
     linear layers and stay in ``dtype``; so do ``ROUTERS``."""
     if quantization is None:
         return {}
+    if on_cpu:  # the planner refuses it first; this stops a hand-built engine
+        raise ConfigError(CPU_QUANTIZATION.format(quantization))
     return {"quantization": "fp8_per_block", "quantization_config": {"ignore": ROUTERS}}
 
 
@@ -163,6 +166,12 @@ def _load_quantized(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
         initialize_layerwise_reload(model)
         worker._hpcrl_reloading = True
     model.load_weights(weights=((name, t.clone()) for name, t in weights))
+
+
+def load_all(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
+    """``load_weights`` of a whole refit (a broadcast's every bucket), then ``finish_reload``."""
+    load_weights(worker, weights)
+    finish_reload(worker)
 
 
 def finish_reload(worker: Any) -> None:

@@ -44,10 +44,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hpcrl.errors import ConfigError
 from hpcrl.rollout import vllm_compat
 from hpcrl.rollout.base import Completion, ImagePrompt, Prompt, RolloutEngine, SamplingSettings, WeightGate
-from hpcrl.rollout.config import CPU_QUANTIZATION, VLLMRolloutConfig
+from hpcrl.rollout.config import VLLMRolloutConfig
 
 vllm_compat.quiet_logs()  # also in vLLM's worker processes, which import this module for the extension
 
@@ -70,12 +69,7 @@ class WeightReloader:
         """Take part in one broadcast; weights load bucket by bucket as they arrive. The seconds on
         the wire and in the load."""
         receiver = self._hpcrl_receiver
-
-        def load() -> None:
-            vllm_compat.load_weights(self, receiver.receive())
-            vllm_compat.finish_reload(self)
-
-        return receiver.timed(load)
+        return receiver.timed(lambda: vllm_compat.load_all(self, receiver.receive()))
 
     def hpcrl_finish_reload(self) -> None:
         """After a refit's last bucket (``vllm_compat.finish_reload``)."""
@@ -168,8 +162,6 @@ class VLLMEngine:
         from vllm import LLM
 
         vllm_compat.check_version(vllm.__version__)
-        if cfg.quantization and on_cpu:
-            raise ConfigError(CPU_QUANTIZATION.format(cfg.quantization))
         kwargs = _optional_settings(cfg, kv_cache_gb)
         self.sleeps = bool(cfg.sleep) and not on_cpu
         """Sleep mode is on (None counts as off: the planner resolves it before an engine exists)."""
@@ -189,7 +181,7 @@ class VLLMEngine:
             enable_sleep_mode=self.sleeps,
             seed=seed,
             worker_extension_cls="hpcrl.rollout.vllm_engine.WeightReloader",
-            **vllm_compat.quantization_kwargs(cfg.quantization),
+            **vllm_compat.quantization_kwargs(cfg.quantization, on_cpu),
             **kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
@@ -361,6 +353,10 @@ class VLLMEngine:
         # clone: tied tensors share storage, which safetensors refuses to serialise
         payload = save({k: v.detach().clone().contiguous() for k, v in weights.items()})
         self.llm.collective_rpc("hpcrl_reload_weights", args=(payload,))
+        if self.quantized:
+            # a layer split between two object-store buckets completes in the next one: the reload
+            # session stays open until the refit's ``finish_refit`` (run/refit.py calls it)
+            return
         self.finish_refit()
 
 
