@@ -51,6 +51,10 @@ def linear_inputs(model: ModelConfig, tp: int) -> dict[str, int]:
         widths["MLP width"] = model.ffn_hidden_size // tp
     if model.is_moe and model.moe_ffn_hidden_size:
         widths["expert MLP width"] = model.moe_ffn_hidden_size // tp
+    if model.is_moe and model.moe_latent_size:  # Nemotron-H's latent MoE: experts read the latent
+        widths["expert latent width"] = model.moe_latent_size
+    if model.is_moe and model.shared_expert_ffn:
+        widths["shared expert MLP width"] = model.shared_expert_ffn // tp
     if model.hybrid.mamba_heads:
         widths["Mamba inner width"] = model.hybrid.mamba_heads * model.hybrid.mamba_head_dim // tp
     return widths

@@ -69,6 +69,10 @@ def test_fp8_reads_every_engine_log_prob():
             "rollout.quantization=fp8: qwen2_1p5b's MLP width (2240 per rank at rollout.tp=4) is not a",
         ),
         (
+            ["model=nemotron_super", "cluster=gb200", *SITE, *FP8, "rollout.tp=4"],
+            "nemotron_super's expert MLP width (672 per rank at rollout.tp=4) is not a multiple of 128",
+        ),
+        (
             ["model=gemma3_12b", *H200, *FP8],
             "rollout.quantization=fp8: the vision towers would be quantized too; set "
             "rollout.language_model_only=true",

@@ -3,6 +3,7 @@ the logprob option, sleep/wake on CPU, the log filters and the version check."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 
@@ -371,3 +372,36 @@ def test_sampling_controls_constrain_vllm_and_the_hf_engine_alike(engine, hf_mod
     got = [[g[0].token_ids for g in e.generate(PROMPTS, penalized)] for e in (engine, hf)]
     assert got[0] == got[1]
     assert got[0] != [g[0].token_ids for g in engine.generate(PROMPTS, greedy)]
+
+
+def _load_in_two_buckets(worker, first: dict, second: dict) -> None:
+    """rollout.quantization's refit on a worker: two buckets in one reload session, the first's buffer
+    overwritten after it is loaded (as an IPC sender reuses it)."""
+    vllm_compat._load_quantized(worker, first.items())
+    for t in first.values():
+        t.fill_(float("nan"))
+    vllm_compat._load_quantized(worker, second.items())
+    vllm_compat.finish_reload(worker)
+
+
+def test_a_layer_split_over_two_buckets_loads_whole_in_one_reload_session(engine, hf_model, monkeypatch):
+    """The reload session of a quantized engine's refit (vllm_compat._load_quantized) on the CPU build,
+    whose repacked linear layers go through the same layer-wise reload as GPU FP8 ones: layer 0's fused
+    q/k/v split between two buckets loads whole, the first bucket's buffer overwritten meanwhile."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    changed = {k: v + 0.05 * torch.randn_like(v) for k, v in hf_model.state_dict().items()}
+    changed["lm_head.weight"] = changed["model.embed_tokens.weight"]  # tied
+    names = list(changed)  # the trainer's order: q, k, v of layer 0 in a row
+    cut = max(i for i, k in enumerate(names) if k.startswith("model.layers.0.self_attn.q_proj")) + 1
+    first = {k: changed[k].clone() for k in names[:cut]}
+    second = {k: changed[k] for k in names[cut:]}
+    assert any(k.startswith("model.layers.0.self_attn.k_proj") for k in second)
+    model = copy.deepcopy(hf_model)
+    model.load_state_dict(changed)
+    try:
+        engine.llm.collective_rpc(_load_in_two_buckets, args=(first, second))
+        engine.finish_refit()
+        assert max_logprob_gap(engine, model) < 1e-4
+    finally:  # the tied head too: the checkpoint file has none, and a reload leaves it out then
+        engine.load_weights(dict(hf_model.state_dict()))
+    assert max_logprob_gap(engine, hf_model) < 1e-4
