@@ -202,6 +202,7 @@ def _prepare(plan: Plan, run_dir: Path) -> _Prepared:
         cfg.checkpoint.higher_is_better,
         about=checkpoint_about(plan, model_dir),
         model_dir=model_dir,
+        say=say,
     )
     stream = PromptStream(train_ex, cfg.run.seed)
     logger = MetricsLogger(run_dir, cfg.logger, cfg.run.name, {"config": config_yaml(cfg)})
