@@ -117,6 +117,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         check_inputs(plan.cfg)
     except ConfigError as exc:
         print(f"hpcrl: warning: {exc} (`hpcrl submit` refuses this)", file=sys.stderr)
+    from hpcrl.launch.room import check_room
+
+    try:  # the checkpoints' filesystem, where it is visible here
+        check_room(plan, warn=lambda line: print(f"hpcrl: warning: {line}", file=sys.stderr))
+    except ConfigError as exc:
+        print(f"hpcrl: warning: {exc} (`hpcrl submit` refuses this)", file=sys.stderr)
     return 0 if plan.fits else 1
 
 
@@ -159,6 +165,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     from hpcrl.config.cluster import Scheduler
     from hpcrl.hub.check import check_inputs
+    from hpcrl.launch.room import check_room
     from hpcrl.plan.planner import plan_from_overrides
     from hpcrl.plan.show import header, recipe_line
 
@@ -174,6 +181,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     plan.require_buildable()  # first: a model the backend cannot build is refused whatever it needs
     plan.require_fit()
     check_inputs(plan.cfg)
+    check_room(plan, warn=lambda line: print(f"hpcrl: warning: {line}", file=sys.stderr))
     print(header(plan.cfg))
     if line := recipe_line(plan.cfg):
         print(line)

@@ -144,6 +144,7 @@ class CheckpointManager:
             raise exc
         line = no_room_line(tmp, step, fault, self._needed(partial))
         if not async_save:
+            self.say(f"{line}: the run stops here; {DISK_FIX}")  # a line of its own in the driver log
             raise HpcrlError(f"{line}: the run stops here; {DISK_FIX}") from None
         self.failures += 1
         self.say(f"{line}: the run goes on and saves again at the next period; {DISK_FIX}")

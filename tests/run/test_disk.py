@@ -79,11 +79,13 @@ def test_an_async_save_on_a_full_disk_keeps_the_previous_checkpoint_and_the_run_
 
 
 def test_a_sync_save_on_a_full_disk_stops_in_one_line(small_disk):
-    mgr = CheckpointManager(small_disk / "ckpt", 3, "m", True, say=lambda line: None)
+    said: list[str] = []
+    mgr = CheckpointManager(small_disk / "ckpt", 3, "m", True, say=said.append)
     save(mgr, 1, MB // 2, async_save=False)
     with pytest.raises(HpcrlError) as stop:
         save(mgr, 2, 3 * MB, async_save=False)
     line = str(stop.value)
+    assert said == [line]  # the driver log has it as a line of its own, not only in a traceback
     assert "\n" not in line and "step_000002 not saved: No space left on device" in line
     assert "the run stops here" in line
     # the last committed checkpoint's size is the figure: a checkpoint of step 2 takes about as much
