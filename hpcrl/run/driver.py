@@ -293,6 +293,7 @@ def _resume(actors: Any, prep: _Prepared, lag: int) -> tuple[int, list[Any]]:
             latest = resume_point(prep.ckpt, failed)
             if latest is not None and (note := check_resumable(latest, prep.ckpt.about)):
                 say(note)
+    prep.logger.resume(int(state["step"]) if latest is not None else 0)
     if latest is None:
         return 0, []
     prep.stream.restore(state["stream"])
