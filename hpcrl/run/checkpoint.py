@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from hpcrl.core.files import crc32_of
 from hpcrl.errors import HpcrlError
@@ -120,7 +119,7 @@ class CheckpointManager:
             torch.save(loop_state, tmp / "loop.pt")
             (tmp / "model.json").write_text(json.dumps(self.about, indent=1))
             self._copy_hf_files(tmp / "hf")
-        except SAVE_ERRORS as exc:
+        except Exception as exc:
             self._failed(step, tmp, exc, async_save)
             return blocked
         self.pending = (step, tmp, metrics, async_save)
@@ -134,7 +133,7 @@ class CheckpointManager:
         tmp = self.root / f"step_{step:06d}.tmp"
         return tmp if not tmp.exists() else self.root / f"step_{step:06d}.{os.getpid()}.tmp"
 
-    def _failed(self, step: int, tmp: Path, exc: BaseException, async_save: bool) -> None:
+    def _failed(self, step: int, tmp: Path, exc: Exception, async_save: bool) -> None:
         """A save of ``step`` failed: its partial directory goes; a full or unwritable disk is one
         line (async: said, and the run goes on; sync: raised); anything else is raised as it came."""
         partial = tree_bytes(tmp)
@@ -177,7 +176,7 @@ class CheckpointManager:
         self.pending = None
         try:
             return self._commit(shards, step, tmp, metrics)
-        except SAVE_ERRORS as exc:
+        except Exception as exc:
             self._failed(step, tmp, exc, async_save)
             return 0.0
 
@@ -306,8 +305,6 @@ def check_resumable(info: CheckpointInfo, now: dict[str, Any], weights_only: boo
 
 DISK_FAULTS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS})
 """A save's failures that are the filesystem's (space, quota, permission), not the run's."""
-SAVE_ERRORS = (Exception, CheckpointException)
-"""What a failed save raises: DCP's error for a rank's failed write is a BaseException."""
 DISK_FIX = (
     "free space there, lower checkpoint.keep_top_k, or set checkpoint.dir to a larger, writable filesystem"
 )
