@@ -181,7 +181,7 @@ class CheckpointManager:
             return 0.0
 
     def _commit(self, shards: Shards, step: int, tmp: Path, metrics: dict[str, float]) -> float:
-        waited = shards.finish_checkpoint()  # raises if a rank failed: the checkpoint stays .tmp
+        waited = shards.finish_checkpoint()  # raises if a rank failed (``_failed`` takes it)
         meta = {
             "step": step,
             "metric_name": self.metric,
