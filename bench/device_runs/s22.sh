@@ -10,6 +10,8 @@
 #   submit_8b / harness_8b   the 8B shape (Qwen3-8B widths) cut to $L8 (10) layers so the colocated peak fits
 #               an H100 (16 layers need ~101 GB: an H200, which did not come in sessions 20-21)
 #   sweep_8b    engine sweep at the 8B shape, 16 layers (the engine alone fits an H100)
+#   smollm2/trl hpcrl's SmolLM2 recipe through hpcrl submit ($STEPS, 20) and TRL 1.16 on the same job ($TRL_STEPS,
+#               20), in one call (issue 33 item 3's same-machine ratio)
 #   fp8         bench/fp8_rollout_gpu.py (issue 36 item 3): bf16 against fp8 rollout at the 8B shape, 16 layers
 set -u
 T0=$SECONDS
@@ -44,10 +46,12 @@ for task in "$@"; do
     harness_8b) need 150 $task && shape q8b$L8 qwen3_8b $L8 && harness q8b$L8 qwen3_8b $L8 0.3 ;;
     sweep_8b) need 180 $task && shape q8b16 qwen3_8b 16 && sweep q8b16 qwen3_8b 16 --seqs 256,512 --skip-two ;;
     fp8)
-      need 200 $task && shape q8b16 qwen3_8b 16 || continue
+      need 200 $task || continue
       timeout -k 10 $(($(left) - 5)) python3 bench/fp8_rollout_gpu.py --model qwen3_8b --layers 16 \
-        --model-dir "$TMP/m/q8b16" --out "$OUT/fp8_q8b16.json" > "$OUT/fp8.log" 2>&1
+        --out "$OUT/fp8_q8b16.json" > "$OUT/fp8.log" 2>&1
       echo "== fp8 rc=$? $((SECONDS - T0)) s"; grep -vE "^(INFO|WARNING|\(|  )" "$OUT/fp8.log" | tail -15 | cut -c1-300 ;;
+    smollm2) need 200 $task && fetched && recipe vllm "${STEPS:-20}" ;;
+    trl) need 200 $task && fetched && peer trl bench/peers/trl_grpo.py "${TRL_STEPS:-20}" ;;
     *) echo "== unknown task $task" ;;
   esac
 done

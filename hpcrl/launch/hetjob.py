@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcrl.config.cluster import RolloutNodes, parse_slurm_time
+from hpcrl.config.roles import RolloutNodes
+from hpcrl.config.slurmtime import parse_slurm_time
 from hpcrl.plan.planner import Plan
 from hpcrl.plan.topology import Placement
 

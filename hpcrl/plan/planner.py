@@ -24,6 +24,7 @@ from hpcrl.plan.memory import MemoryEstimate, estimate_memory
 from hpcrl.plan.moe import check_router_replay
 from hpcrl.plan.nvlink import NvlinkCheck, check_nvlink
 from hpcrl.plan.packing import check_packing, resolve_packing
+from hpcrl.plan.quantization import check_quantization
 from hpcrl.plan.quirks import AppliedQuirk, apply_quirks
 from hpcrl.plan.search import search_layouts
 from hpcrl.plan.topology import Placement, Topology, build_topology, check_engine_fits_node, on_gpus
@@ -174,6 +175,7 @@ def make_plan(cfg: RunConfig, layout: Layout | None = None) -> Plan:
     check_rollout_nodes(cfg, topo.placement)
     check_model_parallel(cfg)
     check_images(cfg)
+    check_quantization(cfg, topo.rollout.tp)
     sleep = resolve_sleep(cfg, topo.placement)
     lines = [
         shared,

@@ -209,7 +209,7 @@ def _memory(plan: Plan) -> Table:
     if r.per_gpu > 1:
         table.add_row(f"rollout: share of the {r.per_gpu} engines on a GPU", f"{r.budget:.1f}")
     table.add_row("rollout: engine share", f"{r.engine_budget:.1f}")
-    table.add_row("rollout: weights (per GPU)", f"{r.weights:.1f}")
+    table.add_row(f"rollout: weights (per GPU{', fp8 linears' if r.quantized else ''})", f"{r.weights:.1f}")
     table.add_row(f"rollout: KV per {r.sequence_len}-token sequence", f"{r.kv_per_sequence:.3f}")
     table.add_row("rollout: sequences in KV (fit / wanted)", f"{r.sequences_that_fit} / {r.wanted_sequences}")
     for name, value in _colocated_rows(plan):
@@ -236,8 +236,6 @@ def _colocated_rows(plan: Plan) -> list[tuple[str, float]]:
 
 def _verdict(plan: Plan, console: Console) -> None:
     mem = plan.memory
-    for gap in plan.backend_gaps:
-        console.print(f"[yellow]cannot submit yet[/]: {gap}")
     for warning in plan.nvlink.warnings:
         console.print(f"[yellow]NVLink[/]: {warning}")
     if plan.fits:

@@ -134,6 +134,7 @@ class PagedKV(Protocol):
 class ServedWeights(Protocol):
     dtype: str
     language_model_only: bool
+    quantization: str | None
 
 
 CAPABILITY_VIEWS: dict[str, type] = {

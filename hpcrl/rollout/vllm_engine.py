@@ -69,7 +69,11 @@ class WeightReloader:
         """Take part in one broadcast; weights load bucket by bucket as they arrive. The seconds on
         the wire and in the load."""
         receiver = self._hpcrl_receiver
-        return receiver.timed(lambda: vllm_compat.load_weights(self, receiver.receive()))
+        return receiver.timed(lambda: vllm_compat.load_all(self, receiver.receive()))
+
+    def hpcrl_finish_reload(self) -> None:
+        """After a refit's last bucket (``vllm_compat.finish_reload``)."""
+        vllm_compat.finish_reload(self)
 
     def hpcrl_seed(self, seed: int) -> None:
         """Reseed the generators the samplers draw from: torch (V1 runner), numpy (V2 runner's
@@ -177,6 +181,7 @@ class VLLMEngine:
             enable_sleep_mode=self.sleeps,
             seed=seed,
             worker_extension_cls="hpcrl.rollout.vllm_engine.WeightReloader",
+            **vllm_compat.quantization_kwargs(cfg.quantization, on_cpu),
             **kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
@@ -190,6 +195,7 @@ class VLLMEngine:
         self.logprobs = cfg.logprobs
         self.logprob_every = round(1 / cfg.logprob_fraction) if cfg.logprob_fraction else 1
         """Every k-th prompt of a call asks for logprobs (``rollout.logprob_fraction``, resolved)."""
+        self.quantized = cfg.quantization is not None
         self.ranks = cfg.tp
         self.weight_dtype = "float32" if on_cpu else cfg.dtype
         self.images = self.llm.llm_engine.model_config.is_multimodal_model and not cfg.language_model_only
@@ -323,6 +329,8 @@ class VLLMEngine:
         (under running requests vLLM refuses; the next generation drops it first). Image embeddings
         cached under the old weights go too: vLLM-CPU's reload drops the runner's copies but not the
         scheduler's record of them, whose next hit fails ("Encoder cache miss")."""
+        if self.quantized:
+            self.llm.collective_rpc("hpcrl_finish_reload")
         self.stale_cache = not self.llm.reset_prefix_cache()
         if self.images:
             self.llm.llm_engine.reset_encoder_cache()
@@ -345,6 +353,10 @@ class VLLMEngine:
         # clone: tied tensors share storage, which safetensors refuses to serialise
         payload = save({k: v.detach().clone().contiguous() for k, v in weights.items()})
         self.llm.collective_rpc("hpcrl_reload_weights", args=(payload,))
+        if self.quantized:
+            # a layer split between two object-store buckets completes in the next one: the reload
+            # session stays open until the refit's ``finish_refit`` (run/refit.py calls it)
+            return
         self.finish_refit()
 
 

@@ -170,7 +170,7 @@ def test_submit_checks_the_checkpoints_room_where_the_filesystem_is_visible(tmp_
         warned: list[str] = []
 
         def room(keep: int, where: str = str(disk / "runs" / "ckpt")) -> None:
-            check_room(plan(f"checkpoint.dir={where}", f"checkpoint.keep_top_k={keep}"), warned.append)
+            check_room(plan(f"checkpoint.dir={where}", f"checkpoint.keep_top_k={keep}"), None, warned.append)
 
         with pytest.raises(ConfigError) as refused:  # 4 x 6.1 MB
             room(3)
@@ -182,5 +182,8 @@ def test_submit_checks_the_checkpoints_room_where_the_filesystem_is_visible(tmp_
         room(1)
         room(100, "/no-such-mount/ckpt")  # not visible here: the job's doctor checks it on the node
         assert len(warned) == 1
+        slurm = plan(f"checkpoint.dir={disk}", "checkpoint.keep_top_k=3", "+cluster=gb200", *SITE)
+        check_room(slurm, None, warned.append)  # its nodes may see another filesystem there: a warning
+        assert len(warned) == 2 and warned[1].startswith("checkpoint.keep_top_k=3 keeps 4 checkpoints")
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=True)

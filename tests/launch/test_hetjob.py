@@ -64,7 +64,7 @@ def test_the_engines_share_the_rollout_nodes_memory():
     ("overrides", "says"),
     [
         ([HET, "layout.rollout_nodes=0"], "cluster.rollout_node describes dedicated rollout nodes, but this"),
-        (["+cluster.rollout_node.partition=x"], "cluster=local has one machine: remove cluster.rollout_node"),
+        (["+cluster.rollout_node.partition=x"], "cluster 'local' is local: remove cluster.rollout_node"),
         ([HET, "cluster.rollout_node.time=soon"], "cluster.rollout_node.time='soon' is not a Slurm time"),
         ([HET, "cluster.rollout_node.gpu_memory_gb=0"], "cluster.rollout_node.gpu_memory_gb"),
     ],

@@ -28,6 +28,7 @@ def test_submit_places_one_task_per_node_with_roles(slurm_cluster, tmp_path):
         "--smoke",
         "cluster=slurmtest",
         "model=tiny",
+        "rollout.max_new_tokens=8",  # within the tiny model's 64 positions: submit refuses more
         "layout.train_nodes=2",
         "layout.rollout_nodes=1",
         f"run.output_root={tmp_path}",
@@ -107,6 +108,7 @@ def test_client_without_token_is_refused_and_a_dead_node_ends_the_job(slurm_clus
         "--smoke",
         "cluster=slurmtest",
         "model=tiny",
+        "rollout.max_new_tokens=8",  # within the tiny model's 64 positions: submit refuses more
         "layout.train_nodes=2",
         "layout.rollout_nodes=1",
         f"run.output_root={tmp_path}",
