@@ -304,6 +304,9 @@ def check_paths(expect: Expect) -> Result:
     return Result("paths", True, ", ".join(expect.paths) + " readable" if expect.paths else "no local paths")
 
 
+ROOM_FIX = "free space there, lower checkpoint.keep_top_k, or set checkpoint.dir to a larger filesystem"
+
+
 def check_disk(expect: Expect) -> Result:
     where = Path(expect.disk_dir).absolute()
     while not where.exists() and where != where.parent:
@@ -311,8 +314,7 @@ def check_disk(expect: Expect) -> Result:
     free = shutil.disk_usage(where).free / GB
     ok = free >= expect.disk_gb
     detail = f"{size_text(free)} free at {where}, checkpoints need {size_text(expect.disk_gb)}"
-    fix = "free space there, lower checkpoint.keep_top_k, or set checkpoint.dir to a larger filesystem"
-    return Result("disk", ok, detail, "" if ok else fix)
+    return Result("disk", ok, detail, "" if ok else ROOM_FIX)
 
 
 def size_text(gb: float) -> str:

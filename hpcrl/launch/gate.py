@@ -5,6 +5,7 @@ takes, and what submit refuses they refuse with the same line."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from hpcrl.config.cluster import Scheduler
@@ -12,6 +13,7 @@ from hpcrl.config.schema import LoggerConfig, RunConfig
 from hpcrl.errors import ConfigError
 from hpcrl.hub.check import check_inputs
 from hpcrl.launch.mounts import check_mounts
+from hpcrl.launch.room import check_room
 from hpcrl.plan.planner import Plan
 from hpcrl.run.rundir import new_run_dir
 
@@ -19,10 +21,12 @@ from hpcrl.run.rundir import new_run_dir
 def require_submittable(plan: Plan, run_dir: Path | None = None) -> None:
     """Raise the first refusal, one ConfigError line naming the key and the fix: the backend cannot
     build the model (first: refused whatever else it needs), the memory does not fit, the sequences
-    outgrow the model's positions, wandb online has no login, the cache lacks an input or holds a data set without the fields the
-    run reads, on Slurm a path the job opens is outside its container's mounts, on Kubernetes the pods
-    lack an image or the run directory is on none of their volumes. ``run_dir``: where
-    the run's files go; None: where submit would put them (only its place matters, nothing is written)."""
+    outgrow the model's positions, wandb online has no login, the cache lacks an input or holds a data
+    set without the fields the run reads, the checkpoints' filesystem (where visible here) lacks room
+    for keep_top_k + 1 of them, on Slurm a path the job opens is outside its container's mounts, on
+    Kubernetes the pods lack an image or the run directory is on none of their volumes. ``run_dir``:
+    where the run's files go; None: where submit would put them (only its place matters, nothing is
+    written)."""
     plan.require_buildable()
     plan.require_fit()
     check_context(plan.cfg)
@@ -34,6 +38,8 @@ def require_submittable(plan: Plan, run_dir: Path | None = None) -> None:
         from hpcrl.launch.kuberay import check_kube, pods_run_dir
 
         check_kube(plan, pods_run_dir(plan, run_dir or new_run_dir(plan.cfg)))  # image, run dir on a volume
+    # last: a cluster's run is only warned of, after every refusal
+    check_room(plan, run_dir, warn=lambda line: print(f"hpcrl: warning: {line}", file=sys.stderr))
 
 
 def check_context(cfg: RunConfig) -> None:

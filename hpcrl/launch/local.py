@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hpcrl.launch.orphans import start_watcher
 from hpcrl.plan.planner import Plan
 from hpcrl.run.driver import run_loop
 from hpcrl.run.rundir import new_run_dir, write_resolved_config
@@ -26,6 +27,7 @@ def start_local_ray(plan: Plan, scratch: Path) -> None:
     os.environ.update(auth_env(make_token(scratch)))
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep every listener on 127.0.0.1
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    start_watcher()  # Ray's agents outlive a killed driver: launch/orphans.py
     import ray
 
     # scancel of a run inside an allocation sends SIGTERM to every process of the step: Ray's

@@ -16,10 +16,15 @@ of all but the shards, whose full check is ``hpcrl export``'s), saying which it 
 
 Saves may be async (``checkpoint.async_save``): the ranks copy their state to host memory and write
 it in the background while the next step runs; ``settle`` waits for them and commits.
+
+A save that fails for space or permission (``DISK_FAULTS``, on any rank) removes its ``.tmp`` and keeps
+the previous checkpoints: an async save says so in one line and the run goes on (the next period saves
+again; ``faults/save_failures`` counts them); a sync save (the last, or a stop's) ends the run in one line.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -85,11 +90,15 @@ class CheckpointManager:
         higher_is_better: bool,
         about: dict[str, Any] | None = None,
         model_dir: Path | None = None,
+        say: Callable[[str], None] = print,
     ) -> None:
-        """``about``: written as model.json; ``model_dir``: the model whose HF_FILES go into hf/."""
+        """``about``: written as model.json; ``model_dir``: the model whose HF_FILES go into hf/;
+        ``say``: where a failed async save's line goes."""
         self.root, self.keep, self.metric, self.higher = root, keep_top_k, metric, higher_is_better
-        self.about, self.model_dir = about or {}, model_dir
-        self.pending: tuple[int, Path, dict[str, float]] | None = None
+        self.about, self.model_dir, self.say = about or {}, model_dir, say
+        self.pending: tuple[int, Path, dict[str, float], bool] | None = None
+        self.failures = 0
+        """Saves lost to a full or unwritable disk (``faults/save_failures``)."""
         root.mkdir(parents=True, exist_ok=True)
 
     def save(
@@ -103,24 +112,76 @@ class CheckpointManager:
         """Start checkpoint ``step``: the ranks write their shards (async: in the background) and the
         driver its loop state; committed now (sync) or by ``settle``. Seconds the caller was blocked."""
         blocked = self.settle(shards)
+        tmp = self._fresh_tmp(step)
+        try:
+            tmp.mkdir(parents=True)
+            blocked += shards.save_checkpoint(str(tmp / "trainer"), async_save)
+            torch.save(loop_state, tmp / "loop.pt")
+            (tmp / "model.json").write_text(json.dumps(self.about, indent=1))
+            self._copy_hf_files(tmp / "hf")
+        except Exception as exc:
+            self._failed(step, tmp, exc, async_save)
+            return blocked
+        self.pending = (step, tmp, metrics, async_save)
+        return blocked + (0.0 if async_save else self.settle(shards))
+
+    def _fresh_tmp(self, step: int) -> Path:
+        """Where checkpoint ``step`` is written: earlier partial directories removed first; one that
+        cannot be (a read-only file in it) is left aside under another name rather than block the save."""
         for stale in self.root.glob("*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = self.root / f"step_{step:06d}.tmp"
-        tmp.mkdir(parents=True)
-        blocked += shards.save_checkpoint(str(tmp / "trainer"), async_save)
-        torch.save(loop_state, tmp / "loop.pt")
-        (tmp / "model.json").write_text(json.dumps(self.about, indent=1))
-        self._copy_hf_files(tmp / "hf")
-        self.pending = (step, tmp, metrics)
-        return blocked + (0.0 if async_save else self.settle(shards))
+        return tmp if not tmp.exists() else self.root / f"step_{step:06d}.{os.getpid()}.tmp"
+
+    def _failed(self, step: int, tmp: Path, exc: Exception, async_save: bool) -> None:
+        """A save of ``step`` failed: its partial directory goes; a full or unwritable disk is one
+        line (async: said, and the run goes on; sync: raised); anything else is raised as it came."""
+        partial = tree_bytes(tmp)
+        fault = disk_fault(exc) or self._full(tmp, partial)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if fault is None:
+            raise exc
+        line = no_room_line(tmp, step, fault, self._needed(partial))
+        if not async_save:
+            self.say(f"{line}: the run stops here; {DISK_FIX}")  # a line of its own in the driver log
+            raise HpcrlError(f"{line}: the run stops here; {DISK_FIX}") from None
+        self.failures += 1
+        self.say(f"{line}: the run goes on and saves again at the next period; {DISK_FIX}")
+
+    def _full(self, tmp: Path, partial: int) -> OSError | None:
+        """A full disk whose error lost its errno on the way (DCP's zip writer raises "unexpected
+        pos"): the filesystem itself says, with less free than the rest of a checkpoint needs."""
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return None
+        latest = self.latest()
+        rest = (tree_bytes(latest.path) if latest is not None else 0) - partial
+        if free >= max(rest, 1 << 20):
+            return None
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+
+    def _needed(self, partial: int) -> str:
+        """Bytes one checkpoint takes: the last committed one's, else at least what was written."""
+        latest = self.latest()
+        if latest is not None:
+            return f"{tree_bytes(latest.path):,} bytes needed"
+        return f"at least {partial:,} bytes needed"
 
     def settle(self, shards: Shards) -> float:
         """Wait for the checkpoint in flight (if any) and commit it; the seconds waited."""
         if self.pending is None:
             return 0.0
-        waited = shards.finish_checkpoint()  # raises if a rank failed: the checkpoint stays .tmp
-        step, tmp, metrics = self.pending
+        step, tmp, metrics, async_save = self.pending
         self.pending = None
+        try:
+            return self._commit(shards, step, tmp, metrics)
+        except Exception as exc:
+            self._failed(step, tmp, exc, async_save)
+            return 0.0
+
+    def _commit(self, shards: Shards, step: int, tmp: Path, metrics: dict[str, float]) -> float:
+        waited = shards.finish_checkpoint()  # raises if a rank failed (``_failed`` takes it)
         meta = {
             "step": step,
             "metric_name": self.metric,
@@ -187,7 +248,10 @@ def committed(root: Path) -> list[CheckpointInfo]:
     for path in sorted(root.glob("step_*")):
         if path.suffix == ".tmp" or not (path / "meta.json").exists():
             continue
-        meta = json.loads((path / "meta.json").read_text())
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except ValueError:
+            continue  # not committed whole (meta.json is written before the rename): never resumed
         higher = bool(meta.get("higher_is_better", True))
         out.append(CheckpointInfo(path, int(meta["step"]), meta.get("metric"), higher))
     return out
@@ -237,6 +301,49 @@ def check_resumable(info: CheckpointInfo, now: dict[str, Any], weights_only: boo
     if was.get("layout") != now.get("layout"):
         return f"resharding {info.path.name}: written by {was.get('layout')}, loaded as {now.get('layout')}"
     return ""
+
+
+DISK_FAULTS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS})
+"""A save's failures that are the filesystem's (space, quota, permission), not the run's."""
+DISK_FIX = (
+    "free space there, lower checkpoint.keep_top_k, or set checkpoint.dir to a larger, writable filesystem"
+)
+
+
+def disk_fault(exc: BaseException) -> OSError | None:
+    """The space or permission error behind ``exc``, if any: raised here, or on a rank and carried
+    by Ray (``cause``) or torch.distributed.checkpoint (``failures``: each rank's)."""
+    todo: list[Any] = [exc]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FAULTS:
+            return e
+        todo += [getattr(e, "cause", None), getattr(e, "__cause__", None), getattr(e, "__context__", None)]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [getattr(f, "exc", f) for f in failures.values()]
+    return None
+
+
+def no_room_line(tmp: Path, step: int, fault: OSError, needed: str) -> str:
+    """One line: which save failed, where (the file, else the checkpoint being written), why, the bytes
+    it needs and those free."""
+    where = Path(fault.filename) if fault.filename else tmp
+    try:
+        free = f"{shutil.disk_usage(tmp.parent).free:,} free"
+    except OSError:
+        free = "free space unknown"
+    why = os.strerror(fault.errno) if fault.errno is not None else str(fault)
+    return f"checkpoint step_{step:06d} not saved: {why} at {where} ({needed}, {free})"
+
+
+def tree_bytes(path: Path) -> int:
+    """The bytes of every file under ``path`` (0 when it is gone)."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
 MANIFEST = "manifest.json"

@@ -203,6 +203,7 @@ def _prepare(plan: Plan, run_dir: Path) -> _Prepared:
         cfg.checkpoint.higher_is_better,
         about=checkpoint_about(plan, model_dir),
         model_dir=model_dir,
+        say=say,
     )
     stream = PromptStream(train_ex, cfg.run.seed)
     logger = MetricsLogger(run_dir, cfg.logger, cfg.run.name, {"config": config_yaml(cfg)})
@@ -293,6 +294,7 @@ def _resume(actors: Any, prep: _Prepared, lag: int) -> tuple[int, list[Any]]:
             latest = resume_point(prep.ckpt, failed)
             if latest is not None and (note := check_resumable(latest, prep.ckpt.about)):
                 say(note)
+    prep.logger.resume(int(state["step"]) if latest is not None else 0)
     if latest is None:
         return 0, []
     prep.stream.restore(state["stream"])

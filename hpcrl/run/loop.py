@@ -302,7 +302,7 @@ def save_when_due(
     if checkpoint_due(cfg, step) or stop:  # a stop's save must finish before the run ends
         last_one = stop or step == cfg.algo.max_steps
         blocked += ckpt.save(step, actors, state(), metrics, cfg.checkpoint.async_save and not last_one)
-    metrics["time/checkpoint_blocked"] = blocked
+    metrics.update({"time/checkpoint_blocked": blocked, "faults/save_failures": ckpt.failures})
     return stop
 
 

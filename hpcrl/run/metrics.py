@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from hpcrl.config.schema import LoggerConfig
+from hpcrl.run.rundir import atomic_write_text
 
 
 class MetricsLogger:
@@ -32,6 +33,17 @@ class MetricsLogger:
                 self.wandb = wandb.init(
                     project=cfg.wandb_project, name=run_name, mode=cast(Any, cfg.wandb_mode), config=config
                 )
+
+    def resume(self, step: int) -> None:
+        """The run goes on after ``step`` (0: from the start): rows a killed attempt logged after it
+        (and a line it left half-written) go, so that the steps it repeats are not logged twice. Each
+        file is rewritten whole and renamed into place: a kill now leaves the old one or the new."""
+        self.jsonl.close()
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            kept = [r for r in read_rows(self.run_dir / name) if step and r.get("step", 0) <= step]
+            if (self.run_dir / name).exists():
+                atomic_write_text(self.run_dir / name, "".join(json.dumps(r) + "\n" for r in kept))
+        self.jsonl = (self.run_dir / "metrics.jsonl").open("a")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **metrics}
@@ -99,9 +111,20 @@ def console_line(step: int, total: int, m: dict[str, float]) -> str:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl's rows, in order; none when the run has not logged yet. A run still writing (or
-    killed mid-line) can end in a partial line: it is left out."""
-    file = run_dir / "metrics.jsonl"
+    """metrics.jsonl's rows, one a step, in order; none when the run has not logged yet. A step
+    logged again (a resumed attempt's file from before ``MetricsLogger.resume``) supersedes the rows
+    from it on."""
+    rows: list[dict[str, Any]] = []
+    for row in read_rows(run_dir / "metrics.jsonl"):
+        while rows and rows[-1].get("step", 0) >= row.get("step", 0):
+            rows.pop()
+        rows.append(row)
+    return rows
+
+
+def read_rows(file: Path) -> list[dict[str, Any]]:
+    """A JSON-lines file's rows. A run still writing (or killed mid-line) can end in a partial line:
+    it is left out."""
     rows = []
     for line in file.read_text().splitlines() if file.exists() else []:
         try:

@@ -66,8 +66,12 @@ class ShardWriter:
         while they are still in the page cache): the commit's manifest (run/checkpoint.py) reads these
         records instead of the shards."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
-        dcp.save(state, checkpoint_id=path, process_group=self.group)
+        try:
+            dcp.save(state, checkpoint_id=path, process_group=self.group)
+        except CheckpointException as exc:  # a BaseException: Ray's actors and the driver take Exceptions
+            raise rank_failure(exc) from None
         rank = dist.get_rank(self.group) if self.group is not None else 0
         mine = sorted(Path(path).glob(f"__{rank}_*.distcp"))
         record = {f.name: {"size": f.stat().st_size, "crc32": crc32_of(f)} for f in mine}
@@ -89,6 +93,15 @@ class ShardWriter:
 
         self.wait()
         dcp.load(state, checkpoint_id=path, process_group=self.group)
+
+
+def rank_failure(exc: BaseException) -> Exception:
+    """What failed on the first rank that failed (a full disk's OSError, to name one), as DCP's
+    ``CheckpointException`` holds it: the checkpoint manager reads its errno."""
+    for failure in getattr(exc, "failures", {}).values():
+        if isinstance(inner := getattr(failure, "exc", None), Exception):
+            return inner
+    return RuntimeError((str(exc).splitlines() or ["checkpoint write failed"])[0])
 
 
 def staged_copy(x: Any, buffers: dict[str, torch.Tensor], key: str = "") -> Any:

@@ -153,3 +153,37 @@ def test_a_failing_node_ends_its_task_before_ray(tmp_path):
     ):
         task._doctor(SimpleNamespace(node_id=0, host=HOST))
     assert not (tmp_path / "nodes").exists() and os.listdir(tmp_path) == []
+
+
+def test_submit_checks_the_checkpoints_room_where_the_filesystem_is_visible(tmp_path):
+    """A real 20 MB filesystem; one checkpoint of the tiny model is ~6.1 MB by the plan's estimate."""
+    import subprocess
+
+    from hpcrl.errors import ConfigError
+    from hpcrl.launch.room import check_room
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        warned: list[str] = []
+
+        def room(keep: int, where: str = str(disk / "runs" / "ckpt")) -> None:
+            check_room(plan(f"checkpoint.dir={where}", f"checkpoint.keep_top_k={keep}"), None, warned.append)
+
+        with pytest.raises(ConfigError) as refused:  # 4 x 6.1 MB
+            room(3)
+        line = str(refused.value)
+        assert line.startswith("checkpoint.keep_top_k=3 keeps 4 checkpoints, 24.4 MB: ") and "\n" not in line
+        assert f"free at {disk};" in line and "6.09 MB" in line and "checkpoint.dir" in line
+        room(2)  # 3 fit, not the one being written next to them
+        assert len(warned) == 1 and warned[0].startswith("checkpoint.keep_top_k=2: room for 3 checkpoints")
+        room(1)
+        room(100, "/no-such-mount/ckpt")  # not visible here: the job's doctor checks it on the node
+        assert len(warned) == 1
+        slurm = plan(f"checkpoint.dir={disk}", "checkpoint.keep_top_k=3", "+cluster=gb200", *SITE)
+        check_room(slurm, None, warned.append)  # its nodes may see another filesystem there: a warning
+        assert len(warned) == 2 and warned[1].startswith("checkpoint.keep_top_k=3 keeps 4 checkpoints")
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)

@@ -271,7 +271,9 @@ def test_a_checkpoint_that_fails_to_load_gives_way_to_the_next_older_one_whole(t
     next older checkpoint, trainer state and loop state of that one step, never a mix."""
     import random
 
+    from hpcrl.config.schema import LoggerConfig
     from hpcrl.run.driver import _Prepared, _resume
+    from hpcrl.run.metrics import MetricsLogger, read_metrics
 
     mgr = CheckpointManager(tmp_path, keep_top_k=5, metric="m", higher_is_better=True)
     for step in (1, 2, 3):
@@ -302,14 +304,19 @@ def test_a_checkpoint_that_fails_to_load_gives_way_to_the_next_older_one_whole(t
             self.at = state["at"]
 
     stream, actors = Stream(), Actors()
-    prep = _Prepared(tmp_path, str, 0, stream, [], mgr, None, False, mgr.resumable(print))
+    (tmp_path / "run").mkdir()
+    logger = MetricsLogger(tmp_path / "run", LoggerConfig(tensorboard=False), "t", {})
+    for step in (1, 2, 3):  # the first attempt got as far as step 3
+        logger.log(step, {})
+    prep = _Prepared(tmp_path, str, 0, stream, [], mgr, logger, False, mgr.resumable(print))
     # not damage (the files match their sums): the error is the run's, raised as it is, not a fallback
     with pytest.raises(RuntimeError, match="PytorchStreamReader"):
         _resume(actors, prep, 0)
     # damage the resume's check cannot see (same size; only the shard's own sum): the next older one
     (tmp_path / "step_000003" / "trainer" / "__0_0.distcp").write_bytes(b"SHARD")
     stream, actors = Stream(), Actors()
-    prep = _Prepared(tmp_path, str, 0, stream, [], mgr, None, False, mgr.resumable(print))
+    prep = _Prepared(tmp_path, str, 0, stream, [], mgr, logger, False, mgr.resumable(print))
     step, kept = _resume(actors, prep, 0)
     assert step == 2 and stream.at == 2 and actors.synced == [2] and kept == []
     assert actors.loaded == ["step_000003", "step_000002"]
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]  # step 3 is trained again

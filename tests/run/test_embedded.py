@@ -128,8 +128,11 @@ def test_a_stop_signal_saves_the_current_step_and_resume_continues_the_same_traj
     assert stopped == 2 and f"run.dir={resumed}" in err
     saved = sorted(p.name for p in (resumed / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert saved == [f"step_{stopped:06d}"]  # only the one the signal asked for (period is 100)
+    with (resumed / "metrics.jsonl").open("a") as f:  # as a kill after the checkpoint leaves it
+        f.write(json.dumps({"step": stopped + 1, "train/reward": -1.0}) + '\n{"step": ')
     second = submit(tmp_path, cache, *small, f"run.dir={resumed}")
     assert second.returncode == 0 and f"(step {stopped})" in second.stdout, second.stdout[-2000:]
+    assert [r["step"] for r in metrics(resumed)] == [1, 2, 3, 4]  # each step once, the file whole
     a = {r["step"]: r for r in metrics(straight)}
     b = {r["step"]: r for r in metrics(resumed)}
     for step in range(stopped + 1, 5):
