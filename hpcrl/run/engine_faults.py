@@ -78,9 +78,16 @@ class EngineFaults:
 
 
 def cause_of(exc: BaseException) -> str:
-    """One line: the exception's type and its last line (Ray wraps an actor's traceback in the message)."""
+    """One line: the exception's type and its last line (Ray wraps an actor's traceback in the
+    message), cut after a sentence near 200 characters (Ray's own go on with advice)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[-1][:200]}" if lines else type(exc).__name__
+    if not lines:
+        return type(exc).__name__
+    last = lines[-1]
+    if len(last) > 200:
+        cut = last.rfind(". ", 0, 200)
+        last = last[: cut + 1] if cut > 0 else last[:200] + "..."
+    return f"{type(exc).__name__}: {last}"
 
 
 @dataclass
