@@ -5,7 +5,7 @@ lost: Ray's ``ActorDiedError``) or its call raises (a CUDA error); it is taken a
 work and hands over no group for ``rollout.hang_timeout_s`` (then it is killed). Either way the
 prompts it had not finished go to the engines that are idle (the others, once their share is done),
 and the engine is rebuilt in its slot and refit with the trainers' weights before the next step
-(``Fleet.sync_weights``); only when no engine is left does one come back at once, so the batch can
+(``Fleet.sync_weights``); only when no engine is left do they come back at once, so the batch can
 finish. A group is handed over whole, so nothing of a dead engine's half-finished groups is kept:
 every sample comes from one engine holding one weights version, which it stamps.
 
@@ -108,19 +108,19 @@ def dispatch(
     live: list[int],
     start: Callable[[int, list[int], int], Iterable[list[tuple[int, list[Completion]]]]],
     kill: Callable[[int], str],
-    revive: Callable[[], int],
+    revive: Callable[[], list[int]],
     faults: EngineFaults,
 ) -> Parts:
     """Prompts ``0 .. n_prompts - 1`` over the ``live`` engines (the i-th takes prompts i::k, as
     without faults), groups (global indices) as they finish. ``start(engine, prompts, call)``: that
     engine's stream over ``prompts`` (local indices; ``call`` numbers the calls of this batch, for
-    its seed); ``kill(engine)``: end a hung or failed engine, its host; ``revive()``: bring one
-    engine back now (none is left), its index."""
+    its seed); ``kill(engine)``: end a hung or failed engine, its host; ``revive()``: bring the lost
+    engines back now (none is left), their indices."""
     d = _Dispatch(start, kill, faults, idle=list(live))
     d.spread(list(range(n_prompts)))
     while d.running or d.orphans:
         if d.orphans and not d.running and not d.idle:
-            d.idle.append(revive())
+            d.idle.extend(revive())
         if d.orphans and d.idle:
             taken, d.orphans = sorted(d.orphans), []
             d.spread(taken)

@@ -18,7 +18,7 @@ from hpcrl.plan.planner import Plan
 from hpcrl.rollout.backends import inflight_updates, sleeps
 from hpcrl.rollout.base import Completion, Prompt, SamplingSettings
 from hpcrl.run.actors import RolloutActor, TrainerActor
-from hpcrl.run.engine_faults import EngineFaults, dispatch
+from hpcrl.run.engine_faults import EngineFaults, cause_of, dispatch
 from hpcrl.run.refit import Refit
 from hpcrl.run.slots import place, plan_slots
 from hpcrl.trainer.batch import TrainBatch
@@ -131,7 +131,7 @@ class Fleet:
                 yield ray.get(ref)
 
         live = [e for e in range(len(self.engines)) if e not in self.faults.down]
-        yield from dispatch(len(prompts), live, start, self._kill, self._revive_one, self.faults)
+        yield from dispatch(len(prompts), live, start, self._kill, self._revive, self.faults)
 
     def _host(self, e: int) -> str:
         engines = [w for w in self.placement if w.get("role") == "rollout"]
@@ -162,18 +162,29 @@ class Fleet:
             ray.get([self.engines[e].sleep.remote() for e in down])
         self.refit.layout = None
 
-    def _revive_one(self) -> int:
-        """No engine is left mid-batch: one comes back now with the weights the trainers hold (with
-        ``algo.max_staleness`` > 0 a train step may be running: after it), stamping that version."""
+    def _find_dead(self) -> None:
+        """Engines that died between two generations (no groups lost): a refit into one would fail."""
+        import ray
+
+        pings = {e: a.where.remote() for e, a in enumerate(self.engines) if e not in self.faults.down}
+        for e, ping in pings.items():
+            try:
+                ray.get(ping)
+            except ray.exceptions.RayActorError as exc:
+                self.faults.lost(e, self._kill(e), cause_of(exc), 0)
+
+    def _revive(self) -> list[int]:
+        """No engine is left mid-batch: every one comes back now (a CUDA-IPC refit feeds all of a GPU's
+        engines at once) with the weights the trainers hold (with ``algo.max_staleness`` > 0 a train
+        step may be running: after it), stamping that version."""
         import ray
 
         with self.lock:
-            e = min(self.faults.down)
-            self._rebuild([e])
-            self.refit.run(self.trainers, [self.engines[e]])
-            self.refit.layout = None  # the next refit re-forms the groups with every engine
-            ray.get(self.engines[e].resume_generation.remote(self.version))
-        return e
+            down = sorted(self.faults.down)
+            self._rebuild(down)
+            self.refit.run(self.trainers, self.engines)
+            ray.get([self.engines[e].resume_generation.remote(self.version) for e in down])
+        return down
 
     def _data_ranks(self) -> list[tuple[int, int]]:
         """(data-parallel rank, data-parallel size) of every trainer rank: ranks that differ only in
@@ -214,8 +225,10 @@ class Fleet:
         engine, streamed (run/refit.py); sleeping engines wake their weights first and their KV cache
         after (the refit's buckets and the KV cache are never resident together). Generation running
         (``rollout.inflight_update``) is held between two steps while the weights change. Engines lost
-        since the last refit are rebuilt first; the engine faults since then come back with the phases."""
+        since the last refit (in a generation, or while the trainers trained) are rebuilt first; the
+        engine faults since then come back with the phases."""
         with self.lock:
+            self._find_dead()
             if self.faults.down:
                 self._rebuild(sorted(self.faults.down))
             phases = self._sync(version)

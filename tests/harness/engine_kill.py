@@ -1,12 +1,12 @@
 """The real loop (local Ray, vLLM CPU engines, the FSDP2 trainer, math-verify workers) with rollout
 engines SIGKILLed mid-generation; tests/run/test_engine_kill.py reads what it writes.
 
-    python tests/harness/engine_kill.py OUT_DIR ENGINES KILL_CALLS [override ...]
+    python tests/harness/engine_kill.py OUT_DIR ENGINES KILLS [override ...]
 
 ENGINES engines (a local run has one: the others are started in the first one's slot, with as many
-rollout units for Ray); KILL_CALLS (e.g. ``2,4``): in those training generate calls, the engine that
+rollout units for Ray). KILLS (e.g. ``2,t3,4``): in those training generate calls, the engine that
 handed over the first group is killed right after it (``rollout.max_num_seqs`` = the group size: its
-other prompts are still to come). OUT_DIR/calls.json: per training call, the trainers' version when it
+other prompts are still to come); ``tN``: engine 0 is killed as train step N begins. OUT_DIR/calls.json: per training call, the trainers' version when it
 began and every completion's stamped versions; OUT_DIR/run: the run directory. Exits 2 with the one
 line on stderr where the run stops on an ``HpcrlError``, as the CLI does.
 """
@@ -59,8 +59,7 @@ def watched(fleet: Fleet, kills: set[int], calls: list[dict[str, Any]]) -> Any:
         for part in generate(prompts, settings):
             if len(calls) in kills and call["killed"] is None:
                 engine = part[0][0] % len(fleet.engines)  # all engines are up when a call begins: i::k
-                pid = [w for w in fleet.placement if w["role"] == "rollout"][engine]["pid"]
-                os.kill(pid, signal.SIGKILL)
+                kill(fleet, engine)
                 call["killed"] = engine
             call["versions"] += [list(c.versions) for _, group in part for c in group]
             yield part
@@ -68,8 +67,27 @@ def watched(fleet: Fleet, kills: set[int], calls: list[dict[str, Any]]) -> Any:
     return generate_stream
 
 
+def kill(fleet: Fleet, engine: int) -> None:
+    os.kill([w for w in fleet.placement if w["role"] == "rollout"][engine]["pid"], signal.SIGKILL)
+
+
+def killing_trains(fleet: Fleet, steps: set[int]) -> Any:
+    """``fleet.train_step``, killing engine 0 as the ``steps``-th train steps begin."""
+    train_step, taken = fleet.train_step, [0]
+
+    def train(batch: Any, lr: float | None = None) -> dict[str, float]:
+        taken[0] += 1
+        if taken[0] in steps:
+            kill(fleet, 0)
+        return train_step(batch, lr)
+
+    return train
+
+
 def main() -> int:
-    out, engines, kills = Path(sys.argv[1]), int(sys.argv[2]), {int(k) for k in sys.argv[3].split(",")}
+    out, engines = Path(sys.argv[1]), int(sys.argv[2])
+    kills = {int(k) for k in sys.argv[3].split(",") if not k.startswith("t")}
+    train_kills = {int(k[1:]) for k in sys.argv[3].split(",") if k.startswith("t")}
     plan = make_plan(compose_config(sys.argv[4:]))
     (out / "run").mkdir(parents=True, exist_ok=True)
     calls: list[dict[str, Any]] = []
@@ -86,6 +104,7 @@ def main() -> int:
             fleet.engines.append(spawn(0))
             fleet.placement.append(ray.get(fleet.engines[-1].where.remote()))
         fleet.generate_stream = watched(fleet, kills, calls)  # type: ignore[method-assign]
+        fleet.train_step = killing_trains(fleet, train_kills)  # type: ignore[method-assign]
         return fleet
 
     Fleet.start = classmethod(start_more)  # type: ignore[method-assign, assignment]

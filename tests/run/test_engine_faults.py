@@ -42,12 +42,13 @@ class Engines:
         self.released.set()  # a killed engine's stream ends (its late parts must be ignored)
         return f"node{e}"
 
-    def revive(self, faults: EngineFaults) -> int:
-        e = min(faults.down)
-        self.causes.append(faults.down.pop(e))
-        self.behaviour[e], self.version[e] = "ok", self.version[e] + 1
-        self.revived.append(e)
-        return e
+    def revive(self, faults: EngineFaults) -> list[int]:
+        down = sorted(faults.down)
+        for e in down:
+            self.causes.append(faults.down.pop(e))
+            self.behaviour[e], self.version[e] = "ok", self.version[e] + 1
+        self.revived += down
+        return down
 
 
 def run(engines: Engines, n: int, faults: EngineFaults) -> dict[int, Completion]:
@@ -103,3 +104,14 @@ def test_past_the_bound_the_error_names_the_node_and_the_cause():
     assert "\n" not in line
     assert line.startswith("rollout engine 1 on node1 failed (RuntimeError: ActorDiedError)")
     assert "rollout.max_engine_restarts=0" in line
+
+
+def test_when_every_engine_is_lost_all_come_back_at_once_and_share_what_is_left():
+    engines, faults = Engines("dies", "dies"), EngineFaults(max_restarts=2, hang_timeout_s=60)
+    got = run(engines, 8, faults)
+    assert sorted(engines.killed) == [0, 1] and engines.revived == [0, 1]
+    assert {got[i].text for i in (0, 1)} == {"engine0", "engine1"} and got[0].versions == (0, 0)
+    # the six unfinished prompts, spread over both rebuilt engines at their new version
+    assert {got[i].text for i in range(2, 8)} == {"engine0", "engine1"}
+    assert {got[i].versions for i in range(2, 8)} == {(1, 1)}
+    assert faults.metrics() == {"faults/engine_restarts": 2.0, "faults/lost_groups": 6.0}
