@@ -6,7 +6,8 @@ engines SIGKILLed mid-generation; tests/run/test_engine_kill.py reads what it wr
 ENGINES engines (a local run has one: the others are started in the first one's slot, with as many
 rollout units for Ray). KILLS (e.g. ``2,t3,4``): in those training generate calls, the engine that
 handed over the first group is killed right after it (``rollout.max_num_seqs`` = the group size: its
-other prompts are still to come); ``tN``: engine 0 is killed as train step N begins. OUT_DIR/calls.json: per training call, the trainers' version when it
+other prompts are still to come); ``sN``: that engine is stopped instead (SIGSTOP: it hangs);
+``tN``: engine 0 is killed as train step N begins. OUT_DIR/calls.json: per training call, the trainers' version when it
 began and every completion's stamped versions; OUT_DIR/run: the run directory. Exits 2 with the one
 line on stderr where the run stops on an ``HpcrlError``, as the CLI does.
 """
@@ -46,7 +47,7 @@ def connect(engines: int) -> Any:
     return start
 
 
-def watched(fleet: Fleet, kills: set[int], calls: list[dict[str, Any]]) -> Any:
+def watched(fleet: Fleet, kills: dict[int, int], calls: list[dict[str, Any]]) -> Any:
     """``fleet.generate_stream``, recording versions and killing an engine in the ``kills`` calls."""
     generate = fleet.generate_stream
 
@@ -59,7 +60,7 @@ def watched(fleet: Fleet, kills: set[int], calls: list[dict[str, Any]]) -> Any:
         for part in generate(prompts, settings):
             if len(calls) in kills and call["killed"] is None:
                 engine = part[0][0] % len(fleet.engines)  # all engines are up when a call begins: i::k
-                kill(fleet, engine)
+                kill(fleet, engine, kills[len(calls)])
                 call["killed"] = engine
             call["versions"] += [list(c.versions) for _, group in part for c in group]
             yield part
@@ -67,8 +68,8 @@ def watched(fleet: Fleet, kills: set[int], calls: list[dict[str, Any]]) -> Any:
     return generate_stream
 
 
-def kill(fleet: Fleet, engine: int) -> None:
-    os.kill([w for w in fleet.placement if w["role"] == "rollout"][engine]["pid"], signal.SIGKILL)
+def kill(fleet: Fleet, engine: int, sig: int = signal.SIGKILL) -> None:
+    os.kill([w for w in fleet.placement if w["role"] == "rollout"][engine]["pid"], sig)
 
 
 def killing_trains(fleet: Fleet, steps: set[int]) -> Any:
@@ -86,7 +87,11 @@ def killing_trains(fleet: Fleet, steps: set[int]) -> Any:
 
 def main() -> int:
     out, engines = Path(sys.argv[1]), int(sys.argv[2])
-    kills = {int(k) for k in sys.argv[3].split(",") if not k.startswith("t")}
+    kills = {
+        int(k.lstrip("s")): signal.SIGSTOP if k[0] == "s" else signal.SIGKILL
+        for k in sys.argv[3].split(",")
+        if k[0] != "t"
+    }
     train_kills = {int(k[1:]) for k in sys.argv[3].split(",") if k.startswith("t")}
     plan = make_plan(compose_config(sys.argv[4:]))
     (out / "run").mkdir(parents=True, exist_ok=True)

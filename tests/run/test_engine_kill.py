@@ -1,7 +1,7 @@
-"""Rollout engines SIGKILLed mid-generation in the real loop (local Ray, vLLM CPU engines, the FSDP2
-trainer; tests/harness/engine_kill.py): the run goes on, the metrics count the restart, and every
-sample carries the version of the weights the trainers held when its batch began (the scheduling
-itself, hangs included, without Ray: tests/run/test_engine_faults.py)."""
+"""Rollout engines SIGKILLed (or SIGSTOPped: hung) mid-generation in the real loop (local Ray, vLLM
+CPU engines, the FSDP2 trainer; tests/harness/engine_kill.py): the run goes on, the metrics count the
+restart, and every sample carries the version of the weights the trainers held when its batch began
+(the scheduling itself without Ray: tests/run/test_engine_faults.py)."""
 
 from __future__ import annotations
 
@@ -74,14 +74,22 @@ def test_two_engines_off_policy_the_survivor_finishes_the_batch_and_the_dead_one
 ):
     """Generation one step ahead (the producer thread): one of two engines dies making batch 3; the
     other takes its unfinished prompts, the refit after step 2 rebuilds it, and batch 4 is made by
-    both, at the new version."""
+    both, at the new version. Making batch 4 one of them hangs (SIGSTOP): killed after
+    ``rollout.hang_timeout_s``, the same again."""
     result, calls, rows = killed_run(
-        tmp_path, model_cache, 2, "3", "algo.max_staleness=1", "algo.is_correction=tis"
+        tmp_path,
+        model_cache,
+        2,
+        "3,s4",
+        "algo.max_staleness=1",
+        "algo.is_correction=tis",
+        "rollout.hang_timeout_s=20",  # a group of this run takes well under a second
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert [c["version"] for c in calls] == [0, 0, 1, 2] and calls[2]["killed"] is not None
+    assert [c["version"] for c in calls] == [0, 0, 1, 2]
+    assert calls[2]["killed"] is not None and calls[3]["killed"] is not None
     versions_right(calls)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert sum(r["faults/engine_restarts"] for r in rows) == 1.0
-    assert sum(r["faults/lost_groups"] for r in rows) >= 1
+    assert sum(r["faults/engine_restarts"] for r in rows) == 2.0
+    assert sum(r["faults/lost_groups"] for r in rows) >= 2
     assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
