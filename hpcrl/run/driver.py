@@ -116,6 +116,7 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
     over the topology's nodes; locally there is one trainer and one engine, which share the machine's
     GPU where the plan found one (``cluster.gpu=auto``) and ask for none on a CPU."""
     from hpcrl.rewards.pool import RewardPool
+    from hpcrl.run.engine_faults import EngineFailed, save_and_stop
     from hpcrl.run.loop import train
     from hpcrl.run.overlap import train_overlapped
     from hpcrl.run.preempt import REQUEST, rearm
@@ -137,10 +138,13 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
                 f"training {cfg.algo.max_steps} steps"
             )
             run = prep.loop_run(cfg, actors, pool)
-            if cfg.algo.max_staleness:  # generation overlaps training (run/overlap.py)
-                last = train_overlapped(run, start_step=start_step, restored=restored)
-            else:
-                last = train(run, start_step=start_step)
+            try:
+                if cfg.algo.max_staleness:  # generation overlaps training (run/overlap.py)
+                    last = train_overlapped(run, start_step=start_step, restored=restored)
+                else:
+                    last = train(run, start_step=start_step)
+            except EngineFailed as failed:  # engines failed past rollout.max_engine_restarts
+                raise save_and_stop(run, actors.version, failed) from None
     finally:
         prep.logger.close()
         if "ray" in sys.modules:

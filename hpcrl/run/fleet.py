@@ -7,9 +7,8 @@ log-probs and the metrics' reduction, stays with the ranks), weights go trainer 
 
 from __future__ import annotations
 
-import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,7 @@ from hpcrl.plan.planner import Plan
 from hpcrl.rollout.backends import inflight_updates, sleeps
 from hpcrl.rollout.base import Completion, Prompt, SamplingSettings
 from hpcrl.run.actors import RolloutActor, TrainerActor
+from hpcrl.run.engine_faults import EngineFaults, cause_of, dispatch
 from hpcrl.run.refit import Refit
 from hpcrl.run.slots import place, plan_slots
 from hpcrl.trainer.batch import TrainBatch
@@ -38,6 +38,14 @@ class Fleet:
     sleep: bool = False
     """``rollout.sleep`` as the planner resolved it."""
     asleep: bool = False
+    spawn: Callable[[int], ActorHandle[RolloutActor]] | None = None
+    """A new engine actor in engine ``i``'s slot (its options and arguments); None: none is rebuilt."""
+    faults: EngineFaults = field(default_factory=lambda: EngineFaults(0, 1800.0))
+    version: int = 0
+    """The policy version the trainer ranks hold (optimizer steps): what a rebuilt engine gets."""
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    """Held by a train step and a refit: a refit into a rebuilt engine (from the producer thread of
+    ``algo.max_staleness`` > 0) sends a known version."""
 
     @classmethod
     def start(cls, plan: Plan, model_dir: Path, scratch: Path, *, device: str, gpu_resources: bool) -> Fleet:
@@ -72,17 +80,24 @@ class Fleet:
         # orders them); otherwise one call at a time, as the loop makes them
         concurrency = 2 if inflight_updates(cfg.rollout) else 1
         engines: list[Any] = [None] * len(engine_options)
+
+        def spawn(i: int) -> Any:
+            return rollout_cls.options(**engine_options[i], max_concurrency=concurrency).remote(
+                str(model_dir), engine_cfg, cfg.max_seq_len, str(scratch), on_cpu, kv_gb
+            )
+
         for wave in slots.waves:  # engines on one GPU start one after another (slots.py says why)
             for i in wave:
-                engines[i] = rollout_cls.options(**engine_options[i], max_concurrency=concurrency).remote(
-                    str(model_dir), engine_cfg, cfg.max_seq_len, str(scratch), on_cpu, kv_gb
-                )
+                engines[i] = spawn(i)
             if len(slots.waves) > 1:
                 ray.get([engines[i].where.remote() for i in wave])
         ray.get(setups)
         where = ray.get([a.where.remote() for a in trainers + engines])  # surface start-up errors here
         refit = Refit(plan.refit.mode, plan.refit.backend, cfg.rollout.weight_sync_bucket_mb, rollout.per_gpu)
-        return cls(trainers, engines, where, refit=refit, sleep=sleeps(cfg.rollout))
+        faults = EngineFaults(cfg.rollout.max_engine_restarts, cfg.rollout.hang_timeout_s)
+        return cls(
+            trainers, engines, where, refit=refit, sleep=sleeps(cfg.rollout), spawn=spawn, faults=faults
+        )
 
     def describe(self) -> str:
         """One line: which role runs where, e.g. ``train x1 on node2; rollout x1 on node1``."""
@@ -104,19 +119,72 @@ class Fleet:
         self, prompts: list[Prompt], settings: SamplingSettings
     ) -> Iterator[list[tuple[int, list[Completion]]]]:
         """Every engine generates its share (prompts i::k, seed + i); (prompt index, group) pairs come
-        back as the engines finish them, whichever engine is first."""
-        k = len(self.engines)
-        streams = [
-            (
-                i,
-                e.generate_stream.options(num_returns="streaming").remote(
-                    prompts[i::k], replace(settings, seed=settings.seed + i)
-                ),
-            )
-            for i, e in enumerate(self.engines)
-            if prompts[i::k]
-        ]
-        yield from merge_streams(streams, k)
+        back as the engines finish them, whichever engine is first. An engine that dies or hangs
+        leaves its unfinished prompts to the others (run/engine_faults.py)."""
+
+        def start(e: int, idx: list[int], call: int) -> Iterator[Any]:
+            import ray
+
+            share = [prompts[i] for i in idx]
+            seeded = replace(settings, seed=settings.seed + call)
+            for ref in self.engines[e].generate_stream.options(num_returns="streaming").remote(share, seeded):
+                yield ray.get(ref)
+
+        live = [e for e in range(len(self.engines)) if e not in self.faults.down]
+        yield from dispatch(len(prompts), live, start, self._kill, self._revive, self.faults)
+
+    def _host(self, e: int) -> str:
+        engines = [w for w in self.placement if w.get("role") == "rollout"]
+        return str(engines[e]["host"]) if e < len(engines) else "?"
+
+    def _kill(self, e: int) -> str:
+        """End engine ``e`` (dead, hung or failing: its process goes); its node."""
+        import ray
+
+        ray.kill(self.engines[e], no_restart=True)
+        return self._host(e)
+
+    def _rebuild(self, down: list[int]) -> None:
+        """New actors in the lost engines' slots (their placement-group bundles), started and with the
+        trainers' weights: the refit re-forms the weight groups with every engine that is up."""
+        import ray
+
+        if self.spawn is None:
+            raise RuntimeError("internal: this fleet cannot rebuild an engine")
+        for e in down:
+            self.engines[e] = self.spawn(e)
+        where = ray.get([self.engines[e].where.remote() for e in down])
+        rollout = [i for i, w in enumerate(self.placement) if w.get("role") == "rollout"]
+        for e, w in zip(down, where, strict=True):
+            self.placement[rollout[e]] = w
+            self.faults.down.pop(e)
+        if self.asleep:  # as the others are: the refit wakes them together
+            ray.get([self.engines[e].sleep.remote() for e in down])
+        self.refit.layout = None
+
+    def _find_dead(self) -> None:
+        """Engines that died between two generations (no groups lost): a refit into one would fail."""
+        import ray
+
+        pings = {e: a.where.remote() for e, a in enumerate(self.engines) if e not in self.faults.down}
+        for e, ping in pings.items():
+            try:
+                ray.get(ping)
+            except ray.exceptions.RayActorError as exc:
+                self.faults.lost(e, self._kill(e), cause_of(exc), 0)
+
+    def _revive(self) -> list[int]:
+        """No engine is left mid-batch: every one comes back now (a CUDA-IPC refit feeds all of a GPU's
+        engines at once) with the weights the trainers hold (with ``algo.max_staleness`` > 0 a train
+        step may be running: after it), stamping that version."""
+        import ray
+
+        with self.lock:
+            down = sorted(self.faults.down)
+            self._rebuild(down)
+            self.refit.run(self.trainers, self.engines)
+            ray.get([self.engines[e].resume_generation.remote(self.version) for e in down])
+        return down
 
     def _data_ranks(self) -> list[tuple[int, int]]:
         """(data-parallel rank, data-parallel size) of every trainer rank: ranks that differ only in
@@ -137,9 +205,11 @@ class Fleet:
         the KL term); the metrics come back reduced over the ranks, the whole batch's on each."""
         import ray
 
-        results = ray.get(
-            [t.train_step.remote(s, lr) for t, s in zip(self.trainers, self._shards(batch), strict=True)]
-        )
+        with self.lock:
+            results = ray.get(
+                [t.train_step.remote(s, lr) for t, s in zip(self.trainers, self._shards(batch), strict=True)]
+            )
+            self.version += 1
         return dict(results[0])
 
     def sleep_engines(self) -> None:
@@ -147,14 +217,25 @@ class Fleet:
         import ray
 
         if self.sleep and not self.asleep:
-            ray.get([e.sleep.remote() for e in self.engines])
+            ray.get([e.sleep.remote() for i, e in enumerate(self.engines) if i not in self.faults.down])
             self.asleep = True
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """New weights (policy ``version``: optimizer steps taken) from the trainer ranks to every
         engine, streamed (run/refit.py); sleeping engines wake their weights first and their KV cache
         after (the refit's buckets and the KV cache are never resident together). Generation running
-        (``rollout.inflight_update``) is held between two steps while the weights change."""
+        (``rollout.inflight_update``) is held between two steps while the weights change. Engines lost
+        since the last refit (in a generation, or while the trainers trained) are rebuilt first; the
+        engine faults since then come back with the phases."""
+        with self.lock:
+            self._find_dead()
+            if self.faults.down:
+                self._rebuild(sorted(self.faults.down))
+            phases = self._sync(version)
+            self.version = version
+        return {**phases, **self.faults.metrics()}
+
+    def _sync(self, version: int) -> dict[str, float]:
         import time
 
         import ray
@@ -202,37 +283,3 @@ def engine_config(cfg: Any, rollout: RolloutParallel) -> Any:
     where ``per_gpu`` engines share a GPU, its part of ``rollout.gpu_memory_utilization``."""
     share = cfg.rollout.gpu_memory_utilization / rollout.per_gpu
     return replace(cfg, rollout=replace(cfg.rollout, tp=rollout.tp, gpu_memory_utilization=share))
-
-
-def merge_streams(streams: list[tuple[int, Any]], k: int) -> Iterator[list[tuple[int, list[Completion]]]]:
-    """(engine i, its Ray streaming generator over prompts i::k) as one stream of global prompt
-    indices; a thread per engine, so a slow engine holds back no other's groups."""
-    import ray
-
-    if len(streams) == 1:  # the common case: no threads
-        i, stream = streams[0]
-        for ref in stream:
-            yield [(i + j * k, group) for j, group in ray.get(ref)]
-        return
-    parts: queue.Queue[tuple[int, Any]] = queue.Queue()
-
-    def pump(i: int, stream: Any) -> None:
-        try:
-            for ref in stream:
-                parts.put((i, ray.get(ref)))
-        except BaseException as exc:  # re-raised in the caller's thread
-            parts.put((i, exc))
-        parts.put((i, None))
-
-    threads = [threading.Thread(target=pump, args=pair, daemon=True) for pair in streams]
-    for t in threads:
-        t.start()
-    open_streams = len(streams)
-    while open_streams:
-        i, part = parts.get()
-        if part is None:
-            open_streams -= 1
-        elif isinstance(part, BaseException):
-            raise part
-        else:
-            yield [(i + j * k, group) for j, group in part]

@@ -378,8 +378,8 @@ def one_step(run: Run, step: int, batches: Batches) -> dict[str, float]:
     metrics["train/lr"] = lr_at(run.cfg.algo, step)
     batches.before_refit(step, timer)
     with timer("weight_sync"):
-        # asleep: wakes the engines' weights, refits, wakes their KV cache; the refit's phases
-        metrics.update({f"refit/{k}": v for k, v in actors.sync_weights(step).items()})
+        # asleep: wakes the engines' weights, refits, wakes their KV cache; the refit's phases, faults/*
+        metrics.update({k if "/" in k else f"refit/{k}": v for k, v in actors.sync_weights(step).items()})
     metrics["train/reward"] = float(got.shaped.mean())
     if validation_due(run.cfg, step):
         with timer("validation"):

@@ -107,6 +107,10 @@ def console_line(step: int, total: int, m: dict[str, float]) -> str:
     ):
         if key in m:
             parts.append(fmt.format(m[key]))
+    if m.get("faults/engine_restarts"):  # only when an engine failed (run/engine_faults.py)
+        parts.append(
+            f"engine restarts {m['faults/engine_restarts']:.0f}, lost groups {m['faults/lost_groups']:.0f}"
+        )
     return " | ".join(parts)
 
 
