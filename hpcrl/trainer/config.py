@@ -117,6 +117,13 @@ class TrainerConfig:
     (``trainer/router_replay.py``). Off, the trainer routes on its own, and numerics differences
     between engine and trainer send tokens to other experts (Megatron-LM#4168 saw 94% of tokens
     routed differently in at least one layer). The rollout engine records routes only when on."""
+    mtp_loss_scale: float | None = None
+    """A number: the model's multi-token-prediction layers (``model.mtp_layers``, the checkpoint's
+    ``mtp.*``) are loaded, trained with their loss times this scale added to the policy loss (each MTP
+    block predicts the token after next, on the loss tokens; logged as ``mtp_loss``), exported and sent
+    with every refit, which ``rollout.speculative=mtp`` needs. NeMo RL's Nemotron 3 Super recipes use
+    0.3 (Megatron's ``mtp_loss_scaling_factor``); 0 carries them untrained. None: the trainer leaves
+    them out (the recipes' ``mtp_num_layers 0``)."""
 
     def parallel(self, world: int) -> TrainParallel:
         """These degrees as the record, for code that runs without a plan (torchrun harnesses, benches);
@@ -172,6 +179,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.betas={self.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
         if self.moe_aux_loss_coeff is not None:
             non_negative("trainer.moe_aux_loss_coeff", self.moe_aux_loss_coeff)
+        if self.mtp_loss_scale is not None:
+            non_negative("trainer.mtp_loss_scale", self.mtp_loss_scale)
 
 
 @dataclass
