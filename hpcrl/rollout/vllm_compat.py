@@ -121,14 +121,46 @@ def worker_model(worker: Any) -> Any:
 
 
 def load_weights(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
-    """Load HF-named tensors into a vLLM worker's model in place (see the module docstring)."""
+    """Load HF-named tensors into a vLLM worker's model in place (see the module docstring). With
+    MTP speculative decoding the drafter is a model of its own: it takes the ``mtp.*`` tensors (it
+    shares the embedding and head with the model)."""
     from vllm.platforms import current_platform
 
     runner = worker.model_runner
+    drafter = getattr(getattr(runner, "drafter", None), "model", None)
+    weights = list(weights) if drafter is not None else weights
     if current_platform.is_cpu():
         runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
     else:
         runner.model.load_weights(weights=iter(weights))
+    if drafter is not None:
+        _load_drafter(runner, drafter, [(k, v) for k, v in weights if k.startswith(MTP_PREFIX)])
+
+
+def _load_drafter(runner: Any, drafter: Any, weights: list[tuple[str, Any]]) -> None:
+    from vllm.platforms import current_platform
+
+    if not weights:
+        return
+    if current_platform.is_cpu():  # CPU linears compute from a copy prepacked at load: redo it
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        reload_weights(runner.vllm_config, drafter, iter(weights), None, is_checkpoint_format=True)
+    else:
+        drafter.load_weights(iter(weights))
+
+
+MTP_PREFIX = "mtp."
+"""Where a checkpoint keeps its multi-token-prediction layers (Nemotron-H, DeepSeek-V3: ``mtp.layers.*``)."""
+
+
+def draft_counts(output: Any) -> tuple[int, int] | None:
+    """(drafted, accepted) tokens of one vLLM ``CompletionOutput`` under speculative decoding
+    (``per_request_spec_decode_metrics``; its histogram counts verify steps by tokens accepted)."""
+    metrics = getattr(output, "spec_decode_metrics", None)
+    if metrics is None:
+        return None
+    return metrics.num_draft_tokens, sum(j * count for j, count in enumerate(metrics.histogram))
 
 
 def bucket_views(buf: Any, entries: list[tuple[str, tuple[int, ...], int]]) -> Iterator[tuple[str, Any]]:

@@ -271,7 +271,8 @@ class VLLMEngine:
                 tokens = list(c.token_ids)
                 lps = vllm_compat.sampled_logprobs(c.logprobs, tokens)
                 truncated = c.finish_reason == "length"
-                group.append(Completion(tokens, lps, next(texts), truncated, (first, now)))
+                drafts = vllm_compat.draft_counts(c)
+                group.append(Completion(tokens, lps, next(texts), truncated, (first, now), drafts=drafts))
             groups.append(group)
         if self.routes:
             self._attach_routes(outputs, groups)
@@ -363,6 +364,13 @@ def _optional_settings(cfg: VLLMRolloutConfig, kv_cache_gb: float | None) -> dic
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     if cfg.language_model_only:
         kwargs["language_model_only"] = True  # a vision-language checkpoint, served without its towers
+    if cfg.speculative is not None:
+        kwargs["speculative_config"] = {
+            "method": cfg.speculative,
+            "num_speculative_tokens": cfg.num_speculative_tokens,
+        }
+        # each completion's drafted and accepted counts (``Completion.drafts``), n > 1 included
+        kwargs["per_request_spec_decode_metrics"] = "summary"
     return kwargs
 
 
