@@ -1,0 +1,73 @@
+"""Nemotron-H's MTP layers under the fsdp backend (``trainer.mtp_loss_scale``): the tiny model's
+checkpoint carries one MTP block (attention, LatentMoE) under the names vLLM and Megatron-Bridge read;
+the trainer loads it, trains it with its loss (which reaches the decoder too), and sends it back under
+the same names. Real parts: transformers' Nemotron-H blocks, FSDP2 on a one-rank gloo group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpcrl.trainer.fsdp import FSDPTrainer
+from hpcrl.trainer.process_group import free_port
+from tests.conftest import compose, plan
+from tests.trainer.test_tiny_nemotronh import batch
+
+MASTER = f"127.0.0.1:{free_port()}"
+MTP = ("+experiment=grpo-tinynemotronh-1n1g-fsdp", "model.mtp_layers=1", "model.hybrid.mtp_pattern=*E")
+BIAS = "e_score_correction_bias"
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory):
+    from hpcrl.run.tiny_model import ensure_tiny_model
+
+    cache = tmp_path_factory.mktemp("cache")
+    return ensure_tiny_model(compose(*MTP).model, cache, sft_steps=3, log=lambda _: None)
+
+
+def mtp_part(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in weights.items() if k.startswith("mtp.")}
+
+
+def test_the_checkpoint_has_the_mtp_block_under_vllms_names(mtp_dir):
+    from safetensors.torch import load_file
+
+    names = set(mtp_part(load_file(mtp_dir / "model.safetensors")))
+    start = {f"mtp.layers.0.{n}.weight" for n in ("enorm", "hnorm", "eh_proj", "norm")}
+    attention = {f"mtp.layers.0.mixer.{p}_proj.weight" for p in "qkvo"}
+    experts = {f"mtp.layers.1.mixer.experts.{e}.{p}_proj.weight" for e in range(8) for p in ("up", "down")}
+    end = {
+        "mtp.layers.1.final_layernorm.weight",
+        "mtp.layers.1.norm.weight",
+        f"mtp.layers.1.mixer.gate.{BIAS}",
+    }
+    assert start | attention | experts | end <= names
+    assert not {n for n in names if ".mixer.experts.up_proj" in n or "layers.2" in n}  # per expert, one block
+
+
+def test_mtp_loads_trains_with_its_loss_and_goes_back_under_its_names(mtp_dir):
+    from safetensors.torch import load_file
+
+    on_disk = mtp_part(load_file(mtp_dir / "model.safetensors"))
+    trainers = {}
+    for scale in (0.0, 1.0):
+        cfg = plan(*MTP, f"trainer.mtp_loss_scale={scale}", "algo.lr=1e-2").cfg
+        trainers[scale] = trainer = FSDPTrainer(mtp_dir, cfg, master=MASTER)
+        loaded = mtp_part(trainer.export_weights())
+        assert set(loaded) == {k for k in on_disk if not k.endswith(BIAS)}  # the frozen bias stays out
+        assert all(torch.equal(v, on_disk[k]) for k, v in loaded.items())
+    left_out = FSDPTrainer(mtp_dir, plan(*MTP).cfg, master=MASTER)  # no trainer.mtp_loss_scale
+    assert not mtp_part(left_out.export_weights()) and "mtp_loss" not in left_out.train_step(batch())
+    untrained, trained = (trainers[s].train_step(batch()) for s in (0.0, 1.0))
+    # the same forward, so the same policy loss and MTP loss; the MTP loss is a real NLL
+    assert untrained["policy_loss"] == pytest.approx(trained["policy_loss"], rel=1e-6)
+    assert untrained["mtp_loss"] == pytest.approx(trained["mtp_loss"], rel=1e-6) and trained["mtp_loss"] > 1.0
+    still, moved = (mtp_part(trainers[s].export_weights()) for s in (0.0, 1.0))
+    assert all(torch.equal(v, on_disk[k]) for k, v in still.items())  # scale 0: carried, untrained
+    assert not torch.equal(moved["mtp.layers.0.eh_proj.weight"], on_disk["mtp.layers.0.eh_proj.weight"])
+    # the MTP loss reaches the decoder through its last hidden state
+    decoder = "backbone.layers.6.mixer.gate.weight"
+    assert not torch.equal(trainers[0.0].export_weights()[decoder], trainers[1.0].export_weights()[decoder])
+    later = [trainers[1.0].train_step(batch())["mtp_loss"] for _ in range(5)]
+    assert later[-1] < trained["mtp_loss"] * 0.8  # it learns the batch's token after next
