@@ -46,7 +46,7 @@ def test_the_checkpoint_has_the_mtp_block_under_vllms_names(mtp_dir):
     assert not {n for n in names if ".mixer.experts.up_proj" in n or "layers.2" in n}  # per expert, one block
 
 
-def test_mtp_loads_trains_with_its_loss_and_goes_back_under_its_names(mtp_dir):
+def test_mtp_loads_trains_with_its_loss_and_goes_back_under_its_names(mtp_dir, tmp_path):
     from safetensors.torch import load_file
 
     on_disk = mtp_part(load_file(mtp_dir / "model.safetensors"))
@@ -71,3 +71,22 @@ def test_mtp_loads_trains_with_its_loss_and_goes_back_under_its_names(mtp_dir):
     assert not torch.equal(trainers[0.0].export_weights()[decoder], trainers[1.0].export_weights()[decoder])
     later = [trainers[1.0].train_step(batch())["mtp_loss"] for _ in range(5)]
     assert later[-1] < trained["mtp_loss"] * 0.8  # it learns the batch's token after next
+    exported = export(trainers[1.0], mtp_dir, tmp_path)
+    assert set(mtp_part(exported)) == set(on_disk)  # the frozen bias from the source checkpoint
+    for name, value in mtp_part(trainers[1.0].export_weights()).items():
+        assert torch.equal(exported[name], value), name
+
+
+def export(trainer, model_dir, tmp_path) -> dict[str, torch.Tensor]:
+    """``hpcrl export`` of a checkpoint the trainer writes (fp32: the weights bit for bit)."""
+    from safetensors.torch import load_file
+
+    from hpcrl.cli import main
+    from hpcrl.run.checkpoint import CheckpointManager
+
+    about = {"model": "tiny_nemotronh", "backend": "fsdp", "layout": {"world": 1}, "source": str(model_dir)}
+    ckpt = CheckpointManager(tmp_path / "run" / "checkpoints", 3, "m", True, about=about, model_dir=model_dir)
+    ckpt.save(1, trainer, {"step": 1}, {"m": 1.0}, async_save=False)
+    ckpt.settle(trainer)
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--dtype", "fp32"]) == 0
+    return load_file(tmp_path / "out" / "model.safetensors")
