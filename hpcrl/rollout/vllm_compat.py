@@ -123,18 +123,28 @@ def worker_model(worker: Any) -> Any:
 def load_weights(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
     """Load HF-named tensors into a vLLM worker's model in place (see the module docstring). With
     MTP speculative decoding the drafter is a model of its own: it takes the ``mtp.*`` tensors (it
-    shares the embedding and head with the model)."""
+    shares the embedding and head with the model), kept aside as the stream passes (only they: the
+    rest of a broadcast stays bucket by bucket)."""
     from vllm.platforms import current_platform
 
     runner = worker.model_runner
     drafter = getattr(getattr(runner, "drafter", None), "model", None)
-    weights = list(weights) if drafter is not None else weights
+    drafted: list[tuple[str, Any]] = []
+    if drafter is not None:
+        weights = _kept(weights, drafted)
     if current_platform.is_cpu():
         runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
     else:
         runner.model.load_weights(weights=iter(weights))
     if drafter is not None:
-        _load_drafter(runner, drafter, [(k, v) for k, v in weights if k.startswith(MTP_PREFIX)])
+        _load_drafter(runner, drafter, drafted)
+
+
+def _kept(weights: Iterable[tuple[str, Any]], drafted: list[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    for name, tensor in weights:
+        if name.startswith(MTP_PREFIX):
+            drafted.append((name, tensor))
+        yield name, tensor
 
 
 def _load_drafter(runner: Any, drafter: Any, weights: list[tuple[str, Any]]) -> None:

@@ -46,6 +46,18 @@ class MTPLayers(nn.Module):
             start.eh_proj = nn.Linear(2 * h, h, bias=False)
             end.final_layernorm = NemotronHRMSNorm(h, eps=eps)
 
+    def units(self) -> list[nn.Module]:
+        """The modules to make an FSDP unit each, children before the layers holding them: a unit
+        gathers its weights only when its own forward runs, and a depth's projections and final norm
+        run outside their layer's forward."""
+        out: list[nn.Module] = []
+        for d in range(self.depths):
+            layers = list(self.layers[d * self.width : (d + 1) * self.width])
+            start: Any = layers[0]
+            end: Any = layers[-1]
+            out += [start.enorm, start.hnorm, start.eh_proj, end.final_layernorm, *layers]
+        return out
+
     def depth(self, d: int, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """Depth ``d``'s output at each position of ``hidden`` (aligned with ``embedded``: the next tokens)."""
         layers = self.layers[d * self.width : (d + 1) * self.width]

@@ -52,8 +52,10 @@ def test_mtp_loads_trains_with_its_loss_and_goes_back_under_its_names(mtp_dir, t
     on_disk = mtp_part(load_file(mtp_dir / "model.safetensors"))
     trainers = {}
     for scale in (0.0, 1.0):
-        cfg = plan(*MTP, f"trainer.mtp_loss_scale={scale}", "algo.lr=1e-2").cfg
+        # with a reference policy, which leaves the MTP layers out (read from the same checkpoint pass)
+        cfg = plan(*MTP, f"trainer.mtp_loss_scale={scale}", "algo.lr=1e-2", "algo.kl_coef=0.01").cfg
         trainers[scale] = trainer = FSDPTrainer(mtp_dir, cfg, master=MASTER)
+        assert hasattr(trainer.model, "mtp") and not hasattr(trainer.ref, "mtp")
         loaded = mtp_part(trainer.export_weights())
         assert set(loaded) == {k for k in on_disk if not k.endswith(BIAS)}  # the frozen bias stays out
         assert all(torch.equal(v, on_disk[k]) for k, v in loaded.items())
