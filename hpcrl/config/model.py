@@ -8,7 +8,7 @@ element count of its checkpoint exactly (tests/config/test_catalog_params.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hpcrl.core.checks import MISSING, non_negative, positive
 from hpcrl.errors import ConfigError
@@ -64,8 +64,7 @@ class ParamCounts:
     fewer KV heads than TP ranks each rank holds one KV head and its query heads' share of two)."""
     mtp: int = 0
     """Multi-token-prediction blocks in the checkpoint, outside ``total``: RL trains without them unless
-    ``trainer.mtp_loss_scale`` is set (the memory estimate does not count them yet), and the megatron
-    weight loader skips ``mtp.*``."""
+    ``trainer.mtp_loss_scale`` is set (``with_mtp``), and the megatron weight loader skips ``mtp.*``."""
 
     @property
     def dense(self) -> int:
@@ -75,6 +74,11 @@ class ParamCounts:
     def checkpoint(self) -> int:
         """Elements in the published checkpoint (the trained model plus its MTP blocks)."""
         return self.total + self.mtp
+
+    def with_mtp(self) -> ParamCounts:
+        """With the MTP blocks held (trained or served), as non-expert parameters (few beside the model's
+        experts: Super's one block is 2.4% of it)."""
+        return replace(self, total=self.total + self.mtp, mtp=0)
 
 
 @dataclass

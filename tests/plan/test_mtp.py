@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hpcrl.errors import ConfigError
-from tests.conftest import plan
+from tests.conftest import SITE, plan
 
 NH = "+experiment=grpo-tinynemotronh-1n1g-fsdp"
 WITH_MTP = (NH, "model.mtp_layers=1", "model.hybrid.mtp_pattern=*E")
@@ -54,3 +54,18 @@ def test_each_mtp_refusal_names_the_key_and_the_fix():
         *WITH_MTP, "rollout=vllm", "rollout.num_speculative_tokens=2"
     )
     assert "trainer.mtp_loss_scale" in refusal(*WITH_MTP, "trainer.mtp_loss_scale=-1")
+
+
+def test_the_memory_estimate_counts_the_mtp_block_where_it_is_held():
+    """Nemotron 3 Super's one MTP block (2.9B parameters): in the trainer's share with
+    trainer.mtp_loss_scale, in the engine's weights with rollout.speculative."""
+    super_ = ("+experiment=dapo-nemotron-super-3n8g-megatron", *SITE, "trainer=fsdp", "trainer.ep=1")
+    counts = plan(*super_).cfg.model.param_counts()
+    assert counts.with_mtp().total - counts.total == counts.mtp > 2.9e9
+    base = plan(*super_, "trainer.tp=1", "trainer.cp=1").memory
+    held = plan(*super_, "trainer.tp=1", "trainer.cp=1", "trainer.mtp_loss_scale=0.3",
+                "rollout.speculative=mtp").memory  # fmt: skip
+    assert held.train.weights > base.train.weights and held.train.grads > base.train.grads
+    assert held.rollout.weights - base.rollout.weights == pytest.approx(
+        2 * counts.mtp / plan(*super_).topology.rollout.tp / 1e9, rel=1e-6
+    )
