@@ -92,3 +92,35 @@ def export(trainer, model_dir, tmp_path) -> dict[str, torch.Tensor]:
     ckpt.settle(trainer)
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--dtype", "fp32"]) == 0
     return load_file(tmp_path / "out" / "model.safetensors")
+
+
+def test_each_depth_predicts_the_token_after_next_at_the_loss_tokens_only():
+    """The MTP loss's alignment, on the tiny model's real modules: with one loss token (target
+    ``ids[j+1]``) depth 0 is scored on ``ids[j+1]`` from position j-1 (its hidden state and the
+    embedding of ``ids[j]``): later tokens change nothing, that target does."""
+    from hpcrl.run.tiny_model import build_model
+
+    model = build_model(compose(*MTP).model, seed=0)
+    ids = torch.tensor([[1, 5, 14, 6, 18, 7, 12, 9, 2]])
+    j = 4
+    mask = torch.zeros(1, ids.shape[1] - 1)
+    mask[0, j] = 1.0
+
+    def nll(tokens: torch.Tensor, loss_mask: torch.Tensor = mask) -> torch.Tensor:
+        with torch.no_grad():
+            hidden = model.model(input_ids=tokens).last_hidden_state
+            embed = model.get_input_embeddings()
+            return model.mtp.nll(hidden, tokens, loss_mask, embed, model.lm_head.weight)
+
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state
+        out = model.mtp.depth(0, hidden[:, :j], model.get_input_embeddings()(ids[:, 1 : j + 1]))
+        expected = -torch.log_softmax(model.lm_head(out[:, -1]), -1)[0, ids[0, j + 1]]
+    torch.testing.assert_close(nll(ids), expected)
+    later = ids.clone()
+    later[0, j + 2 :] = 3
+    torch.testing.assert_close(nll(later), nll(ids))  # causal: nothing after the target counts
+    target = ids.clone()
+    target[0, j + 1] = 40
+    assert not torch.allclose(nll(target), nll(ids))
+    assert nll(ids, torch.zeros_like(mask)) == 0  # no loss token, no MTP loss
