@@ -19,6 +19,7 @@ log-likelihood over the loss tokens among those targets, averaged over the depth
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,7 +75,7 @@ class MTPLayers(nn.Module):
         hidden: torch.Tensor,
         ids: torch.Tensor,
         loss_mask: torch.Tensor,
-        embed: nn.Module,
+        embed: Callable[[torch.Tensor], torch.Tensor],
         head: torch.Tensor,
     ) -> torch.Tensor:
         """The mean over depths of each depth's mean negative log-likelihood on its loss tokens.
@@ -94,8 +95,8 @@ class MTPLoss:
     is the last hidden state: the root unit's embedding and head are gathered there) while armed with
     the micro-batch's loss mask; ``take`` hands it over once."""
 
-    def __init__(self, model: Any, scale: float) -> None:
-        self.model, self.scale = model, scale
+    def __init__(self, model: Any, scale: float, detach: bool) -> None:
+        self.model, self.scale, self.detach = model, scale, detach
         self.loss_mask: torch.Tensor | None = None
         self.value: torch.Tensor | None = None
         model.get_decoder().register_forward_hook(self._hook, with_kwargs=True)
@@ -107,11 +108,14 @@ class MTPLoss:
         if self.loss_mask is None:  # log-prob passes: no MTP
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
-        model = self.model
+        model, embedding = self.model, self.model.get_input_embeddings()
+        hidden, head = out.last_hidden_state, model.lm_head.weight
+        embed: Callable[[torch.Tensor], torch.Tensor] = embedding
+        if self.detach:  # the loss reaches the MTP layers only, not the decoder, embedding or head
+            hidden, head = hidden.detach(), head.detach()
+            embed = lambda tokens: embedding(tokens).detach()  # noqa: E731
         with torch.set_grad_enabled(self.scale > 0 and torch.is_grad_enabled()):
-            self.value = model.mtp.nll(
-                out.last_hidden_state, ids, self.loss_mask, model.get_input_embeddings(), model.lm_head.weight
-            )
+            self.value = model.mtp.nll(hidden, ids, self.loss_mask, embed, head)
         self.loss_mask = None
 
     def add(self, loss: torch.Tensor, metrics: dict[str, Any], micro_batches: int) -> torch.Tensor:

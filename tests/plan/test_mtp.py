@@ -54,6 +54,9 @@ def test_each_mtp_refusal_names_the_key_and_the_fix():
         *WITH_MTP, "rollout=vllm", "rollout.num_speculative_tokens=2"
     )
     assert "trainer.mtp_loss_scale" in refusal(*WITH_MTP, "trainer.mtp_loss_scale=-1")
+    assert "trainer.mtp_detach=false does nothing without trainer.mtp_loss_scale" in refusal(
+        *WITH_MTP, "trainer.mtp_detach=false"
+    )
 
 
 def test_the_memory_estimate_counts_the_mtp_block_where_it_is_held():

@@ -53,13 +53,13 @@ def save_nemotron_h_with_mtp(out: Path) -> Path:
 
 
 def train_mtp(model_dir: Path, completions: list) -> dict[str, torch.Tensor]:
-    """30 fsdp steps on ``completions`` that train only the MTP block; the weights a refit sends."""
+    """30 fsdp steps on ``completions`` that train the MTP block alone; the weights a refit sends."""
     from hpcrl.trainer.batch import build_batch
     from hpcrl.trainer.fsdp import FSDPTrainer
     from hpcrl.trainer.process_group import free_port
 
-    frozen = "trainer.freeze=[model.,lm_head]"  # the decoder, embedding and head (MTP: mtp.*)
-    cfg = compose("trainer.mtp_loss_scale=1.0", "algo.lr=1e-2", "algo.kl_coef=0", frozen)
+    # trainer.mtp_detach (default): the MTP loss moves the MTP block only; no advantage: no policy step
+    cfg = compose("trainer.mtp_loss_scale=1.0", "algo.lr=1e-2", "algo.kl_coef=0")
     trainer = FSDPTrainer(model_dir, cfg, master=f"127.0.0.1:{free_port()}")
     tokens = [c.token_ids for c in completions]
     batch = build_batch(PROMPTS, tokens, [c.logprobs for c in completions], [0.0, 0.0], [1, 1], pad_id=0)
@@ -93,8 +93,8 @@ def test_mtp_drafts_keep_greedy_outputs_log_acceptance_and_take_refits(tmp_path)
     assert all(c.drafts is not None and c.drafts[0] > 0 for c in drafted)
     assert spec_acceptance(drafted)["rollout/spec_acceptance"] < 0.2  # random MTP weights miss
 
-    # the fsdp trainer trains the MTP block on these completions (the rest frozen, no advantage:
-    # the model's own outputs stay), the refit brings it to the drafter: its drafts now land
+    # the fsdp trainer trains the MTP block on these completions (detached, no advantage: the
+    # model's own outputs stay), the refit brings it to the drafter: its drafts now land
     trained = train_mtp(model_dir, drafted)
     engine.load_weights(trained)
     again = generate(engine)

@@ -51,31 +51,41 @@ def test_mtp_loads_trains_with_its_loss_and_goes_back_under_its_names(mtp_dir, t
 
     on_disk = mtp_part(load_file(mtp_dir / "model.safetensors"))
     trainers = {}
-    for scale in (0.0, 1.0):
+    for scale, detach in ((0.0, True), (1.0, True), (1.0, False)):
         # with a reference policy, which leaves the MTP layers out (read from the same checkpoint pass)
-        cfg = plan(*MTP, f"trainer.mtp_loss_scale={scale}", "algo.lr=1e-2", "algo.kl_coef=0.01").cfg
-        trainers[scale] = trainer = FSDPTrainer(mtp_dir, cfg, master=MASTER)
+        keys = (f"trainer.mtp_loss_scale={scale}", f"trainer.mtp_detach={detach}", "algo.kl_coef=0.01")
+        cfg = plan(*MTP, *keys, "algo.lr=1e-2", "trainer.grad_clip=1e9").cfg  # no clip: below
+        trainers[scale, detach] = trainer = FSDPTrainer(mtp_dir, cfg, master=MASTER)
         assert hasattr(trainer.model, "mtp") and not hasattr(trainer.ref, "mtp")
         loaded = mtp_part(trainer.export_weights())
         assert set(loaded) == {k for k in on_disk if not k.endswith(BIAS)}  # the frozen bias stays out
         assert all(torch.equal(v, on_disk[k]) for k, v in loaded.items())
     left_out = FSDPTrainer(mtp_dir, plan(*MTP).cfg, master=MASTER)  # no trainer.mtp_loss_scale
     assert not mtp_part(left_out.export_weights()) and "mtp_loss" not in left_out.train_step(batch())
-    untrained, trained = (trainers[s].train_step(batch()) for s in (0.0, 1.0))
+    untrained, trained, whole = (trainers[k].train_step(batch()) for k in trainers)
     # the same forward, so the same policy loss and MTP loss; the MTP loss is a real NLL
     assert untrained["policy_loss"] == pytest.approx(trained["policy_loss"], rel=1e-6)
     assert untrained["mtp_loss"] == pytest.approx(trained["mtp_loss"], rel=1e-6) and trained["mtp_loss"] > 1.0
-    still, moved = (mtp_part(trainers[s].export_weights()) for s in (0.0, 1.0))
+    assert whole["mtp_loss"] == pytest.approx(trained["mtp_loss"], rel=1e-6)
+    still, moved = (mtp_part(trainers[k].export_weights()) for k in ((0.0, True), (1.0, True)))
     assert all(torch.equal(v, on_disk[k]) for k, v in still.items())  # scale 0: carried, untrained
     assert not torch.equal(moved["mtp.layers.0.eh_proj.weight"], on_disk["mtp.layers.0.eh_proj.weight"])
-    # the MTP loss reaches the decoder through its last hidden state
-    decoder = "backbone.layers.6.mixer.gate.weight"
-    assert not torch.equal(trainers[0.0].export_weights()[decoder], trainers[1.0].export_weights()[decoder])
-    later = [trainers[1.0].train_step(batch())["mtp_loss"] for _ in range(5)]
+    # detached (the default), the MTP loss leaves the policy as the policy loss alone moves it; with
+    # trainer.mtp_detach=false it reaches the decoder through its last hidden state
+    policy = {
+        k: {n: v for n, v in t.export_weights().items() if not n.startswith("mtp.")}
+        for k, t in trainers.items()
+    }
+    # (bit-equal without clipping: a clipped norm counts the MTP layers' gradient too)
+    gaps = {
+        k: max((policy[k][n] - v).abs().max().item() for n, v in policy[0.0, True].items()) for k in policy
+    }
+    assert gaps[1.0, True] == 0 and gaps[1.0, False] > 1e-3
+    later = [trainers[1.0, True].train_step(batch())["mtp_loss"] for _ in range(5)]
     assert later[-1] < trained["mtp_loss"] * 0.8  # it learns the batch's token after next
-    exported = export(trainers[1.0], mtp_dir, tmp_path)
+    exported = export(trainers[1.0, True], mtp_dir, tmp_path)
     assert set(mtp_part(exported)) == set(on_disk)  # the frozen bias from the source checkpoint
-    for name, value in mtp_part(trainers[1.0].export_weights()).items():
+    for name, value in mtp_part(trainers[1.0, True].export_weights()).items():
         assert torch.equal(exported[name], value), name
 
 

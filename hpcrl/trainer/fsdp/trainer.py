@@ -70,7 +70,7 @@ class FSDPTrainer:
         """The ranks that train different rows (``data_rank``): the step's metrics are reduced over them."""
         self.model = shard_model(model, cfg, device, world, self.par.ep)
         scale = cfg.trainer.mtp_loss_scale
-        self.mtp = None if scale is None else mtp.MTPLoss(self.model, scale)
+        self.mtp = None if scale is None else mtp.MTPLoss(self.model, scale, cfg.trainer.mtp_detach)
         self.ref = None
         """The frozen reference policy for the KL term (``algo.kl_coef > 0``): a second model sharded
         exactly like the policy (same units, same mixed precision), filled in the policy's loading
