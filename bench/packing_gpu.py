@@ -2,13 +2,15 @@
 DAPO-like length distribution, tokens per second of real tokens, both rows in the same run.
 
     python bench/packing_gpu.py [--model qwen2_1p5b] [--layers 0] [--seqs 256] [--max-new 3840]
-        [--mbs 4] [--steps 3] [--rows padded,packed] [--out FILE]
+        [--mbs 4] [--steps 3] [--rows padded,packed] [--job dapo|smollm2] [--out FILE]
 
 The batch: ``--seqs`` sequences, prompts 100-300 tokens, completions long-tailed as DAPO's are (a
 log-normal around a quarter of the limit, a tenth of them cut at ``--max-new``), in rollout order
 (groups of similar prompts do not sort by length). ``padded`` is hpcrl's step without packing:
 ``--mbs`` rows a micro-batch, each padded to its longest row. ``packed`` is ``trainer.packing=true``
 with its default budget, ``--mbs`` x the longest possible sequence (the padded micro-batch's memory).
+A row ``padded:N`` or ``packed:N`` uses N rows a micro-batch instead of ``--mbs``. ``--job smollm2`` is the
+SmolLM2 chain_sum recipe's batch instead: prompts 180-224 tokens (the few-shot chat), completions 8-64.
 Each row: a first step (compiles) and ``--steps`` timed steps; real tokens / s, the padded tokens the
 forward ran, peak memory. Random weights; the numbers are speeds.
 """
@@ -50,6 +52,14 @@ def lengths(n: int, max_new: int, seed: int = 0) -> list[tuple[int, int]]:
     prompts = torch.randint(100, PROMPT_MAX + 1, (n,), generator=gen)
     comps = (torch.randn(n, generator=gen) * 0.8).exp() * (max_new / 4)
     comps = comps.clamp(16, max_new).long()
+    return list(zip(prompts.tolist(), comps.tolist(), strict=True))
+
+
+def smollm2_lengths(n: int, max_new: int, seed: int = 0) -> list[tuple[int, int]]:
+    """The SmolLM2 chain_sum recipe's shape: prompts 180-224 tokens, completions uniform in 8..max_new."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(180, 225, (n,), generator=gen)
+    comps = torch.randint(8, max_new + 1, (n,), generator=gen)
     return list(zip(prompts.tolist(), comps.tolist(), strict=True))
 
 
@@ -107,6 +117,7 @@ def main() -> int:
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rows", default="padded,packed")
+    p.add_argument("--job", choices=["dapo", "smollm2"], default="dapo")
     p.add_argument("--set", action="append", default=[], help="extra overrides for every row")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -126,7 +137,7 @@ def main() -> int:
         f"trainer.micro_batch_size={args.mbs}",
         *args.set,
     ]
-    shape = lengths(args.seqs, args.max_new)
+    shape = (smollm2_lengths if args.job == "smollm2" else lengths)(args.seqs, args.max_new)
     batch = make_batch(shape, min(base.model.vocab_size, 32000))
     out = {
         "gpu": torch.cuda.get_device_name() if GPU else "cpu",
@@ -139,7 +150,9 @@ def main() -> int:
     }
     print(f"batch: {out['lengths']}", flush=True)
     for name in args.rows.split(","):
-        cfg = compose_config([*common, f"trainer.packing={str(name == 'packed').lower()}"])
+        kind, _, mbs = name.partition(":")
+        extra = [f"trainer.micro_batch_size={mbs}"] if mbs else []
+        cfg = compose_config([*common, f"trainer.packing={str(kind == 'packed').lower()}", *extra])
         out[name] = row(cfg, model_dir, batch, args.steps)
         print(f"{name}: {json.dumps(out[name])}", flush=True)
     if "padded" in out and "packed" in out:

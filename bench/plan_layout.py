@@ -19,7 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HPCRL = str(Path(sys.executable).with_name("hpcrl"))
-SITE = ["cluster.slurm.account=a", "cluster.container.image=i"]
+SITE = ["cluster.slurm.account=a", "cluster.container.image=i", "model.fetch=job"]
+"""Site keys; and the job downloads the model (this machine's cache has none: plan refuses that, as
+submit does)."""
 BIG = [
     "+experiment=dapo-nemotron-super-5n4g-megatron",
     *SITE,
@@ -63,6 +65,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     out = tempfile.mkdtemp(prefix="hpcrl-bench-")
+    hf = f"+cluster.env.HF_HOME={tempfile.mkdtemp(prefix='hpcrl-bench-hf-')}"  # mounted: it must exist
     cases = {
         "plan (default, baseline)": [HPCRL, "plan"],
         "plan gb200 nemotron_super (auto)": [HPCRL, "plan", "+cluster=gb200", "+model=nemotron_super", *SITE],
@@ -79,6 +82,7 @@ def main() -> int:
             "render",
             *BIG,
             "cluster.slurm.segment=16",
+            hf,
             "--out",
             out,
         ],

@@ -62,7 +62,11 @@ def main() -> int:
     out = tempfile.mkdtemp(prefix="hpcrl-bench-")
     no_site = tempfile.mkdtemp(prefix="hpcrl-bench-nosite-")  # never the developer's own site file
     site = tempfile.mkdtemp(prefix="hpcrl-bench-site-")
-    Path(site, "site.yaml").write_text(SITE_YAML)
+    hf = tempfile.mkdtemp(prefix="hpcrl-bench-hf-")
+    Path(site, "site.yaml").write_text(SITE_YAML.replace("/lustre/hf", hf))
+    # submit's checks, which plan and render make too: the job downloads the model (this machine has
+    # none in its cache) into an HF_HOME that exists
+    fetch = ["model.fetch=job", f"+cluster.env.HF_HOME={hf}"]
     cases = {
         "python -c pass (baseline)": [PY, "-c", "pass"],
         "python -c 'import torch'": [PY, "-c", "import torch"],
@@ -73,6 +77,7 @@ def main() -> int:
             "+experiment=dapo-nemotron-super-5n4g-megatron",
             "cluster.slurm.account=a",
             "cluster.container.image=i",
+            *fetch,
         ],
         "hpcrl render nemotron gb200 split": [
             HPCRL,
@@ -80,6 +85,7 @@ def main() -> int:
             "+experiment=dapo-nemotron-super-5n4g-megatron",
             "cluster.slurm.account=a",
             "cluster.container.image=i",
+            *fetch,
             "--out",
             out,
         ],
@@ -87,6 +93,7 @@ def main() -> int:
             HPCRL,
             "plan",
             "+experiment=dapo-nemotron-super-5n4g-megatron",
+            "model.fetch=job",
         ],
     }
     results = {}

@@ -4,8 +4,9 @@
 line of working, then a boxed or bare number, right or wrong, sometimes none) are scored by the
 reward pool with real math-verify, once clean and once with every 20th replaced by a pathological
 answer: power towers (``\\boxed{9^{9^{9^{9}}}}``), huge factorials (``\\boxed{100000!}``), unbalanced
-braces (``\\boxed{\\frac{1}{2}``). Both with the ``math`` verifier (the screen in front of SymPy) and
-with math-verify alone (the verifier as it was: each tower runs into the time limit and costs a
+braces (``\\boxed{\\frac{1}{2}``), sums, products, integrals and limits SymPy would evaluate, a surd
+raised to 100000, 30 nested parentheses, 20 nested fractions (issue 37 item 6). Both with the ``math``
+verifier (the screen in front of SymPy) and with math-verify alone (the verifier as it was: each tower runs into the time limit and costs a
 process restart). Prints each time, the pathological - clean difference (goal: <= 2 s on 2 processes)
 and the outcome counts. Times start once the processes are up.
 
@@ -48,6 +49,15 @@ PATHOLOGICAL = [
     "\\boxed{7^{7^{7^{7}}}}",
     "\\boxed{(10^{5})!}",
     "\\boxed{\\frac{3}{4",
+    # issue 37 item 6: big operators SymPy evaluates, symbolic towers, deep nests, boxed or not
+    "\\boxed{\\sum_{k=1}^{100000} \\frac{1}{k}}",
+    "\\boxed{\\int_0^1 x^{50} e^{x} \\sin(x) \\, dx}",
+    "so it is $\\sum_{a=1}^{10^{6}} \\sum_{b=1}^{a} \\frac{a}{b}$.",
+    "\\boxed{(1+\\sqrt{2})^{100000}}",
+    "\\boxed{" + "(" * 30 + "1" + ")" * 30 + "}",
+    "we get \\[" + "\\frac{1}{" * 20 + "2" + "}" * 20 + "\\]",
+    "\\boxed{\\prod_{k=1}^{10^{9}} \\left(1+\\frac{1}{k^{2}}\\right)}",
+    "\\boxed{\\lim_{n \\to \\infty} \\left(1+\\frac{1}{n}\\right)^{n^{2}}}",
 ]
 
 

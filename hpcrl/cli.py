@@ -7,6 +7,7 @@ second and must not import torch, ray or vllm.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -110,14 +111,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         sbatch = slurm_parameters(plan)
     show_plan(plan, Console(), sbatch)
-    from hpcrl.errors import ConfigError
-    from hpcrl.hub.check import check_inputs
+    from hpcrl.launch.gate import require_submittable
 
-    try:  # what the cache lacks: the plan holds, but submit would refuse it
-        check_inputs(plan.cfg)
-    except ConfigError as exc:
-        print(f"hpcrl: warning: {exc} (`hpcrl submit` refuses this)", file=sys.stderr)
-    return 0 if plan.fits else 1
+    require_submittable(plan)  # after the tables: what they show helps to fix what submit refuses
+    return 0
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -129,19 +126,13 @@ def cmd_render(args: argparse.Namespace) -> int:
         from hpcrl.tools.sweep import preview_multirun
 
         return preview_multirun(args.overrides)
+    from hpcrl.launch.gate import require_submittable
+
     plan = plan_from_overrides(args.overrides)
-    plan.require_fit()
+    run_dir = args.out or new_run_dir(plan.cfg)
+    require_submittable(plan, run_dir)  # a script submit would refuse is not written
     if plan.search:
         print(plan.search.summary())
-    run_dir = args.out or new_run_dir(plan.cfg)
-    if plan.cfg.cluster.scheduler is Scheduler.slurm:
-        from hpcrl.errors import ConfigError
-        from hpcrl.launch.mounts import check_mounts
-
-        try:  # render shows the script all the same; submit refuses it
-            check_mounts(plan, run_dir.resolve())
-        except ConfigError as exc:
-            print(f"hpcrl: warning: {exc} (`hpcrl submit` refuses this)", file=sys.stderr)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = write_resolved_config(plan.cfg, run_dir)
     print(f"config  {config_path}")
@@ -151,6 +142,12 @@ def cmd_render(args: argparse.Namespace) -> int:
         script = run_dir / "sbatch.sh"
         script.write_text(render_sbatch(plan, run_dir.resolve()))
         print(f"sbatch  {script}")
+    elif plan.cfg.cluster.scheduler is Scheduler.kuberay:
+        from hpcrl.launch.kuberay import manifest_yaml, pods_run_dir, rayjob
+
+        manifest = run_dir / "rayjob.yaml"
+        manifest.write_text(manifest_yaml(rayjob(plan, pods_run_dir(plan, run_dir))))
+        print(f"rayjob  {manifest}")
     else:
         print("cluster=local runs without Slurm: there is no sbatch script (`hpcrl submit` runs it here)")
     return 0
@@ -158,7 +155,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from hpcrl.config.cluster import Scheduler
-    from hpcrl.hub.check import check_inputs
+    from hpcrl.launch.gate import require_submittable
     from hpcrl.plan.planner import plan_from_overrides
     from hpcrl.plan.show import header, recipe_line
 
@@ -171,9 +168,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.dry_run:
         raise HpcrlError("--dry-run is for sweeps (submit -m); `hpcrl render` shows one run's files")
     plan = plan_from_overrides(args.overrides)
-    plan.require_buildable()  # first: a model the backend cannot build is refused whatever it needs
-    plan.require_fit()
-    check_inputs(plan.cfg)
+    if plan.cfg.cluster.scheduler is Scheduler.kuberay:
+        raise HpcrlError(
+            f"cluster '{plan.cfg.cluster.name}' runs on Kubernetes, where `hpcrl submit` cannot submit yet; "
+            "`hpcrl render` writes the run's RayJob manifest (rayjob.yaml) for `kubectl apply -f`"
+        )
+    require_submittable(plan)
     print(header(plan.cfg))
     if line := recipe_line(plan.cfg):
         print(line)
@@ -181,14 +181,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(plan.search.summary())
     if plan.cfg.cluster.scheduler is Scheduler.local:
         from hpcrl.launch.local import run_local
-        from hpcrl.run.preempt import EXIT_PREEMPTED, Preempted
 
-        try:
+        def local() -> int:
             run_local(plan)
-        except Preempted as stop:
-            print(f"hpcrl: {stop}; to resume, run again with run.dir={stop.run_dir}", file=sys.stderr)
-            return EXIT_PREEMPTED
-        return 0
+            return 0
+
+        return _stoppable(local)
     from hpcrl.launch.submit import submit
 
     done = submit(plan, hold_s=args.hold, smoke=args.smoke)
@@ -197,6 +195,21 @@ def cmd_submit(args: argparse.Namespace) -> int:
     for path in done.logs:
         print(f"log     {path}")
     return 0
+
+
+def _stoppable(drive: Callable[[], int]) -> int:
+    """A driver in this shell: a saved stop (``run/preempt.py``) and a second Ctrl-C each end in one
+    line and their exit code, without a traceback."""
+    from hpcrl.run.preempt import EXIT_CODES, Preempted
+
+    try:
+        return drive()
+    except Preempted as stop:
+        print(f"hpcrl: {stop}; to resume, run again with {stop.resume}", file=sys.stderr)
+        return stop.exit_code
+    except KeyboardInterrupt:
+        print("hpcrl: stopped by a second Ctrl-C, without saving the step in progress", file=sys.stderr)
+        return EXIT_CODES[signal.SIGINT]
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -300,7 +313,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise HpcrlError(
             "which debug session? pass --job JOB (or run inside its allocation: `hpcrl attach JOB`)"
         )
-    return run_in_session(job_id, _debug_root(args), list(args.overrides), here=args.here)
+    return _stoppable(lambda: run_in_session(job_id, _debug_root(args), list(args.overrides), here=args.here))
 
 
 def cmd_attach(args: argparse.Namespace) -> int:

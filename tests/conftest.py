@@ -21,6 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # No test reads the developer's own site file (~/.config/hpcrl): tests that need one write their own.
 os.environ["HPCRL_CONFIG_DIR"] = tempfile.mkdtemp(prefix="hpcrl-config-")
 SITE = ["cluster.slurm.account=acct", "cluster.container.image=img.sqsh"]
+HF_HOME = tempfile.mkdtemp(prefix="hpcrl-hf-")
+JOB_DOWNLOADS = ["model.fetch=job", f"+cluster.env.HF_HOME={HF_HOME}"]
+"""What lets a hub model's plan pass submit's checks (``hpcrl plan`` and ``render`` make them too) on a
+machine without its weights: the job downloads them (``model.fetch=job``) into a cache that exists (its
+container mounts it)."""
+JOB_FETCH = [*SITE, *JOB_DOWNLOADS]
 
 
 def compose(*overrides: str) -> RunConfig:

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from hpcrl.config.kube import KubeSite
+from hpcrl.config.roles import RolloutNodes
+from hpcrl.config.slurmtime import parse_slurm_time
 from hpcrl.core.checks import MISSING, non_negative, positive
 from hpcrl.errors import ConfigError
 
@@ -20,6 +23,7 @@ from hpcrl.errors import ConfigError
 class Scheduler(StrEnum):
     local = "local"  # no Slurm: the whole loop runs on this machine
     slurm = "slurm"
+    kuberay = "kuberay"  # a KubeRay RayJob on Kubernetes (cluster.kube)
 
 
 @dataclass
@@ -116,6 +120,9 @@ class ClusterConfig:
     container: ContainerConfig = field(default_factory=ContainerConfig)
     imex: ImexConfig = field(default_factory=ImexConfig)
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
+    kube: KubeSite = field(default_factory=KubeSite)
+    rollout_node: RolloutNodes | None = None
+    """Rollout nodes of another kind (partition, GPU, time): the job becomes a heterogeneous Slurm job."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment for every task (NCCL settings and the like). Never put secrets here."""
     setup: list[str] = field(default_factory=list)
@@ -140,6 +147,13 @@ class ClusterConfig:
         self.slurm.time_minutes()
         self.slurm.check_extra_sbatch()
         self.bootstrap.check()
+        if self.rollout_node is not None:
+            self.rollout_node.check()
+            if self.scheduler is not Scheduler.slurm:
+                raise ConfigError(
+                    "cluster.rollout_node describes a Slurm heterogeneous job; cluster "
+                    f"'{self.name}' is {self.scheduler.value}: remove cluster.rollout_node"
+                )
         for mount in self.container.mounts:
             if ":" not in mount:
                 raise ConfigError(f"cluster.container.mounts entry '{mount}' must be 'src:dst'")
@@ -156,8 +170,17 @@ class ClusterConfig:
                     f"cluster.setup[{i}] looks like it carries a secret ({secret}); remove it and export "
                     "the secret in your shell instead (sbatch forwards it to the job without writing it anywhere)"
                 )
-        if self.scheduler is Scheduler.slurm:
+        if self.scheduler is not Scheduler.local:
             self.check_required_site_keys()
+        if self.scheduler is Scheduler.kuberay:
+            self.kube.check()
+
+    def rollout_memory_gb(self, split: bool) -> float:
+        """HBM per GPU the engines share: the rollout nodes' own on a split layout (``rollout_node``)."""
+        node = self.rollout_node
+        if split and node is not None and node.gpu_memory_gb is not None:
+            return node.gpu_memory_gb
+        return self.gpu_memory_gb
 
     def check_required_site_keys(self) -> None:
         missing = [key for key in self.slurm.required if self.site_value(key) in (None, "", [])]
@@ -328,24 +351,3 @@ def extra_sbatch_problem(name: str) -> str | None:
     if option not in EXTRA_SBATCH:
         return f"not an sbatch option hpcrl passes through; use one of: {', '.join(EXTRA_SBATCH)}"
     return None
-
-
-_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
-
-
-def parse_slurm_time(text: str) -> int:
-    """Slurm time string to whole minutes (rounded up); raises ConfigError on anything else."""
-    match = _TIME.match(text.strip())
-    if not match:
-        raise ConfigError(f"cluster.slurm.time='{text}' is not a Slurm time; use MM, HH:MM:SS or D-HH:MM:SS")
-    days, a, b, c = match.groups()
-    if days is not None or c is not None:  # D-HH[:MM[:SS]] or HH:MM:SS
-        hours, minutes, seconds = int(a), int(b or 0), int(c or 0)
-    elif b is not None:  # MM:SS
-        hours, minutes, seconds = 0, int(a), int(b)
-    else:  # MM
-        hours, minutes, seconds = 0, int(a), 0
-    total = int(days or 0) * 1440 + hours * 60 + minutes + (1 if seconds else 0)
-    if total <= 0:
-        raise ConfigError(f"cluster.slurm.time='{text}' must be longer than zero")
-    return total

@@ -4,8 +4,11 @@ per pipeline stage) or the submitting machine (data files, verifier plugins). Ea
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import os
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any
 
@@ -96,11 +99,20 @@ def real_data_options() -> list[str]:
 
 
 def check_verifier(data: DataConfig) -> None:
-    """``data.verifier`` must be registered: built in, or by a module of ``HPCRL_PLUGINS``, imported here
-    as the reward processes will import it in the job."""
-    if data.verifier in VERIFIER_NAMES:
-        return
+    """Every ``HPCRL_PLUGINS`` module must be found here, as the reward processes will import it in the
+    job, and ``data.verifier`` must be built in or registered by one. Found, not imported: a plugin may
+    import torch, which the planner does not; a module is imported only when its source shows no
+    ``register('<data.verifier>')`` (registered some other way)."""
     plugins = os.environ.get("HPCRL_PLUGINS", "")
+    modules = [m.strip() for m in plugins.split(",") if m.strip()]
+    for module in modules:
+        if _spec(module) is None:
+            raise ConfigError(
+                f"HPCRL_PLUGINS={plugins}: no module {module} here (the job's reward processes import it); "
+                "fix the name or its PYTHONPATH"
+            )
+    if data.verifier in VERIFIER_NAMES or any(data.verifier in registered(m) for m in modules):
+        return
     try:
         load_plugins(plugins)
     except Exception as exc:  # a broken plugin fails here, not in every reward process of the job
@@ -115,6 +127,30 @@ def check_verifier(data: DataConfig) -> None:
             f"{', '.join(sorted(VERIFIER_NAMES))}, or register yours with @register('{data.verifier}') in a module "
             "named by HPCRL_PLUGINS"
         )
+
+
+def _spec(module: str) -> ModuleSpec | None:
+    """Where ``module`` would be imported from (its parent packages are imported to find it)."""
+    try:
+        return importlib.util.find_spec(module)
+    except (ImportError, ValueError):  # a parent package missing, or broken
+        return None
+
+
+def registered(module: str) -> set[str]:
+    """The names ``module``'s own source registers with a literal ``register('name')`` call."""
+    spec = _spec(module)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return set()
+    tree = ast.parse(Path(spec.origin).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            if name == "register" and isinstance(node.args[0].value, str):
+                names.add(node.args[0].value)
+    return names
 
 
 def check_pipeline_stages(model: ModelConfig, trainer: TrainerConfig) -> None:
@@ -132,17 +168,13 @@ def check_pipeline_stages(model: ModelConfig, trainer: TrainerConfig) -> None:
 def check_paths(data: DataConfig) -> None:
     """Data files must exist where the job will look for them, checked from this (the submitting)
     machine: a relative path is relative to the directory the job starts in, this one. The first
-    record of a .jsonl/.parquet file must have the fields the run reads."""
+    record of a .jsonl/.parquet file must parse and have the fields the run reads."""
     if not data.check_source:
         return
     if is_template_file(data.template):
         read_template(data.template)
-    val_fields = (data.val_prompt_field or data.prompt_field, data.val_answer_field or data.answer_field)
-    sources = (
-        ("data.source", data.source, data.prompt_field, data.answer_field),
-        ("data.val_source", data.val_source, *val_fields),
-    )
-    for key, source, *fields in sources:
+    for key in ("data.source", "data.val_source"):
+        source = getattr(data, key.removeprefix("data."))
         if not source or source == "synthetic" or source.startswith("hf:") or is_procedural(source):
             continue
         if not Path(source).exists():
@@ -150,21 +182,72 @@ def check_paths(data: DataConfig) -> None:
                 f"{key}={source} does not exist on this machine ({Path(source).absolute()}); fix the path, "
                 "or set data.check_source=false if it is visible only on the compute nodes"
             )
-        record = first_record(Path(source))
-        if record is not None:
-            for name in fields:
-                record_field(record, name, f"{key}={source}")
+        check_records(data, key, f"{key}={source}", Path(source))
 
 
-def first_record(path: Path) -> dict[str, Any] | None:
-    """The first record of a .jsonl or .parquet file (None: another format, or no record)."""
+def check_records(data: DataConfig, key: str, named: str, path: Path) -> None:
+    """The first record of ``path`` (a file of the source ``key``, ``named`` so in messages) parses and
+    holds the fields the run reads from it; a format it cannot peek into (.json) is left to the job."""
+    record = first_record(path, named)
+    if record is None:
+        return
+    val = key == "data.val_source"
+    prompt = (data.val_prompt_field if val else None) or data.prompt_field
+    answer = (data.val_answer_field if val else None) or data.answer_field
+    for name in (prompt, answer):
+        record_field(record, name, named)
+    if data.image_field:
+        try:
+            record_field(record, data.image_field, named)
+        except ConfigError:
+            raise ConfigError(
+                f"{named}: records have no field '{data.image_field}' (data.image_field); name the field "
+                "that holds the images, or drop data.image_field for a text data set"
+            ) from None
+
+
+def first_record(path: Path, named: str = "") -> dict[str, Any] | None:
+    """The first record of a .jsonl or .parquet file (None: another format). A file without a record,
+    or whose first one does not parse, is a ConfigError naming ``named`` (the key and its value)."""
+    named = named or str(path)
     if path.suffix == ".jsonl":
-        with path.open() as f:
-            line = next((line for line in f if line.strip()), None)
-        return json.loads(line) if line else None
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        record = _first_line(path, named)
+    elif path.suffix == ".parquet":
+        record = _first_row(path, named)
+    else:
+        return None
+    if record is None:
+        raise ConfigError(f"{named} holds no record; point it at the data set's file")
+    if not isinstance(record, dict):
+        raise ConfigError(
+            f"{named}: the first record is a JSON {type(record).__name__}, not an object with fields; "
+            "a .jsonl file holds one object per line"
+        )
+    return record
 
+
+def _first_line(path: Path, named: str) -> Any:
+    with path.open() as f:
+        found = next(((n, line) for n, line in enumerate(f, 1) if line.strip()), None)
+    if found is None:
+        return None
+    try:
+        return json.loads(found[1])
+    except json.JSONDecodeError as exc:  # the job would die reading it, after the allocation's wait
+        raise ConfigError(
+            f"{named}: line {found[0]} is not JSON ({exc.msg}, column {exc.colno}); a .jsonl file holds "
+            "one JSON object per line"
+        ) from None
+
+
+def _first_row(path: Path, named: str) -> dict[str, Any] | None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
         batch = next(pq.ParquetFile(path).iter_batches(batch_size=1), None)
-        return batch.to_pylist()[0] if batch is not None and batch.num_rows else None
-    return None
+    except (pa.ArrowException, OSError) as exc:
+        raise ConfigError(
+            f"{named} is not a readable parquet file ({exc}); fix the file or the path"
+        ) from None
+    return batch.to_pylist()[0] if batch is not None and batch.num_rows else None

@@ -42,6 +42,21 @@ class LayoutConfig:
     always searches (nodes, placement, trainer/rollout parallelism), false never does."""
 
 
+RANKED_METRICS: dict[str, bool | None] = {
+    "val/accuracy": True,
+    "val/parse_error_rate": False,
+    "val/mean_gen_tokens": None,
+    "train/reward": True,
+    "train/accuracy": True,
+    "train/parse_error_rate": False,
+    "train/mean_gen_tokens": None,
+    "train/truncated_rate": False,
+}
+"""What ``checkpoint.metric`` may rank by: metrics the loop logs at every step that validates
+(``run/loop.py``; tests/run/test_embedded.py holds them logged), each with the direction that is better
+(None: either is a choice)."""
+
+
 @dataclass
 class CheckpointConfig:
     enabled: bool = True
@@ -49,6 +64,7 @@ class CheckpointConfig:
     """Save every N steps (and before the Slurm time limit)."""
     keep_top_k: int = 3
     metric: str = "val/accuracy"
+    """Which checkpoints ``keep_top_k`` keeps (the latest always stays): one of ``RANKED_METRICS``."""
     higher_is_better: bool = True
     dir: str | None = None
     """None: ``<run dir>/checkpoints``."""
@@ -58,6 +74,22 @@ class CheckpointConfig:
     resume_weights_only: bool = False
     """Resume the weights but start the optimizer afresh: for a checkpoint whose optimizer state this
     layout cannot take."""
+
+    def check(self) -> None:
+        positive("checkpoint.period", self.period)
+        positive("checkpoint.keep_top_k", self.keep_top_k)
+        if self.metric not in RANKED_METRICS:
+            raise ConfigError(
+                f"checkpoint.metric={self.metric} is not a metric the run logs, so no checkpoint would rank; "
+                f"use one of: {', '.join(RANKED_METRICS)}"
+            )
+        better = RANKED_METRICS[self.metric]
+        if better is not None and better != self.higher_is_better:
+            raise ConfigError(
+                f"checkpoint.higher_is_better={str(self.higher_is_better).lower()} keeps the worst "
+                f"checkpoints by checkpoint.metric={self.metric}: set checkpoint.higher_is_better="
+                f"{str(better).lower()}"
+            )
 
 
 @dataclass
@@ -70,6 +102,15 @@ class LoggerConfig:
     val_samples: int = 4
     """Validation problems shown per validation (prompt, completion, answer, outcome) in
     ``samples.jsonl`` and TensorBoard's text tab, to read how the answers change; 0: none."""
+
+    def check(self) -> None:
+        if self.wandb_mode not in ("offline", "online", "disabled"):
+            raise ConfigError(f"logger.wandb_mode='{self.wandb_mode}' must be offline, online or disabled")
+        if self.wandb_mode == "online" and not self.wandb:
+            raise ConfigError(
+                "logger.wandb_mode=online does nothing with logger.wandb=false: set logger.wandb=true, "
+                "or drop logger.wandb_mode"
+            )
 
 
 @dataclass
@@ -144,12 +185,8 @@ class RunConfig:
         check_run(self.data, self.model, self.trainer)
         if self.data.image_field:
             self.check_images(self.data.image_field)
-        positive("checkpoint.period", self.checkpoint.period)
-        positive("checkpoint.keep_top_k", self.checkpoint.keep_top_k)
-        if self.logger.wandb_mode not in ("offline", "online", "disabled"):
-            raise ConfigError(
-                f"logger.wandb_mode='{self.logger.wandb_mode}' must be offline, online or disabled"
-            )
+        self.checkpoint.check()
+        self.logger.check()
 
     def check_images(self, key: str) -> None:
         """An image data set needs an engine and a trainer that take images, with the vision tower."""

@@ -14,6 +14,7 @@ from typing import Any
 
 from hpcrl.core.checks import MISSING, in_range, positive
 from hpcrl.errors import ConfigError
+from hpcrl.rewards.config import PERCENT_READINGS, PERCENT_VERIFIERS
 
 TEMPLATES = {
     "plain": "{problem}",
@@ -77,6 +78,12 @@ class DataConfig:
     max_prompt_tokens: int = 1024
     verifier: str = "math"
     """Reward function by registry name."""
+    percent: str | None = None
+    """What a percent sign means in this data set's answers, for the math verifiers: ``number`` (it is
+    a unit: ``12\\%`` equals ``12``, as MATH and GSM8K write the answers of "what percent" questions),
+    ``fraction`` (``12\\%`` equals ``0.12`` and ``3/25``, not ``12``); None: math-verify's own reading,
+    one-sided (a reference of ``12\\%`` takes ``12``, a reference of ``12`` refuses ``12\\%``, and neither
+    equals ``0.12``)."""
     num_samples: int = 0
     """Generated sources (synthetic, reasoning_gym) only: how many training problems (0 = 4096)."""
     task_options: dict[str, Any] = field(default_factory=dict)
@@ -126,6 +133,20 @@ class DataConfig:
                 "which data.template=plain leaves out; use another data.template"
             )
         self.check_procedural()
+        self.check_percent()
+
+    def check_percent(self) -> None:
+        if self.percent is None:
+            return
+        if self.percent not in PERCENT_READINGS:
+            raise ConfigError(
+                f"data.percent={self.percent} must be one of {', '.join(PERCENT_READINGS)} (or null)"
+            )
+        if self.verifier not in PERCENT_VERIFIERS:
+            raise ConfigError(
+                f"data.percent rewrites answers for the {' and '.join(PERCENT_VERIFIERS)} verifiers; "
+                f"data.verifier={self.verifier} reads its own: drop data.percent"
+            )
 
     def check_procedural(self) -> None:
         """A reasoning_gym source generates its validation set and is scored by its own checker."""

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcrl.config.model import LOCAL_PREFIX
+from hpcrl.config.preflight import check_records
 from hpcrl.errors import ConfigError
 from hpcrl.hub.cache import hub_dir, is_hub_id
 from hpcrl.hub.fetch import wanted_sources
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
 
 def check_inputs(cfg: RunConfig) -> None:
     """The model and every ``hf:`` split resolve offline from the cache, as the job will resolve them
-    (``model.fetch=job``: the job downloads them itself, nothing to check); a local model directory
-    exists. One ConfigError line naming the key and the fix otherwise."""
+    (``model.fetch=job``: the job downloads them itself, nothing to check), each split's first record
+    with the fields the run reads; a local model directory exists. One ConfigError line naming the key
+    and the fix otherwise."""
     model = cfg.model
     if is_hub_id(model.hf_id):
         if model.fetch == "login":
@@ -35,7 +37,9 @@ def check_inputs(cfg: RunConfig) -> None:
         )
     if model.fetch == "login":
         for key, source, split in wanted_sources(cfg):
-            dataset_files(hub_dir(cfg.cluster), source, split, key)
+            files = dataset_files(hub_dir(cfg.cluster), source, split, key)
+            if files:  # the fields the run reads, in the first record of the split's first file
+                check_records(cfg.data, key, f"{key}={source}", files[0])
 
 
 def pin_inputs(cfg: RunConfig) -> None:

@@ -123,6 +123,7 @@ def run_here(plan: Plan, job: lifecycle.JobInfo) -> Path:
     """The driver, on a node of the held cluster: connect with the job's token and train."""
     from hpcrl.launch.ray_cluster import auth_env
     from hpcrl.run.driver import run_loop
+    from hpcrl.run.preempt import Preempted, saving_on_signals
     from hpcrl.run.rundir import write_resolved_config
 
     head = json.loads((job.run_dir / "ray" / f"head-{job.job_id}.json").read_text())
@@ -140,7 +141,12 @@ def run_here(plan: Plan, job: lifecycle.JobInfo) -> Path:
         ray.init(address=f"{head['ip']}:{head['port']}", log_to_driver=True, configure_logging=False)
 
     print(f"hpcrl: driver on {socket.gethostname()} against job {job.job_id}'s Ray cluster", flush=True)
-    run_loop(plan, run_dir, connect, slurm=True)
+    try:  # Ctrl-C and SIGTERM save after the step (the session's Ray, in its own job, lives on)
+        with saving_on_signals():
+            run_loop(plan, run_dir, connect, slurm=True)
+    except Preempted as stop:
+        stop.resume = f"checkpoint.dir={plan.cfg.checkpoint.dir or run_dir / 'checkpoints'}"
+        raise
     return run_dir
 
 

@@ -1,4 +1,5 @@
-"""Golden sbatch scripts: every shipped Slurm recipe rendered into ``sbatch/<recipe>.sbatch``.
+"""Golden sbatch scripts: every shipped Slurm recipe rendered into ``sbatch/<recipe>.sbatch``; golden KubeRay
+manifests (``manifests/``) of recipes on the GKE catalog clusters.
 
 Site keys a real site supplies (account, container image, the Hugging Face cache) are filled with
 placeholders, the run directory is ``/RUN_DIR/<recipe>``, and a cluster whose ``python`` is this
@@ -23,6 +24,24 @@ SITE_PLACEHOLDERS = [
     "+cluster.env.HF_HOME=/HF_HOME",
 ]
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "sbatch"
+KUBE_DIR = Path(__file__).resolve().parents[2] / "manifests"
+KUBE_CASES = {
+    # seed 000's job: Gemma 3 1B, colocated, one a4-highgpu-8g (B200) node
+    "grpo-gemma3-1b-it-1n8g-fsdp2tp1-gke_a4": [
+        "+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1",
+        "cluster=gke_a4",
+    ],
+    # split over a3-ultragpu-8g (H200) nodes, admitted through a Kueue queue
+    "grpo-gemma3-1b-it-2n8g-split-gke_a3_ultra": [
+        "+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1",
+        "cluster=gke_a3_ultra",
+        "layout.rollout_nodes=1",
+        "cluster.kube.queue=dws-queue",
+        "cluster.kube.service_account=hpcrl-ksa",
+    ],
+}
+"""Golden RayJob manifests (``manifests/<name>.yaml``): a recipe on a GKE catalog cluster, site keys as
+placeholders, the run directory ``/data/runs/<name>``."""
 
 
 def recipes() -> list[str]:
@@ -41,6 +60,16 @@ def render_recipe(name: str) -> str | None:
     return render_sbatch(plan, Path("/RUN_DIR") / name)
 
 
+def render_kube(name: str) -> str:
+    """The RayJob manifest of one ``KUBE_CASES`` entry."""
+    from hpcrl.launch.kuberay import manifest_yaml, rayjob
+
+    cfg = compose_config([*KUBE_CASES[name], "cluster.container.image=IMAGE", "run.output_root=/data/runs"])
+    plan = make_plan(cfg)
+    plan.require_fit()
+    return manifest_yaml(rayjob(plan, Path("/data/runs") / name))
+
+
 def main() -> int:
     import os
     import tempfile
@@ -53,6 +82,10 @@ def main() -> int:
         if text is not None:
             (GOLDEN_DIR / f"{name}.sbatch").write_text(text)
             print(f"wrote sbatch/{name}.sbatch")
+    KUBE_DIR.mkdir(exist_ok=True)
+    for name in KUBE_CASES:
+        (KUBE_DIR / f"{name}.yaml").write_text(render_kube(name))
+        print(f"wrote manifests/{name}.yaml")
     return 0
 
 

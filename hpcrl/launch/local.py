@@ -6,8 +6,10 @@ This is what ``hpcrl submit`` does when the cluster is ``local`` (the embedded d
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from hpcrl.plan.planner import Plan
 from hpcrl.run.driver import run_loop
@@ -16,9 +18,6 @@ from hpcrl.run.rundir import new_run_dir, write_resolved_config
 
 def start_local_ray(plan: Plan, scratch: Path) -> None:
     """Ray reads its auth settings when first imported, so the environment is set before ``import ray``."""
-    from hpcrl.plan.topology import on_gpus
-    from hpcrl.run.actors import ROLLOUT_RESOURCE, TRAIN_RESOURCE
-
     if "ray" in sys.modules:
         raise RuntimeError("internal: ray was imported before its auth settings were made")
     from hpcrl.launch.ray_cluster import auth_env, make_token
@@ -28,6 +27,20 @@ def start_local_ray(plan: Plan, scratch: Path) -> None:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep every listener on 127.0.0.1
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import ray
+
+    # scancel of a run inside an allocation sends SIGTERM to every process of the step: Ray's
+    # processes are started ignoring it, so that the driver can save the step first (ray.shutdown
+    # stops them after); a disposition of "ignore" is inherited, a handler would not be
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        _init(ray, plan, scratch)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _init(ray: Any, plan: Plan, scratch: Path) -> None:
+    from hpcrl.plan.topology import on_gpus
+    from hpcrl.run.actors import ROLLOUT_RESOURCE, TRAIN_RESOURCE
 
     ray.init(
         num_cpus=os.cpu_count() or 1,
@@ -44,20 +57,17 @@ def start_local_ray(plan: Plan, scratch: Path) -> None:
 
 
 def run_local(plan: Plan) -> dict[str, float]:
-    """The loop on this machine. SIGUSR2 (what Slurm sends before a time limit, e.g. inside an
-    allocation) saves a checkpoint after the current step and stops with ``Preempted``."""
-    import signal
-
-    from hpcrl.run.preempt import REQUEST, Preempted
+    """The loop on this machine. USR2 (what Slurm sends before a time limit, e.g. inside an
+    allocation), SIGTERM and SIGINT save a checkpoint after the current step and stop with
+    ``Preempted`` (``run/preempt.py``)."""
+    from hpcrl.run.preempt import Preempted, saving_on_signals
 
     run_dir = new_run_dir(plan.cfg).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     write_resolved_config(plan.cfg, run_dir)
-    previous = signal.signal(signal.SIGUSR2, lambda *_: REQUEST.ask())
     try:
-        return run_loop(plan, run_dir, lambda scratch: start_local_ray(plan, scratch), slurm=False)
+        with saving_on_signals():
+            return run_loop(plan, run_dir, lambda scratch: start_local_ray(plan, scratch), slurm=False)
     except Preempted as stop:
-        stop.run_dir = str(run_dir)
+        stop.resume = f"run.dir={run_dir}"
         raise
-    finally:
-        signal.signal(signal.SIGUSR2, previous)

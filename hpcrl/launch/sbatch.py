@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.config.cluster import ClusterConfig
+from hpcrl.launch.hetjob import components, het_sbatch, srun_het_groups
 from hpcrl.launch.mounts import job_mounts
 from hpcrl.plan.planner import Plan
 
@@ -34,7 +35,7 @@ def slurm_parameters(plan: Plan, run_dir: Path | None = None) -> dict[str, Any]:
         "cpus_per_task": cluster.cpus_per_node,
         "time": site.time_minutes(),
         "signal_delay_s": site.signal_delay_s,
-        "srun_args": srun_args(cluster, run_dir),
+        "srun_args": srun_args(cluster, run_dir) + srun_het_groups(components(plan)),
         "setup": setup_lines(plan),
     }
     optional = {
@@ -109,16 +110,19 @@ def make_executor(plan: Plan, run_dir: Path, *, offline: bool = False) -> Any:
     """
     from submitit import SlurmExecutor
 
-    executor_class = SlurmExecutor
-    if offline:
+    parts = components(plan)
 
-        class OfflineSlurmExecutor(SlurmExecutor):
-            @classmethod
-            def affinity(cls) -> int:
-                return 1  # submitit refuses to build an executor where srun is missing
+    class Executor(SlurmExecutor):
+        @classmethod
+        def affinity(cls) -> int:
+            # offline: submitit refuses to build an executor where srun is missing
+            return 1 if offline else int(super().affinity())
 
-        executor_class = OfflineSlurmExecutor
-    executor = executor_class(
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            text = str(super()._make_submission_file_text(command, uid))
+            return text if parts is None else het_sbatch(text, parts)  # rollout nodes of their own kind
+
+    executor = Executor(
         folder=run_dir / SUBMITIT_DIR,
         max_num_timeout=plan.cfg.cluster.slurm.max_requeues,
         python=plan.cfg.cluster.python or shlex.quote(sys.executable),

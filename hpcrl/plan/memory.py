@@ -51,6 +51,10 @@ MIB = 2**20
 DTYPE_BYTES = {"float32": 4, "float": 4}
 """Bytes per engine weight by ``rollout.dtype``; every other dtype vLLM takes (bfloat16, float16,
 half, auto from a bf16 checkpoint) is 2."""
+FP8_BLOCK_BYTES = 1 + 4 / (128 * 128)
+"""Bytes per linear weight under ``rollout.quantization=fp8``: one e4m3 byte, plus a float32 scale
+per 128x128 block. Embeddings, LM head and vision towers stay in ``rollout.dtype`` (norms and
+routers too, a rounding error the parameter counts leave out)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,9 @@ class RolloutMemory:
     """Sequences one engine should hold at once: samples per step / engines, capped by max_num_seqs."""
     per_gpu: int = 1
     """Engines sharing each GPU (``rollout.engines_per_gpu``), each with 1/per_gpu of the budget."""
+    quantized: bool = False
+    """The engine's linear layers are FP8 (``rollout.quantization``): ``weights`` counts them at
+    ``FP8_BLOCK_BYTES``."""
 
     @property
     def engine_budget(self) -> float:
@@ -311,15 +318,23 @@ def estimate_rollout(cfg: RunConfig, topo: Topology) -> RolloutMemory:
     text_only = served_as is not None and served_as.language_model_only
     served = counts.total - (counts.frozen if text_only else 0)
     weight_bytes = DTYPE_BYTES.get(served_as.dtype, 2) if served_as is not None else 2
+    quantized = served_as is not None and served_as.quantization is not None
+    if quantized:  # the decoder's linear layers: all but embeddings and vision towers
+        linear = counts.total - counts.embedding - counts.frozen
+        engine_bytes = weight_bytes * (served - linear) + FP8_BLOCK_BYTES * linear
+    else:
+        engine_bytes = weight_bytes * served
     seq_len = cfg.max_seq_len
     samples = cfg.algo.num_prompts_per_step * cfg.algo.num_generations
     wanted = -(-samples // topo.rollout.engines)  # engines_per_gpu included
     wanted = min(wanted, rollout.max_num_seqs)
     return RolloutMemory(
-        budget=rollout.gpu_memory_utilization * cfg.cluster.gpu_memory_gb,
-        weights=weight_bytes * served / tp / GB,
+        budget=rollout.gpu_memory_utilization
+        * cfg.cluster.rollout_memory_gb(topo.placement is Placement.SPLIT),
+        weights=engine_bytes / tp / GB,
         kv_per_sequence=model.kv_bytes_for_sequence(seq_len, tp=tp) / GB,
         sequence_len=seq_len,
         wanted_sequences=wanted,
         per_gpu=topo.rollout.per_gpu,
+        quantized=quantized,
     )

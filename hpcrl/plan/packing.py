@@ -8,8 +8,9 @@ from hpcrl.trainer.backends import trainer_spec, with_capability
 
 
 def check_packing(cfg: RunConfig) -> None:
-    """``trainer.packing``: a backend that packs, whole sequences on one rank, attention layers only."""
-    trainer, model = cfg.trainer, cfg.model
+    """``trainer.packing``: a backend that packs (over CP ranks too, where it can; Mamba layers restart
+    at each sequence: ``trainer/ssd.py``)."""
+    trainer = cfg.trainer
     if not trainer.packing:
         return
     if not trainer_spec(trainer).packs:
@@ -17,20 +18,16 @@ def check_packing(cfg: RunConfig) -> None:
             f"trainer.packing=true: the {trainer.backend} backend does not pack sequences yet; "
             f"use {with_capability('packs')} or trainer.packing=false"
         )
-    if trainer.cp > 1:
+    if trainer.cp > 1 and not trainer_spec(trainer).packs_over_cp:
         raise ConfigError(
-            f"trainer.packing=true with trainer.cp={trainer.cp}: packed rows are not split over context "
-            "parallel ranks; set trainer.cp=1 or trainer.packing=false"
+            f"trainer.packing=true with trainer.cp={trainer.cp}: the {trainer.backend} backend does not "
+            f"split packed rows over context parallel ranks; set trainer.cp=1, trainer.packing=false or "
+            f"use {with_capability('packs_over_cp')}"
         )
     if cfg.data.image_field:
         raise ConfigError(
             f"trainer.packing=true with data.image_field={cfg.data.image_field}: image rows are not packed "
             "yet; set trainer.packing=false"
-        )
-    if model.hybrid.mamba > 0:
-        raise ConfigError(
-            f"trainer.packing=true: {model.name}'s Mamba layers would carry their state from one packed "
-            "sequence into the next; set trainer.packing=false"
         )
     if trainer.micro_batch_tokens is not None and trainer.micro_batch_tokens < cfg.max_seq_len:
         raise ConfigError(

@@ -25,6 +25,7 @@ from hpcrl.plan.moe import check_router_replay
 from hpcrl.plan.mtp import check_mtp
 from hpcrl.plan.nvlink import NvlinkCheck, check_nvlink
 from hpcrl.plan.packing import check_packing, resolve_packing
+from hpcrl.plan.quantization import check_quantization
 from hpcrl.plan.quirks import AppliedQuirk, apply_quirks
 from hpcrl.plan.search import search_layouts
 from hpcrl.plan.topology import Placement, Topology, build_topology, check_engine_fits_node, on_gpus
@@ -172,8 +173,10 @@ def make_plan(cfg: RunConfig, layout: Layout | None = None) -> Plan:
         rollout_tp=layout.rollout_tp,
         engines_per_gpu=cfg.rollout.engines_per_gpu or 1,
     )
+    check_rollout_nodes(cfg, topo.placement)
     check_model_parallel(cfg)
     check_images(cfg)
+    check_quantization(cfg, topo.rollout.tp)
     sleep = resolve_sleep(cfg, topo.placement)
     lines = [
         shared,
@@ -270,6 +273,15 @@ def resolve_sleep(cfg: RunConfig, placement: Placement) -> SleepChoice | None:
         raise ConfigError(f"rollout.sleep=true needs colocated GPUs ({blocker}); drop it{gpu}")
     reason = blocker or (SLEEP_ON if rollout.sleep else SLEEP_OFF)
     return SleepChoice(rollout.sleep, explicit=explicit, reason=reason)
+
+
+def check_rollout_nodes(cfg: RunConfig, placement: Placement) -> None:
+    """``cluster.rollout_node`` (a heterogeneous job) describes dedicated rollout nodes: a split layout."""
+    if cfg.cluster.rollout_node is not None and placement is not Placement.SPLIT:
+        raise ConfigError(
+            "cluster.rollout_node describes dedicated rollout nodes, but this layout is colocated; "
+            "set layout.rollout_nodes>=1 (split) or remove cluster.rollout_node"
+        )
 
 
 def check_cluster_layout(cfg: RunConfig) -> None:

@@ -209,7 +209,7 @@ def _memory(plan: Plan) -> Table:
     if r.per_gpu > 1:
         table.add_row(f"rollout: share of the {r.per_gpu} engines on a GPU", f"{r.budget:.1f}")
     table.add_row("rollout: engine share", f"{r.engine_budget:.1f}")
-    table.add_row("rollout: weights (per GPU)", f"{r.weights:.1f}")
+    table.add_row(f"rollout: weights (per GPU{', fp8 linears' if r.quantized else ''})", f"{r.weights:.1f}")
     table.add_row(f"rollout: KV per {r.sequence_len}-token sequence", f"{r.kv_per_sequence:.3f}")
     table.add_row("rollout: sequences in KV (fit / wanted)", f"{r.sequences_that_fit} / {r.wanted_sequences}")
     for name, value in _colocated_rows(plan):
@@ -236,8 +236,6 @@ def _colocated_rows(plan: Plan) -> list[tuple[str, float]]:
 
 def _verdict(plan: Plan, console: Console) -> None:
     mem = plan.memory
-    for gap in plan.backend_gaps:
-        console.print(f"[yellow]cannot submit yet[/]: {gap}")
     for warning in plan.nvlink.warnings:
         console.print(f"[yellow]NVLink[/]: {warning}")
     if plan.fits:
@@ -300,6 +298,16 @@ def _sbatch(plan: Plan, params: dict[str, Any]) -> Table:
             sb.add_row(key, f"{value} min" if key == "time" else str(value))
     for key, value in params["additional_parameters"].items():
         sb.add_row(key, str(value))
+    node = cfg.cluster.rollout_node
+    if node is not None and plan.topology.rollout_nodes:
+        # a heterogeneous job (launch/hetjob.py): the rollout nodes are component 0 with their own keys
+        own = {k: v for k, v in vars(node).items() if v is not None}
+        keys = ", ".join(f"{k} {v}" for k, v in own.items()) or "the training nodes' keys"
+        sb.add_row(
+            "hetjob",
+            f"component 0: {plan.topology.rollout_nodes} rollout node(s), {keys}; "
+            f"component 1: {plan.topology.train_nodes} training node(s)",
+        )
     sb.add_row("container", cfg.cluster.container.image or "(none)")
     for name in sorted(cfg.cluster.env):
         sb.add_row(f"env {name}", cfg.cluster.env[name])

@@ -20,6 +20,10 @@ MAX_PROCESSES = 16
 """Each process imports SymPy and math-verify (~0.2 GB, seconds of start-up); more than 16 only add that."""
 BUILT_IN_VERIFIERS = ("math", "math_structural", "exact", "reasoning_gym")
 """The verifiers ``rewards/verifiers.py`` registers (tests/data/test_rewards.py holds the two equal)."""
+PERCENT_VERIFIERS = ("math", "math_structural")
+"""The verifiers whose answers ``data.percent`` rewrites (``verifiers.read_percent``)."""
+PERCENT_READINGS = ("number", "fraction")
+"""``data.percent``'s values."""
 VERIFIER_NAMES: set[str] = set(BUILT_IN_VERIFIERS)
 """Every ``data.verifier`` this process knows: the built-in ones and each name a plugin module
 (``HPCRL_PLUGINS``, ``load_plugins``) registered with ``rewards.verifiers.register``."""
@@ -60,6 +64,11 @@ class RewardsConfig:
     replaced and the sample scored as a timeout (counted in ``train/verifier_timeouts``). Answers
     known to keep SymPy busy never get here (``rewards/screen.py``); legitimate ones take
     milliseconds, up to ~2 s for deeply nested ones on a loaded 2-core machine, hence the margin."""
+    memory_mb: int | None = 4096
+    """Address space a reward process may use (MiB, ``RLIMIT_AS``): a verifier allocating past it
+    gets a MemoryError, which scores that sample as an error, where it would otherwise take the
+    node's memory from the trainer and engines. A math-verify process uses ~70 MB of address space,
+    ~200 MB with reasoning-gym. None: no limit."""
     start_timeout_s: float = 300.0
     """A reward process that has not started (imported its verifier and built its parsers) by then is
     broken, not slow: the run stops with an error that names the verifier."""
@@ -72,6 +81,11 @@ class RewardsConfig:
         if self.processes is not None and self.processes < 1:
             raise ConfigError(
                 f"rewards.processes={self.processes} must be >= 1 (or null: derived from the node's CPUs)"
+            )
+        if self.memory_mb is not None and self.memory_mb < 256:
+            raise ConfigError(
+                f"rewards.memory_mb={self.memory_mb} is too little for Python and SymPy: at least 256 "
+                "(or null: no limit)"
             )
         for key, seconds in (
             ("rewards.timeout_s", self.timeout_s),

@@ -5,7 +5,9 @@ number of 370 million digits and never returns, ``1000000!`` takes seconds, an a
 as long. Each one costs the pool a full per-sample time limit and a process restart. The
 screen reads the answer region with plain string code (microseconds) and says ``wrong`` when it is
 far out of reach of the reference: more digits than any reference answer has, nested deeper or
-much longer than it. A reference that itself fails the screen turns the screen off for that sample (SymPy and the
+much longer than it, an unevaluated sum, product, integral or limit where the reference is in closed
+form (SymPy evaluates ``\\sum_{k=1}^{100000} 1/k`` term by term and ``\\int x^{50} e^x \\sin x`` for
+longer than any time limit), a bracketed expression raised beyond ``MAX_SYMBOLIC_EXPONENT``. A reference that itself fails the screen turns the screen off for that sample (SymPy and the
 time limit decide), so a data set with astronomically large answers is scored as before.
 """
 
@@ -26,7 +28,17 @@ MAX_ANSWER_CHARS = 400
 """An answer longer than this (and than four times the reference) is not checked symbolically: an
 80-term polynomial (0.7 KB) took 2.6 s to compare with a number, a 200-term one 3.3 s."""
 
+MAX_SYMBOLIC_EXPONENT = 100
+"""A bracketed expression SymPy cannot size as a number, raised to more than this: ``(1+\\sqrt{2})^{1000}``
+took 1.2 s to compare with a number, ``^{100000}`` past any time limit (a single letter raised to any
+power stays symbolic and cheap: ``x^{100000} - 1`` 0.2 s)."""
+
 _BOXED = "\\boxed{"
+_BIG_OPERATOR = re.compile(r"\\(?:sum|prod|coprod|i{1,3}nt|oint|lim(?:sup|inf)?)(?![A-Za-z])")
+"""Commands whose operand SymPy evaluates: a sum term by term, an integral by the Risch algorithm."""
+_TAIL_MATH = re.compile(r"(?:\$\$?|\\\[|\\\()([^$]*?)(?:\$\$?|\\\]|\\\))[\s.,;:!]*$")
+"""A math segment ($...$, $$...$$, \\[...\\], \\(...\\)) that ends the text: what math-verify reads as
+the answer of an unboxed completion."""
 
 
 def answer_region(text: str) -> tuple[str, bool]:
@@ -45,21 +57,26 @@ def out_of_reach(completion: str, answer: str) -> str | None:
     """Why the completion's answer cannot be checked cheaply against ``answer`` (None: it can).
 
     The screen applies only when the reference passes it itself. An answer region that is not a
-    closed box (prose, a truncated box) is only searched for huge numbers: its length and brackets
-    are prose's."""
-    if _problem(answer, len(answer)) is not None:
+    closed box (prose, a truncated box) is only searched for huge numbers, its length and brackets
+    being prose's, unless it ends in a math segment: that segment is screened as a box is (working
+    earlier in the text may hold a \\sum that is no answer)."""
+    if _problem(answer, len(answer), answer) is not None:
         return None
     region, boxed = answer_region(completion)
-    if not boxed:
-        return huge_number(region)
-    return _problem(region, max(MAX_ANSWER_CHARS, 4 * len(answer)))
+    max_chars = max(MAX_ANSWER_CHARS, 4 * len(answer))
+    if boxed:
+        return _problem(region, max_chars, answer)
+    tail = _TAIL_MATH.search(region[-4 * max_chars :])
+    return _problem(tail.group(1), max_chars, answer) if tail else huge_number(region)
 
 
-def _problem(region: str, max_chars: int) -> str | None:
+def _problem(region: str, max_chars: int, answer: str) -> str | None:
     if len(region) > max_chars:
         return f"answer longer than {max_chars} characters"
     if nesting(region) > MAX_NESTING:
         return f"brackets nested deeper than {MAX_NESTING}"
+    if (found := _BIG_OPERATOR.search(region)) and not _BIG_OPERATOR.search(answer):
+        return f"an unevaluated {found.group()} (the reference is in closed form)"
     return huge_number(region)
 
 
@@ -83,17 +100,30 @@ cost linear in the text's length."""
 
 
 def huge_number(text: str) -> str | None:
-    """A power or factorial of known numbers with more than MAX_DIGITS digits, anywhere in ``text``."""
+    """A power or factorial of known numbers with more than MAX_DIGITS digits, or a bracketed
+    expression raised past MAX_SYMBOLIC_EXPONENT, anywhere in ``text``."""
     text = _LATEX_TIMES.sub("*", text.replace("\\left", "").replace("\\right", ""))
     for i, ch in enumerate(text):
-        if ch == "^":
-            base, exponent = _value(_operand_before(text, i)), _exponent_after(text, i + 1)
-            if base and exponent is not None and _log10(base) * abs(exponent) > MAX_DIGITS:
-                return f"a power with more than {MAX_DIGITS} digits"
+        if ch == "^" and (why := _power_problem(text, i)):
+            return why
         elif ch == "!" and not text.startswith("!=", i):
             n = _value(_operand_before(text, i))
             if n is not None and _factorial_log10(n) > MAX_DIGITS:
                 return f"a factorial with more than {MAX_DIGITS} digits"
+    return None
+
+
+def _power_problem(text: str, i: int) -> str | None:
+    """Why the power whose ``^`` is at ``i`` is out of reach (None: it is not)."""
+    operand, exponent = _operand_before(text, i), _exponent_after(text, i + 1)
+    base = _value(operand)
+    if exponent is None:
+        return None
+    if base and _log10(base) * abs(exponent) > MAX_DIGITS:
+        return f"a power with more than {MAX_DIGITS} digits"
+    # a bracketed expression, not a single letter (x^{1000} stays symbolic)
+    if base is None and abs(exponent) > MAX_SYMBOLIC_EXPONENT and operand[:1] in ("(", "{", "["):
+        return f"an expression raised to more than {MAX_SYMBOLIC_EXPONENT}"
     return None
 
 

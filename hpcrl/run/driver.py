@@ -118,7 +118,7 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
     from hpcrl.rewards.pool import RewardPool
     from hpcrl.run.loop import train
     from hpcrl.run.overlap import train_overlapped
-    from hpcrl.run.preempt import REQUEST
+    from hpcrl.run.preempt import REQUEST, rearm
 
     REQUEST.reset()  # a request belongs to one run (tests and `debug` run several in one process)
     cfg = plan.cfg
@@ -128,9 +128,10 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
     scratch = Path(tempfile.mkdtemp(prefix="hpcrl-"))  # short path: Ray's socket names have a length limit
     try:
         connect(scratch)
+        rearm()  # ray.init put its own SIGTERM handler in (a stack dump, then abort)
         actors = _start_actors(plan, prep.model_dir, scratch, run_dir, slurm=slurm)
         start_step, restored = _resume(actors, prep, cfg.algo.max_staleness)
-        with RewardPool(cfg.data.verifier, cfg.rewards) as pool:
+        with RewardPool(cfg.data.verifier, cfg.rewards, cfg.data.percent) as pool:
             say(
                 f"ready after {time.perf_counter() - started:.0f}s ({len(pool.slots)} reward processes); "
                 f"training {cfg.algo.max_steps} steps"

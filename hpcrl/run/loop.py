@@ -36,7 +36,7 @@ from hpcrl.rewards.verifiers import Outcome, Verdict, reward_of
 from hpcrl.rollout.base import Completion, Prompt, SamplingSettings, spec_acceptance
 from hpcrl.run.checkpoint import CheckpointManager
 from hpcrl.run.metrics import console_line, sample_rows
-from hpcrl.run.preempt import REQUEST, Preempted
+from hpcrl.run.preempt import REQUEST, WHY, Preempted
 from hpcrl.run.vision import Encoded
 from hpcrl.trainer.batch import TrainBatch, build_batch
 
@@ -313,8 +313,8 @@ def report(run: Run, step: int, metrics: dict[str, float], stop: bool) -> None:
     if stop:
         REQUEST.done(step)
         if step < run.cfg.algo.max_steps:
-            run.say(f"stopping after step {step} on the scheduler's warning signal: checkpoint saved")
-            raise Preempted(step)
+            run.say(f"stopping after step {step} on {WHY[REQUEST.signum]}: checkpoint saved")
+            raise Preempted(step, REQUEST.signum)
 
 
 @dataclass

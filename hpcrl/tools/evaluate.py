@@ -150,7 +150,7 @@ def answer_all(cfg: RunConfig, model_dir: Path, examples: list[Example], log: Lo
         for i, (x, g) in enumerate(zip(examples, groups, strict=True))
         for j, c in enumerate(g)
     ]
-    with RewardPool(cfg.data.verifier, cfg.rewards) as pool:
+    with RewardPool(cfg.data.verifier, cfg.rewards, cfg.data.percent) as pool:
         verdicts = [o.value for o in pool.score(tasks)]
     problems = []
     for i, (x, g) in enumerate(zip(examples, groups, strict=True)):

@@ -48,12 +48,10 @@ def varying(points: list[list[str]]) -> list[int]:
 
 def checked_plan(point: list[str]) -> Plan:
     """One point's plan with every check ``hpcrl submit`` makes before a job goes out."""
-    from hpcrl.hub.check import check_inputs
+    from hpcrl.launch.gate import require_submittable
 
     plan = plan_from_overrides(point)
-    plan.require_fit()
-    plan.require_buildable()
-    check_inputs(plan.cfg)
+    require_submittable(plan)
     return plan
 
 

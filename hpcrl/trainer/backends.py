@@ -66,6 +66,8 @@ class TrainerSpec:
     """Pads each sequence to a multiple of ``trainer.cp`` itself; otherwise cp must divide the length."""
     packs: bool
     """Runs packed micro-batches (``trainer.packing``: several sequences in one row)."""
+    packs_over_cp: bool
+    """Splits a packed row over context-parallel ranks (``trainer.packing`` with ``trainer.cp`` > 1)."""
     checkpoint_weight_bytes: int
     """One checkpoint's weights per parameter, beside the optimizer state (``optimizer_bytes``; fsdp:
     fp32 weights; megatron: bf16 weights + fp32 master)."""
@@ -234,6 +236,7 @@ FSDP = TrainerSpec(
     checkpoint_layout=(),
     pads_cp=True,
     packs=True,
+    packs_over_cp=False,
     checkpoint_weight_bytes=4,
     ipc_any_world=True,
     checkpoint_prefix="model.",
@@ -334,6 +337,7 @@ MEGATRON = TrainerSpec(
     checkpoint_layout=("tp", "pp", "cp", "ep", "expert_tp"),
     pads_cp=False,
     packs=True,
+    packs_over_cp=True,
     checkpoint_weight_bytes=6,
     ipc_any_world=False,
     checkpoint_prefix="model/",

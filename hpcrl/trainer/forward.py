@@ -13,6 +13,7 @@ from hpcrl.trainer.context_parallel import CPGroup
 from hpcrl.trainer.logprob_head import LogprobHead
 from hpcrl.trainer.packing import Packed
 from hpcrl.trainer.router_replay import set_routes
+from hpcrl.trainer.ssd import seq_index
 
 
 def token_logprobs(
@@ -48,14 +49,19 @@ def token_logprobs(
     return _left_pad(logp, skip)[:, :-1], _left_pad(entropy, skip)[:, :-1]
 
 
-def packed_logprobs(model: Any, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_logprobs(
+    model: Any, batch: TrainBatch, recurrent: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_logprobs`` of right-padded rows run as one packed row (``trainer.packing``): the rows'
     real tokens one after another, positions restarting at each, no attention mask, so transformers
     masks attention across the restarts (``find_packed_sequence_indices``); [B, T-1] each, at the loss
-    targets (zeros elsewhere, where no reader looks)."""
+    targets (zeros elsewhere, where no reader looks). ``recurrent`` (Mamba layers): each token's
+    sequence goes along as ``seq_idx``, where their conv and scan restart (``fsdp/segments.py``)."""
     packed = Packed.of(batch.input_ids, batch.attention_mask)
     set_routes(model, None if batch.routes is None else packed.gather(batch.routes))
     inputs = {"input_ids": packed.ids, "position_ids": packed.positions}
+    if recurrent:
+        inputs["seq_idx"] = seq_index(packed.positions)
     width = batch.input_ids.shape[1] - 1
     if not takes_logits_to_keep(model):
         logp, entropy = _logprobs(model, packed.targets, **inputs)

@@ -6,8 +6,9 @@ long-tailed completion lengths (DAPO: most answers short, a few up to the limit)
 padding. Packed, a micro-batch holds whole sequences whose real tokens sum to at most the budget,
 chosen first-fit-decreasing, and runs as one row: positions restart at 0 for each sequence, and
 attention stays inside each sequence (transformers reads the restarts from ``position_ids`` and masks
-across them: a block-causal mask for SDPA, varlen kernels for flash attention). Which rows share a
-micro-batch changes no number: the step weighs each micro-batch by its share of the loss units.
+across them: a block-causal mask for SDPA, varlen kernels for flash attention), and Mamba layers
+convolve and scan each sequence from zeros (``ssd.py``). Which rows share a micro-batch changes no
+number: the step weighs each micro-batch by its share of the loss units.
 """
 
 from __future__ import annotations

@@ -65,11 +65,18 @@ def test_defaults_are_the_values_the_code_had():
         ("cluster.bootstrap.ray_head_s=0", "cluster.bootstrap.ray_head_s=0.0 must be > 0"),
         ("cluster.bootstrap.ray_nodes_s=-5", "cluster.bootstrap.ray_nodes_s=-5.0 must be > 0"),
         ("rewards.workers=2", "unknown key 'rewards.workers'"),
+        ("rewards.memory_mb=100", "rewards.memory_mb=100 is too little for Python and SymPy: at least 256"),
+        ("data.percent=ratio", "data.percent=ratio must be one of number, fraction (or null)"),
+        (
+            "data.percent=number data.verifier=exact",
+            "data.percent rewrites answers for the math and math_structural verifiers; "
+            "data.verifier=exact reads its own: drop data.percent",
+        ),
     ],
 )
 def test_bad_values_fail_in_one_line_naming_the_key(override, message):
     with pytest.raises(ConfigError) as info:
-        compose(override)
+        compose(*override.split())
     assert message in str(info.value) and "\n" not in str(info.value)
 
 

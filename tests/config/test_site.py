@@ -12,7 +12,7 @@ import yaml
 from hpcrl.config import compose
 from hpcrl.config.cluster import ContainerConfig
 from hpcrl.errors import ConfigError
-from tests.conftest import ROOT, SITE, run_cli
+from tests.conftest import JOB_DOWNLOADS, ROOT, SITE, run_cli
 
 SITE_YAML = """\
 clusters:
@@ -288,7 +288,7 @@ def test_missing_site_keys_name_the_file_and_the_lines_to_add(site, tmp_path):
         "clusters": {"gb200": {"slurm": {"account": "my-acc"}, "container": {"image": "/img/hpcrl.sqsh"}}}
     }
     site("site.yaml", snippet + "\n")
-    result = run_cli("plan", "+experiment=dapo-nemotron-super-5n4g-megatron")
+    result = run_cli("plan", "+experiment=dapo-nemotron-super-5n4g-megatron", *JOB_DOWNLOADS)
     assert result.returncode == 0, result.stderr
     assert "my-acc" in result.stdout and "/img/hpcrl.sqsh" in result.stdout
 

@@ -307,14 +307,13 @@ def test_doctor_checks_the_model_snapshot_and_data_files_the_job_reads(tiny_dir,
     assert not result.ok and f"data.source[0]={data}" in result.detail, result
 
 
-def test_plan_warns_of_what_the_cache_lacks(cli, tmp_path):
+def test_plan_refuses_what_the_cache_lacks_after_its_tables(cli, tmp_path):
     result = cli("plan", "+cluster=gb200", "+model=nemotron_super", *SITE, f"+cluster.env.HF_HOME={tmp_path}")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 2 and "Memory per GPU" in result.stdout, result.stderr
     assert result.stderr.startswith(
-        "hpcrl: warning: model.hf_id=nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-Base-BF16 (revision main) is not "
+        "hpcrl: error: model.hf_id=nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-Base-BF16 (revision main) is not "
         f"in the Hugging Face cache {tmp_path / 'hub'}: run `hpcrl fetch`"
     )
-    assert result.stderr.rstrip().endswith("(`hpcrl submit` refuses this)")
 
 
 def test_submit_pins_the_commit_it_checked_and_makes_paths_absolute(tiny_dir, hub_env, monkeypatch, tmp_path):
@@ -332,3 +331,24 @@ def test_submit_pins_the_commit_it_checked_and_makes_paths_absolute(tiny_dir, hu
     pin_inputs(cfg)
     assert cfg.model.revision == got.commit and cfg.checkpoint.dir == str(tmp_path / "rel" / "ckpt")
     assert model_snapshot(hub_env, "org/tiny-math", cfg.model.revision) == got.path
+
+
+def test_a_cached_split_without_the_fields_the_run_reads_is_refused(hub_env, monkeypatch):
+    """The first record of the split's first cached file is read before submit, as of a local file."""
+    from hpcrl.hub.check import check_inputs
+    from tests.conftest import compose
+
+    hub = standin({"org/gsm": data_repo()}, monkeypatch)
+    try:
+        fetch_split(hub_env, "hf:org/gsm:main", "train", "data.source", lambda _: None)
+    finally:
+        hub.__exit__()
+    monkeypatch.setenv("HF_HOME", str(hub_env.parent))
+    check_inputs(
+        compose("data.source=hf:org/gsm:main", "data.prompt_field=question")
+    )  # the tiny model: local
+    with pytest.raises(
+        ConfigError,
+        match=r"^data\.source=hf:org/gsm:main: records have no field 'problem' \(set data\.prompt_field",
+    ):
+        check_inputs(compose("data.source=hf:org/gsm:main"))

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 
+from hpcrl.errors import HpcrlError
 from hpcrl.rewards import verifiers
 from hpcrl.rewards.config import BUILT_IN_VERIFIERS, VERIFIER_NAMES, RewardsConfig
 from hpcrl.rewards.pool import RewardPool, Task
@@ -18,6 +18,7 @@ from hpcrl.rewards.verifiers import (
     get_verifier,
     math_verify,
     math_verify_structural,
+    read_percent,
     reward_of,
 )
 
@@ -62,25 +63,62 @@ def test_unknown_verifier_names_the_registered_ones():
 
 
 @pytest.mark.slow
-def test_pool_survives_hanging_crashing_and_raising_verifiers(monkeypatch):
+def test_pool_survives_hanging_crashing_raising_and_memory_eating_verifiers(monkeypatch):
+    """Each costs its own sample (scored 0, said once with the first reason), never the batch; a
+    verifier eating memory stops at rewards.memory_mb in its own process, which lives on."""
     monkeypatch.setenv("HPCRL_PLUGINS", "tests.harness.verifier_plugins")
-    with RewardPool("test_adversarial", RewardsConfig(processes=2, timeout_s=1.0)) as pool:
-        tasks = [Task(i, c, "ok", "") for i, c in enumerate(["ok", "hang", "no", "crash", "raise", "ok"])]
-        start = time.monotonic()
+    said: list[str] = []
+    settings = RewardsConfig(processes=2, timeout_s=2.0, memory_mb=300)
+    with RewardPool("test_adversarial", settings, warn=said.append) as pool:
+        kinds = ["ok", "hang", "no", "crash", "raise", "eat", "ok"]
+        tasks = [Task(i, c, "ok", "") for i, c in enumerate(kinds)]
         out = pool.score(tasks)
-        elapsed = time.monotonic() - start
         assert out == [
             Outcome.correct,
             Outcome.timeout,
             Outcome.wrong,
             Outcome.error,
             Outcome.error,
+            Outcome.error,
             Outcome.correct,
         ]
-        assert pool.restarts == 2  # the hung and the crashed process were replaced
-        assert elapsed < 10
-        # the pool still works after the replacements
-        assert pool.score([Task(0, "ok", "ok", "")]) == [Outcome.correct]
+        assert pool.restarts == 2  # the hung and the crashed process were replaced, not the eater's
+        assert len(said) == 1 and "failed on 4 of 7 samples, the first with no verdict within" in said[0]
+        # the pool still works after the replacements, and says nothing more
+        assert pool.score([Task(0, "ok", "ok", ""), Task(1, "eat", "ok", "")]) == [
+            Outcome.correct,
+            Outcome.error,
+        ]
+        assert len(said) == 1
+        with pytest.raises(HpcrlError) as stop:
+            pool.score([Task(i, "eat", "ok", "") for i in range(3)])
+    assert str(stop.value).startswith(
+        "verifier 'test_adversarial' failed on all 3 samples of a batch, the first with MemoryError"
+    )
+    assert "(over rewards.memory_mb=300)" in str(stop.value) and "\n" not in str(stop.value)
+
+
+def test_a_plugin_that_does_not_import_says_so_in_one_line(monkeypatch):
+    monkeypatch.setenv("HPCRL_PLUGINS", "tests.harness.no_such_plugin")
+    with pytest.raises(HpcrlError) as info:
+        RewardPool("math", RewardsConfig(processes=1))
+    assert str(info.value) == (
+        "verifier 'math' cannot start: ModuleNotFoundError: No module named 'tests.harness.no_such_plugin' "
+        "(HPCRL_PLUGINS=tests.harness.no_such_plugin)"
+    )
+
+
+@pytest.mark.slow
+def test_a_reward_process_that_cannot_load_its_plugin_stops_the_pool_in_one_line(monkeypatch):
+    """Not a restart loop until rewards.start_timeout_s: the first process's reason, at once."""
+    monkeypatch.setenv("HPCRL_PLUGINS", "tests.harness.verifier_plugin_no_start")
+    with RewardPool("test_no_start", RewardsConfig(processes=1)) as pool:  # noqa: SIM117
+        with pytest.raises(HpcrlError) as info:
+            pool.score([Task(0, "x", "x", "")])
+    assert str(info.value) == (
+        "reward process for verifier 'test_no_start' cannot start: ImportError: No module named "
+        "'sympy_extras' (this node's environment lacks it) (plugins: tests.harness.verifier_plugin_no_start)"
+    )
 
 
 @pytest.mark.slow
@@ -124,7 +162,7 @@ def test_pool_scores_math_in_processes():
 @pytest.mark.slow
 def test_a_process_that_does_not_start_in_time_stops_the_pool_naming_the_key():
     with RewardPool("math", RewardsConfig(processes=1, start_timeout_s=0.01)) as pool:  # noqa: SIM117
-        with pytest.raises(RuntimeError, match=r"rewards\.start_timeout_s"):
+        with pytest.raises(HpcrlError, match=r"rewards\.start_timeout_s"):
             pool.score([Task(0, "\\boxed{2}", "2", "")])
 
 
@@ -150,6 +188,10 @@ LEGIT = [  # answers with powers, factorials and fractions that must reach math-
     ("so 2^{10} = \\boxed{1024}", "1024"),
     ("The answer is 5! = 120", "120"),
     ("\\boxed{\\frac{1}{2}", "0.5"),  # a box cut off by the token limit: math-verify still reads it
+    ("\\boxed{x^{2024}}", "x^{2024}"),  # a letter to any power stays symbolic
+    ("\\boxed{(x+1)^{3}}", "(x+1)^3"),
+    ("\\boxed{\\sum_{k=1}^{3} k}", "\\sum_{k=1}^{3} k"),  # a reference with a sum turns that part off
+    ("The sum $\\sum_{k=1}^{3} k$ is $6$.", "6"),  # working before the answer is not the answer
 ]
 
 PATHOLOGICAL = [  # each kept SymPy busy for seconds or forever (measured; see rewards/screen.py)
@@ -162,6 +204,14 @@ PATHOLOGICAL = [  # each kept SymPy busy for seconds or forever (measured; see r
     "\\boxed{\\left(10^{6}\\right)!}",
     "\\boxed{" + "\\frac{1}{" * 20 + "2" + "}" * 20 + "}",
     "\\boxed{" + "+".join(f"{i}x^{{{i}}}" for i in range(200)) + "}",
+    "\\boxed{\\sum_{k=1}^{100000} \\frac{1}{k}}",
+    "\\boxed{\\sum_{k=1}^{10^{9}} k^{k}}",
+    "\\boxed{\\prod_{k=1}^{10^{6}} (k+1)}",
+    "\\boxed{\\int_0^1 x^{50} e^{x} \\sin(x) dx}",
+    "\\boxed{\\lim_{n \\to \\infty} (1+1/n)^{n^{2}}}",
+    "\\boxed{(1+\\sqrt{2})^{100000}}",
+    "So the answer is $\\sum_{k=1}^{100000} \\frac{1}{k}$.",  # unboxed: the math that ends the text
+    "So we get \\[" + "\\frac{1}{" * 16 + "2" + "}" * 16 + "\\]",
 ]
 
 
@@ -191,6 +241,28 @@ def test_the_screen_stops_answers_sympy_would_spin_on(completion):
 def test_the_screen_passes_odd_arithmetic_it_cannot_size(completion):
     """Complex, NaN, non-integer factorials, stray brackets: not known to be huge, so SymPy decides."""
     assert out_of_reach(completion, "47") is None
+
+
+@pytest.mark.parametrize(
+    ("reading", "completion", "answer", "outcome"),
+    [
+        (None, "\\boxed{12}", "12\\%", Outcome.correct),  # math-verify's own reading: one-sided
+        (None, "\\boxed{12\\%}", "12", Outcome.wrong),
+        (None, "\\boxed{12\\%}", "0.12", Outcome.wrong),
+        ("number", "\\boxed{12\\%}", "12", Outcome.correct),
+        ("number", "\\boxed{12.5\\%}", "12.5", Outcome.correct),
+        ("number", "\\boxed{12\\%}", "0.12", Outcome.wrong),
+        ("number", "\\boxed{12}", "12\\%", Outcome.correct),
+        ("fraction", "\\boxed{12\\%}", "0.12", Outcome.correct),
+        ("fraction", "\\boxed{0.125}", "12.5\\%", Outcome.correct),
+        ("fraction", "\\boxed{\\frac{3}{25}}", "12\\%", Outcome.correct),
+        ("fraction", "\\boxed{12}", "12\\%", Outcome.wrong),
+    ],
+)
+def test_a_percent_is_read_as_the_data_set_says(reading, completion, answer, outcome):
+    """``data.percent``: a unit to drop (number) or a hundredth (fraction); None leaves math-verify's
+    one-sided reading, in which a reference of 12% takes 12 but a reference of 12 refuses 12%."""
+    assert read_percent(math_verify, reading)(completion, answer, "").outcome is outcome
 
 
 def test_a_reference_out_of_reach_itself_turns_the_screen_off():

@@ -168,19 +168,35 @@ class HubStandIn:
             req.wfile.write(payload)
 
 
-def publish_for(model_id: str, sources: list[tuple[str, str]]) -> dict[str, Repo]:
-    """Stand-in repositories for a config that names a model and ``hf:`` splits ((source, split) pairs):
-    a model repository with a config and one small safetensors file, and per data set one JSONL file per
-    split, named as the split (under the subset's folder for ``hf:<repo>:<subset>``). Enough for
-    ``hpcrl fetch`` to fill a cache the checks before submit accept, not a model that runs."""
+def publish_for(model_id: str, sources: list[tuple[str, str, tuple[str, ...]]]) -> dict[str, Repo]:
+    """Stand-in repositories for a config that names a model and ``hf:`` splits ((source, split, the
+    record fields the run reads) triples): a model repository with a config and one small safetensors
+    file, and per data set one JSONL file per split, named as the split (under the subset's folder for
+    ``hf:<repo>:<subset>``), whose record holds those fields (dotted: nested). Enough for ``hpcrl fetch``
+    to fill a cache the checks before submit accept, not a model that runs."""
     import numpy as np
     from safetensors.numpy import save
 
     weights = save({"w": np.zeros((2, 2), dtype=np.float32)})
     repos = {model_id: Repo({"config.json": b'{"model_type": "stand-in"}', "model.safetensors": weights})}
-    for source, split in sources:
+    for source, split, fields in sources:
         repo_id, _, subset = source.removeprefix("hf:").partition(":")
         name = f"{subset}/{split}.jsonl" if subset else f"{split}.jsonl"
         repo = repos.setdefault(repo_id, Repo({}, kind="dataset"))
-        repo.files[name] = json.dumps({"problem": "1+1?", "answer": "2"}).encode() + b"\n"
+        record: dict[str, Any] = {}
+        for dotted in fields:
+            _put(record, dotted.split("."), "2")
+        repo.files[name] = json.dumps(record).encode() + b"\n"
     return repos
+
+
+def _put(node: Any, path: list[str], value: str) -> None:
+    """Set a dotted field (a number indexes a list) to ``value``, making the dicts and lists on the way."""
+    for key, after in zip(path, [*path[1:], None], strict=True):
+        empty: Any = value if after is None else [] if after.isdigit() else {}
+        if isinstance(node, list):
+            node.extend([None] * (int(key) + 1 - len(node)))
+            node[int(key)] = node[int(key)] if node[int(key)] is not None and after else empty
+            node = node[int(key)]
+        else:
+            node = node.setdefault(key, empty)

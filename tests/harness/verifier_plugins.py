@@ -16,6 +16,10 @@ def adversarial(completion: str, answer: str, prompt: str = "") -> Verdict:
         os._exit(3)  # the worker process dies
     if completion == "raise":
         raise ValueError("broken verifier")
+    if completion == "eat":
+        hog = []
+        while True:  # a verifier eating memory until something stops it (rewards.memory_mb)
+            hog.append(bytearray(64 << 20))
     return Verdict(Outcome.correct if completion == answer else Outcome.wrong)
 
 

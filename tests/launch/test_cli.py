@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT, SITE, compose, run_cli
+from tests.conftest import JOB_FETCH, ROOT, SITE, compose, run_cli
 from tests.harness.hub_standin import HubStandIn, publish_for
 
 
@@ -25,7 +25,7 @@ def test_plan_default_prints_tables_and_fits(cli):
 def test_documented_form_plans_the_seed_recipe_and_lists_the_other_layout(cli):
     """Issue 32: the headline command plans the model's default recipe for the cluster (the seed's
     DAPO + Megatron job, exit 0), says so, and lists the other shipped layout beside it."""
-    result = cli("plan", "+cluster=gb200", "+model=nemotron_super", *SITE)
+    result = cli("plan", "+cluster=gb200", "+model=nemotron_super", *JOB_FETCH)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("DAPO · megatron · data dapo_math_17k")
     assert "recipe dapo-nemotron-super-5n4g-megatron: the default for nemotron_super on" in result.stdout
@@ -34,7 +34,7 @@ def test_documented_form_plans_the_seed_recipe_and_lists_the_other_layout(cli):
 
 
 def test_plan_shows_quirks_and_sbatch(cli):
-    result = cli("plan", "+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1", *SITE)
+    result = cli("plan", "+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1", *JOB_FETCH)
     assert result.returncode == 0, result.stderr
     assert "rollout.block_size=32" in result.stdout and "rollout.load_format=auto" in result.stdout
     assert "acct" in result.stdout and "img.sqsh" in result.stdout
@@ -42,7 +42,7 @@ def test_plan_shows_quirks_and_sbatch(cli):
 
 def test_render_writes_script_and_resolved_config(cli, tmp_path):
     out = tmp_path / "run"
-    result = cli("render", "+experiment=dapo-nemotron-super-5n4g-megatron", *SITE, "--out", str(out))
+    result = cli("render", "+experiment=dapo-nemotron-super-5n4g-megatron", *JOB_FETCH, "--out", str(out))
     assert result.returncode == 0, result.stderr
     script = (out / "sbatch.sh").read_text()
     assert script.startswith("#!/bin/bash") and "#SBATCH --nodes=5" in script
@@ -91,7 +91,7 @@ def test_fsdp_context_parallel_plans_and_what_fsdp_cannot_split_is_refused_befor
     Tensor parallel and CP over Mamba layers are not run as something else (plain data parallel, with
     more memory per GPU than the plan says), nor an expert degree over experts fsdp cannot split
     (Nemotron-H's are not gated): refused before anything is written."""
-    site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh"]
+    site = JOB_FETCH
     recipe = "+experiment=dapo-gemma4-e2b-it-1n8g-fsdp2cp2"
     plan = run_cli("plan", recipe, *site)
     assert plan.returncode == 0 and "cannot submit yet" not in plan.stdout, plan.stdout + plan.stderr
@@ -115,13 +115,14 @@ def test_fsdp_context_parallel_plans_and_what_fsdp_cannot_split_is_refused_befor
         ),
     ]
     for overrides, why in refused:
-        submitted = run_cli("submit", *overrides, f"run.output_root={tmp_path}", *site)
-        assert submitted.returncode == 2 and why in " ".join(submitted.stderr.split()), submitted.stderr
+        for command in ("submit", "render", "plan"):  # plan and render refuse what submit refuses
+            done = run_cli(command, *overrides, f"run.output_root={tmp_path}", *site)
+            assert done.returncode == 2 and why in " ".join(done.stderr.split()), (command, done.stderr)
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted
 
 
 def test_plan_shows_both_gb200_layouts_with_their_peaks(cli):
-    result = cli("plan", "+experiment=dapo-nemotron-super-5n4g-megatron", *SITE)
+    result = cli("plan", "+experiment=dapo-nemotron-super-5n4g-megatron", *JOB_FETCH)
     assert result.returncode == 0, result.stderr
     assert "Shipped layouts for nemotron_super on gb200" in result.stdout
     rows = [line for line in result.stdout.splitlines() if "+experiment=dapo-nemotron-super-5n4g" in line]
@@ -162,7 +163,15 @@ def test_super_recipes_are_accepted_by_submit(recipe, tmp_path):
     ]
     exe = Path(sys.executable).with_name("hpcrl")
     cfg = compose(f"+experiment={recipe}", *site)
-    sources = [(cfg.data.source, cfg.data.split), (cfg.data.val_source, cfg.data.val_split)]
+    data = cfg.data
+    sources = [
+        (data.source, data.split, (data.prompt_field, data.answer_field)),
+        (
+            data.val_source,
+            data.val_split,
+            (data.val_prompt_field or data.prompt_field, data.val_answer_field or data.answer_field),
+        ),
+    ]
     with HubStandIn(publish_for(cfg.model.hf_id, sources)) as hub:
         fetched = subprocess.run(
             [str(exe), "fetch", f"+experiment={recipe}", *site],
@@ -190,17 +199,20 @@ def test_super_recipes_are_accepted_by_submit(recipe, tmp_path):
     assert (tmp_path / "submitted.sh").read_text() == expected
 
 
-def test_render_warns_of_what_submit_would_refuse_and_still_writes_the_script(cli, tmp_path):
+def test_plan_and_render_refuse_what_submit_refuses_with_its_line_and_write_nothing(cli, tmp_path):
+    """A cache the job's container would mount but that does not exist: submit refuses it, and so do
+    render (no script) and plan (after its tables), with submit's line and exit code."""
     missing = tmp_path / "no-cache"
     out = tmp_path / "run"
-    result = cli(
-        "render",
-        "+experiment=dapo-nemotron-super-5n4g-megatron",
-        *SITE,
-        f"+cluster.env.HF_HOME={missing}",
-        "--out",
-        str(out),
-    )
-    assert result.returncode == 0 and (out / "sbatch.sh").is_file(), result.stderr
-    assert result.stderr.startswith(f"hpcrl: warning: cluster.env.HF_HOME={missing} does not exist")
-    assert "(`hpcrl submit` refuses this)" in result.stderr
+    args = ["+experiment=dapo-nemotron-super-5n4g-megatron", *SITE, "model.fetch=job"]
+    args += [f"+cluster.env.HF_HOME={missing}", f"run.output_root={tmp_path / 'runs'}"]
+    line = f"hpcrl: error: cluster.env.HF_HOME={missing} does not exist"
+    rendered = cli("render", *args, "--out", str(out))
+    assert rendered.returncode == 2 and rendered.stderr.startswith(line), rendered.stderr
+    assert not out.exists()
+    planned = cli("plan", *args)
+    assert planned.returncode == 2 and planned.stderr.startswith(line), planned.stderr
+    assert "Memory per GPU" in planned.stdout  # the tables it could compute come first
+    submitted = cli("submit", *args)
+    assert submitted.returncode == 2 and submitted.stderr == rendered.stderr == planned.stderr
+    assert not (tmp_path / "runs").exists()

@@ -285,6 +285,7 @@ def test_secrets_never_reach_the_script(cfg, tmp_path, monkeypatch):
 def test_render_through_the_cli_mounts_its_run_dir(tmp_path):
     """`hpcrl render` writes the script `submit` would submit: the container mounts the run dir it wrote."""
     hf = tmp_path / "hf"
+    hf.mkdir()  # the cache the container mounts exists (else render refuses, as submit does)
     out = tmp_path / "render"
     result = run_cli(
         "render",

@@ -28,6 +28,7 @@ def test_submit_places_one_task_per_node_with_roles(slurm_cluster, tmp_path):
         "--smoke",
         "cluster=slurmtest",
         "model=tiny",
+        "rollout.max_new_tokens=8",  # within the tiny model's 64 positions: submit refuses more
         "layout.train_nodes=2",
         "layout.rollout_nodes=1",
         f"run.output_root={tmp_path}",
@@ -107,6 +108,7 @@ def test_client_without_token_is_refused_and_a_dead_node_ends_the_job(slurm_clus
         "--smoke",
         "cluster=slurmtest",
         "model=tiny",
+        "rollout.max_new_tokens=8",  # within the tiny model's 64 positions: submit refuses more
         "layout.train_nodes=2",
         "layout.rollout_nodes=1",
         f"run.output_root={tmp_path}",
@@ -229,10 +231,12 @@ def test_state_falls_back_to_scontrol_without_accounting(monkeypatch):
 def test_usr2_saves_the_current_step_requeues_and_the_next_attempt_resumes_there(slurm_cluster, tmp_path):
     """The time-limit/preemption signal (USR2, what `--signal=USR2@...` sends) mid-run: the driver
     checkpoints the step it is in (no checkpoint is due: period 100), submitit requeues the job, and
-    the next attempt brings Ray up again and resumes from exactly that step."""
+    the next attempt brings Ray up again and resumes from exactly that step. Issue 38 item 4: the job is
+    heterogeneous (the rollout node from another partition than the training node, a component each):
+    the signal, the requeue and Ray work across the components."""
     result = run_cli(
         "submit",
-        "+experiment=grpo-tiny-2n1g-fsdp-split",
+        "+experiment=grpo-tiny-2n1g-fsdp-hetjob",
         f"run.output_root={tmp_path}",
         "algo.max_steps=12",
         "checkpoint.period=100",
@@ -270,6 +274,13 @@ def test_usr2_saves_the_current_step_requeues_and_the_next_attempt_resumes_there
     assert re.search(rf"resumed from \S+step_{saved:06d} \(step {saved}\)", logs), logs[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 12
+    parts = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,Partition"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert sorted(parts) == [f"{job_id}+0|urgent", f"{job_id}+1|debug"], parts
 
 
 HOLD_GCS_PORT = (

@@ -65,11 +65,15 @@ def _save_model(out: Path) -> None:
     nemotron_h_model().save_pretrained(out)
 
 
-def _parity_case(name: str, tp: int, pp: int, backend: str = "megatron", **kw: int) -> TorchrunCase:
+def _parity_case(
+    name: str, tp: int, pp: int, backend: str = "megatron", packing: tuple[str, ...] = (), **kw: int
+) -> TorchrunCase:
     """tests/harness/megatron_parity.py's run of a layout (its overrides; cp and ep as test_megatron's
-    ``_torchrun`` passes them) as a case of the session's torchrun of its world size."""
+    ``_torchrun`` passes them, ``packing``'s after them) as a case of the session's torchrun of its
+    world size."""
     cp, ep = kw.get("cp", 1), kw.get("ep")
     extra = (f"trainer.cp={cp}", *([f"trainer.ep={ep}"] if ep else [])) if backend == "megatron" else ()
+    extra = (*extra, *packing)
     with mock.patch.dict(os.environ, {"HPCRL_PARITY_OVERRIDES": " ".join(extra)}):
         cfg = tuple(parity_overrides(tp, pp, backend))
     world = tp * pp * cp * max(1, (ep or 1) // tp)
@@ -93,6 +97,14 @@ PARALLEL = {
     (tp, pp, ep, cp): _parity_case(f"tp{tp}pp{pp}ep{ep}cp{cp}", tp, pp, cp=cp, ep=ep)
     for tp, pp, ep, cp in LAYOUTS
 }
+PACKING = ("trainer.packing=true", "trainer.micro_batch_tokens=21")
+"""Bins [8, 8, 5], [8, 8], [8, 8] of the parity batch's rows (chunks of 8), each row padded to a
+multiple of TP x 2·CP (22 at TP=2, 24 at CP=2 and at TP=2 x CP=2)."""
+PACKED = {
+    (tp, pp, ep, cp): _parity_case(f"packed-tp{tp}pp{pp}ep{ep}cp{cp}", tp, pp, packing=PACKING, cp=cp, ep=ep)
+    for tp, pp, ep, cp in ((1, 1, 1, 1), *LAYOUTS)
+}
+"""Every layout the padded parity runs (TP=1 too), packed."""
 MIXER = register_torchrun_case(
     TorchrunCase(
         "nemotron_h-mixer",
@@ -213,6 +225,17 @@ def test_the_scan_calls_mamba_ssm_kernels_with_the_torch_paths_arguments():
     fake = MambaKernels(scan=mamba2_chunk_scan, norm=None)
     assert torch.allclose(mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 1e-3, fake), ours, atol=1e-5)
     assert not torch.allclose(mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 0.0, fake), ours, atol=1e-5)
+    # a packed row: the kernel gets the sequences as ``seq_idx`` (the stand-in: transformers' torch
+    # scan wrapped as the fsdp backend runs it, which takes ``seq_idx`` as mamba_ssm's kernel does)
+    from functools import partial
+
+    from hpcrl.trainer.fsdp.segments import _scan
+
+    seq_idx = torch.tensor([[0] * 5 + [1] * 9 + [2] * 7] * 2, dtype=torch.int32)
+    packed = mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 1e-3, None, seq_idx)
+    fake = MambaKernels(scan=partial(_scan, mamba2_chunk_scan), norm=None)
+    assert torch.allclose(mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 1e-3, fake, seq_idx), packed, atol=1e-5)
+    assert not torch.allclose(packed, ours, atol=1e-3)
 
 
 def test_router_is_sigmoid_renormalised_scaled_in_fp32_as_transformers_routes():
@@ -301,3 +324,21 @@ def test_nemotron_h_matches_fsdp_and_under_parallel_layouts(torchrun_cases):
         assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
         _assert_same_step(run, base, mask, where)
         assert all(run["state_restored"]), where
+
+
+@pytest.mark.slow
+def test_packed_rows_step_as_the_padded_ones(torchrun_cases):
+    """trainer.packing on Nemotron-H under megatron: each packed row's bounds reach the Mamba mixers
+    (``packed_seq_params``), whose conv and scan restart at every sequence, under every layout the
+    padded runs take: TP=2 (sequence parallel: the mixer gathers the whole row), PP=2 (every stage
+    gets the bounds), EP=2, TP=2 x EP=2, CP=2 (the row split in 2·CP chunks as a sequence is:
+    attention reads its block mask's rows, the mixer scans the whole row again) and TP=2 x CP=2: the
+    padded TP=1 step's log-probs (the reference's passes packed too), metrics, gradients and weights."""
+    mask = parity_batch().loss_mask.bool()
+    base = torchrun_cases.result(BASE.id)
+    for (tp, pp, ep, cp), case in PACKED.items():
+        where = f"packed TP={tp} PP={pp} EP={ep} CP={cp}"
+        run = torchrun_cases.result(case.id)
+        assert "error" not in run, run["error"]
+        assert run["layout"]["cp"] == cp and run["layout"]["sequence_parallel"] == (tp > 1), where
+        _assert_same_step(run, base, mask, where)

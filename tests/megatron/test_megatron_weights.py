@@ -21,7 +21,7 @@ from hpcrl.trainer.megatron.weights import (
     to_megatron,
     unshard,
 )
-from tests.conftest import run_cli
+from tests.conftest import JOB_DOWNLOADS, run_cli
 from tests.megatron.common import (
     gemma3_model,
     gemma4_model,
@@ -210,12 +210,13 @@ def test_shard_then_unshard_is_exact_and_fc1_keeps_gate_with_up(tp):
 
 
 def test_plan_names_a_model_the_backend_cannot_build_and_submit_refuses(tmp_path):
-    site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh"]
+    site = ["cluster.slurm.account=a", "cluster.container.image=i.sqsh", *JOB_DOWNLOADS]
     recipe = ["+experiment=dapo-gemma4-e2b-it-1n8g-fsdp2", "trainer=megatron"]  # per-layer embeddings
     plan = run_cli("plan", *recipe, *site)
-    assert plan.returncode == 0, plan.stderr
-    assert "cannot submit yet" in plan.stdout and "cannot build gemma4_e2b" in plan.stdout
+    assert plan.returncode == 2 and "Memory per GPU" in plan.stdout, (
+        plan.stderr
+    )  # the tables, then the refusal
+    assert plan.stderr.startswith("hpcrl: error: trainer=megatron cannot build gemma4_e2b yet"), plan.stderr
     submitted = run_cli("submit", *recipe, f"run.output_root={tmp_path}", *site)
-    assert submitted.returncode == 2
-    assert "trainer=megatron cannot build gemma4_e2b yet" in submitted.stderr
+    assert submitted.returncode == 2 and submitted.stderr == plan.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing submitted

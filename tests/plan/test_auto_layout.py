@@ -14,9 +14,9 @@ from hpcrl.plan.nvlink import NvlinkCheck, check_nvlink, segment_for
 from hpcrl.plan.planner import plan_from_overrides
 from hpcrl.plan.topology import build_topology
 from hpcrl.trainer.backends import expert_tp
-from tests.conftest import SITE, compose, local_gpu, plan, recipe_gpu
+from tests.conftest import JOB_FETCH, SITE, compose, local_gpu, plan, recipe_gpu
 
-GB200_SUPER = ["+experiment=none", "+cluster=gb200", "+model=nemotron_super", *SITE]
+GB200_SUPER = ["+experiment=none", "+cluster=gb200", "+model=nemotron_super", *JOB_FETCH]
 """The catalog's nemotron_super on gb200 without its default recipe (GRPO + FSDP on DAPO-Math-17k):
 the layout the search finds from the catalog's one node."""
 CLUSTERS = sorted(p.stem for p in (conf_dir() / "cluster").glob("*.yaml"))
@@ -183,7 +183,11 @@ def test_plan_refuses_a_layout_that_crosses_racks(cli):
     with pytest.raises(DoesNotFitError, match="group 1 lies on nodes 160-175"):
         p.require_fit()
     result = cli("plan", *overrides)
-    assert result.returncode == 1 and "does not fit the NVLink domains" in result.stdout
+    assert result.returncode == 2 and "does not fit the NVLink domains" in result.stdout
+    assert result.stderr.startswith("hpcrl: error: nemotron_super does not fit on gb200: each expert"), (
+        result.stderr
+    )
+    assert "group 1 lies on nodes 160-175" in result.stderr  # submit's refusal, as its line says it
 
 
 def test_auto_layout_keeps_explicit_config_errors():

@@ -16,7 +16,7 @@ from hpcrl.plan.planner import matching_recipes, plan_from_overrides
 from hpcrl.plan.show import header, show_plan
 from hpcrl.rollout.config import VLLMRolloutConfig
 from hpcrl.trainer.config import FSDPTrainerConfig, MegatronTrainerConfig
-from tests.conftest import SITE, compose
+from tests.conftest import JOB_FETCH, SITE, compose
 
 SEEDS = {  # cluster -> (the seed's recipe, rollout nodes, training nodes, rollout TP)
     "gb200": ("dapo-nemotron-super-5n4g-megatron", 1, 4, 4),
@@ -150,7 +150,7 @@ def test_a_recipe_that_chooses_synthetic_data_refuses_a_real_model():
 
 
 def test_a_real_model_alone_plans_on_a_real_data_set(cli):
-    result = cli("plan", "+cluster=h100", "+model=qwen3_8b", *SITE)
+    result = cli("plan", "+cluster=h100", "+model=qwen3_8b", *JOB_FETCH)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("GRPO · fsdp · data dapo_math_17k (hf:BytedTsinghua-SIA/DAPO-Math-17k")
 

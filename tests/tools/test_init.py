@@ -23,7 +23,7 @@ from hpcrl.config.slurminfo import (
 )
 from hpcrl.errors import HpcrlError
 from hpcrl.tools.siteinit import Answers, catalog, choose, fill, match_clusters, render, run_init, template
-from tests.conftest import run_cli
+from tests.conftest import JOB_DOWNLOADS, run_cli
 
 CAPTURED = Path(__file__).resolve().parents[1] / "harness" / "slurm_output"
 """``sinfo -h -e -o SINFO_FORMAT``, ``scontrol show node -o`` and ``scontrol show partition -o`` as the
@@ -180,7 +180,7 @@ def test_init_without_slurm_writes_a_template_or_the_named_cluster(tmp_path, mon
         "init", "--cluster", "gb200", "--account", "my-acc", "--image", "/img/hpcrl.sqsh", "--force"
     )
     assert result.returncode == 0, result.stderr
-    plan = run_cli("plan", "+experiment=dapo-nemotron-super-5n4g-megatron")
+    plan = run_cli("plan", "+experiment=dapo-nemotron-super-5n4g-megatron", *JOB_DOWNLOADS)
     assert plan.returncode == 0, plan.stderr
     assert "my-acc" in plan.stdout and "/img/hpcrl.sqsh" in plan.stdout
 

@@ -64,3 +64,16 @@ def test_a_sweep_stopped_half_way_says_how_to_resume_and_into_submits_only_the_r
     sweep_dir = Path(re.search(r"--into (\S+) submits the rest", line).group(1))
     _dir, rows = submit_sweep(points, into=sweep_dir)
     assert [r["point"] for r in rows] == [0, 1, 2, 3] and sent == ["p0", "refused", "p1", "p2", "p3"]
+
+
+def test_render_m_refuses_a_point_as_submit_would_and_writes_only_the_others(tmp_path):
+    """The sweep's points pass the same gate as one run (launch/gate.py): a point whose sequences
+    outgrow the tiny model's 64 positions gets submit's line, and no files."""
+    done = run_cli("render", "-m", *SWEEP[:1], "rollout.max_new_tokens=8,60", f"run.output_root={tmp_path}")
+    assert done.returncode == 1
+    lines = done.stdout.splitlines()
+    assert (
+        " fits (" in lines[1] and "refused: data.max_prompt_tokens=16 + rollout.max_new_tokens=60" in lines[2]
+    )
+    (preview,) = (tmp_path / "sweeps").iterdir()
+    assert [p.name for p in preview.iterdir()] == ["p0"]

@@ -80,5 +80,83 @@ def test_the_plan_counts_the_budget_and_refuses_what_cannot_pack():
     with pytest.raises(ConfigError, match=r"micro_batch_tokens=8 is below the longest sequence"):
         plan("trainer.packing=true", "trainer.micro_batch_tokens=8")
     assert plan("trainer=megatron", "trainer.packing=true").cfg.trainer.packing  # both backends pack
-    with pytest.raises(ConfigError, match=r"packed rows are not split over context parallel ranks"):
-        plan("trainer=megatron", "trainer.packing=true", "trainer.cp=2", "cluster=h100", *SITE)
+    nemotron_h = "+experiment=grpo-tinynemotronh-1n1g-fsdp"  # Mamba layers pack too (they restart)
+    assert plan(nemotron_h, "trainer.packing=true", "trainer.micro_batch_tokens=48").cfg.trainer.packing
+    over_cp = ("trainer.packing=true", "trainer.cp=2", "cluster=h100", *SITE)
+    assert plan("trainer=megatron", *over_cp).cfg.trainer.cp == 2  # megatron splits packed rows over CP
+    with pytest.raises(ConfigError, match=r"fsdp backend does not split packed rows over context parallel"):
+        plan("trainer=fsdp", *over_cp)
+
+
+def test_mamba_conv_and_scan_restart_at_each_packed_sequence():
+    """trainer/ssd.py on a row of six sequences (chunks of 4: sequences start mid-chunk, end mid-chunk,
+    span chunks, one is a single token): each sequence's conv output, scan output and input gradients
+    are those of the sequence alone; the same row without ``seq_idx`` mixes them (the mutation)."""
+    from hpcrl.trainer.ssd import causal_conv, seq_index, ssd_scan
+
+    lengths, heads, groups = [5, 11, 3, 9, 1, 7], 4, 2
+    gen = torch.Generator().manual_seed(0)
+    n = sum(lengths)
+    x, dt = torch.randn(1, n, heads, 3, generator=gen), torch.rand(1, n, heads, generator=gen)
+    b, c = torch.randn(1, n, groups, 5, generator=gen), torch.randn(1, n, groups, 5, generator=gen)
+    a = -torch.rand(heads, generator=gen) - 0.5
+    seq_idx = seq_index(torch.cat([torch.arange(k) for k in lengths])[None])
+    assert seq_idx[0].tolist() == [i for i, k in enumerate(lengths) for _ in range(k)]
+    cuts = torch.tensor(lengths).cumsum(0)[:-1].tolist()
+
+    def alone(f, t, dim):  # each sequence on its own, the outputs side by side
+        return torch.cat([f(part) for part in t.tensor_split(cuts, dim=dim)], dim=dim)
+
+    x.requires_grad_()
+    packed = ssd_scan(x, dt, a, b, c, 4, seq_idx)
+    (grad,) = torch.autograd.grad((packed * packed.detach().sign()).sum(), x)
+    xs = x.detach().tensor_split(cuts, dim=1)
+    parts = [ssd_scan(p.requires_grad_(), d, a, bb, cc, 4) for p, d, bb, cc in zip(
+        xs, dt.tensor_split(cuts, dim=1), b.tensor_split(cuts, dim=1), c.tensor_split(cuts, dim=1), strict=True
+    )]  # fmt: skip
+    want = torch.cat(parts, dim=1)
+    want_grad = torch.cat(torch.autograd.grad((want * want.detach().sign()).sum(), xs), dim=1)
+    assert torch.allclose(packed, want, atol=1e-5) and torch.allclose(grad, want_grad, atol=1e-5)
+    assert (ssd_scan(x, dt, a, b, c, 4) - want).abs().max() > 0.1
+    signal, weight, bias = torch.randn(1, 6, n, generator=gen), torch.randn(6, 1, 4), torch.randn(6)
+    conv = causal_conv(signal, weight, bias, seq_idx)
+    assert torch.allclose(conv, alone(lambda s: causal_conv(s, weight, bias), signal, 2), atol=1e-6)
+    assert not torch.allclose(causal_conv(signal, weight, bias), conv, atol=0.1)
+
+
+def nemotron_h() -> torch.nn.Module:
+    """A random Nemotron-H of Super's kinds (tests/harness/tiny_checkpoints.py), chunks of 8; dt biases
+    spread so that some heads remember far back (a state carried over a restart shows)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    from tests.harness.tiny_checkpoints import NEMOTRON_H
+
+    torch.manual_seed(0)
+    config = NemotronHConfig(
+        **{**NEMOTRON_H, "hybrid_override_pattern": "MEM*M", "tie_word_embeddings": False}
+    )
+    model = NemotronHForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("dt_bias"):
+                p.copy_(torch.linspace(-6.0, 1.0, p.numel()))
+    return model.eval()
+
+
+def test_packed_nemotron_h_forward_equals_the_padded_forward():
+    """transformers' Nemotron-H (its torch Mamba path) run packed with ``seq_idx``: the padded forward's
+    log-probs and entropy at every target, sequences of 9-11 tokens crossing chunks of 8 mid-way;
+    without the restart (no ``seq_idx``: what transformers' torch path alone does) they differ."""
+    from hpcrl.trainer.fsdp.segments import reset_at_sequence_starts
+
+    reset_at_sequence_starts()
+    model = nemotron_h()
+    b = batch([4, 9, 3, 6], [5, 2, 8, 4])
+    with torch.no_grad():
+        padded = token_logprobs(model, b)
+        packed = packed_logprobs(model, b, recurrent=True)
+        carried = packed_logprobs(model, b, recurrent=False)
+    targets = b.loss_mask.bool()
+    for got, want in zip(packed, padded, strict=True):
+        assert torch.allclose(got[targets], want[targets], atol=1e-5)
+    assert (carried[0][targets] - padded[0][targets]).abs().max() > 1e-2

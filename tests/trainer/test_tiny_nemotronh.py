@@ -154,6 +154,28 @@ def test_fsdp_step_trains_the_model_but_not_the_correction_bias(nh_dir, tmp_path
     assert len(saved) == 3 and all(m.properties.dtype == torch.float32 for m in saved.values())
 
 
+def test_packed_step_equals_the_padded_step(nh_dir):
+    """trainer.packing on Nemotron-H: bins of 24 tokens ([8, 7, 7] and [7]; chunks of 8, so two
+    sequences start mid-chunk) run as packed rows, each sequence's Mamba conv and scan restarting from
+    zeros, give the padded step's loss, KL, gradient norm and every gradient (a reference policy: the
+    log-prob passes run packed too). Gradients, not Adam's first step, which turns a gradient near 0
+    into a whole step of either sign."""
+    from tests.harness.megatron_parity import stepped_grads
+
+    common = (RECIPE, "algo.lr=1e-3", "algo.kl_coef=0.1")
+    padded = FSDPTrainer(nh_dir, plan(*common).cfg, master=MASTER)
+    cfg = plan(*common, "trainer.packing=true", "trainer.micro_batch_tokens=24").cfg
+    packed = FSDPTrainer(nh_dir, cfg, master=MASTER)
+    assert [g.tolist() for g in packed.step.cut(batch().attention_mask.sum(1))] == [[0, 1, 2], [3]]
+    g_padded, g_packed = stepped_grads(padded, "fsdp"), stepped_grads(packed, "fsdp")
+    m_padded, m_packed = padded.train_step(batch()), packed.train_step(batch())
+    for key in ("loss", "kl", "policy_loss", "entropy", "grad_norm"):
+        assert m_packed[key] == pytest.approx(m_padded[key], rel=1e-4, abs=1e-6), key
+    assert g_packed.keys() == g_padded.keys() and len(g_padded) > 50
+    for name, grad in g_padded.items():
+        assert torch.allclose(g_packed[name], grad, atol=1e-6), name
+
+
 def checkpoint_keys(path):
     from torch.distributed.checkpoint import FileSystemReader
 

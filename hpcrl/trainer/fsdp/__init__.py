@@ -22,6 +22,7 @@ trainer.py   FSDPTrainer: the step's backend (trainer/step.py), weights to the e
 model.py     the model before and under FSDP2 (fully_shard per decoder layer, routers in fp32)
 expert_parallel.py   experts split over trainer.ep ranks, the all-to-all token dispatch
 optim.py             the optimizers on the shards and where their state lives (``trainer.optimizer*``)
+segments.py          packed rows through Nemotron-H's Mamba layers (each sequence's conv and scan alone)
 The process group is set up as megatron's is (trainer/process_group.py).
 """
 

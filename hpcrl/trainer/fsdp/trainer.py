@@ -27,6 +27,7 @@ from hpcrl.trainer.fsdp.model import (
     shard_model,
 )
 from hpcrl.trainer.fsdp.optim import StateStore, make_optimizer
+from hpcrl.trainer.fsdp.segments import reset_at_sequence_starts
 from hpcrl.trainer.hf_load import load_sharded, meta_model
 from hpcrl.trainer.logprob_head import install_logprob_head
 from hpcrl.trainer.process_group import collective_backend, init_process_group
@@ -83,8 +84,8 @@ class FSDPTrainer:
         self.store = StateStore(self.optimizer, cfg, device, rank)
         """Where the optimizer's state lives between steps (``trainer.optimizer_dtype``, ``_offload``)."""
         self.step = TrainStep.from_config(cfg)
-        if self.recurrent and self.step.pack_tokens is not None:  # the plan refuses it; a config may skip it
-            raise ValueError("trainer.packing: Mamba layers would carry state across packed sequences")
+        if self.recurrent and self.step.pack_tokens is not None:
+            reset_at_sequence_starts()  # Mamba layers restart at each packed sequence (fsdp/segments.py)
         self.writer = ShardWriter()
         self._conversions: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
         """State-dict name -> the checkpoint tensors it becomes (``_hf_metas``)."""
@@ -160,7 +161,7 @@ class FSDPTrainer:
             return token_logprobs(model, batch, right_padded=right_padded, cp=self.cp)
         if not right_padded:
             raise ValueError("trainer.packing packs right-padded batches only (what build_batch makes)")
-        return packed_logprobs(model, batch)
+        return packed_logprobs(model, batch, self.recurrent)
 
     def train_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
         set_lr(self.optimizer.param_groups, lr)

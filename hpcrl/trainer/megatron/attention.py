@@ -52,19 +52,20 @@ class SDPAttention(torch.nn.Module):
         attention_bias: Any = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
+        # hpcrl's packed rows come with their block mask; their bounds are for the Mamba layers
+        if (packed_seq_params is not None and attention_mask is None) or attention_bias is not None:
             raise ValueError("SDPAttention: packed sequences and attention bias need Transformer Engine")
         # Megatron hands [s, b, heads, dim]; SDPA wants [b, heads, s, dim]. Sequences are right-padded,
         # so the causal mask alone is exact for every real token; packed rows come with their mask.
         s, b = query.shape[0], query.shape[1]
-        if attention_mask is not None:  # packed rows (trainer.packing): True where a key is out of reach
+        if self.config.context_parallel_size > 1:
+            out = self._context_parallel(query, key, value, attention_mask)
+        elif attention_mask is not None:  # packed rows (trainer.packing): True where a key is out of reach
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             allowed = ~attention_mask
             if self.window is not None:
                 allowed = allowed & window_mask(s, self.window, q.device)
             out = self._sdpa(q, k, v, causal=allowed)
-        elif self.config.context_parallel_size > 1:
-            out = self._context_parallel(query, key, value)
         else:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             if self.window is None or s <= self.window:  # a window longer than the sequence is causal
@@ -81,14 +82,18 @@ class SDPAttention(torch.nn.Module):
     # Eager even inside a compiled layer: compiled, the gradient of the K/V all-gather (a reduce-scatter
     # in Megatron's autograd function) came out wrong on 2 H200s (grad norm 4.46 instead of 6.16).
     @torch.compiler.disable
-    def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def _context_parallel(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``mask``: a packed row's (the whole row's, in sequence order), else None: causal."""
         from megatron.core import parallel_state as ps
 
         group = ps.get_context_parallel_group()
         # every rank's queries read these keys/values: their gradients are summed back to the owner
         k_all, v_all = (cp_gather(t, group, sum_grads=True).permute(1, 2, 0, 3) for t in (key, value))
         q = query.permute(1, 2, 0, 3)
-        return attend_chunks(q, k_all, v_all, group.rank(), group.size(), self.window, self._sdpa)
+        allowed = None if mask is None else ~mask[0, 0]
+        return attend_chunks(q, k_all, v_all, group.rank(), group.size(), self.window, self._sdpa, allowed)
 
 
 def sliding_window(config: Any, layer_number: int) -> int | None:

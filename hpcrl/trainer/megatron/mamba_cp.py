@@ -25,9 +25,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from hpcrl.trainer.config import mamba_cp_splits
+from hpcrl.trainer.ssd import causal_conv
 
 
 def gather_order(cp: int) -> list[int]:
@@ -109,16 +109,16 @@ class MambaCP:
         """A per-head parameter (A_log, D, dt_bias) of the TP rank -> this CP rank's heads."""
         return p if self.cp == 1 else p[self.rank * self.heads : (self.rank + 1) * self.heads]
 
-    def conv(self, xbc: torch.Tensor, conv: torch.nn.Conv1d) -> torch.Tensor:
+    def conv(
+        self, xbc: torch.Tensor, conv: torch.nn.Conv1d, seq_idx: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The depthwise causal conv over [b, s, x|B|C] of this CP rank, with its channels' slice of
-        the TP rank's weight and bias."""
-        length = xbc.shape[1]
+        the TP rank's weight and bias; ``seq_idx``: a packed row's sequences, each convolved alone."""
         weight, bias = conv.weight, conv.bias
         if self.cp > 1:
             weight = self._conv_channels(weight)
             bias = None if bias is None else self._conv_channels(bias)
-        out = F.conv1d(xbc.transpose(1, 2), weight, bias, padding=conv.padding, groups=weight.shape[0])
-        return out[..., :length].transpose(1, 2)
+        return causal_conv(xbc.transpose(1, 2), weight, bias, seq_idx).transpose(1, 2)
 
     def _conv_channels(self, p: torch.Tensor) -> torch.Tensor:
         """[x | B | C] rows of the TP rank -> this CP rank's x channels and its groups' B and C."""

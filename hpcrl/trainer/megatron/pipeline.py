@@ -45,9 +45,13 @@ class Pipeline:
     """The family's final logit soft cap (Gemma)."""
     pack_width: int | None = None
     """``trainer.packing``: each micro-batch's rows run as one packed row of this many tokens (the
-    budget, rounded up to a multiple of TP); None: rows as they are."""
+    budget, rounded up to a multiple of TP and of 2·CP: context parallel splits the row as it splits a
+    sequence); None: rows as they are."""
     replay: RouteReplay | None = None
     """``trainer.router_replay``: where each forward's routes go (``megatron/router_replay.py``)."""
+    bounds: bool = False
+    """Packed rows also pass their sequences' bounds (``packed_seq_params``): Mamba layers restart
+    their conv and scan at each (attention reads the block mask)."""
 
     def micro_batches(self, batch: TrainBatch, size: int) -> list[TrainBatch]:
         """Equal micro-batches of ``size`` rows (fewer for a smaller batch), width a multiple of TP and
@@ -73,15 +77,20 @@ class Pipeline:
             i, mb = next(data_iterator)
             ids, mask, routes = mb.data.input_ids.to(self.device), None, mb.data.routes
             pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+            bounds = {}
             if self.pack_width is not None:  # positions restart per sequence (GPTModel's RoPE reads the
                 packed = self.packed(mb.data)  # length only: relative, so an offset changes no score)
                 ids, mask, pos = packed.ids, packed.attention_mask(), packed.positions
                 routes = None if routes is None else packed.gather(routes.to(self.device))
+                if self.bounds:
+                    bounds = {"packed_seq_params": seq_params(packed)}
             if self.replay is not None:
                 self.replay.routes = (
                     None if routes is None else local_routes(routes, self.par.tp, self.cp_split)
                 )
-            out = model(input_ids=self.cp_split(ids), position_ids=self.cp_split(pos), attention_mask=mask)
+            out = model(
+                input_ids=self.cp_split(ids), position_ids=self.cp_split(pos), attention_mask=mask, **bounds
+            )
             return out, partial(loss, i, mb)
 
         packed = self.pack_width is not None
@@ -112,7 +121,11 @@ class Pipeline:
         if self.pack_width is not None:  # at the loss targets only (what every reader looks at), unpacked
             packed, width = self.packed(batch), batch.input_ids.shape[1]
             keep = packed.index_of(batch.loss_mask)
-            logp, entropy = self._token_stats(model, out[:, keep], packed.targets[:, keep])
+            if self.par.cp > 1:  # this rank holds its chunks of the row: all its positions, joined
+                whole = self._token_stats(model, out, self.cp_split(packed.targets))
+                logp, entropy = (t[:, keep] for t in whole)
+            else:
+                logp, entropy = self._token_stats(model, out[:, keep], packed.targets[:, keep])
             return packed.unpack_kept(logp, keep, width - 1), packed.unpack_kept(entropy, keep, width - 1)
         ids = batch.input_ids.to(self.device)
         # the last position predicts nothing we use
@@ -194,6 +207,17 @@ def fit(t: torch.Tensor | None, rows: slice, like: torch.Tensor) -> torch.Tensor
     part = t[rows]
     out[: len(part), : min(part.shape[1], out.shape[1])] = part[:, : out.shape[1]]
     return out
+
+
+def seq_params(packed: Packed) -> Any:
+    """Megatron's ``PackedSeqParams`` of a packed row: where each sequence starts and the real
+    tokens end (what Megatron's MambaMixer reads); the padding past them is one more sequence."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = [*packed.starts, sum(packed.lengths)]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=packed.ids.device)
+    longest = max(packed.lengths)
+    return PackedSeqParams("sbhd", cu, cu, max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
 def _concat(parts: list[TrainBatch]) -> TrainBatch:

@@ -6,9 +6,10 @@ contained module: pure torch, autograd-safe, used only where the real pieces are
   machines or the lent GPU; the module even imports triton at the top). Same parameters and per-TP-rank
   layout as Megatron's: ``in_proj`` rows [z | x | B | C | dt] of this rank, a depthwise causal
   ``conv1d`` over [x | B | C], ``A_log``/``D``/``dt_bias`` per head, the gated group RMSNorm, ``out_proj``.
-  The scan is the SSD chunked form (Mamba-2 paper, Listing 1) in fp32, with Hugging Face's and vLLM's
-  dt floor (``time_step_min``): Megatron's kernels do not clamp, but the rollout engines do, and the
-  trainer must score what they sample. Where mamba_ssm and causal_conv1d do install (a CUDA host
+  The scan is the SSD chunked form (``trainer/ssd.py``) in fp32, with Hugging Face's and vLLM's dt
+  floor (``time_step_min``): Megatron's kernels do not clamp, but the rollout engines do, and the
+  trainer must score what they sample. Packed rows (``packed_seq_params``, as Megatron's mixer takes
+  them) convolve and scan each sequence from zeros, the kernels through their ``seq_idx``. Where mamba_ssm and causal_conv1d do install (a CUDA host
   with them), the mixer keeps its parameters and math and calls mamba_ssm's fused scan and gated
   norm with the same arguments, floor included (``KERNELS``); the conv stays torch's depthwise conv.
   Context parallel as Megatron's MambaContextParallel (``mamba_cp.MambaCP``): the conv and the scan
@@ -40,6 +41,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from hpcrl.trainer.megatron.mamba_cp import MambaCP
 from hpcrl.trainer.megatron.spec_utils import build
+from hpcrl.trainer.ssd import seq_index_of_bounds, ssd_scan
 
 
 @dataclass(frozen=True)
@@ -82,57 +84,27 @@ def mamba_scan(
     dt_bias: torch.Tensor,
     dt_min: float,
     kernels: MambaKernels | None = None,
+    seq_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The mixer's scan from the raw dt: softplus(dt + dt_bias) floored at ``dt_min``, the SSD scan,
-    D's skip; by mamba_ssm's ``mamba_chunk_scan_combined`` (same arguments) when ``kernels``."""
+    D's skip; by mamba_ssm's ``mamba_chunk_scan_combined`` (same arguments) when ``kernels``.
+    ``seq_idx`` [b, l]: a packed row's sequences, each scanned from a zero state (trainer/ssd.py)."""
     if kernels is not None:
         return kernels.scan(
-            x, dt, a, b, c, chunk, D=d, dt_bias=dt_bias, dt_softplus=True, dt_limit=(dt_min, float("inf"))
+            x,
+            dt,
+            a,
+            b,
+            c,
+            chunk,
+            D=d,
+            dt_bias=dt_bias,
+            dt_softplus=True,
+            dt_limit=(dt_min, float("inf")),
+            seq_idx=seq_idx,
         )
     dt = F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_min)
-    return ssd_scan(x, dt, a, b, c, chunk) + x.float() * d.float()[:, None]
-
-
-# -- the SSD scan -------------------------------------------------------------------------------------
-def _segsum(x: torch.Tensor) -> torch.Tensor:
-    """[..., T] -> [..., T, T]: sum of x[j+1..i] below the diagonal, -inf above (stable form)."""
-    t = x.shape[-1]
-    x = x[..., None].expand(*x.shape, t)
-    below = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=-1)
-    x = x.masked_fill(~below, 0).cumsum(dim=-2)
-    return x.masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device)), -torch.inf)
-
-
-def ssd_scan(
-    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, chunk: int
-) -> torch.Tensor:
-    """y_t = sum_{s<=t} C_t . (prod_{s<r<=t} exp(dt_r a)) dt_s B_s x_s, chunk by chunk, in fp32.
-
-    x [b, l, h, p], dt [b, l, h] (already softplus'd and clamped), a [h] (negative), b/c [b, l, g, n]
-    with h a multiple of g (heads share their group's B/C). Returns [b, l, h, p]."""
-    batch, length, heads, _ = x.shape
-    rep = heads // b.shape[2]
-    x, dt = x.float(), dt.float()
-    b = b.float().repeat_interleave(rep, dim=2)
-    c = c.float().repeat_interleave(rep, dim=2)
-    pad = (chunk - length % chunk) % chunk
-
-    def chunks(t: torch.Tensor) -> torch.Tensor:  # [b, l, ...] -> [b, k, chunk, ...]
-        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
-        return t.reshape(batch, -1, chunk, *t.shape[2:])
-
-    xs, bs, cs = chunks(x * dt[..., None]), chunks(b), chunks(c)
-    da = chunks(dt * a.float()).permute(0, 3, 1, 2)  # [b, h, k, chunk]
-    cum = da.cumsum(-1)
-    within = torch.exp(_segsum(da))  # [b, h, k, chunk, chunk]
-    y_diag = torch.einsum("bklhn,bkshn,bhkls,bkshp->bklhp", cs, bs, within, xs)
-    decay_to_end = torch.exp(cum[..., -1:] - cum)
-    states = torch.einsum("bklhn,bhkl,bklhp->bkhpn", bs, decay_to_end, xs)
-    states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
-    across = torch.exp(_segsum(F.pad(cum[..., -1], (1, 0))))  # [b, h, k+1, k+1]
-    states = torch.einsum("bhzc,bchpn->bzhpn", across, states)[:, :-1]
-    y_off = torch.einsum("bklhn,bkhpn,bhkl->bklhp", cs, states, torch.exp(cum))
-    return (y_diag + y_off).reshape(batch, -1, heads, x.shape[-1])[:, :length]
+    return ssd_scan(x, dt, a, b, c, chunk, seq_idx) + x.float() * d.float()[:, None]
 
 
 def gated_rms_norm(
@@ -203,13 +175,20 @@ class TorchMambaMixer(MegatronModule):
         cp_group = ps.get_context_parallel_group() if config.context_parallel_size > 1 else None
         self.cp = MambaCP(cp_group, self.heads, self.groups, self.state, self.head_dim)
 
-    def forward(self, hidden: torch.Tensor, **_: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, hidden: torch.Tensor, packed_seq_params: Any = None, **_: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``packed_seq_params``: a packed row's sequence bounds (``cu_seqlens_q``, as Megatron's
+        MambaMixer reads them); each sequence then convolves and scans on its own."""
         zxbcdt, _ = self.in_proj(hidden)  # [s (/cp), b, this rank's z|x|B|C|dt]
         gn = self.groups * self.state
         z, xbc, dt = zxbcdt.split([self.inner, self.inner + 2 * gn, self.heads], dim=-1)
         # under CP: the whole sequence for this CP rank's heads (mamba_cp.py), and back after the scan
         xbc, dt = self.cp.to_heads(xbc, dt)
-        y = self._conv_scan(xbc.transpose(0, 1), dt.transpose(0, 1))
+        seq_idx = None  # a packed row (whole again under CP): its sequences' bounds, row order
+        if packed_seq_params is not None:
+            seq_idx = seq_index_of_bounds(packed_seq_params.cu_seqlens_q, xbc.shape[0])
+        y = self._conv_scan(xbc.transpose(0, 1), dt.transpose(0, 1), seq_idx)
         y = self.cp.to_sequence(y.transpose(0, 1))
         if (kernels := kernels_for(y)) is not None:
             y = kernels.norm(
@@ -225,19 +204,21 @@ class TorchMambaMixer(MegatronModule):
             y = gated_rms_norm(y, z, self.norm.weight, self.group_size, self.eps)
         return self.out_proj(y.contiguous())
 
-    def _conv_scan(self, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    def _conv_scan(
+        self, xbc: torch.Tensor, dt: torch.Tensor, seq_idx: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[b, s, x|B|C] and [b, s, heads] of this CP rank's heads -> the scan's y [b, s, heads x
-        head_dim] (D's skip included), in the activations' dtype."""
+        head_dim] (D's skip included), in the activations' dtype; ``seq_idx``: a packed row's sequences."""
         cp = self.cp
         batch, length = xbc.shape[:2]
-        xbc = F.silu(cp.conv(xbc, self.conv1d))
+        xbc = F.silu(cp.conv(xbc, self.conv1d, seq_idx))
         x, b, c = xbc.split([cp.inner, cp.groups * self.state, cp.groups * self.state], dim=-1)
         xh = x.reshape(batch, length, cp.heads, self.head_dim)
         a = -torch.exp(cp.per_head(self.A_log).float())
         b = b.reshape(batch, length, cp.groups, self.state)
         c = c.reshape(batch, length, cp.groups, self.state)
         dt_bias, d = cp.per_head(self.dt_bias), cp.per_head(self.D)
-        y = mamba_scan(xh, dt, a, b, c, self.chunk, d, dt_bias, self.dt_min, kernels_for(xh))
+        y = mamba_scan(xh, dt, a, b, c, self.chunk, d, dt_bias, self.dt_min, kernels_for(xh), seq_idx)
         return y.reshape(batch, length, -1).to(x.dtype)
 
 

@@ -109,12 +109,13 @@ class MegatronTrainer:
                 "trainer.packing runs on hpcrl's own attention (megatron's local spec); with Transformer "
                 "Engine installed set trainer.packing=false"
             )
-        width = (
-            None if budget is None else -(-budget // self.par.tp) * self.par.tp
-        )  # sequence parallel splits it
+        # sequence parallel splits the packed row by TP, context parallel into 2·CP chunks
+        unit = self.par.tp * (2 * self.par.cp if self.par.cp > 1 else 1)
+        width = None if budget is None else -(-budget // unit) * unit
         replay = RouteReplay() if t.router_replay else None
+        mamba = bool(self.shape.pattern)  # a hybrid model: its Mamba layers read packed rows' bounds
         self.pipeline = Pipeline(
-            self.par, self.device, chunked, self.tied, compute_dtype, softcap, width, replay
+            self.par, self.device, chunked, self.tied, compute_dtype, softcap, width, replay, mamba
         )
         build = partial(
             build_model,

@@ -1,0 +1,35 @@
+"""Node kinds of the job's roles beyond the training nodes' (``cluster.rollout_node``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpcrl.config.slurmtime import parse_slurm_time
+from hpcrl.core.checks import positive
+
+
+@dataclass
+class RolloutNodes:
+    """The dedicated rollout nodes' own kind where it differs from the training nodes' (``cluster.rollout_node``,
+    a split layout only). Then the job is a Slurm heterogeneous job: one component of rollout nodes, one
+    of training nodes, each with its own partition, GPU, time and accounting keys; srun starts one task
+    a node over both and Ray spans them. A key left None is the training nodes' value. The GPU count
+    per node is the training nodes' (engines and trainer ranks are placed one per GPU slot)."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    time: str | None = None
+    """The rollout component's wall-clock limit (Slurm syntax); None: ``cluster.slurm.time``."""
+    gpu_memory_gb: float | None = None
+    """Usable HBM per rollout GPU: what the engines' ``rollout.gpu_memory_utilization`` is a share of."""
+    cpus_per_node: int | None = None
+
+    def check(self) -> None:
+        if self.gpu_memory_gb is not None:
+            positive("cluster.rollout_node.gpu_memory_gb", self.gpu_memory_gb)
+        if self.cpus_per_node is not None:
+            positive("cluster.rollout_node.cpus_per_node", self.cpus_per_node)
+        if self.time is not None:
+            parse_slurm_time(self.time, "cluster.rollout_node.time")

@@ -1,0 +1,90 @@
+"""Packed rows through transformers' Nemotron-H Mamba layers: each sequence's conv and scan start
+from zeros (``trainer.packing``).
+
+The packed forward passes ``seq_idx`` (each token's sequence, ``trainer/ssd.py``) as a model keyword;
+transformers hands a Mamba mixer's keywords on to its conv and scan functions. Where mamba_ssm and
+causal_conv1d install, those are the kernels, which take ``seq_idx`` themselves (the fused training
+path too). Where they do not (CPU hosts, the lent GPU), transformers' torch stand-ins drop it: here
+each is wrapped to run hpcrl's segmented conv and scan when ``seq_idx`` comes, and itself otherwise,
+so unpacked forwards (the hf engine's included) are left as they were.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hpcrl.trainer.ssd import causal_conv, ssd_scan
+
+TORCH_PATHS = {"causal_conv1d_fn": "causal_conv1d", "mamba2_chunk_scan": "mamba_ssm"}
+"""transformers' Nemotron-H functions that fall back to torch, and the package whose kernel replaces each."""
+
+
+def reset_at_sequence_starts() -> None:
+    """Wrap the torch stand-ins of transformers' Nemotron-H (once per process) whose kernel is absent."""
+    from transformers.models.nemotron_h import modeling_nemotron_h as hf
+
+    wrappers: dict[str, Callable[..., torch.Tensor]] = {"causal_conv1d_fn": _conv, "mamba2_chunk_scan": _scan}
+    for name, package in TORCH_PATHS.items():
+        current = getattr(hf, name)
+        if importlib.util.find_spec(package) is None and not getattr(current, "hpcrl_segments", False):
+            wrapped: Any = functools.partial(wrappers[name], current)
+            wrapped.hpcrl_segments = True
+            setattr(hf, name, wrapped)
+
+
+def _conv(
+    torch_conv: Callable[..., torch.Tensor],
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    seq_idx: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``causal_conv1d_fn`` (x [b, channels, L], weight [channels, k]), per sequence with ``seq_idx``."""
+    if seq_idx is None:
+        return torch_conv(hidden_states, weight, bias, activation=activation, **kwargs)
+    from transformers.activations import ACT2FN
+
+    out = causal_conv(hidden_states.to(weight.dtype), weight[:, None], bias, seq_idx)
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.to(hidden_states.dtype)
+
+
+def _scan(
+    torch_scan: Callable[..., torch.Tensor],
+    hidden_states: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,  # A, B, C, D: transformers' keyword names
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    seq_idx: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``mamba2_chunk_scan``, per sequence with ``seq_idx`` (a packed training row: no cache state in
+    or out): the same dt (bias, softplus, limits) and D's skip around hpcrl's segmented scan."""
+    if seq_idx is None:
+        return torch_scan(
+            hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+            dt_limit=dt_limit, **kwargs,
+        )  # fmt: skip
+    if kwargs.get("initial_states") is not None or kwargs.get("return_final_states"):
+        raise ValueError("packed rows (seq_idx) run without a cache")
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])  # in dt's dtype, as transformers clamps
+    y = ssd_scan(hidden_states, dt, A, B, C, chunk_size, seq_idx)
+    return y if D is None else y + hidden_states.float() * D.float()[:, None]

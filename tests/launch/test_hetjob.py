@@ -1,0 +1,75 @@
+"""Issue 38 item 4: rollout nodes of another kind make the job a heterogeneous Slurm job (one component a
+node kind), rendered from the plan; the job itself runs in tests/launch/test_slurm.py (USR2 + requeue)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from hpcrl.config.compose import compose_config
+from hpcrl.errors import ConfigError
+from hpcrl.launch.sbatch import render_sbatch
+from hpcrl.plan.planner import make_plan
+
+HET = "+experiment=grpo-tiny-2n1g-fsdp-hetjob"
+
+
+def _options(block: str) -> dict[str, str]:
+    return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?$", block, re.M))
+
+
+def test_rollout_nodes_of_their_own_kind_are_component_0_of_a_hetjob():
+    plan = make_plan(compose_config([HET, "layout.train_nodes=2", "cluster.rollout_node.account=gpu-acct"]))
+    text = render_sbatch(plan, Path("/RUN"))
+    job, rollout, train = re.split(r"^#SBATCH hetjob$|^# component 0.*$", text, flags=re.M)[:3]
+    assert _options(rollout) == {
+        "account": "gpu-acct",
+        "cpus-per-task": "2",
+        "gpus-per-node": "1",
+        "nodes": "1",
+        "ntasks-per-node": "1",
+        "partition": "urgent",
+        "time": "20",
+    }
+    assert _options(train.split("\n\n")[0]) == {
+        "cpus-per-task": "2",
+        "gpus-per-node": "1",
+        "nodes": "2",
+        "ntasks-per-node": "1",
+        "partition": "debug",
+        "time": "30",
+    }
+    # the job's own options once, before the components; srun starts a task on every node of both
+    assert {"job-name", "requeue", "signal", "output", "error"} <= set(_options(job))
+    assert not {"nodes", "partition", "time"} & set(_options(job))
+    assert re.search(r"^srun .*--het-group=0,1 ", text, re.M)
+    assert "export HPCRL_ROLES=rollout,train,train" in text  # node 0, the head, is component 0's
+
+
+def test_one_kind_of_node_is_one_homogeneous_job():
+    text = render_sbatch(make_plan(compose_config(["+experiment=grpo-tiny-2n1g-fsdp-split"])), Path("/RUN"))
+    assert "hetjob" not in text and "--het-group" not in text
+
+
+def test_the_engines_share_the_rollout_nodes_memory():
+    split = ["+experiment=grpo-tiny-2n1g-fsdp-split", "rollout.gpu_memory_utilization=0.5"]
+    same = make_plan(compose_config(split)).memory.rollout
+    own = make_plan(compose_config([*split, "+cluster.rollout_node.gpu_memory_gb=64"])).memory.rollout
+    assert (same.budget, own.budget) == (8.0, 32.0)  # slurmtest's GPUs: 16 GB
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ([HET, "layout.rollout_nodes=0"], "cluster.rollout_node describes dedicated rollout nodes, but this"),
+        (["+cluster.rollout_node.partition=x"], "cluster 'local' is local: remove cluster.rollout_node"),
+        ([HET, "cluster.rollout_node.time=soon"], "cluster.rollout_node.time='soon' is not a Slurm time"),
+        ([HET, "cluster.rollout_node.gpu_memory_gb=0"], "cluster.rollout_node.gpu_memory_gb"),
+    ],
+)
+def test_rollout_node_mistakes_are_one_line_before_submit(overrides, says):
+    with pytest.raises(ConfigError, match=re.escape(says)) as err:
+        make_plan(compose_config(overrides))
+    assert "\n" not in str(err.value)

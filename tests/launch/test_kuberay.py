@@ -1,0 +1,165 @@
+"""Issue 39 items 1-2: KubeRay manifests from the plan, checked against the real schemas: the pod templates
+against Kubernetes' OpenAPI schema (kubernetes-validate, strict: unknown fields fail) and the whole RayJob
+and RayCluster against KubeRay's CRD schemas, vendored from ray-project/kuberay at v1.7.0
+(``tests/launch/kuberay/``, see its README)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from hpcrl.config.compose import compose_config
+from hpcrl.errors import ConfigError
+from hpcrl.launch.golden import KUBE_CASES, KUBE_DIR, render_kube
+from hpcrl.launch.kuberay import raycluster, rayjob
+from hpcrl.plan.planner import make_plan
+
+CRDS = Path(__file__).parent / "kuberay"
+K8S_VERSION = "1.33.0"  # GKE's regular channel at KubeRay 1.7's release
+
+
+def crd_schema(kind: str) -> dict[str, Any]:
+    data = json.loads(gzip.decompress((CRDS / f"{kind}.v1.7.0.json.gz").read_bytes()))
+    return dict(data["openAPIV3Schema"])
+
+
+def unknown_fields(obj: Any, schema: dict[str, Any], at: str = "") -> list[str]:
+    """Keys the structural schema does not declare (the API server would prune them silently)."""
+    if isinstance(obj, dict) and "properties" in schema:
+        out = []
+        for key, value in obj.items():
+            if key not in schema["properties"]:
+                out.append(f"{at}.{key}")
+            else:
+                out += unknown_fields(value, schema["properties"][key], f"{at}.{key}")
+        return out
+    if isinstance(obj, list) and "items" in schema:
+        return [f for i, item in enumerate(obj) for f in unknown_fields(item, schema["items"], f"{at}[{i}]")]
+    return []
+
+
+def check_against_schemas(manifest: dict[str, Any], kind: str) -> None:
+    schema = crd_schema(kind)
+    jsonschema.validate(manifest, schema)
+    assert unknown_fields(manifest, schema) == []
+    spec = manifest["spec"].get("rayClusterSpec", manifest["spec"])
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    for group in groups:
+        template = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": "t"},
+            "template": group["template"],
+        }
+        kubernetes_validate.validate(template, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("name", sorted(KUBE_CASES))
+def test_golden_rayjobs_match_and_validate(name):
+    text = render_kube(name)
+    assert (KUBE_DIR / f"{name}.yaml").read_text() == text, "refresh: .venv/bin/python -m hpcrl.launch.golden"
+    check_against_schemas(yaml.safe_load(text), "rayjobs")
+
+
+def test_no_stale_golden_manifests():
+    assert sorted(p.stem for p in KUBE_DIR.glob("*.yaml")) == sorted(KUBE_CASES)
+
+
+def _plan(*extra: str):
+    return make_plan(
+        compose_config(
+            [
+                "+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1",
+                "cluster=gke_a4",
+                "cluster.container.image=IMAGE",
+                "run.output_root=/data/runs",
+                *extra,
+            ]
+        )
+    )
+
+
+def test_the_rayjob_is_the_plan():
+    plan = _plan("layout.rollout_nodes=1", "layout.train_nodes=2", "cluster.kube.queue=q")
+    job = rayjob(plan, Path("/data/runs/r-1"))
+    spec = job["spec"]["rayClusterSpec"]
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert {k: (g["replicas"], g["rayStartParams"]["resources"]) for k, g in groups.items()} == {
+        "rollout": (1, '{"hpcrl_rollout": 8}'),
+        "train": (2, '{"hpcrl_train": 8}'),
+    }
+    worker = groups["train"]["template"]["spec"]
+    assert worker["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert worker["nodeSelector"] == {"cloud.google.com/compute-class": "gpu-rl-ccc"}
+    assert job["spec"]["suspend"] is True and job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "q"
+    assert job["spec"]["entrypoint"] == "python -m hpcrl.launch.kube_entry /data/runs/r-1"
+    # the head is a CPU pod with the shared bucket but not the GPU nodes' host paths
+    head = spec["headGroupSpec"]["template"]["spec"]
+    assert [v["name"] for v in head["volumes"]] == ["data", "ray-token"] and "nodeSelector" not in head
+    check_against_schemas(job, "rayjobs")
+    check_against_schemas(raycluster(plan, "debug-1"), "rayclusters")
+
+
+def test_the_ray_token_is_a_secret_reference_never_a_value():
+    text = render_kube(sorted(KUBE_CASES)[0])
+    job = yaml.safe_load(text)
+    for group in [
+        job["spec"]["rayClusterSpec"]["headGroupSpec"],
+        *job["spec"]["rayClusterSpec"]["workerGroupSpecs"],
+    ]:
+        pod = group["template"]["spec"]
+        assert {
+            "name": "ray-token",
+            "secret": {"secretName": "hpcrl-ray-token", "defaultMode": 0o400},
+        } in pod["volumes"]
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["RAY_AUTH_TOKEN_PATH"] == "/etc/hpcrl/ray/token" and "RAY_AUTH_TOKEN" not in env
+
+
+def test_a_schema_mistake_is_caught():
+    """The checks bite: an unknown field and a wrong type each fail."""
+    job = rayjob(_plan(), Path("/data/runs/r"))
+    job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replica"] = 1
+    assert unknown_fields(job, crd_schema("rayjobs")) == [".spec.rayClusterSpec.workerGroupSpecs[0].replica"]
+    job = rayjob(_plan(), Path("/data/runs/r"))
+    job["spec"]["backoffLimit"] = "three"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(job, crd_schema("rayjobs"))
+    pod = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
+    pod["spec"]["containers"][0]["volumeMount"] = []
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": pod},
+            K8S_VERSION,
+            strict=True,
+        )
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (
+            ["run.output_root=/scratch/runs"],
+            "run.output_root: the run directory /scratch/runs/r is on none of the pods",
+        ),
+        (["cluster.container.image=null"], "cluster 'gke_a4' runs pods: set cluster.container.image"),
+        (["cluster.kube.namespace=My_NS"], "cluster.kube.namespace='My_NS' is not a Kubernetes name"),
+        (
+            ["cluster.kube.volumes=[{name: d, mount: /d, pvc: a, gcs_bucket: b}]"],
+            "cluster.kube.volumes[0]: set exactly one",
+        ),
+    ],
+)
+def test_kube_mistakes_are_one_line(extra, says):
+    with pytest.raises(ConfigError, match=re.escape(says)) as err:
+        plan = _plan(*extra)
+        rayjob(plan, Path(plan.cfg.run.output_root) / "r")
+    assert "\n" not in str(err.value)
