@@ -8,7 +8,7 @@ element count of its checkpoint exactly (tests/config/test_catalog_params.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hpcrl.core.checks import MISSING, non_negative, positive
 from hpcrl.errors import ConfigError
@@ -63,8 +63,8 @@ class ParamCounts:
     """Attention Q/K/V projections: Megatron splits them over TP only as far as the KV heads go (with
     fewer KV heads than TP ranks each rank holds one KV head and its query heads' share of two)."""
     mtp: int = 0
-    """Multi-token-prediction blocks in the checkpoint, outside ``total``: RL trains and serves without
-    them (``mtp_num_layers 0``, no speculative decoding), and the weight loaders skip ``mtp.*``."""
+    """Multi-token-prediction blocks in the checkpoint, outside ``total``: RL trains without them unless
+    ``trainer.mtp_loss_scale`` is set (``with_mtp``), and the megatron weight loader skips ``mtp.*``."""
 
     @property
     def dense(self) -> int:
@@ -74,6 +74,11 @@ class ParamCounts:
     def checkpoint(self) -> int:
         """Elements in the published checkpoint (the trained model plus its MTP blocks)."""
         return self.total + self.mtp
+
+    def with_mtp(self) -> ParamCounts:
+        """With the MTP blocks held (trained or served), as non-expert parameters (few beside the model's
+        experts: Super's one block is 2.4% of it)."""
+        return replace(self, total=self.total + self.mtp, mtp=0)
 
 
 @dataclass
@@ -140,7 +145,8 @@ class ModelConfig:
     mtp_layers: int = 0
     """Multi-token-prediction blocks the checkpoint ships (HF ``num_nextn_predict_layers``), each one
     ``hybrid.mtp_pattern`` stack plus ``eh_proj`` [h, 2h], ``enorm``, ``hnorm``, ``final_layernorm``.
-    Counted (``ParamCounts.mtp``), not trained: the recipes run with Megatron's ``mtp_num_layers 0``."""
+    Counted (``ParamCounts.mtp``); trained only with ``trainer.mtp_loss_scale`` (fsdp), which the
+    recipes leave unset (Megatron's ``mtp_num_layers 0``)."""
 
     def check(self) -> None:
         self._check_buildable_here()

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from hpcrl.config.schema import RunConfig
 from hpcrl.plan.activations import ROUTER_BYTES, Share, activation_bytes
 from hpcrl.plan.topology import Placement, Topology
-from hpcrl.rollout.backends import served_weights, sleeps
+from hpcrl.rollout.backends import served_weights, sleeps, speculative
 from hpcrl.trainer.backends import layer_params, trainer_spec
 from hpcrl.trainer.config import FUSED_CHUNK_ELEMENTS
 
@@ -270,6 +270,8 @@ def estimate_train(cfg: RunConfig, topo: Topology, *, recompute: bool) -> TrainM
     own degrees are not read) with activation checkpointing as ``recompute`` says."""
     model, trainer, par = cfg.model, cfg.trainer, topo.train
     counts = model.param_counts()
+    if trainer.mtp_loss_scale is not None:
+        counts = counts.with_mtp()
     layer = layer_params(counts, model)
     state = trainer_spec(trainer).state(counts, model, trainer, par)  # the backend's own share
     share = train_share(cfg, topo)
@@ -310,6 +312,8 @@ def estimate_rollout(cfg: RunConfig, topo: Topology) -> RolloutMemory:
     model, rollout = cfg.model, cfg.rollout
     tp = topo.rollout.tp
     counts = model.param_counts()
+    if speculative(rollout) is not None:
+        counts = counts.with_mtp()
     served_as = served_weights(rollout)  # None: bf16, the whole model
     text_only = served_as is not None and served_as.language_model_only
     served = counts.total - (counts.frozen if text_only else 0)

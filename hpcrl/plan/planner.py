@@ -22,6 +22,7 @@ from hpcrl.plan.layout import Layout, LayoutSearch, typed_layout_keys
 from hpcrl.plan.local_gpu import resolve_local_gpu
 from hpcrl.plan.memory import MemoryEstimate, estimate_memory
 from hpcrl.plan.moe import check_router_replay
+from hpcrl.plan.mtp import check_mtp
 from hpcrl.plan.nvlink import NvlinkCheck, check_nvlink
 from hpcrl.plan.packing import check_packing, resolve_packing
 from hpcrl.plan.quantization import check_quantization
@@ -334,6 +335,7 @@ def check_backend(cfg: RunConfig) -> None:
         )
     check_packing(cfg)
     check_router_replay(cfg)
+    check_mtp(cfg)
     if trainer.ep > 1 and not cfg.model.is_moe:
         raise ConfigError(
             f"trainer.ep={trainer.ep} needs an MoE model; {cfg.model.name} is dense (set trainer.ep=1)"

@@ -48,6 +48,8 @@ class RolloutSpec:
     routes: bool = False
     """Its completions can carry the experts its MoE routers chose (``Completion.routes``), which
     ``trainer.router_replay`` replays; the engine records them only when asked (``build_engine``)."""
+    speculative: bool = False
+    """Drafts with the model's MTP layers and verifies the drafts (``rollout.speculative``)."""
     shares_gpu: bool = False
     """Measured faster with several engines on one GPU for small models (``rollout.engines_per_gpu``
     None resolves to more than one only for such engines)."""
@@ -78,6 +80,7 @@ VLLM = RolloutSpec(
     ipc_refit=True,
     images=True,
     routes=True,
+    speculative=True,
     shares_gpu=True,
     why=(
         "in-flight generation with streamed rewards, prefix caching over a prompt's samples and paged KV "
@@ -137,12 +140,18 @@ class ServedWeights(Protocol):
     quantization: str | None
 
 
+class Speculative(Protocol):
+    speculative: str | None
+    num_speculative_tokens: int
+
+
 CAPABILITY_VIEWS: dict[str, type] = {
     "sleep": SleepMode,
     "logprob_sampling": LogprobSampling,
     "inflight_update": InflightUpdate,
     "paged_kv": PagedKV,
     "served_dtype": ServedWeights,
+    "speculative": Speculative,
 }
 """Each capability whose settings live in the schema, and the view of them (a test checks that the
 schema of every engine with the capability has the view's fields)."""
@@ -162,6 +171,11 @@ def paged_kv(rollout: RolloutConfig) -> PagedKV | None:
 
 def served_weights(rollout: RolloutConfig) -> ServedWeights | None:
     return cast(ServedWeights, rollout) if rollout_spec(rollout).served_dtype else None
+
+
+def speculative(rollout: RolloutConfig) -> str | None:
+    """``rollout.speculative`` where the engine has it (None: off)."""
+    return cast(Speculative, rollout).speculative if rollout_spec(rollout).speculative else None
 
 
 def sleeps(rollout: RolloutConfig) -> bool:

@@ -27,6 +27,18 @@ class Completion:
     """The experts the engine's MoE routers chose (``trainer.router_replay``): an int16 array
     [prompt + generated - 1, layers, k], one row per position a forward ran (the last generated token
     never ran through one); None when routes were not asked for."""
+    drafts: tuple[int, int] | None = None
+    """(drafted, accepted) tokens of speculative decoding (``rollout.speculative``); None without it."""
+
+
+def spec_acceptance(completions: list[Completion]) -> dict[str, float]:
+    """``rollout/spec_acceptance``: the share of drafted tokens the model accepted, over completions
+    generated with speculative decoding (none: no metric)."""
+    counted = [c.drafts for c in completions if c.drafts is not None]
+    drafted = sum(d for d, _ in counted)
+    if not drafted:
+        return {}
+    return {"rollout/spec_acceptance": sum(a for _, a in counted) / drafted}
 
 
 @dataclass(frozen=True)

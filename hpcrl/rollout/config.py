@@ -9,6 +9,7 @@ from hpcrl.core.checks import in_range, non_negative, positive
 from hpcrl.errors import ConfigError
 
 WEIGHT_SYNC = ("collective", "object_store")
+SPECULATIVE = ("mtp",)
 QUANTIZATIONS = ("fp8",)
 CPU_QUANTIZATION = (
     "rollout.quantization={} needs GPU vLLM (vLLM-CPU's FP8 kernels need AMX and bf16; hpcrl's CPU "
@@ -124,9 +125,20 @@ class VLLMRolloutConfig(RolloutConfig):
     the KV they computed under the old weights (no recompute); their completions span two policy
     versions (``Completion.versions``, ``async/version_span``). Timing decides where the swap lands, so
     such runs are not bit-reproducible."""
+    speculative: str | None = None
+    """``mtp``: speculative decoding with the model's own multi-token-prediction layers (vLLM's
+    ``speculative_config`` method ``mtp``): they draft ``num_speculative_tokens`` tokens a step and one
+    forward of the model verifies them, so a sample is still the model's own. Needs a model with MTP
+    layers (``model.mtp_layers``) that the trainer carries (``trainer.mtp_loss_scale``): every refit
+    then sends them. Each completion's drafted and accepted tokens give ``rollout/spec_acceptance``.
+    None: off."""
+    num_speculative_tokens: int = 1
+    """Tokens drafted a step with ``rollout.speculative`` (vLLM runs the one MTP block that many times;
+    NeMo RL's Super recipe drafts 5)."""
 
     def check(self) -> None:
         super().check()
+        self.check_speculative()
         if self.block_size is not None:
             positive("rollout.block_size", self.block_size)
         if self.max_num_batched_tokens is not None:
@@ -145,6 +157,18 @@ class VLLMRolloutConfig(RolloutConfig):
             raise ConfigError(
                 f"rollout.logprob_fraction={self.logprob_fraction} does nothing with rollout.logprobs=false "
                 "(no completion carries logprobs): drop one of the two"
+            )
+
+    def check_speculative(self) -> None:
+        if self.speculative is not None and self.speculative not in SPECULATIVE:
+            raise ConfigError(
+                f"rollout.speculative={self.speculative!r} must be one of {', '.join(SPECULATIVE)} (or null: off)"
+            )
+        positive("rollout.num_speculative_tokens", self.num_speculative_tokens)
+        if self.speculative is None and self.num_speculative_tokens != 1:
+            raise ConfigError(
+                f"rollout.num_speculative_tokens={self.num_speculative_tokens} does nothing without "
+                "rollout.speculative: set rollout.speculative=mtp or drop it"
             )
 
 

@@ -140,17 +140,68 @@ def quantization_kwargs(quantization: str | None, on_cpu: bool) -> dict[str, Any
     return {"quantization": "fp8_per_block", "quantization_config": {"ignore": ROUTERS}}
 
 
+def speculative_kwargs(method: str | None, tokens: int) -> dict[str, Any]:
+    """``LLM`` arguments for ``rollout.speculative``: the draft method and length, and each
+    completion's drafted and accepted counts (``draft_counts``; per request, n > 1 included)."""
+    if method is None:
+        return {}
+    config = {"method": method, "num_speculative_tokens": tokens}
+    return {"speculative_config": config, "per_request_spec_decode_metrics": "summary"}
+
+
 def load_weights(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
-    """Load HF-named tensors into a vLLM worker's model in place (see the module docstring)."""
+    """Load HF-named tensors into a vLLM worker's model in place (see the module docstring). With
+    MTP speculative decoding the drafter is a model of its own: it takes the ``mtp.*`` tensors (it
+    shares the embedding and head with the model), kept aside as the stream passes (only they: the
+    rest of a broadcast stays bucket by bucket)."""
     from vllm.platforms import current_platform
 
     runner = worker.model_runner
+    drafter = getattr(getattr(runner, "drafter", None), "model", None)
+    drafted: list[tuple[str, Any]] = []
+    if drafter is not None:
+        weights = _kept(weights, drafted)
     if current_platform.is_cpu():
         runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
     elif runner.model_config.quantization is not None:
         _load_quantized(worker, weights)
     else:
         runner.model.load_weights(weights=iter(weights))
+    if drafter is not None:
+        _load_drafter(runner, drafter, drafted)
+
+
+def _kept(weights: Iterable[tuple[str, Any]], drafted: list[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    for name, tensor in weights:
+        if name.startswith(MTP_PREFIX):
+            drafted.append((name, tensor))
+        yield name, tensor
+
+
+def _load_drafter(runner: Any, drafter: Any, weights: list[tuple[str, Any]]) -> None:
+    from vllm.platforms import current_platform
+
+    if not weights:
+        return
+    if current_platform.is_cpu():  # CPU linears compute from a copy prepacked at load: redo it
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        reload_weights(runner.vllm_config, drafter, iter(weights), None, is_checkpoint_format=True)
+    else:
+        drafter.load_weights(iter(weights))
+
+
+MTP_PREFIX = "mtp."
+"""Where a checkpoint keeps its multi-token-prediction layers (Nemotron-H, DeepSeek-V3: ``mtp.layers.*``)."""
+
+
+def draft_counts(output: Any) -> tuple[int, int] | None:
+    """(drafted, accepted) tokens of one vLLM ``CompletionOutput`` under speculative decoding
+    (``per_request_spec_decode_metrics``; its histogram counts verify steps by tokens accepted)."""
+    metrics = getattr(output, "spec_decode_metrics", None)
+    if metrics is None:
+        return None
+    return metrics.num_draft_tokens, sum(j * count for j, count in enumerate(metrics.histogram))
 
 
 def _load_quantized(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:

@@ -277,7 +277,8 @@ class VLLMEngine:
                 tokens = list(c.token_ids)
                 lps = vllm_compat.sampled_logprobs(c.logprobs, tokens)
                 truncated = c.finish_reason == "length"
-                group.append(Completion(tokens, lps, next(texts), truncated, (first, now)))
+                drafts = vllm_compat.draft_counts(c)  # speculative decoding's, else None
+                group.append(Completion(tokens, lps, next(texts), truncated, (first, now), drafts=drafts))
             groups.append(group)
         if self.routes:
             self._attach_routes(outputs, groups)
@@ -375,7 +376,7 @@ def _optional_settings(cfg: VLLMRolloutConfig, kv_cache_gb: float | None) -> dic
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     if cfg.language_model_only:
         kwargs["language_model_only"] = True  # a vision-language checkpoint, served without its towers
-    return kwargs
+    return kwargs | vllm_compat.speculative_kwargs(cfg.speculative, cfg.num_speculative_tokens)
 
 
 def vllm_prompt(prompt: Prompt) -> Any:

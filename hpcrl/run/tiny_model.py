@@ -116,7 +116,6 @@ NEMOTRON_H_FIXED = {
     "use_bias": False,
     "mlp_bias": False,
     "layer_norm_epsilon": 1e-5,
-    "num_nextn_predict_layers": 0,
     # Super's chunk is 128; our sequences are ~16 tokens, so chunks of 8 keep the inter-chunk
     # recurrence of the SSD scan in play (one chunk would never exercise it)
     "chunk_size": 8,
@@ -126,8 +125,14 @@ NEMOTRON_H_FIXED = {
 def _nemotron_h(model_cfg: ModelConfig) -> Any:
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
+    from hpcrl.trainer.mtp import attach
+
     h = model_cfg.hybrid
     dense = {"intermediate_size": model_cfg.ffn_hidden_size} if model_cfg.ffn_hidden_size else {}
+    # the catalog's MTP blocks (model.mtp_layers; the pattern is checked to be there when they are)
+    mtp: dict[str, Any] = {"num_nextn_predict_layers": model_cfg.mtp_layers}
+    if model_cfg.mtp_layers:
+        mtp["mtp_hybrid_override_pattern"] = h.mtp_pattern
     config = NemotronHConfig(
         vocab_size=model_cfg.vocab_size,
         hidden_size=model_cfg.hidden_size,
@@ -152,8 +157,12 @@ def _nemotron_h(model_cfg: ModelConfig) -> Any:
         pad_token_id=PAD_ID,
         **dense,
         **NEMOTRON_H_FIXED,
+        **mtp,
     )
-    return NemotronHForCausalLM(config)
+    model = NemotronHForCausalLM(config)
+    if model_cfg.mtp_layers:  # transformers builds none; saved with the model under the checkpoint's names
+        attach(model, model_cfg.mtp_layers)
+    return model
 
 
 BUILDERS: dict[str, Callable[[ModelConfig], Any]] = {"qwen2": _qwen2, "nemotron_h": _nemotron_h}

@@ -100,6 +100,9 @@ class TrainerSpec:
     optimizer_options: tuple[str, ...] = ()
     """The optimizer settings it runs beyond AdamW in fp32 on the GPU, as ``key=value`` of
     ``trainer.*`` (``optimizer_gap`` refuses the others)."""
+    mtp: bool = False
+    """Loads, trains, exports and refits the model's multi-token-prediction layers
+    (``trainer.mtp_loss_scale``)."""
 
     def checkpoint_bytes(self, model: ModelConfig, trainer: TrainerConfig) -> float:
         """One checkpoint's bytes per parameter: weights and optimizer state."""
@@ -112,6 +115,11 @@ class TrainerSpec:
     def hf_names(self, hf_dir: Path, source: Path) -> Callable[[dict[str, Any]], dict[str, Any]]:
         """``export_names`` for this checkpoint (imports the backend)."""
         return cast(Callable[[dict[str, Any]], dict[str, Any]], _load(self.export_names)(hf_dir, source))
+
+
+def with_mtp() -> str:
+    """The backends that carry MTP layers, for a message."""
+    return " or ".join(f"trainer={n}" for n, s in TRAINERS.items() if s.mtp)
 
 
 def _load(path: str) -> Any:
@@ -242,6 +250,7 @@ FSDP = TrainerSpec(
     notes=lambda t: [],
     images=True,
     optimizer_options=("optimizer=adafactor", "optimizer_dtype=bfloat16", "optimizer_offload=true"),
+    mtp=True,
 )
 
 

@@ -117,6 +117,18 @@ class TrainerConfig:
     (``trainer/router_replay.py``). Off, the trainer routes on its own, and numerics differences
     between engine and trainer send tokens to other experts (Megatron-LM#4168 saw 94% of tokens
     routed differently in at least one layer). The rollout engine records routes only when on."""
+    mtp_loss_scale: float | None = None
+    """A number: the model's multi-token-prediction layers (``model.mtp_layers``, the checkpoint's
+    ``mtp.*``) are loaded, trained with their loss times this scale added to the policy loss (each MTP
+    block predicts the token after next, on the loss tokens; logged as ``mtp_loss``), exported and sent
+    with every refit, which ``rollout.speculative=mtp`` needs. NeMo RL's Nemotron 3 Super recipes use
+    0.3 (Megatron's ``mtp_loss_scaling_factor``); 0 carries them untrained. None: the trainer leaves
+    them out (the recipes' ``mtp_num_layers 0``)."""
+    mtp_detach: bool = True
+    """With ``trainer.mtp_loss_scale``: the MTP loss trains the MTP layers only (their inputs, the
+    decoder's last hidden state and the embedding, and the shared head detached), so it never moves
+    the policy; NeMo RL's production Super RL recipe does (``mtp_detach_heads``). False: it reaches the
+    whole model, as in pretraining."""
 
     def parallel(self, world: int) -> TrainParallel:
         """These degrees as the record, for code that runs without a plan (torchrun harnesses, benches);
@@ -172,6 +184,12 @@ class TrainerConfig:
             raise ConfigError(f"trainer.betas={self.betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
         if self.moe_aux_loss_coeff is not None:
             non_negative("trainer.moe_aux_loss_coeff", self.moe_aux_loss_coeff)
+        if self.mtp_loss_scale is not None:
+            non_negative("trainer.mtp_loss_scale", self.mtp_loss_scale)
+        elif not self.mtp_detach:
+            raise ConfigError(
+                "trainer.mtp_detach=false does nothing without trainer.mtp_loss_scale: set both or drop it"
+            )
 
 
 @dataclass

@@ -120,14 +120,23 @@ def local_view(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _copy(models: list[Any], name: str, read: Callable[[slice | None], torch.Tensor]) -> None:
-    """``read(rows)`` into ``name`` of each model (same shapes and sharding: read once)."""
-    dst = [local_view(m.get_parameter_or_buffer(name)) for m in models]
+    """``read(rows)`` into ``name`` of each model that has it (same shapes and sharding: read once;
+    the first has every name: a reference policy leaves out the MTP layers, ``trainer/mtp.py``)."""
+    dst = [local_view(m.get_parameter_or_buffer(name)) for m in models if _has(m, name)]
     rows = local_rows(models[0].get_parameter_or_buffer(name))
     if rows is not None and rows.stop <= rows.start:
         return  # more ranks than rows: this one holds none
     value = read(rows)
     for d in dst:
         d.copy_(value.reshape(d.shape))
+
+
+def _has(model: Any, name: str) -> bool:
+    try:
+        model.get_parameter_or_buffer(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _converted(model: Any, ckpt: HFCheckpoint, target: Target) -> dict[str, torch.Tensor]:

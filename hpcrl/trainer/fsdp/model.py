@@ -107,7 +107,9 @@ def apply_fsdp(
         # a vision-language model's towers: units of their own, gathered for their forward only
         # (in the root unit they would stay gathered through the whole step)
         fully_shard(tower, reshard_after_forward=reshard, **shard)
-    for layer in decoder.layers:
+    # hpcrl's MTP blocks (trainer/mtp.py) too: in the root unit they would stay gathered all step
+    mtp = getattr(model, "mtp", None)
+    for layer in [*decoder.layers, *(mtp.units() if mtp is not None else [])]:
         if router_fp32 and policy is not None:
             for router in routers(layer):
                 fully_shard(router, reshard_after_forward=reshard, mesh=mesh, mp_policy=fp32)

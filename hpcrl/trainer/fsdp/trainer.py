@@ -13,6 +13,7 @@ from hpcrl.config.schema import RunConfig
 from hpcrl.core.parallel import TrainParallel
 from hpcrl.rollout.backends import sleeps
 from hpcrl.sync.packer import let_go
+from hpcrl.trainer import mtp
 from hpcrl.trainer.base import CollectSink, WeightSink, freeze, numel_of
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.context_parallel import CPGroup, use_cp_attention
@@ -53,6 +54,9 @@ class FSDPTrainer:
         init_process_group(rank, world, master, collective_backend(device))
         torch.manual_seed(cfg.run.seed + rank)
         model = self._empty_model(model_dir)
+        if cfg.trainer.mtp_loss_scale is not None:  # the policy's only: the reference needs none
+            with torch.device("meta"):  # filled from the checkpoint's mtp.* with the rest
+                mtp.attach(model, mtp.depths_of(model.config))
         freeze(model, cfg.trainer.freeze)
         self.unsent = frozen_buffers(model, cfg.trainer.freeze)
         """Buffers ``trainer.freeze`` names (Nemotron-H's router correction bias) and frozen parameters
@@ -66,6 +70,8 @@ class FSDPTrainer:
         self.data_group = data_parallel_group(world, self.cp.size)
         """The ranks that train different rows (``data_rank``): the step's metrics are reduced over them."""
         self.model = shard_model(model, cfg, device, world, self.par.ep)
+        scale = cfg.trainer.mtp_loss_scale
+        self.mtp = None if scale is None else mtp.MTPLoss(self.model, scale, cfg.trainer.mtp_detach)
         self.ref = None
         """The frozen reference policy for the KL term (``algo.kl_coef > 0``): a second model sharded
         exactly like the policy (same units, same mixed precision), filled in the policy's loading
@@ -178,8 +184,12 @@ class FSDPTrainer:
     def forward_backward(self, micro_batches: list[StepBatch], loss_fn: LossFn) -> list[Metrics]:
         out = []
         for i, mb in enumerate(micro_batches):
+            if self.mtp is not None:
+                self.mtp.arm(mb.data.loss_mask)
             logp, entropy = self._forward(self.model, mb.data, self._right_padded)
             loss, metrics = loss_fn(i, mb, logp, entropy)
+            if self.mtp is not None:
+                loss = self.mtp.add(loss, metrics, len(micro_batches))
             loss.backward()
             out.append(metrics)
         return out

@@ -1,0 +1,74 @@
+"""The multi-token-prediction settings at plan time: ``trainer.mtp_loss_scale`` and
+``rollout.speculative`` need a model with MTP layers, a backend that carries them, and each other;
+each refusal is one line naming the key and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcrl.errors import ConfigError
+from tests.conftest import SITE, plan
+
+NH = "+experiment=grpo-tinynemotronh-1n1g-fsdp"
+WITH_MTP = (NH, "model.mtp_layers=1", "model.hybrid.mtp_pattern=*E")
+
+
+def refusal(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        plan(*overrides)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_mtp_plans_with_the_fsdp_backend_and_the_vllm_engine():
+    p = plan(
+        *WITH_MTP,
+        "trainer.mtp_loss_scale=0.3",
+        "rollout=vllm",
+        "rollout.speculative=mtp",
+        "rollout.num_speculative_tokens=3",
+    )
+    assert p.cfg.trainer.mtp_loss_scale == 0.3
+    assert (p.cfg.rollout.speculative, p.cfg.rollout.num_speculative_tokens) == ("mtp", 3)
+    assert plan(*WITH_MTP).cfg.trainer.mtp_loss_scale is None  # off unless asked: the recipes' default
+
+
+def test_each_mtp_refusal_names_the_key_and_the_fix():
+    assert "tiny_nemotronh has no MTP layers (model.mtp_layers=0); drop trainer.mtp_loss_scale" in refusal(
+        NH, "trainer.mtp_loss_scale=0.3"
+    )
+    assert "use trainer=fsdp or drop trainer.mtp_loss_scale" in refusal(
+        *WITH_MTP, "trainer=megatron", "trainer.mtp_loss_scale=0.3"
+    )
+    assert "has none (model.mtp_layers=0): set rollout.speculative=null" in refusal(
+        NH, "rollout=vllm", "rollout.speculative=mtp"
+    )
+    assert "no refit would reach them: set trainer.mtp_loss_scale" in refusal(
+        *WITH_MTP, "rollout=vllm", "rollout.speculative=mtp"
+    )
+    assert "rollout.speculative='eagle' must be one of mtp" in refusal(
+        *WITH_MTP, "rollout=vllm", "rollout.speculative=eagle"
+    )
+    assert "does nothing without rollout.speculative" in refusal(
+        *WITH_MTP, "rollout=vllm", "rollout.num_speculative_tokens=2"
+    )
+    assert "trainer.mtp_loss_scale" in refusal(*WITH_MTP, "trainer.mtp_loss_scale=-1")
+    assert "trainer.mtp_detach=false does nothing without trainer.mtp_loss_scale" in refusal(
+        *WITH_MTP, "trainer.mtp_detach=false"
+    )
+
+
+def test_the_memory_estimate_counts_the_mtp_block_where_it_is_held():
+    """Nemotron 3 Super's one MTP block (2.9B parameters): in the trainer's share with
+    trainer.mtp_loss_scale, in the engine's weights with rollout.speculative."""
+    super_ = ("+experiment=dapo-nemotron-super-3n8g-megatron", *SITE, "trainer=fsdp", "trainer.ep=1")
+    counts = plan(*super_).cfg.model.param_counts()
+    assert counts.with_mtp().total - counts.total == counts.mtp > 2.9e9
+    base = plan(*super_, "trainer.tp=1", "trainer.cp=1").memory
+    held = plan(*super_, "trainer.tp=1", "trainer.cp=1", "trainer.mtp_loss_scale=0.3",
+                "rollout.speculative=mtp").memory  # fmt: skip
+    assert held.train.weights > base.train.weights and held.train.grads > base.train.grads
+    assert held.rollout.weights - base.rollout.weights == pytest.approx(
+        2 * counts.mtp / plan(*super_).topology.rollout.tp / 1e9, rel=1e-6
+    )

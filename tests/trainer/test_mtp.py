@@ -1,0 +1,136 @@
+"""Nemotron-H's MTP layers under the fsdp backend (``trainer.mtp_loss_scale``): the tiny model's
+checkpoint carries one MTP block (attention, LatentMoE) under the names vLLM and Megatron-Bridge read;
+the trainer loads it, trains it with its loss (which reaches the decoder too), and sends it back under
+the same names. Real parts: transformers' Nemotron-H blocks, FSDP2 on a one-rank gloo group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpcrl.trainer.fsdp import FSDPTrainer
+from hpcrl.trainer.process_group import free_port
+from tests.conftest import compose, plan
+from tests.trainer.test_tiny_nemotronh import batch
+
+MASTER = f"127.0.0.1:{free_port()}"
+MTP = ("+experiment=grpo-tinynemotronh-1n1g-fsdp", "model.mtp_layers=1", "model.hybrid.mtp_pattern=*E")
+BIAS = "e_score_correction_bias"
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory):
+    from hpcrl.run.tiny_model import ensure_tiny_model
+
+    cache = tmp_path_factory.mktemp("cache")
+    return ensure_tiny_model(compose(*MTP).model, cache, sft_steps=3, log=lambda _: None)
+
+
+def mtp_part(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in weights.items() if k.startswith("mtp.")}
+
+
+def test_the_checkpoint_has_the_mtp_block_under_vllms_names(mtp_dir):
+    from safetensors.torch import load_file
+
+    names = set(mtp_part(load_file(mtp_dir / "model.safetensors")))
+    start = {f"mtp.layers.0.{n}.weight" for n in ("enorm", "hnorm", "eh_proj", "norm")}
+    attention = {f"mtp.layers.0.mixer.{p}_proj.weight" for p in "qkvo"}
+    experts = {f"mtp.layers.1.mixer.experts.{e}.{p}_proj.weight" for e in range(8) for p in ("up", "down")}
+    end = {
+        "mtp.layers.1.final_layernorm.weight",
+        "mtp.layers.1.norm.weight",
+        f"mtp.layers.1.mixer.gate.{BIAS}",
+    }
+    assert start | attention | experts | end <= names
+    assert not {n for n in names if ".mixer.experts.up_proj" in n or "layers.2" in n}  # per expert, one block
+
+
+def test_mtp_loads_trains_with_its_loss_and_goes_back_under_its_names(mtp_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    on_disk = mtp_part(load_file(mtp_dir / "model.safetensors"))
+    trainers = {}
+    for scale, detach in ((0.0, True), (1.0, True), (1.0, False)):
+        # with a reference policy, which leaves the MTP layers out (read from the same checkpoint pass)
+        keys = (f"trainer.mtp_loss_scale={scale}", f"trainer.mtp_detach={detach}", "algo.kl_coef=0.01")
+        cfg = plan(*MTP, *keys, "algo.lr=1e-2", "trainer.grad_clip=1e9").cfg  # no clip: below
+        trainers[scale, detach] = trainer = FSDPTrainer(mtp_dir, cfg, master=MASTER)
+        assert hasattr(trainer.model, "mtp") and not hasattr(trainer.ref, "mtp")
+        loaded = mtp_part(trainer.export_weights())
+        assert set(loaded) == {k for k in on_disk if not k.endswith(BIAS)}  # the frozen bias stays out
+        assert all(torch.equal(v, on_disk[k]) for k, v in loaded.items())
+    left_out = FSDPTrainer(mtp_dir, plan(*MTP).cfg, master=MASTER)  # no trainer.mtp_loss_scale
+    assert not mtp_part(left_out.export_weights()) and "mtp_loss" not in left_out.train_step(batch())
+    untrained, trained, whole = (trainers[k].train_step(batch()) for k in trainers)
+    # the same forward, so the same policy loss and MTP loss; the MTP loss is a real NLL
+    assert untrained["policy_loss"] == pytest.approx(trained["policy_loss"], rel=1e-6)
+    assert untrained["mtp_loss"] == pytest.approx(trained["mtp_loss"], rel=1e-6) and trained["mtp_loss"] > 1.0
+    assert whole["mtp_loss"] == pytest.approx(trained["mtp_loss"], rel=1e-6)
+    still, moved = (mtp_part(trainers[k].export_weights()) for k in ((0.0, True), (1.0, True)))
+    assert all(torch.equal(v, on_disk[k]) for k, v in still.items())  # scale 0: carried, untrained
+    assert not torch.equal(moved["mtp.layers.0.eh_proj.weight"], on_disk["mtp.layers.0.eh_proj.weight"])
+    # detached (the default), the MTP loss leaves the policy as the policy loss alone moves it; with
+    # trainer.mtp_detach=false it reaches the decoder through its last hidden state
+    policy = {
+        k: {n: v for n, v in t.export_weights().items() if not n.startswith("mtp.")}
+        for k, t in trainers.items()
+    }
+    # (bit-equal without clipping: a clipped norm counts the MTP layers' gradient too)
+    gaps = {
+        k: max((policy[k][n] - v).abs().max().item() for n, v in policy[0.0, True].items()) for k in policy
+    }
+    assert gaps[1.0, True] == 0 and gaps[1.0, False] > 1e-3
+    later = [trainers[1.0, True].train_step(batch())["mtp_loss"] for _ in range(5)]
+    assert later[-1] < trained["mtp_loss"] * 0.8  # it learns the batch's token after next
+    exported = export(trainers[1.0, True], mtp_dir, tmp_path)
+    assert set(mtp_part(exported)) == set(on_disk)  # the frozen bias from the source checkpoint
+    for name, value in mtp_part(trainers[1.0, True].export_weights()).items():
+        assert torch.equal(exported[name], value), name
+
+
+def export(trainer, model_dir, tmp_path) -> dict[str, torch.Tensor]:
+    """``hpcrl export`` of a checkpoint the trainer writes (fp32: the weights bit for bit)."""
+    from safetensors.torch import load_file
+
+    from hpcrl.cli import main
+    from hpcrl.run.checkpoint import CheckpointManager
+
+    about = {"model": "tiny_nemotronh", "backend": "fsdp", "layout": {"world": 1}, "source": str(model_dir)}
+    ckpt = CheckpointManager(tmp_path / "run" / "checkpoints", 3, "m", True, about=about, model_dir=model_dir)
+    ckpt.save(1, trainer, {"step": 1}, {"m": 1.0}, async_save=False)
+    ckpt.settle(trainer)
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--dtype", "fp32"]) == 0
+    return load_file(tmp_path / "out" / "model.safetensors")
+
+
+def test_each_depth_predicts_the_token_after_next_at_the_loss_tokens_only():
+    """The MTP loss's alignment, on the tiny model's real modules: with one loss token (target
+    ``ids[j+1]``) depth 0 is scored on ``ids[j+1]`` from position j-1 (its hidden state and the
+    embedding of ``ids[j]``): later tokens change nothing, that target does."""
+    from hpcrl.run.tiny_model import build_model
+
+    model = build_model(compose(*MTP).model, seed=0)
+    ids = torch.tensor([[1, 5, 14, 6, 18, 7, 12, 9, 2]])
+    j = 4
+    mask = torch.zeros(1, ids.shape[1] - 1)
+    mask[0, j] = 1.0
+
+    def nll(tokens: torch.Tensor, loss_mask: torch.Tensor = mask) -> torch.Tensor:
+        with torch.no_grad():
+            hidden = model.model(input_ids=tokens).last_hidden_state
+            embed = model.get_input_embeddings()
+            return model.mtp.nll(hidden, tokens, loss_mask, embed, model.lm_head.weight)
+
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state
+        out = model.mtp.depth(0, hidden[:, :j], model.get_input_embeddings()(ids[:, 1 : j + 1]))
+        expected = -torch.log_softmax(model.lm_head(out[:, -1]), -1)[0, ids[0, j + 1]]
+    torch.testing.assert_close(nll(ids), expected)
+    later = ids.clone()
+    later[0, j + 2 :] = 3
+    torch.testing.assert_close(nll(later), nll(ids))  # causal: nothing after the target counts
+    target = ids.clone()
+    target[0, j + 1] = 40
+    assert not torch.allclose(nll(target), nll(ids))
+    assert nll(ids, torch.zeros_like(mask)) == 0  # no loss token, no MTP loss
