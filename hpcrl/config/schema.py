@@ -15,6 +15,7 @@ from hpcrl.config.model import ModelConfig
 from hpcrl.config.preflight import check_run
 from hpcrl.core.checks import MISSING, positive
 from hpcrl.data.config import DataConfig
+from hpcrl.envs.config import EnvConfig
 from hpcrl.errors import ConfigError
 from hpcrl.rewards.config import RewardsConfig
 from hpcrl.rollout.backends import (
@@ -91,6 +92,8 @@ class RunConfig:
     rollout: RolloutConfig = MISSING
     data: DataConfig = MISSING
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes with an environment (hpcrl/envs/config.py); off by default."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -108,6 +111,7 @@ class RunConfig:
             self.rollout,
             self.data,
             self.rewards,
+            self.env,
             self.eval,
         )
         for part in parts:

@@ -27,6 +27,12 @@ class Completion:
     """The experts the engine's MoE routers chose (``trainer.router_replay``): an int16 array
     [prompt + generated - 1, layers, k], one row per position a forward ran (the last generated token
     never ran through one); None when routes were not asked for."""
+    mask: list[int] | None = None
+    """A multi-turn episode's (``envs/episodes.py``): 1 on each token the model generated, 0 on an
+    environment's (trained on as context, never as a target); None: every token is the model's."""
+    verdict: tuple[str, float] | None = None
+    """An environment's grade of the episode (outcome, reward), which the reward pool takes as it is;
+    None: the data set's verifier grades the text."""
 
 
 @dataclass(frozen=True)
