@@ -118,6 +118,7 @@ class RunConfig:
             part.check()
         if gap := optimizer_gap(self.trainer):
             raise ConfigError(gap)
+        self.env.check_episodes(self.trainer.router_replay, self.data.image_field)
         positive("layout.train_nodes", self.layout.train_nodes)
         if self.layout.rollout_nodes < 0:
             raise ConfigError(
@@ -178,7 +179,9 @@ class RunConfig:
 
     @property
     def max_seq_len(self) -> int:
-        return self.trainer.max_seq_len or self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        """Prompt and completion: a multi-turn episode's completion is all its turns (``env.max_tokens``)."""
+        completion = self.env.max_tokens if self.env.enabled else self.rollout.max_new_tokens
+        return self.trainer.max_seq_len or self.data.max_prompt_tokens + completion
 
 
 _registered = False

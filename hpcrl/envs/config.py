@@ -10,10 +10,12 @@ the config layer checks ``env.name`` without importing the environments.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from hpcrl.core.checks import one_of, positive
 from hpcrl.errors import ConfigError
+from hpcrl.rewards.config import load_plugins
 
 BUILT_IN_ENVS = ("python", "calculator", "nemo_gym")
 """The environments ``envs/builtin.py`` and ``envs/nemo_gym.py`` register (tests/envs hold them equal)."""
@@ -55,11 +57,7 @@ class EnvConfig:
     def check(self) -> None:
         if not self.enabled:
             return
-        if self.kind() not in ENV_NAMES:
-            raise ConfigError(
-                f"env.name={self.name}: unknown environment {self.kind()!r}; registered: "
-                f"{', '.join(sorted(ENV_NAMES))} (a plugin's module goes in HPCRL_PLUGINS)"
-            )
+        self._check_name()
         one_of("env.tool_format", self.tool_format, TOOL_FORMATS)
         for key, value in (
             ("env.max_turns", self.max_turns),
@@ -69,5 +67,33 @@ class EnvConfig:
             ("env.step_timeout_s", self.step_timeout_s),
         ):
             positive(key, value)
-        if not math.isfinite(self.step_timeout_s):
+        if not math.isfinite(self.step_timeout_s):  # inf would turn the hard limit off
             raise ConfigError(f"env.step_timeout_s={self.step_timeout_s} must be a finite number of seconds")
+
+    def check_episodes(self, router_replay: bool, image_field: str | None) -> None:
+        """What multi-turn episodes do not carry yet: refused here rather than dropped in the job."""
+        if self.enabled and router_replay:
+            raise ConfigError(
+                f"env.name={self.name}: episodes do not record the engine's routes across turns; "
+                "set trainer.router_replay=false"
+            )
+        if self.enabled and image_field:
+            raise ConfigError(f"env.name={self.name}: episodes take text prompts; drop data.image_field")
+
+    def _check_name(self) -> None:
+        """Built in, or registered by a module of ``HPCRL_PLUGINS``, imported here as the job will."""
+        if self.kind() in ENV_NAMES:
+            return
+        plugins = os.environ.get("HPCRL_PLUGINS", "")
+        try:
+            load_plugins(plugins)
+        except Exception as exc:  # a broken plugin fails here, not in every episode of the job
+            raise ConfigError(
+                f"env.name={self.name}: HPCRL_PLUGINS={plugins} does not import here "
+                f"({type(exc).__name__}: {exc}); fix the module or its PYTHONPATH"
+            ) from None
+        if self.kind() not in ENV_NAMES:
+            raise ConfigError(
+                f"env.name={self.name} is not an environment; use one of: {', '.join(sorted(ENV_NAMES))}, "
+                f"or register yours with @register_env('{self.kind()}') in a module named by HPCRL_PLUGINS"
+            )
