@@ -49,11 +49,15 @@ class Episode:
     truncated: bool = False
     done: bool = False
     verdict: tuple[str, float] = ("wrong", 0.0)
+    unscored: bool = False
+    """A model turn came without the engine's log-probs (``rollout.logprob_fraction``): the episode
+    then has none ([]: NaN in the batch, left out of the IS correction), never zeros posing as them."""
 
     def add_model(self, c: Completion) -> None:
         self.ids += c.token_ids
         self.mask += [1] * len(c.token_ids)
         self.logprobs += c.logprobs if c.logprobs else [0.0] * len(c.token_ids)
+        self.unscored |= bool(c.token_ids) and not c.logprobs
         self.texts.append(c.text)
         self.turns += 1
         first, last = self.versions or c.versions
@@ -76,7 +80,7 @@ class Episode:
     def completion(self) -> Completion:
         return Completion(
             self.ids,
-            self.logprobs,
+            [] if self.unscored else self.logprobs,
             "".join(self.texts),
             self.truncated,
             self.versions or (0, 0),

@@ -137,3 +137,17 @@ def test_the_reward_pool_takes_an_environment_verdict_as_it_is():
         pool.submit([Task(0, "x", "x", "p"), Task(1, "x", "y", "p", verdict=("correct", 0.5))])
         got = pool.drain()
     assert got == {0: Verdict(Outcome.correct), 1: Verdict(Outcome.correct, 0.5)}
+
+
+def test_a_turn_without_engine_logprobs_leaves_the_episode_without_any():
+    from hpcrl.envs.episodes import Episode
+    from hpcrl.rollout.base import Completion
+
+    e = Episode([1, 2], session=None)  # type: ignore[arg-type]
+    e.add_model(Completion([5, 6], [-0.5, -0.25], "ab", False, (3, 3)))
+    e.add_env([7], "o", budget=10)
+    e.add_model(Completion([8], [], "c", False, (4, 4)))  # rollout.logprob_fraction skipped this one
+    c = e.completion()
+    assert (c.token_ids, c.mask, c.logprobs, c.versions) == ([5, 6, 7, 8], [1, 1, 0, 1], [], (3, 4))
+    e.add_env([9, 9, 9], "long", budget=6)  # past the budget: cut there, and the episode is over
+    assert e.ids[-2:] == [9, 9] and e.done and e.truncated
