@@ -107,3 +107,21 @@ def test_without_namespaces_the_tool_refuses_in_one_line(monkeypatch):
     monkeypatch.setattr(sandbox, "sandbox_problem", lambda: "no unshare here")
     with pytest.raises(SandboxUnavailable, match=r"^no unshare here$"):
         python_env(EnvSpec("", "hermes", "exact"))
+
+
+def test_in_an_episode_process_the_tool_hides_the_private_paths_it_was_given(tmp_path):
+    from hpcrl.envs.config import EnvConfig
+    from hpcrl.envs.pool import EnvPool
+
+    (tmp_path / "config.yaml").write_text("secret: 1")
+    pool = EnvPool(EnvConfig("python", step_timeout_s=30), "exact", private=(str(tmp_path),))
+    (session,) = pool.start(1)
+    try:
+        assert pool.reset([session], [("q", "4")]) == [""]
+        code = f"import os; print(os.listdir({str(tmp_path)!r}), 2 + 2)"
+        (step,) = pool.step([session], [format_tool_call(ToolCall("python", {"code": code}), "hermes")])
+        assert step is not None and step.observation == "[] 4\n"
+        (answer,) = pool.step([session], ["4"])
+        assert answer is not None and (answer.done, answer.reward) == (True, 1.0)
+    finally:
+        session.close()
