@@ -37,8 +37,10 @@ class EnvConfig:
     generates at most ``rollout.max_new_tokens`` and never past this budget."""
     tool_format: str = "hermes"
     """How the model writes tool calls (one of ``TOOL_FORMATS``)."""
-    processes: int = 16
-    """Episodes running at once, each environment in a process of its own (more wait their turn)."""
+    processes: int = 64
+    """Episodes running at once, each environment in a process of its own (more wait their turn). It
+    also bounds each engine call (one turn of the running episodes): fewer starve the engine's batch,
+    more cost ~50 MB of resident memory each on the driver's node."""
     step_timeout_s: float = 30.0
     """An environment's reset or step still busy after this long is killed: its episode ends with an
     error (reward 0), the other episodes and the step go on."""

@@ -10,6 +10,7 @@ the replies, killing those past the time limit.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import multiprocessing as mp
 import os
 import resource
@@ -25,6 +26,10 @@ from hpcrl.envs.builtin import PRIVATE_ENV
 from hpcrl.envs.config import EnvConfig
 from hpcrl.rewards.config import load_plugins
 
+PRELOAD = [m for m in ("math_verify", "reasoning_gym") if importlib.util.find_spec(m) is not None]
+"""Imported once by the server the episode processes fork from: the graders' imports take ~2 s, which
+would otherwise count against each episode's first step (``env.step_timeout_s``)."""
+
 
 def make_env(name: str, spec: EnvSpec) -> Environment:
     """A fresh environment of ``env.name`` (``name`` before its colon)."""
@@ -35,6 +40,9 @@ def make_env(name: str, spec: EnvSpec) -> Environment:
 
 def _serve(kind: str, spec: EnvSpec, plugins: str, private: str, memory_mb: int, conn: Connection) -> None:
     """One episode's process: build the environment, then answer reset/step messages until told to stop."""
+    import logging
+
+    logging.disable(logging.WARNING)  # math-verify warns on every call that its own timeouts are off
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # Slurm's warning is the driver's to handle
     limit = memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -102,7 +110,7 @@ class EnvPool:
         self.spec = EnvSpec(argument, self.cfg.tool_format, self.verifier)
         make_env(self.cfg.kind(), self.spec)  # here, in the caller: a refusal (no sandbox) is one line
         self.ctx = mp.get_context("forkserver")  # no fork of the driver, which holds Ray and torch threads
-        self.ctx.set_forkserver_preload(["hpcrl.envs.pool"])
+        self.ctx.set_forkserver_preload(["hpcrl.envs.pool", *PRELOAD])
 
     def start(self, count: int) -> list[Session]:
         sessions = []
