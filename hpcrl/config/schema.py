@@ -118,7 +118,7 @@ class RunConfig:
             part.check()
         if gap := optimizer_gap(self.trainer):
             raise ConfigError(gap)
-        self.env.check_episodes(self.trainer.router_replay, self.data.image_field)
+        self.env.check_episodes(self.trainer.router_replay, self.data.image_field, self.algo.overlong_buffer)
         positive("layout.train_nodes", self.layout.train_nodes)
         if self.layout.rollout_nodes < 0:
             raise ConfigError(

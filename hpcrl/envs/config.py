@@ -72,12 +72,17 @@ class EnvConfig:
         if not math.isfinite(self.step_timeout_s):  # inf would turn the hard limit off
             raise ConfigError(f"env.step_timeout_s={self.step_timeout_s} must be a finite number of seconds")
 
-    def check_episodes(self, router_replay: bool, image_field: str | None) -> None:
+    def check_episodes(self, router_replay: bool, image_field: str | None, overlong_buffer: int) -> None:
         """What multi-turn episodes do not carry yet: refused here rather than dropped in the job."""
         if self.enabled and router_replay:
             raise ConfigError(
                 f"env.name={self.name}: episodes do not record the engine's routes across turns; "
                 "set trainer.router_replay=false"
+            )
+        if self.enabled and overlong_buffer:  # it measures a completion against rollout.max_new_tokens
+            raise ConfigError(
+                f"env.name={self.name}: algo.overlong_buffer={overlong_buffer} would measure whole episodes "
+                "(model and environment tokens) against one turn's rollout.max_new_tokens; set it to 0"
             )
         if self.enabled and image_field:
             raise ConfigError(f"env.name={self.name}: episodes take text prompts; drop data.image_field")

@@ -13,6 +13,10 @@ CASES = {
     "format": (["env.name=calculator", "env.tool_format=json"], "env.tool_format=json is not one of: hermes"),
     "turns": (["env.name=calculator", "env.max_turns=0"], "env.max_turns=0 must be > 0"),
     "timeout": (["env.name=calculator", "env.step_timeout_s=inf"], "env.step_timeout_s=inf must be a finite"),
+    "overlong": (
+        ["env.name=calculator", "algo=dapo", "rollout.max_new_tokens=1024"],
+        "algo.overlong_buffer=512 would measure whole episodes",
+    ),
     "routes": (
         ["env.name=calculator", "trainer.router_replay=true"],
         "episodes do not record the engine's routes across turns; set trainer.router_replay=false",
