@@ -15,6 +15,7 @@ from hpcrl.config.model import ModelConfig
 from hpcrl.config.preflight import check_run
 from hpcrl.core.checks import MISSING, positive
 from hpcrl.data.config import DataConfig
+from hpcrl.envs.config import EnvConfig
 from hpcrl.errors import ConfigError
 from hpcrl.rewards.config import RewardsConfig
 from hpcrl.rollout.backends import (
@@ -132,6 +133,8 @@ class RunConfig:
     rollout: RolloutConfig = MISSING
     data: DataConfig = MISSING
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes with an environment (hpcrl/envs/config.py); off by default."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -149,12 +152,14 @@ class RunConfig:
             self.rollout,
             self.data,
             self.rewards,
+            self.env,
             self.eval,
         )
         for part in parts:
             part.check()
         if gap := optimizer_gap(self.trainer):
             raise ConfigError(gap)
+        self.env.check_episodes(self.trainer.router_replay, self.data.image_field, self.algo.overlong_buffer)
         positive("layout.train_nodes", self.layout.train_nodes)
         if self.layout.rollout_nodes < 0:
             raise ConfigError(
@@ -211,7 +216,9 @@ class RunConfig:
 
     @property
     def max_seq_len(self) -> int:
-        return self.trainer.max_seq_len or self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        """Prompt and completion: a multi-turn episode's completion is all its turns (``env.max_tokens``)."""
+        completion = self.env.max_tokens if self.env.enabled else self.rollout.max_new_tokens
+        return self.trainer.max_seq_len or self.data.max_prompt_tokens + completion
 
 
 _registered = False

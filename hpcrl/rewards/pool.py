@@ -37,6 +37,9 @@ class Task:
     completion: str
     answer: str
     prompt: str
+    verdict: tuple[str, float] | None = None
+    """Graded already (outcome, reward: a multi-turn episode's environment, ``envs/episodes.py``): the
+    pool records it as it is, without a verifier."""
 
 
 def _serve(
@@ -184,7 +187,11 @@ class RewardPool:
             if clash:
                 raise ValueError(f"task indices must be unique until drain(): {sorted(clash)[:5]} repeat")
             self._submitted.update(indices)
-            self._queue.extend(tasks)
+            for t in tasks:
+                if t.verdict is None:
+                    self._queue.append(t)
+                else:
+                    self._results[t.index] = Verdict(Outcome(t.verdict[0]), t.verdict[1])
             self._cond.notify_all()
 
     def drain(self) -> dict[int, Verdict]:

@@ -29,6 +29,12 @@ class Completion:
     never ran through one); None when routes were not asked for."""
     drafts: tuple[int, int] | None = None
     """(drafted, accepted) tokens of speculative decoding (``rollout.speculative``); None without it."""
+    mask: list[int] | None = None
+    """A multi-turn episode's (``envs/episodes.py``): 1 on each token the model generated, 0 on an
+    environment's (trained on as context, never as a target); None: every token is the model's."""
+    verdict: tuple[str, float] | None = None
+    """An environment's grade of the episode (outcome, reward), which the reward pool takes as it is;
+    None: the data set's verifier grades the text."""
 
 
 def spec_acceptance(completions: list[Completion]) -> dict[str, float]:

@@ -115,6 +115,7 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
     ``slurm``: actors ask for the job's GPUs (real or the test cluster's fake ones) and are spread
     over the topology's nodes; locally there is one trainer and one engine, which share the machine's
     GPU where the plan found one (``cluster.gpu=auto``) and ask for none on a CPU."""
+    from hpcrl.envs.episodes import multi_turn, private_paths
     from hpcrl.rewards.pool import RewardPool
     from hpcrl.run.engine_faults import EngineFailed, save_and_stop
     from hpcrl.run.loop import train
@@ -132,7 +133,11 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
         rearm()  # ray.init put its own SIGTERM handler in (a stack dump, then abort)
         actors = _start_actors(plan, prep.model_dir, scratch, run_dir, slurm=slurm)
         start_step, restored = _resume(actors, prep, cfg.algo.max_staleness)
-        with RewardPool(cfg.data.verifier, cfg.rewards, cfg.data.percent) as pool:
+        private = private_paths(run_dir, cfg.checkpoint.dir)
+        with (
+            RewardPool(cfg.data.verifier, cfg.rewards, cfg.data.percent) as pool,
+            multi_turn(cfg, actors, prep, private) as actors,
+        ):
             say(
                 f"ready after {time.perf_counter() - started:.0f}s ({len(pool.slots)} reward processes); "
                 f"training {cfg.algo.max_steps} steps"

@@ -90,8 +90,7 @@ class Scorer(Protocol):
 
 
 class Actors(Protocol):
-    """What the loop asks of the run's actors (``hpcrl.run.fleet.Fleet`` on Ray; a recording fake in
-    tests/run/test_loop.py)."""
+    """What the loop asks of the actors (``run/fleet.py``'s Fleet on Ray; a fake in tests/run/test_loop.py)."""
 
     def generate_stream(
         self, prompts: list[Prompt], settings: SamplingSettings
@@ -149,7 +148,7 @@ def generate_and_score(
         tasks = []
         for i, group in part:
             groups[i], e = group, examples[i]
-            tasks += [Task(i * n + j, c.text, e.answer, e.prompt) for j, c in enumerate(group)]
+            tasks += [Task(i * n + j, c.text, e.answer, e.prompt, c.verdict) for j, c in enumerate(group)]
         pool.submit(tasks)  # scored while the engines finish the rest of the batch
     verdicts = pool.drain()
     rows = [[verdicts[i * n + j] for j in range(n)] for i in range(len(examples))]
@@ -235,7 +234,8 @@ def make_batch(run: Run, s: Scored, shaped: torch.Tensor) -> TrainBatch:
             lps.append(c.logprobs if c.token_ids else [])  # []: none from the engine (NaN in the batch)
             advs.append(float(adv[i, j]))
             keep.append(float(truncation_mask(torch.tensor(c.truncated))) if algo.overlong_filter else 1.0)
-    return build_batch(prompts, comps, lps, advs, keep, pad_id, images, routes)
+    masks = [c.mask for g in s.groups for c in g]  # multi-turn: the model's tokens (envs/episodes.py)
+    return build_batch(prompts, comps, lps, advs, keep, pad_id, images, routes, masks)
 
 
 def validate(run: Run, step: int) -> dict[str, float]:

@@ -92,12 +92,15 @@ def build_batch(
     pad_id: int,
     images: list[dict[str, torch.Tensor] | None] | None = None,
     routes: list[Any] | None = None,
+    masks: list[list[int] | None] | None = None,
 ) -> TrainBatch:
     """Right-padded batch; ``keep`` (0/1 per sample) zeroes the loss mask of filtered samples. A sample
     without rollout logprobs (an empty list: the engine was not asked, ``rollout.logprob_fraction``)
     gets NaN there, which the IS correction and ``gen_kl_error`` leave out. ``images``: each row's
     image tensors (``TrainBatch.images``; None for a text-only row). ``routes``: each sample's
-    ``Completion.routes`` (or None), for ``trainer.router_replay``."""
+    ``Completion.routes`` (or None), for ``trainer.router_replay``. ``masks``: each sample's
+    ``Completion.mask`` (1 on the model's tokens, 0 on a multi-turn environment's; None: all the
+    model's), multiplied into the loss mask."""
     rows = [p + c for p, c in zip(prompts, completions, strict=True)]
     width = max(len(r) for r in rows)
     n = len(rows)
@@ -109,7 +112,7 @@ def build_batch(
         ids[i, : len(p) + len(c)] = torch.tensor(p + c)
         attn[i, : len(p) + len(c)] = 1
         # target position j predicts ids[j+1]: completion tokens sit at targets len(p)-1 ... len(p)+len(c)-2
-        loss_mask[i, len(p) - 1 : len(p) - 1 + len(c)] = keep[i]
+        loss_mask[i, len(p) - 1 : len(p) - 1 + len(c)] = keep[i] * _model_tokens(masks, i, len(c))
         if lp and len(lp) != len(c):
             raise ValueError(f"sample {i}: {len(lp)} rollout logprobs for {len(c)} completion tokens")
         rlp[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp, dtype=torch.float32) if lp else math.nan
@@ -117,6 +120,16 @@ def build_batch(
     adv = torch.tensor(advantages, dtype=torch.float32)
     routed = _routes(routes, rows, width)
     return TrainBatch(ids, attn, loss_mask, adv, rlp, loss_from, _image_rows(images or [], n), routed)
+
+
+def _model_tokens(masks: list[list[int] | None] | None, i: int, length: int) -> torch.Tensor:
+    """Sample ``i``'s per-token mask of the model's tokens (all ones when it has none)."""
+    mask = masks[i] if masks else None
+    if mask is None:
+        return torch.ones(length)
+    if len(mask) != length:
+        raise ValueError(f"sample {i}: a token mask of {len(mask)} for {length} completion tokens")
+    return torch.tensor(mask, dtype=torch.float32)
 
 
 def _image_rows(images: list[dict[str, torch.Tensor] | None], n: int) -> list[dict[str, torch.Tensor]] | None:

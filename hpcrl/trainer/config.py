@@ -56,7 +56,8 @@ class TrainerConfig:
     several minibatches): no backward, so often larger than ``micro_batch_size`` (seed 002's
     ``logprob_batch_size``). None: ``micro_batch_size``."""
     max_seq_len: int | None = None
-    """Longest training sequence; None derives it from data.max_prompt_tokens + rollout.max_new_tokens."""
+    """Longest training sequence; None derives it from data.max_prompt_tokens + rollout.max_new_tokens
+    (+ env.max_tokens instead, for multi-turn episodes)."""
     packing: bool = False
     """Cut micro-batches by tokens (``micro_batch_tokens``) instead of rows and run each as one row of
     whole sequences, positions restarting per sequence and attention kept inside each

@@ -1,0 +1,1 @@
+"""Environments: multi-turn episodes (model turn, environment turn, ...) with tools, by protocol."""
