@@ -28,7 +28,8 @@ def test_submit_places_one_task_per_node_with_roles(slurm_cluster, tmp_path):
         "--smoke",
         "cluster=slurmtest",
         "model=tiny",
-        "rollout.max_new_tokens=8",  # within the tiny model's 64 positions: submit refuses more
+        "data.max_prompt_tokens=56",  # with 8 new tokens, within the tiny model's 64 positions:
+        "rollout.max_new_tokens=8",  # submit refuses more
         "layout.train_nodes=2",
         "layout.rollout_nodes=1",
         f"run.output_root={tmp_path}",
@@ -108,7 +109,8 @@ def test_client_without_token_is_refused_and_a_dead_node_ends_the_job(slurm_clus
         "--smoke",
         "cluster=slurmtest",
         "model=tiny",
-        "rollout.max_new_tokens=8",  # within the tiny model's 64 positions: submit refuses more
+        "data.max_prompt_tokens=56",  # with 8 new tokens, within the tiny model's 64 positions:
+        "rollout.max_new_tokens=8",  # submit refuses more
         "layout.train_nodes=2",
         "layout.rollout_nodes=1",
         f"run.output_root={tmp_path}",
