@@ -44,14 +44,27 @@ class KubeVolume:
 
 
 @dataclass
+class Toleration:
+    """One toleration of the GPU workers, as Kubernetes writes it."""
+
+    key: str
+    operator: str = "Equal"
+    value: str | None = None
+    effect: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+@dataclass
 class KubeSite:
     namespace: str = "default"
     service_account: str | None = None
     """The pods' Kubernetes service account (on GKE, the one Workload Identity binds to the bucket)."""
     node_selector: dict[str, str] = field(default_factory=dict)
     """The GPU workers' node selector (``cloud.google.com/compute-class``, ``cloud.google.com/gke-accelerator``)."""
-    tolerations: list[dict[str, str]] = field(default_factory=list)
-    """The GPU workers' tolerations, as Kubernetes writes them (key, operator, value, effect)."""
+    tolerations: list[Toleration] = field(default_factory=list)
+    """The GPU workers' tolerations (key, operator, value, effect)."""
     annotations: dict[str, str] = field(default_factory=dict)
     """The GPU workers' pod annotations (GKE multi-network interfaces, gcsfuse sidecar limits)."""
     volumes: list[KubeVolume] = field(default_factory=list)
@@ -84,6 +97,7 @@ class KubeSite:
         if len(set(names)) != len(names):
             raise ConfigError(f"cluster.kube.volumes: names must differ (got {names})")
         for i, tol in enumerate(self.tolerations):
-            unknown = set(tol) - {"key", "operator", "value", "effect", "tolerationSeconds"}
-            if unknown:
-                raise ConfigError(f"cluster.kube.tolerations[{i}]: unknown field(s) {sorted(unknown)}")
+            if tol.operator not in ("Equal", "Exists"):
+                raise ConfigError(
+                    f"cluster.kube.tolerations[{i}].operator='{tol.operator}': use Equal or Exists"
+                )

@@ -178,7 +178,7 @@ def _pod(cluster: ClusterConfig, name: str, *, gpus: int, head: bool = False) ->
         pod["serviceAccountName"] = kube.service_account
     if not head:
         pod["nodeSelector"] = dict(kube.node_selector)
-        pod["tolerations"] = [dict(t) for t in kube.tolerations]
+        pod["tolerations"] = [t.as_dict() for t in kube.tolerations]
     return pod
 
 
