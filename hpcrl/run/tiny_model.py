@@ -162,6 +162,9 @@ def _nemotron_h(model_cfg: ModelConfig) -> Any:
     model = NemotronHForCausalLM(config)
     if model_cfg.mtp_layers:  # transformers builds none; saved with the model under the checkpoint's names
         attach(model, model_cfg.mtp_layers)
+        # built after post_init: parameters transformers makes with torch.empty (Mamba's A_log, D, the experts)
+        # would hold whatever memory they got (NaN losses in CI), so they get the model's own init
+        model.mtp.apply(model._init_weights)
     return model
 
 
