@@ -448,7 +448,13 @@ def test_doctor_names_the_node_that_fails_each_check_and_the_job_ends_before_ray
 
         jobs = tmp_path / "jobs"
         submitted = run_cli(
-            "submit", "--smoke", "cluster=slurmtest", "layout.train_nodes=3", f"run.output_root={jobs}"
+            "submit",
+            "--smoke",
+            "cluster=slurmtest",
+            "layout.train_nodes=3",
+            "data.max_prompt_tokens=56",  # with 8 new tokens, within the tiny model's 64 positions
+            "rollout.max_new_tokens=8",
+            f"run.output_root={jobs}",
         )
         assert submitted.returncode == 0, submitted.stderr
         job_id = re.search(r"^job\s+(\d+)", submitted.stdout, re.M).group(1)
