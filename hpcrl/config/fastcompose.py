@@ -372,9 +372,8 @@ def convert(kind: Any, value: Any, f: dataclasses.Field[Any]) -> Any:
         (item,) = typing.get_args(kind)
         if not isinstance(value, list):
             raise Unsupported("list expected")
-        if dataclasses.is_dataclass(item):  # e.g. cluster.kube.volumes
-            return [build(item, v) for v in value]  # type: ignore[arg-type]
-        return [_scalar(item, v) for v in value]
+        dc = dataclasses.is_dataclass(item)  # e.g. cluster.kube.volumes
+        return [build(item, v) if dc else _scalar(item, v) for v in value]
     if origin is dict:
         key_t, item = typing.get_args(kind)
         if not isinstance(value, dict) or key_t is not str:
