@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hpcrl.envs.config import ENV_NAMES
+from hpcrl.envs.toolcall import ToolCall, ToolCallError, parse_tool_calls
 
 
 @dataclass(frozen=True)
@@ -64,3 +65,12 @@ def register_env(name: str) -> Callable[[Factory], Factory]:
         return factory
 
     return wrap
+
+
+def tool_calls(turn: str, fmt: str) -> list[ToolCall] | Step:
+    """The tool calls in a model turn, or the error turn the model reads when they do not parse (a
+    malformed call costs a turn, never the episode)."""
+    try:
+        return parse_tool_calls(turn, fmt)
+    except ToolCallError as exc:
+        return Step(f"error: {exc}", info={"tool_error": True})

@@ -15,9 +15,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from hpcrl.envs.base import EnvSpec, Step, register_env
+from hpcrl.envs.base import EnvSpec, Step, register_env, tool_calls
 from hpcrl.envs.sandbox import Limits, require_sandbox, run_python
-from hpcrl.envs.toolcall import ToolCall, ToolCallError, parse_tool_calls
+from hpcrl.envs.toolcall import ToolCall
 
 Tool = Callable[[dict[str, Any]], str]
 
@@ -37,10 +37,9 @@ class ToolEnv:
         return ""
 
     def step(self, turn: str) -> Step:
-        try:
-            calls = parse_tool_calls(turn, self.fmt)
-        except ToolCallError as exc:
-            return Step(f"error: {exc}", info={"tool_error": True})
+        calls = tool_calls(turn, self.fmt)
+        if isinstance(calls, Step):
+            return calls
         if not calls:
             verdict = self.verify(turn, self.answer, self.prompt)
             return Step("", verdict.reward, True, {"outcome": verdict.outcome.value})

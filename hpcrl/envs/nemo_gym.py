@@ -14,8 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hpcrl.envs.base import EnvSpec, Step, register_env
-from hpcrl.envs.toolcall import ToolCallError, parse_tool_calls
+from hpcrl.envs.base import EnvSpec, Step, register_env, tool_calls
 
 
 class GymEnv:
@@ -36,10 +35,9 @@ class GymEnv:
         return ""
 
     def step(self, turn: str) -> Step:
-        try:
-            calls = parse_tool_calls(turn, self.fmt)
-        except ToolCallError as exc:
-            return Step(f"error: {exc}", info={"tool_error": True})
+        calls = tool_calls(turn, self.fmt)
+        if isinstance(calls, Step):
+            return calls
         if calls:
             results = [json.dumps(self._post(c.name, c.arguments)) for c in calls]
             return Step("\n".join(results))
