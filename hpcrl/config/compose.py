@@ -326,6 +326,10 @@ def explain_hydra_error(exc: BaseException) -> str:
             return f"unknown key '{key}': the {group} group chooses the backend; use {choices} instead"
         if key.startswith(DICT_KEYS):  # site.yaml entries are applied after composition: add them too
             return f"'{key}' is a new entry for the catalog and the recipe: add it with +{key}=..."
+        inner = re.match(r"Key '(\w+)' not in '(\w+)'", cause_line)
+        if inner and inner.group(1) != leaf.rsplit(".", 1)[-1]:  # the key exists; a value inside it does not
+            field, schema = inner.groups()
+            return f"{key}: unknown key '{field}' ({schema} has no such field); check the spelling"
         return f"unknown key '{key}': no such field in the schema; check the spelling (`hpcrl show` lists every key)"
     if "Available options" in text:
         listed = text.split("Available options", 1)[1].split("Config search path", 1)[0]

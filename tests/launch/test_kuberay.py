@@ -163,3 +163,12 @@ def test_kube_mistakes_are_one_line(extra, says):
         plan = _plan(*extra)
         rayjob(plan, Path(plan.cfg.run.output_root) / "r")
     assert "\n" not in str(err.value)
+
+
+def test_an_unknown_field_inside_a_list_entry_is_named():
+    """A typo inside a list of records (a toleration) names that field, not the whole key."""
+    with pytest.raises(ConfigError) as err:
+        _plan("cluster.kube.tolerations=[{key: x, effct: NoSchedule}]")
+    assert str(err.value) == (
+        "cluster.kube.tolerations: unknown key 'effct' (Toleration has no such field); check the spelling"
+    )
