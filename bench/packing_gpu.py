@@ -2,17 +2,21 @@
 DAPO-like length distribution, tokens per second of real tokens, both rows in the same run.
 
     python bench/packing_gpu.py [--model qwen2_1p5b] [--layers 0] [--seqs 256] [--max-new 3840]
-        [--mbs 4] [--steps 3] [--rows padded,packed] [--job dapo|smollm2] [--out FILE]
+        [--mbs 4] [--steps 3] [--rows padded,packed] [--job dapo|smollm2] [--profile] [--out FILE]
 
 The batch: ``--seqs`` sequences, prompts 100-300 tokens, completions long-tailed as DAPO's are (a
 log-normal around a quarter of the limit, a tenth of them cut at ``--max-new``), in rollout order
 (groups of similar prompts do not sort by length). ``padded`` is hpcrl's step without packing:
 ``--mbs`` rows a micro-batch, each padded to its longest row. ``packed`` is ``trainer.packing=true``
 with its default budget, ``--mbs`` x the longest possible sequence (the padded micro-batch's memory).
-A row ``padded:N`` or ``packed:N`` uses N rows a micro-batch instead of ``--mbs``. ``--job smollm2`` is the
+A row ``padded:N`` or ``packed:N`` uses N rows a micro-batch instead of ``--mbs``; ``+ac`` after it turns on
+activation checkpointing. A row that runs out of memory is recorded as such; ``best`` names the fastest row
+and its overrides. ``--job smollm2`` is the
 SmolLM2 chain_sum recipe's batch instead: prompts 180-224 tokens (the few-shot chat), completions 8-64.
 Each row: a first step (compiles) and ``--steps`` timed steps; real tokens / s, the padded tokens the
-forward ran, peak memory. Random weights; the numbers are speeds.
+forward ran, peak memory. Random weights; the numbers are speeds. ``--profile``: one more step of each
+row under torch.profiler: the GPU's busy time against the step's wall time (a step far longer than its
+kernels waits on the host: launches, Python, synchronizations) and the ops that take the most of each.
 """
 
 from __future__ import annotations
@@ -71,8 +75,27 @@ def make_batch(shape: list[tuple[int, int]], vocab: int):
     return build_batch(prompts, comps, [[-1.0] * len(c) for c in comps], adv, [1.0] * len(shape), 0)
 
 
+def profiled(trainer, batch) -> dict:
+    """One step under torch.profiler: kernel time against wall time, and the top ops of each side."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if GPU else [])
+    with profile(activities=acts) as prof:
+        start = time.perf_counter()
+        trainer.train_step(batch, None)
+        sync()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    on_gpu = [e for e in prof.events() if e.device_type.name == "CUDA"]  # kernels and copies
+    busy = sum(e.time_range.elapsed_us() for e in on_gpu) / 1e6
+    kernels = len(on_gpu)
+    print(events.table(sort_by="self_cuda_time_total" if GPU else "self_cpu_time_total", row_limit=12))
+    print(events.table(sort_by="cpu_time_total", row_limit=12))
+    return {"wall_s": wall, "gpu_busy_s": busy, "gpu_busy_fraction": busy / wall, "kernels": kernels}
+
+
 @released
-def row(cfg, model_dir: Path, batch, steps: int) -> dict:
+def row(cfg, model_dir: Path, batch, steps: int, profile: bool = False) -> dict:
     device = "cuda" if GPU else "cpu"
     trainer = FSDPTrainer(model_dir, cfg, master=f"127.0.0.1:{free_port()}", device=device)
     if GPU:
@@ -96,7 +119,8 @@ def row(cfg, model_dir: Path, batch, steps: int) -> dict:
         groups = list(torch.arange(len(lens)).split(cfg.trainer.micro_batch_size))
         ran = sum(len(g) * int(lens[g].max()) for g in groups)
     step = sorted(times)[len(times) // 2]
-    return {
+    prof = {"profile": profiled(trainer, batch)} if profile else {}
+    return prof | {
         "step_s": step,
         "first_step_s": first,
         "real_tokens": real,
@@ -105,6 +129,15 @@ def row(cfg, model_dir: Path, batch, steps: int) -> dict:
         "tokens_per_s": real / step,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if GPU else None,
     }
+
+
+def row_overrides(name: str) -> list[str]:
+    """A row's settings: ``padded`` or ``packed``, ``:N`` rows a micro-batch, ``+ac`` activation checkpointing."""
+    name, _, flags = name.partition("+")
+    kind, _, mbs = name.partition(":")
+    out = [f"trainer.packing={str(kind == 'packed').lower()}"]
+    out += [f"trainer.micro_batch_size={mbs}"] if mbs else []
+    return out + (["trainer.activation_checkpointing=true"] if flags == "ac" else [])
 
 
 def main() -> int:
@@ -118,6 +151,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rows", default="padded,packed")
     p.add_argument("--job", choices=["dapo", "smollm2"], default="dapo")
+    p.add_argument("--profile", action="store_true", help="one more step of each row under torch.profiler")
     p.add_argument("--set", action="append", default=[], help="extra overrides for every row")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
@@ -150,11 +184,17 @@ def main() -> int:
     }
     print(f"batch: {out['lengths']}", flush=True)
     for name in args.rows.split(","):
-        kind, _, mbs = name.partition(":")
-        extra = [f"trainer.micro_batch_size={mbs}"] if mbs else []
-        cfg = compose_config([*common, f"trainer.packing={str(kind == 'packed').lower()}", *extra])
-        out[name] = row(cfg, model_dir, batch, args.steps)
+        cfg = compose_config([*common, *row_overrides(name)])
+        try:
+            out[name] = row(cfg, model_dir, batch, args.steps, args.profile)
+        except torch.OutOfMemoryError as exc:  # a row too large for this GPU: said, and the others still run
+            out[name] = {"error": f"out of memory: {str(exc)[:200]}"}
         print(f"{name}: {json.dumps(out[name])}", flush=True)
+    timed = {k: v for k, v in out.items() if isinstance(v, dict) and "tokens_per_s" in v}
+    if timed:
+        best = max(timed, key=lambda k: timed[k]["tokens_per_s"])
+        out["best"] = {"row": best, "overrides": row_overrides(best)}
+        print(f"best: {best} {' '.join(row_overrides(best))}", flush=True)
     if "padded" in out and "packed" in out:
         out["packed_over_padded"] = out["packed"]["tokens_per_s"] / out["padded"]["tokens_per_s"]
         print(f"packed / padded tokens/s: {out['packed_over_padded']:.2f}x", flush=True)
