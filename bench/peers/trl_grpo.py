@@ -60,9 +60,11 @@ def main() -> None:
     from hpcrl.data.templates import fewshot_turns
     from hpcrl.hub.cache import hub_dir
     from hpcrl.hub.resolve import model_snapshot
+    from hpcrl.plan.planner import plan_config
     from hpcrl.rewards.verifiers import get_verifier, reward_of
 
-    cfg = compose_config([args.recipe, *args.overrides])
+    # planned as hpcrl plans it: what the config leaves to the planner (the micro-batch) as hpcrl runs it
+    cfg = plan_config(compose_config([args.recipe, *args.overrides])).cfg
     algo, data, rollout = cfg.algo, cfg.data, cfg.rollout
     steps = args.steps or algo.max_steps
     model_dir = model_snapshot(hub_dir(cfg.cluster), cfg.model.hf_id, cfg.model.revision)

@@ -384,8 +384,10 @@ def main() -> None:
     args = p.parse_args()
 
     from hpcrl.config.compose import compose_config
+    from hpcrl.plan.planner import plan_config
 
-    cfg = compose_config([args.recipe, *args.overrides])
+    # planned as hpcrl plans it: what the config leaves to the planner (the micro-batch) as hpcrl runs it
+    cfg = plan_config(compose_config([args.recipe, *args.overrides])).cfg
     steps = args.steps or cfg.algo.max_steps
     out = args.out.resolve()
     model_dir, train, val, messages, examples = build_inputs(cfg, out / "data")

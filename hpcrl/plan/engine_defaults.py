@@ -46,9 +46,7 @@ def engine_line(cfg: RunConfig) -> str:
     why = rollout_spec(rollout).why
     if not on_gpus(cfg.cluster) or not why:
         return ""
-    return (
-        f"rollout={rollout.backend} max_num_seqs={rollout.max_num_seqs} ({why}; measured, bench session 18)"
-    )
+    return f"rollout={rollout.backend} max_num_seqs={rollout.max_num_seqs} ({why}; measured, bench sessions 18, 19, 23)"
 
 
 SHARED_GPU_MAX_PARAMS = 0.5e9

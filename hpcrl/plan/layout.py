@@ -185,7 +185,7 @@ def step_seconds(cfg: RunConfig, topo: Topology, recompute: bool, rollout: Rollo
     tokens = samples * cfg.max_seq_len
     active = model.param_counts().active
     flops = 6 * active * tokens * (4 / 3 if recompute else 1)
-    micro_batches = max(1, samples // max(1, par.dp * cfg.trainer.micro_batch_size))
+    micro_batches = max(1, samples // max(1, par.dp * (cfg.trainer.micro_batch_size or 1)))
     bubble = (par.pp - 1) / (micro_batches + par.pp - 1)
     comm = 1 + 0.1 * math.log2(par.tp * par.cp * par.pp) + 0.05 * math.log2(par.ep)
     peak_flops = max(cfg.cluster.gpu_bf16_tflops, 1.0) * 1e12

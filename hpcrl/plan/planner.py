@@ -21,6 +21,7 @@ from hpcrl.plan.engine_defaults import (
 from hpcrl.plan.layout import Layout, LayoutSearch, typed_layout_keys
 from hpcrl.plan.local_gpu import resolve_local_gpu
 from hpcrl.plan.memory import MemoryEstimate, estimate_memory
+from hpcrl.plan.micro_batch import resolve_micro_batch
 from hpcrl.plan.moe import check_router_replay
 from hpcrl.plan.mtp import check_mtp
 from hpcrl.plan.nvlink import NvlinkCheck, check_nvlink
@@ -178,8 +179,10 @@ def make_plan(cfg: RunConfig, layout: Layout | None = None) -> Plan:
     check_images(cfg)
     check_quantization(cfg, topo.rollout.tp)
     sleep = resolve_sleep(cfg, topo.placement)
+    micro = resolve_micro_batch(cfg, topo, recompute=layout.recompute)  # before the packing budget reads it
     lines = [
         shared,
+        micro,
         resolve_block_size(cfg),
         resolve_logprob_fraction(cfg),
         engine_line(cfg),

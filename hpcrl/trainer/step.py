@@ -125,7 +125,7 @@ class TrainStep:
         logprobs = sends_logprobs(cfg.rollout)
         trainer = cfg.trainer
         budget = trainer.micro_tokens(cfg.max_seq_len) if trainer.packing else None
-        return cls(loss, cfg.algo.num_minibatches, trainer.micro_batch_size, budget, logprobs)
+        return cls(loss, cfg.algo.num_minibatches, trainer.rows(), budget, logprobs)
 
     def even(
         self, groups: list[torch.Tensor], group: dist.ProcessGroup | None, device: torch.device | str

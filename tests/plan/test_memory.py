@@ -376,7 +376,7 @@ def test_plan_names_the_engine_its_sequences_at_once_and_why_on_gpus():
     """The engine line (plan/engine_defaults.py): engine, max_num_seqs, the measured reason; none on CPUs."""
     vllm = [line for line in plan(*QWEN_TP2).engine_defaults if line.startswith("rollout=")]
     assert (
-        vllm == [line for line in vllm if "rollout=vllm max_num_seqs=256 (in-flight generation" in line] != []
+        vllm == [line for line in vllm if "rollout=vllm max_num_seqs=512 (in-flight generation" in line] != []
     )
     hf = plan(*QWEN_TP2, "rollout=hf")
     assert hf.cfg.rollout.max_num_seqs == 256  # 2.0-2.2x the tokens/s of 64 (bench session 18)
