@@ -11,8 +11,8 @@ log-normal around a quarter of the limit, a tenth of them cut at ``--max-new``),
 with its default budget, ``--mbs`` x the longest possible sequence (the padded micro-batch's memory).
 A row ``padded:N`` or ``packed:N`` uses N rows a micro-batch instead of ``--mbs``; ``+ac`` after it turns on
 activation checkpointing. A row that runs out of memory is recorded as such; ``best`` names the fastest row
-and its overrides. ``--job smollm2`` is the
-SmolLM2 chain_sum recipe's batch instead: prompts 180-224 tokens (the few-shot chat), completions 8-64.
+and its overrides. ``--job smollm2`` is the SmolLM2 chain_sum recipe's batch instead: prompts 180-224 tokens
+(the few-shot chat), completions 8-64.
 Each row: a first step (compiles) and ``--steps`` timed steps; real tokens / s, the padded tokens the
 forward ran, peak memory. Random weights; the numbers are speeds. ``--profile``: one more step of each
 row under torch.profiler: the GPU's busy time against the step's wall time (a step far longer than its
@@ -194,7 +194,7 @@ def main() -> int:
     if timed:
         best = max(timed, key=lambda k: timed[k]["tokens_per_s"])
         out["best"] = {"row": best, "overrides": row_overrides(best)}
-        print(f"best: {best} {' '.join(row_overrides(best))}", flush=True)
+        print(f"best: {best} {' '.join(out['best']['overrides'])}", flush=True)
     if "padded" in out and "packed" in out:
         out["packed_over_padded"] = out["packed"]["tokens_per_s"] / out["padded"]["tokens_per_s"]
         print(f"packed / padded tokens/s: {out['packed_over_padded']:.2f}x", flush=True)

@@ -19,14 +19,6 @@ BUDGET=${BUDGET:-585}
 L8=${L8:-10}
 source bench/device_runs/s18_site.sh
 source bench/device_runs/tasks.sh
-verl_site() {  # veRL's wheels into the site, once
-  python3 -c "import verl, transfer_queue, uvicorn, watchfiles, model_hosting_container_standards" 2>/dev/null && return 0
-  ls .whl/verl/*.whl > /dev/null 2>&1 || { echo "== verl: no .whl/verl/ (bench/device_runs/verl_wheels.sh here, carry .whl)"; return 1; }
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/verl/*.whl || return 1
-  echo "== verl wheels installed $((SECONDS - T0)) s"
-}
-# veRL's vLLM server resolves files of a local model directory offline; TRL shadowed by the stand-in
-vpeer() { (export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD/bench/peers/verl_standin:$PYTHONPATH; peer "$@"); }
 for task in "$@"; do
   echo "== $task at $((SECONDS - T0)) s"
   case $task in

@@ -16,13 +16,6 @@ BUDGET=${BUDGET:-585}
 L8=${L8:-10}
 source bench/device_runs/s18_site.sh
 source bench/device_runs/tasks.sh
-verl_site() {  # veRL's wheels into the site, once
-  python3 -c "import verl, transfer_queue, uvicorn, watchfiles, model_hosting_container_standards" 2>/dev/null && return 0
-  ls .whl/verl/*.whl > /dev/null 2>&1 || { echo "== verl: no .whl/verl/ (carry .whl)"; return 1; }
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/verl/*.whl || return 1
-  echo "== verl wheels installed $((SECONDS - T0)) s"
-}
-vpeer() { (export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD/bench/peers/verl_standin:$PYTHONPATH; peer "$@"); }
 best() { cat "$TMP/best.txt" 2>/dev/null; }  # the train135 task's fastest row (empty: the recipe's own)
 for task in "$@"; do
   echo "== $task at $((SECONDS - T0)) s"

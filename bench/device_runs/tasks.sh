@@ -1,4 +1,4 @@
-# Sourced by s19.sh and s20.sh (after s18_site.sh): the time budget and the task helpers they share.
+# Sourced by s19.sh-s23.sh (after s18_site.sh): the time budget and the task helpers they share.
 # BUDGET and T0 come from the caller; each helper writes into $OUT and prints "==" lines.
 PL=${PROMPT_LEN:-190}
 left() { echo $((BUDGET - (SECONDS - T0))); }
@@ -38,3 +38,11 @@ sweep() {  # sweep NAME MODEL LAYERS [engine_sweep args...]
     --deadline-s $(($(left) - 45)) --out "$OUT/sweep_$name.json" "$@" >> "$OUT/sweep_$name.log" 2>&1
   echo "== sweep $name $* rc=$? $((SECONDS - T0)) s"; grep -E "tok/s|started|FAILED|skipped|Error" "$OUT/sweep_$name.log" | tail -8
 }
+verl_site() {  # veRL's wheels (.whl/verl, bench/device_runs/verl_wheels.sh) into the site, once
+  python3 -c "import verl, transfer_queue, uvicorn, watchfiles, model_hosting_container_standards" 2>/dev/null && return 0
+  ls .whl/verl/*.whl > /dev/null 2>&1 || { echo "== verl: no .whl/verl/ (bench/device_runs/verl_wheels.sh here, carry .whl)"; return 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/verl/*.whl || return 1
+  echo "== verl wheels installed $((SECONDS - T0)) s"
+}
+# veRL's vLLM server resolves files of a local model directory offline; TRL shadowed by the stand-in
+vpeer() { (export HF_HUB_OFFLINE=1 PYTHONPATH=$PWD/bench/peers/verl_standin:$PYTHONPATH; peer "$@"); }

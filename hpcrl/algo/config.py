@@ -127,6 +127,11 @@ class AlgoConfig:
                 "use lr_schedule=linear or cosine, or drop lr_min"
             )
 
+    @property
+    def samples_per_step(self) -> int:
+        """Completions a step trains on: ``num_prompts_per_step`` x ``num_generations``."""
+        return self.num_prompts_per_step * self.num_generations
+
     def check(self) -> None:
         for key in (
             "num_prompts_per_step",
@@ -160,7 +165,7 @@ class AlgoConfig:
         lo, hi = self.reward_scale_min, self.reward_scale_max
         if (lo is None) != (hi is None) or (lo is not None and hi is not None and lo >= hi):
             raise ConfigError("algo.reward_scale_min/max must both be set with min < max (or both null)")
-        samples = self.num_prompts_per_step * self.num_generations
+        samples = self.samples_per_step
         if samples % self.num_minibatches:
             raise ConfigError(
                 f"algo.num_minibatches={self.num_minibatches} must divide the {samples} samples per step "

@@ -181,7 +181,7 @@ def step_seconds(cfg: RunConfig, topo: Topology, recompute: bool, rollout: Rollo
     penalty per parallel degree and the pipeline bubble, bandwidth-bound decoding in waves of what the
     KV cache holds, and the refit's transfer when the engines are on other nodes."""
     model, algo, par = cfg.model, cfg.algo, topo.train
-    samples = algo.num_prompts_per_step * algo.num_generations
+    samples = algo.samples_per_step
     tokens = samples * cfg.max_seq_len
     active = model.param_counts().active
     flops = 6 * active * tokens * (4 / 3 if recompute else 1)

@@ -325,7 +325,7 @@ def estimate_rollout(cfg: RunConfig, topo: Topology) -> RolloutMemory:
     else:
         engine_bytes = weight_bytes * served
     seq_len = cfg.max_seq_len
-    samples = cfg.algo.num_prompts_per_step * cfg.algo.num_generations
+    samples = cfg.algo.samples_per_step
     wanted = -(-samples // topo.rollout.engines)  # engines_per_gpu included
     wanted = min(wanted, rollout.max_num_seqs)
     return RolloutMemory(

@@ -18,8 +18,7 @@ from hpcrl.plan.topology import Topology
 def rows_per_rank(cfg: RunConfig, topo: Topology) -> int:
     """Rows of one minibatch on one data-parallel rank."""
     algo = cfg.algo
-    samples = algo.num_prompts_per_step * algo.num_generations
-    return max(1, samples // max(1, topo.train.dp * algo.num_minibatches))
+    return max(1, algo.samples_per_step // max(1, topo.train.dp * algo.num_minibatches))
 
 
 def resolve_micro_batch(cfg: RunConfig, topo: Topology, *, recompute: bool) -> str:
