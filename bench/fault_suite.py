@@ -151,16 +151,16 @@ def full_disk(_work: Path, _cache: Path) -> Row:
 
 
 def signals(_work: Path, _cache: Path) -> Row:
-    ok, seconds = _pytest(
-        "tests/run/test_embedded.py::test_a_stop_signal_saves_the_current_step_and_resume_continues_the_same_trajectory",
-        "tests/run/test_signals.py",
-    )
+    """Real signals to a driver's handlers (the whole run under them, Ray and all, is
+    tests/run/test_embedded.py's; the Slurm job's, USR2 then SIGTERM, tests/launch/test_slurm.py's:
+    minutes each, left to the tests)."""
+    ok, seconds = _pytest("tests/run/test_signals.py")
     return Row(
-        "SIGINT / SIGTERM to every process of a run (USR2: tests/launch/test_slurm.py)",
+        "SIGINT / SIGTERM / USR2 (local driver; in a Slurm job: test_slurm.py)",
         "the signal handler; saved after the step in flight",
-        "exit 130 / 143 in one line; the resume equals an unbroken run",
+        "exit 130 / 143 / 75 in one line (USR2: requeued); the resume equals an unbroken run",
         "0",
-        f"on resume ({'passed' if ok else 'FAILED'})",
+        f"on resume (tests/run/test_signals.py {'passed' if ok else 'FAILED'})",
         seconds,
     )
 
@@ -214,6 +214,10 @@ def adversarial(_work: Path, _cache: Path) -> Row:
     )
 
 
+def _line(r: Row) -> str:
+    return f"| {r.fault} | {r.detected} | {r.recovered} | {r.lost} | {r.completed} | {r.seconds:.0f} |"
+
+
 CASES: dict[str, Callable[[Path, Path], Row]] = {
     "engine_killed": engine_killed,
     "engine_hung": engine_hung,
@@ -246,11 +250,11 @@ def main() -> int:
         row = CASES[name](case, cache)
         row.seconds = row.seconds or time.perf_counter() - t0
         rows.append(row)
-        print(f"[fault suite] {name}: {time.perf_counter() - t0:.0f}s", flush=True)
+        print(f"[fault suite] {name}: {time.perf_counter() - t0:.0f}s: {_line(row)}", flush=True)
     print("\n| fault | detected in | recovered how | samples lost | run completed | case s |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.fault} | {r.detected} | {r.recovered} | {r.lost} | {r.completed} | {r.seconds:.0f} |")
+        print(_line(r))
     print(f"\n{len(rows)} cases in {time.perf_counter() - started:.0f} s")
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
