@@ -33,7 +33,14 @@ from hpcrl.rewards.verifiers import Outcome  # noqa: E402
 from tests.data.test_rewards import PATHOLOGICAL  # noqa: E402
 from tests.run.test_engine_kill import killed_run  # noqa: E402
 
-LAGGED = ["algo.max_staleness=1", "algo.is_correction=tis", "checkpoint.period=2", "algo.max_steps=5"]
+# keep_top_k: damaged_shard needs an older checkpoint beside the newest
+LAGGED = [
+    "algo.max_staleness=1",
+    "algo.is_correction=tis",
+    "checkpoint.period=2",
+    "checkpoint.keep_top_k=5",
+    "algo.max_steps=5",
+]
 
 
 @dataclass
@@ -74,7 +81,7 @@ def engine_hung(work: Path, cache: Path) -> Row:
     lost = sum(r.get("faults/lost_groups", 0) for r in rows)
     return Row(
         "rollout engine hung (SIGSTOP) mid-generation",
-        f"{extra:.1f} s (rollout.hang_timeout_s={limit})",
+        f"{extra:.1f} s added to its step (rollout.hang_timeout_s={limit}, then the rebuild)",
         f"killed and rebuilt; {lost:.0f} unfinished groups generated again",
         "0",
         f"{'yes' if result.returncode == 0 else 'NO'} (steps {_steps(rows)})",
@@ -206,7 +213,7 @@ def adversarial(_work: Path, _cache: Path) -> Row:
     added = (t2 - t1) - (t1 - t0)
     return Row(
         "5% pathological answers in 1,024 (towers, huge sums, factorials)",
-        f"the screen, before SymPy: +{added:.2f} s for the batch",
+        f"the screen, before SymPy: {added:+.2f} s for the batch against clean answers",
         f"each scored wrong ({wrong} of {n_bad}); {restarts} process restarts",
         f"0 (the {n_bad} answers are wrong, not lost)",
         "yes",
