@@ -29,6 +29,7 @@ from hpcrl.launch.ray_cluster import (
     wait_for_cluster,
 )
 from hpcrl.plan.planner import Plan
+from hpcrl.run.preempt import EXIT_PREEMPTED, Preempted
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:
@@ -47,9 +48,10 @@ def _wait_for(path: Path, deadline_s: float, what: str) -> None:
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """Stop the Ray processes this node started: their reaper stops the whole group (reaper.py)."""
+    """Stop the Ray processes this node started: their reaper stops the whole group (reaper.py; it
+    holds SIGTERM, which scancel sends to every process, so it is asked with SIGINT)."""
     if proc.poll() is None:
-        proc.terminate()
+        proc.send_signal(signal.SIGINT)
         try:
             proc.wait(timeout=6)
         except subprocess.TimeoutExpired:
@@ -116,6 +118,7 @@ class NodeTask:
         expect: Expect | None = None,
     ) -> None:
         self._driver: Any = None
+        self._head_node = False
         """The thread running the training loop on the head node (only while it runs)."""
         self.run_dir = run_dir
         self.roles = roles
@@ -134,9 +137,10 @@ class NodeTask:
     def __call__(self) -> dict[str, Any]:
         # scancel / the time limit end a job with SIGTERM (submitit would ignore it): unwind, so the
         # ``finally`` blocks stop this node's Ray at once instead of waiting for Slurm's SIGKILL.
-        signal.signal(signal.SIGTERM, _terminated)
+        signal.signal(signal.SIGTERM, _terminated if self.plan is None else self._on_term)
         run_dir, job_id = Path(self.run_dir), attempt_key()
         spec = this_node(self.roles)
+        self._head_node = spec.node_id == 0
         self._doctor(spec)
         record = {
             "node_id": spec.node_id,
@@ -196,6 +200,23 @@ class NodeTask:
             raise BootstrapError(
                 f"node {spec.node_id} ({spec.host}) failed hpcrl doctor: {' | '.join(failed)}"
             )
+
+    def _on_term(self, signum: int, frame: Any) -> None:
+        """SIGTERM (``scancel``; Slurm sends it to every process of the job, more than once) in a
+        training job. The head: the driver saves the step it is in and stops (``Preempted``, exit 143);
+        before or after the driver, the task ends at once. Other nodes keep their Ray up (the reaper
+        holds SIGTERM from it, ``reaper.py``) until the head is done or Slurm's SIGKILL comes."""
+        from hpcrl.run.preempt import REQUEST, WHY
+
+        driving = self._driver is not None and self._driver.is_alive()
+        if self._head_node and not driving:
+            _terminated(signum, frame)
+        if not REQUEST.asked:
+            what = (
+                "saving after the current step, then stopping" if driving else "keeping Ray up for the save"
+            )
+            print(f"hpcrl: {WHY[signal.SIGTERM]}: {what}", flush=True)
+        REQUEST.ask(signal.SIGTERM)
 
     def checkpoint(self) -> Any:
         """submitit calls this on the time-limit/preemption signal (USR2), on the head node's main
@@ -259,12 +280,19 @@ class NodeTask:
         try:
             while self._driver.is_alive():
                 self._driver.join(timeout=0.5)
+                # ray.init (in the driver thread) puts Ray's own SIGTERM handler in, under Python's: a
+                # stack dump, then death, unsaved. Put ours back (only this thread may).
+                signal.signal(signal.SIGTERM, self._on_term)
                 if proc.poll() is not None:  # the head's Ray died under the driver
                     raise BootstrapError(f"Ray on node 0 exited with code {proc.returncode}")
         finally:
             self._driver = None
-        if "error" in outcome:
-            raise outcome["error"]
+        error = outcome.get("error")
+        if isinstance(error, Preempted) and error.exit_code != EXIT_PREEMPTED:  # SIGTERM: not requeued
+            print(f"hpcrl: {error}", flush=True)
+            raise SystemExit(error.exit_code)
+        if error is not None:
+            raise error
         return outcome["metrics"]
 
     def _head(

@@ -122,7 +122,8 @@ def start_node(spec: NodeSpec, run_dir: Path, head_ip: str, job_id: str) -> subp
         cmd += [f"--address={head_ip}:{GCS_PORT}"]
     log = open(run_dir / "ray" / f"node{spec.node_id}.log", "ab")  # noqa: SIM115 - lives as long as Ray
     # Under the reaper: Ray cannot outlive this node task, however the task ends (see reaper.py).
-    reaped = [sys.executable, "-m", "hpcrl.launch.reaper", "--", *cmd]
+    # --hold-term: Ray rides out scancel's SIGTERM while the driver saves (job.py stops it with SIGINT)
+    reaped = [sys.executable, "-m", "hpcrl.launch.reaper", "--hold-term", "1", "--", *cmd]
     return subprocess.Popen(reaped, env=ray_env(run_dir), stdout=log, stderr=subprocess.STDOUT)
 
 

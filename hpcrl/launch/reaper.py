@@ -1,6 +1,6 @@
 """Run one command (``ray start --block``) so that it cannot outlive the node task that started it.
 
-    python -m hpcrl.launch.reaper [--watch PID] [--grace SECONDS] -- COMMAND...
+    python -m hpcrl.launch.reaper [--watch PID] [--grace SECONDS] [--hold-term 1] -- COMMAND...
 
 The command runs in its own process group. The reaper stops that whole group (SIGTERM, then SIGKILL
 after 3 s) when it is signalled (job cancelled, out of time, the task stopping Ray) or when its parent,
@@ -8,6 +8,12 @@ the node task, disappears — even if the task died in a way that ran no cleanup
 handler aborts the driver process on SIGTERM). It exits with the command's code when the command ends.
 ``--watch PID`` watches that process instead of the parent: ``hpcrl debug --here`` returns to the
 user's shell at once, and its Ray step lives as long as that shell (see ``launch/here.py``).
+``--hold-term 1`` (a Slurm job's Ray, ``launch/job.py``): ``scancel`` sends SIGTERM to every process of
+the step, and Ray's processes (raylet, GCS, actors) would end at once, before the driver could save the
+step it is in. The command starts with SIGTERM blocked (Ray's processes install their own handlers, so
+ignoring it would not last; a blocked signal stays blocked across fork and exec), and the reaper
+ignores it: the node task stops Ray with SIGINT or SIGHUP, or by ending; the group is then SIGKILLed
+(its SIGTERM would wait forever).
 
 Signal handlers only record the request; the main loop does the stopping. Stopping inside the handler
 once deadlocked: Slurm signals a cancelled step more than once, and a second handler nested inside the
@@ -61,18 +67,19 @@ def _kill_group(child: subprocess.Popen[bytes], grace_s: float = GRACE_S) -> Non
     child.wait()
 
 
-def parse(argv: list[str]) -> tuple[int | None, float, list[str]]:
-    """``--watch PID`` and ``--grace SECONDS`` before ``--``; the command after it."""
+def parse(argv: list[str]) -> tuple[int | None, float, bool, list[str]]:
+    """``--watch PID``, ``--grace SECONDS`` and ``--hold-term 1`` before ``--``; the command after it."""
     if "--" not in argv:
-        return None, GRACE_S, argv
+        return None, GRACE_S, False, argv
     cut = argv.index("--")
     options = dict(zip(argv[:cut:2], argv[1:cut:2], strict=True))
     watch = options.get("--watch")
-    return (int(watch) if watch else None), float(options.get("--grace", GRACE_S)), argv[cut + 1 :]
+    hold = options.get("--hold-term") == "1"
+    return (int(watch) if watch else None), float(options.get("--grace", GRACE_S)), hold, argv[cut + 1 :]
 
 
 def main(argv: list[str]) -> int:
-    watch, grace_s, cmd = parse(argv)
+    watch, grace_s, hold_term, cmd = parse(argv)
     parent = os.getppid()
     requested: list[int] = []
 
@@ -85,7 +92,13 @@ def main(argv: list[str]) -> int:
     # default action kills. Ray must ride it out while the driver saves a checkpoint: ignored here,
     # and by the command's processes too (an ignored signal stays ignored across exec).
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    if hold_term:  # scancel's SIGTERM: the node task decides when Ray stops (see the module's text)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        grace_s = 0.0
     child = subprocess.Popen(cmd, start_new_session=True)
+    if hold_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # discards one that came meanwhile
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     while True:
         code = child.poll()
         if code is not None:

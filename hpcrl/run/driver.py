@@ -150,6 +150,10 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
                     last = train(run, start_step=start_step)
             except EngineFailed as failed:  # engines failed past rollout.max_engine_restarts
                 raise save_and_stop(run, actors.version, failed) from None
+            except Exception as exc:  # a trainer rank that died: the job ends, its requeue resumes
+                if (stop := trainer_lost(exc, actors, prep.ckpt)) is None:
+                    raise
+                raise stop from None
     finally:
         prep.logger.close()
         if "ray" in sys.modules:
@@ -159,6 +163,19 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
         shutil.rmtree(scratch, ignore_errors=True)
     summarize(run_dir, prep.ckpt, started)
     return last
+
+
+def trainer_lost(exc: Exception, actors: Any, ckpt: Any) -> HpcrlError | None:
+    """One line for a trainer rank that died (killed, out of memory, a node lost): which rank, where,
+    why, and where the next attempt resumes (the last committed checkpoint, with the generated batches
+    it kept where ``algo.max_staleness`` > 0). None: ``exc`` is not a trainer rank's death. The ranks
+    hold one model between them: the survivors cannot go on without it, so the run stops at once."""
+    dead = getattr(actors, "dead_trainer", lambda _exc: None)(exc)
+    if dead is None:
+        return None
+    latest = ckpt.latest()
+    resume = f"resumes from {latest.path.name}" if latest is not None else "starts afresh (no checkpoint yet)"
+    return HpcrlError(f"{dead}: the run stops; submitting it again {resume}")
 
 
 @dataclass

@@ -186,6 +186,16 @@ class Fleet:
             ray.get([self.engines[e].resume_generation.remote(self.version) for e in down])
         return down
 
+    def dead_trainer(self, exc: BaseException) -> str | None:
+        """Which trainer rank ``exc`` (a Ray actor error) says is gone, with its node, PID and cause,
+        in a few words; None where it is not a trainer's."""
+        for rank, trainer in enumerate(self.trainers):
+            if getattr(exc, "actor_id", None) == trainer._actor_id.hex():
+                where = self.placement[rank] if rank < len(self.placement) else {}
+                on = f" on {where['host']} (pid {where['pid']})" if where else ""
+                return f"trainer rank {rank}{on} died ({cause_of(exc)})"
+        return None
+
     def _data_ranks(self) -> list[tuple[int, int]]:
         """(data-parallel rank, data-parallel size) of every trainer rank: ranks that differ only in
         TP/PP/CP hold the same shard of the batch (fsdp: every CP group its own)."""

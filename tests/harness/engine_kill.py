@@ -7,7 +7,8 @@ ENGINES engines (a local run has one: the others are started in the first one's 
 rollout units for Ray). KILLS (e.g. ``2,t3,4``): in those training generate calls, the engine that
 handed over the first group is killed right after it (``rollout.max_num_seqs`` = the group size: its
 other prompts are still to come); ``sN``: that engine is stopped instead (SIGSTOP: it hangs);
-``tN``: engine 0 is killed as train step N begins. OUT_DIR/calls.json: per training call, the trainers' version when it
+``tN``: engine 0 is killed as train step N begins; ``rN``: trainer rank 0 is (the run stops; run the
+harness again on OUT_DIR, with ``-`` for KILLS, to resume). OUT_DIR/calls.json: per training call, the trainers' version when it
 began and every completion's stamped versions; OUT_DIR/run: the run directory. Exits 2 with the one
 line on stderr where the run stops on an ``HpcrlError``, as the CLI does.
 """
@@ -72,14 +73,17 @@ def kill(fleet: Fleet, engine: int, sig: int = signal.SIGKILL) -> None:
     os.kill([w for w in fleet.placement if w["role"] == "rollout"][engine]["pid"], sig)
 
 
-def killing_trains(fleet: Fleet, steps: set[int]) -> Any:
-    """``fleet.train_step``, killing engine 0 as the ``steps``-th train steps begin."""
+def killing_trains(fleet: Fleet, steps: set[int], rank_steps: set[int]) -> Any:
+    """``fleet.train_step``, killing engine 0 as the ``steps``-th train steps begin (trainer rank 0
+    as the ``rank_steps``-th do)."""
     train_step, taken = fleet.train_step, [0]
 
     def train(batch: Any, lr: float | None = None) -> dict[str, float]:
         taken[0] += 1
         if taken[0] in steps:
             kill(fleet, 0)
+        if taken[0] in rank_steps:
+            os.kill(next(w for w in fleet.placement if w["role"] == "train")["pid"], signal.SIGKILL)
         return train_step(batch, lr)
 
     return train
@@ -90,12 +94,13 @@ def main() -> int:
     kills = {
         int(k.lstrip("s")): signal.SIGSTOP if k[0] == "s" else signal.SIGKILL
         for k in sys.argv[3].split(",")
-        if k[0] != "t"
+        if k[0] not in "tr-"
     }
     train_kills = {int(k[1:]) for k in sys.argv[3].split(",") if k.startswith("t")}
+    rank_kills = {int(k[1:]) for k in sys.argv[3].split(",") if k.startswith("r")}
     plan = make_plan(compose_config(sys.argv[4:]))
     (out / "run").mkdir(parents=True, exist_ok=True)
-    calls: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []  # a resume's calls go to calls-resumed.json
     start = Fleet.start.__func__  # type: ignore[attr-defined]
 
     def start_more(cls: type[Fleet], *args: Any, **kwargs: Any) -> Fleet:
@@ -109,7 +114,7 @@ def main() -> int:
             fleet.engines.append(spawn(0))
             fleet.placement.append(ray.get(fleet.engines[-1].where.remote()))
         fleet.generate_stream = watched(fleet, kills, calls)  # type: ignore[method-assign]
-        fleet.train_step = killing_trains(fleet, train_kills)  # type: ignore[method-assign]
+        fleet.train_step = killing_trains(fleet, train_kills, rank_kills)  # type: ignore[method-assign]
         return fleet
 
     Fleet.start = classmethod(start_more)  # type: ignore[method-assign, assignment]
@@ -119,7 +124,8 @@ def main() -> int:
         print(f"hpcrl: error: {exc}", file=sys.stderr)
         return 2
     finally:
-        (out / "calls.json").write_text(json.dumps(calls))
+        name = "calls-resumed.json" if (out / "calls.json").exists() else "calls.json"
+        (out / name).write_text(json.dumps(calls))
     return 0
 
 

@@ -42,6 +42,8 @@ def _node(tmp: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
         sys.executable,
         "-m",
         "hpcrl.launch.reaper",
+        "--hold-term",  # as ray_cluster.start_node starts it in a job
+        "1",
         "--",
         sys.executable,
         "-m",
@@ -140,15 +142,20 @@ def test_head_and_worker_register_and_a_dead_raylet_stops_its_node():
         assert "Ray process died: raylet" in (tmp / "worker.log").read_text()
         assert [pid for pid, _ in worker_group if _alive(pid)] == []
 
-        head.send_signal(signal.SIGTERM)  # what a node task's _stop does
-        assert head.wait(timeout=30) == 128 + signal.SIGTERM
+        for pid, _ in head_group:  # scancel's SIGTERM reaches every process: Ray rides it out
+            os.kill(pid, signal.SIGTERM)
+        head.send_signal(signal.SIGTERM)
+        time.sleep(2)
+        assert head.poll() is None and all(_alive(pid) for pid, _ in head_group), head_group
+        head.send_signal(signal.SIGINT)  # what a node task's _stop does
+        assert head.wait(timeout=30) == 128 + signal.SIGINT
         alive = [pid for pid, _ in head_group if _alive(pid)]
         assert alive == []  # GCS, raylet, agents: the whole group
-    finally:  # also when an assertion failed: the reaper stops its launcher's group on SIGTERM
+    finally:  # also when an assertion failed: the reaper stops its launcher's group on SIGINT
         leftovers = [pid for name in ("head", "worker") for pid, _ in _group_of(tmp, name)]
         for proc in (head, worker):
             if proc.poll() is None:
-                proc.terminate()
+                proc.send_signal(signal.SIGINT)
                 try:
                     proc.wait(timeout=15)
                 except subprocess.TimeoutExpired:

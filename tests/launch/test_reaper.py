@@ -117,3 +117,27 @@ def test_a_watched_process_ending_stops_the_group_though_the_parent_lives():
     assert reaper.wait(timeout=15) == 128 + signal.SIGTERM
     assert _gone(grandchild, within_s=5)
     shell.wait()
+
+
+def test_held_sigterm_leaves_ray_running_and_sigint_stops_it():
+    """``--hold-term 1`` (a Slurm job's Ray): scancel's SIGTERM reaches every process of the step; the
+    reaper and its command ride it out (the driver is saving), even a grandchild that installs its own
+    SIGTERM handler as Ray's processes do; the node task's SIGINT then stops the whole group."""
+    handler = "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))"
+    cmd = f'{sys.executable} -c "import signal, sys, time; {handler}; time.sleep(300)" & echo $!; wait'
+    reaper = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.launch.reaper", "--hold-term", "1", "--", "bash", "-c", cmd],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert reaper.stdout is not None
+    grandchild = int(reaper.stdout.readline())
+    time.sleep(1.0)  # the grandchild's handler is in
+    for _ in range(2):  # Slurm signals a cancelled step more than once
+        for pid in (reaper.pid, grandchild):
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(0.3)
+    assert reaper.poll() is None and not _gone(grandchild, within_s=0.5)
+    reaper.send_signal(signal.SIGINT)
+    assert reaper.wait(timeout=15) == 128 + signal.SIGINT
+    assert _gone(grandchild, within_s=5)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -230,17 +231,32 @@ def test_state_falls_back_to_scontrol_without_accounting(monkeypatch):
     assert lifecycle.job_state("7") == "CANCELLED"
 
 
-def test_usr2_saves_the_current_step_requeues_and_the_next_attempt_resumes_there(slurm_cluster, tmp_path):
+def _rows(metrics: Path) -> list[dict]:
+    return [json.loads(r) for r in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
+def _wait_for_row(metrics: Path, job_id: str, run_dir: Path, done: Callable[[list[dict]], bool]) -> None:
+    deadline = time.monotonic() + 300
+    while not done(_rows(metrics)):
+        assert time.monotonic() < deadline, "no training step within 300 s"
+        state = lifecycle.job_state(job_id, run_dir)
+        assert state.split()[0] in lifecycle.ACTIVE, state  # a requeue passes through COMPLETING
+        time.sleep(0.2)
+
+
+def test_usr2_saves_requeues_and_resumes_there_then_sigterm_saves_and_stops(slurm_cluster, tmp_path):
     """The time-limit/preemption signal (USR2, what `--signal=USR2@...` sends) mid-run: the driver
     checkpoints the step it is in (no checkpoint is due: period 100), submitit requeues the job, and
-    the next attempt brings Ray up again and resumes from exactly that step. Issue 38 item 4: the job is
+    the next attempt brings Ray up again and resumes from exactly that step. Then scancel's SIGTERM
+    (issue 37 item 5; Slurm sends it to every process of the job, Ray's too): the driver saves the step
+    it is in and the job ends with 143 and one line, not requeued. Issue 38 item 4: the job is
     heterogeneous (the rollout node from another partition than the training node, a component each):
-    the signal, the requeue and Ray work across the components."""
+    the signals, the requeue and Ray work across the components. One job for both: CI time."""
     result = run_cli(
         "submit",
         "+experiment=grpo-tiny-2n1g-fsdp-hetjob",
         f"run.output_root={tmp_path}",
-        "algo.max_steps=12",
+        "algo.max_steps=40",
         "checkpoint.period=100",
         "algo.val_period=4",
         "algo.num_prompts_per_step=16",
@@ -249,33 +265,41 @@ def test_usr2_saves_the_current_step_requeues_and_the_next_attempt_resumes_there
     job_id = re.search(r"^job\s+(\d+)", result.stdout, re.M).group(1)
     run_dir = lifecycle.run_dir_of(job_id, tmp_path)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (
-        metrics.exists() and any(json.loads(r)["step"] >= 1 for r in metrics.read_text().splitlines())
-    ):
-        assert time.monotonic() < deadline, "no training step within 300 s"
-        assert lifecycle.job_state(job_id, run_dir) in ("PENDING", "RUNNING"), lifecycle.job_state(
-            job_id, run_dir
-        )
-        time.sleep(0.5)
+    _wait_for_row(metrics, job_id, run_dir, lambda rows: any(r["step"] >= 1 for r in rows))
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-    logged = max(json.loads(r)["step"] for r in metrics.read_text().splitlines())  # steps done at the signal
+    logged = max(r["step"] for r in _rows(metrics))  # steps done at the signal
+    ready_again = run_dir / "ray" / f"ready-{job_id}.r1.json"  # a second attempt bootstrapped Ray
+    # USR2 saved logged + 1 or + 2 (see below): logged + 3 was trained by the second attempt
+    _wait_for_row(
+        metrics, job_id, run_dir, lambda rows: ready_again.exists() and rows[-1]["step"] > logged + 2
+    )
+    subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
+    term_at = max(r["step"] for r in _rows(metrics))
     state = lifecycle.wait(job_id, run_dir, timeout_s=480)
     logs = run_cli("logs", job_id, "--root", str(tmp_path)).stdout
-    assert state == "COMPLETED", (state, logs[-3000:])
-    assert (run_dir / "ray" / f"ready-{job_id}.r1.json").exists()  # a second attempt bootstrapped Ray
     saved = int(re.search(r"stopping after step (\d+) on the scheduler's warning signal", logs).group(1))
-    assert logged <= saved < 12 and f"saved step {saved}; requeueing" in logs, (logged, logs[-3000:])
+    assert logged <= saved < 40 and f"saved step {saved}; requeueing" in logs, (logged, logs[-3000:])
     # The driver stops after the step in flight when the handler asks, not when the test sent the signal
     # (slurmctld's delivery takes about as long as a 0.3 s step here). The head task prints both, in order:
     # k, the last step printed before the ask; k+1 was in flight, unless its end had already read "not
     # asked" (then k+2 saves).
     head = logs[: logs.index("warning signal: saving after the current step")]
-    before = [int(s) for s in re.findall(r"\] step +(\d+)/12 \|", head)]
+    before = [int(s) for s in re.findall(r"\] step +(\d+)/40 \|", head)]
     assert saved in (before[-1] + 1, before[-1] + 2), (before, saved, logs[-3000:])
     assert re.search(rf"resumed from \S+step_{saved:06d} \(step {saved}\)", logs), logs[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == 12
+    # SIGTERM: saved after the step in flight, one line, exit 143 (a person stopped it: no requeue)
+    stopped = re.search(
+        r"hpcrl: stopped after step (\d+) on SIGTERM \(scancel or kill\); its checkpoint is saved", logs
+    )
+    assert stopped and state.startswith("FAILED"), (state, logs[-3000:])
+    last = int(stopped.group(1))
+    assert term_at <= last < 40 and (run_dir / "checkpoints" / f"step_{last:06d}").is_dir(), (term_at, last)
+    assert not (run_dir / "ray" / f"ready-{job_id}.r2.json").exists()
+    assert "Traceback" not in logs[logs.index("SIGTERM (scancel or kill): saving") :], logs[-3000:]
+    assert "task 0: Exited with exit code 143" in logs, logs[-3000:]  # the head's, as srun saw it
+    rows = _rows(metrics)
+    # each step once (0: the validation before the first)
+    assert rows[-1]["step"] == last and [r["step"] for r in rows] == list(range(last + 1))
     parts = subprocess.run(
         ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,Partition"],
         capture_output=True,
