@@ -43,6 +43,8 @@ def show_plan(plan: Plan, console: Console, sbatch: dict[str, Any] | None = None
     console.print(_nodes(plan))
     console.print(_parallelism(plan))
     console.print(_memory(plan))
+    if plan.judge is not None:
+        console.print(escape(f"judge: {plan.judge.line()}"))
     if plan.sleep is not None:
         how = "explicit" if plan.sleep.explicit else "auto"
         console.print(f"rollout.sleep={str(plan.sleep.value).lower()} ({how}: {plan.sleep.reason})")
