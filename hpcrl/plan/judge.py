@@ -64,6 +64,11 @@ class JudgePlan:
 def plan_judge(cfg: RunConfig, on_gpus: bool) -> JudgePlan | None:
     """The judges' plan (None: no ``rewards.judge``); ConfigError when they do not fit."""
     s = cfg.rewards.judge
+    if cfg.cluster.judge_node is not None and (s is None or not s.nodes):
+        raise ConfigError(
+            "cluster.judge_node describes judge nodes, and this run has none: set rewards.judge.nodes >= 1, "
+            "or remove cluster.judge_node"
+        )
     if s is None:
         return None
     model = catalog_model(s.model, "rewards.judge.model")
@@ -110,6 +115,11 @@ def plan_judge(cfg: RunConfig, on_gpus: bool) -> JudgePlan | None:
 
 def _nodes(cfg: RunConfig, s: JudgeConfig, gpus: int) -> int:
     """``rewards.judge.nodes``, checked against the machine (a local run has one) and the engines' GPUs."""
+    if s.nodes and cfg.cluster.scheduler is Scheduler.kuberay:
+        raise ConfigError(
+            f"rewards.judge.nodes={s.nodes}: judge nodes are a Slurm job's role; on '{cfg.cluster.name}' "
+            "(kuberay) set rewards.judge.nodes=0"
+        )
     if s.nodes and cfg.cluster.scheduler is Scheduler.local:
         raise ConfigError(
             f"rewards.judge.nodes={s.nodes}: a local run has one machine, which the judges share: "

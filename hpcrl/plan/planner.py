@@ -67,6 +67,15 @@ class Plan:
     """The judge engines (``rewards.judge``, plan/judge.py); None: no judge."""
 
     @property
+    def job_nodes(self) -> int:
+        """The job's nodes: the topology's and the judges' own (``rewards.judge.nodes``)."""
+        return self.topology.nodes + (self.judge.nodes if self.judge is not None else 0)
+
+    def node_roles(self) -> list[str]:
+        """Each node's role by index: the topology's (``Topology.node_roles``), then the judge nodes."""
+        return self.topology.node_roles() + ["judge"] * (self.judge.nodes if self.judge is not None else 0)
+
+    @property
     def problems(self) -> list[str]:
         return [*self.memory.problems, *self.nvlink.problems]
 

@@ -15,13 +15,10 @@ from hpcrl.plan.judge import JudgePlan
 from hpcrl.plan.planner import Plan
 from hpcrl.rewards.judge import JudgedScorer, Verifiers
 from hpcrl.rollout.config import VLLMRolloutConfig
-from hpcrl.run.actors import RolloutActor
+from hpcrl.run.actors import JUDGE_RESOURCE, RolloutActor
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
-
-JUDGE_RESOURCE = "hpcrl_judge"
-"""Advertised by the judge nodes (``rewards.judge.nodes``), one unit a GPU: judge engines ask for it."""
 
 
 class JudgeActor(RolloutActor):
@@ -137,6 +134,7 @@ def judged(
     model_dir = prepare(replace(plan, cfg=replace(plan.cfg, model=judge.model)))
     say(f"starting {judge.settings.engines} judge engine(s) of {judge.model.name}")
     group = JudgeGroup.start(plan, model_dir, scratch, on_gpus=on_gpus(plan.cfg.cluster))
+    say(f"judges on {', '.join(sorted({str(w['host']) for w in group.where()}))}")
     yield JudgedScorer(pool, group.replies, judge.settings)
     # the run ended well (a failed one is left as it failed): say where the judges ran, and check them
     unchanged = group.unchanged()
