@@ -1,7 +1,9 @@
 """``hpcrl plot``'s time-split panel: where each step's seconds went, one stacked area a phase
 (generate, environment, judge, train, then the rest a run logged), so the parts' height is the step.
 Phases that hold others (``time/step``; ``time/rollout``, which is generate + environment + judge;
-``time/ref_logprobs``, inside train) are left out of the stack: they would count twice."""
+``time/ref_logprobs``, inside train) are left out of the stack: they would count twice. With
+``algo.max_staleness`` >= 1 the batch (generate, environment, judge) was made beside the training, so
+there the stack is each phase's own seconds, more than the step's."""
 
 from __future__ import annotations
 
