@@ -97,14 +97,12 @@ class JudgeGroup:
 
         s, k = self.plan.settings, len(self.actors)
         max_prompt = self.plan.max_model_len - s.max_new_tokens
+        shares = spread(prompts, k)
         refs = [
-            a.replies.remote(prompts[i::k], s.max_new_tokens, max_prompt) for i, a in enumerate(self.actors)
+            a.replies.remote(p, s.max_new_tokens, max_prompt)
+            for a, p in zip(self.actors, shares, strict=True)
         ]
-        parts = ray.get(refs)
-        out = [""] * len(prompts)
-        for i, part in enumerate(parts):
-            out[i::k] = part
-        return out
+        return gathered(ray.get(refs), len(prompts))
 
     def where(self) -> list[dict[str, Any]]:
         import ray
@@ -116,6 +114,19 @@ class JudgeGroup:
         import ray
 
         return bool(ray.get([a.weights_digest.remote() for a in self.actors]) == self.digest)
+
+
+def spread(prompts: list[str], k: int) -> list[list[str]]:
+    """Engine ``i``'s share of a batch: prompts ``i::k`` (a batch's long and short prompts mixed)."""
+    return [prompts[i::k] for i in range(k)]
+
+
+def gathered(parts: list[list[str]], n: int) -> list[str]:
+    """The engines' replies (``spread``'s shares) back in the batch's order."""
+    out = [""] * n
+    for i, part in enumerate(parts):
+        out[i :: len(parts)] = part
+    return out
 
 
 @contextmanager

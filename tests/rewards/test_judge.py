@@ -13,6 +13,7 @@ from hpcrl.rewards.config import JudgeConfig, RewardsConfig
 from hpcrl.rewards.judge import JudgedScorer, judge_prompt, mixed, parse_score
 from hpcrl.rewards.pool import RewardPool, Task
 from hpcrl.rewards.verifiers import Outcome, Verdict
+from hpcrl.run.judges import gathered, judge_engine_config, spread
 from hpcrl.run.timesplit import generate_seconds, scorer_stats
 from tests.conftest import JOB_DOWNLOADS, SITE
 
@@ -146,3 +147,22 @@ def test_on_gpus_judges_get_nodes_of_their_own_sized_by_memory():
             "rewards.judge.model=qwen3_8b",
             "rewards.judge.gpu_memory_utilization=0.1",
         )
+
+
+def test_a_batch_is_spread_over_the_judge_engines_and_gathered_in_order():
+    prompts = [f"p{i}" for i in range(7)]
+    shares = spread(prompts, 3)
+    assert shares == [["p0", "p3", "p6"], ["p1", "p4"], ["p2", "p5"]]
+    assert gathered([[p.upper() for p in share] for share in shares], 7) == [p.upper() for p in prompts]
+    assert gathered([[], []], 0) == [] and spread(["a"], 2) == [["a"], []]
+
+
+def test_a_judge_engine_loads_its_checkpoint_and_never_sleeps_nor_routes():
+    plan = _plan()
+    cfg = judge_engine_config(plan.cfg, plan.judge)
+    assert cfg.rollout.backend == "vllm" and cfg.rollout.load_format == "auto"
+    assert cfg.rollout.sleep is False and cfg.rollout.logprobs is False and not cfg.trainer.router_replay
+    assert (cfg.rollout.max_num_seqs, cfg.rollout.max_new_tokens) == (512, 4)  # the recipe's judge keys
+    assert (
+        plan.cfg.rollout.max_num_seqs == 512 and plan.cfg.rollout.max_new_tokens == 8
+    )  # the policy's, untouched
