@@ -190,7 +190,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from hpcrl.launch.submit import submit
 
     done = submit(plan, hold_s=args.hold, smoke=args.smoke)
-    print(f"job     {done.job_id}  ({plan.topology.nodes} node(s) on {plan.cfg.cluster.name})")
+    print(f"job     {done.job_id}  ({plan.job_nodes} node(s) on {plan.cfg.cluster.name})")
     print(f"run dir {done.run_dir}")
     for path in done.logs:
         print(f"log     {path}")
@@ -267,14 +267,14 @@ def cmd_debug(args: argparse.Namespace) -> int:
         here.check_free(alloc.job_id, Path(plan.cfg.run.output_root))
         job_id = alloc.job_id
         run_dir, ended, stop = here.start_here(plan, alloc, watch_pid=os.getppid())
-        where = f"debug session in your allocation, {plan.topology.nodes} of its {len(alloc.hosts)} node(s)"
+        where = f"debug session in your allocation, {plan.job_nodes} of its {len(alloc.hosts)} node(s)"
         held = "held until you leave this shell, the allocation ends or you stop it"
     else:
         from hpcrl.launch.submit import submit
 
         done = submit(plan, debug=True)
         job_id, run_dir = done.job_id, done.run_dir
-        where = f"debug session, {plan.topology.nodes} node(s) on {plan.cfg.cluster.name}"
+        where = f"debug session, {plan.job_nodes} node(s) on {plan.cfg.cluster.name}"
     root = plan.cfg.run.output_root
     print(f"job     {job_id}  ({where})")
     print(f"run dir {run_dir}")
@@ -287,7 +287,7 @@ def cmd_debug(args: argparse.Namespace) -> int:
             if stop:  # nothing of a session that never came up stays in the user's allocation
                 stop()
             raise
-        hosts = node_hosts(run_dir, plan.topology.nodes)
+        hosts = node_hosts(run_dir, plan.job_nodes)
         print(f"ready   Ray up on {', '.join(hosts)} after {ready['seconds']:.0f}s; {held}")
     print(f"attach  hpcrl attach {job_id} --root {root}        (shell on the head node)")
     print(f"run     hpcrl run --job {job_id} --root {root} {' '.join(args.overrides)}")

@@ -14,7 +14,7 @@ from enum import StrEnum
 from typing import Any
 
 from hpcrl.config.kube import KubeSite
-from hpcrl.config.roles import RolloutNodes
+from hpcrl.config.roles import JudgeNodes, RolloutNodes
 from hpcrl.config.slurmtime import parse_slurm_time
 from hpcrl.core.checks import MISSING, non_negative, positive
 from hpcrl.errors import ConfigError
@@ -123,6 +123,8 @@ class ClusterConfig:
     kube: KubeSite = field(default_factory=KubeSite)
     rollout_node: RolloutNodes | None = None
     """Rollout nodes of another kind (partition, GPU, time): the job becomes a heterogeneous Slurm job."""
+    judge_node: JudgeNodes | None = None
+    """Judge nodes (``rewards.judge.nodes``) of another kind: a component of the heterogeneous job."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment for every task (NCCL settings and the like). Never put secrets here."""
     setup: list[str] = field(default_factory=list)
@@ -147,13 +149,14 @@ class ClusterConfig:
         self.slurm.time_minutes()
         self.slurm.check_extra_sbatch()
         self.bootstrap.check()
-        if self.rollout_node is not None:
-            self.rollout_node.check()
-            if self.scheduler is not Scheduler.slurm:
-                raise ConfigError(
-                    "cluster.rollout_node describes a Slurm heterogeneous job; cluster "
-                    f"'{self.name}' is {self.scheduler.value}: remove cluster.rollout_node"
-                )
+        for node in (self.rollout_node, self.judge_node):
+            if node is not None:
+                node.check()
+                if self.scheduler is not Scheduler.slurm:
+                    raise ConfigError(
+                        f"{node.KEY} describes a Slurm heterogeneous job; cluster "
+                        f"'{self.name}' is {self.scheduler.value}: remove {node.KEY}"
+                    )
         for mount in self.container.mounts:
             if ":" not in mount:
                 raise ConfigError(f"cluster.container.mounts entry '{mount}' must be 'src:dst'")

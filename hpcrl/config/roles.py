@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from hpcrl.config.slurmtime import parse_slurm_time
 from hpcrl.core.checks import positive
@@ -16,6 +17,8 @@ class RolloutNodes:
     a node over both and Ray spans them. A key left None is the training nodes' value. The GPU count
     per node is the training nodes' (engines and trainer ranks are placed one per GPU slot)."""
 
+    KEY: ClassVar[str] = "cluster.rollout_node"
+
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -28,8 +31,17 @@ class RolloutNodes:
 
     def check(self) -> None:
         if self.gpu_memory_gb is not None:
-            positive("cluster.rollout_node.gpu_memory_gb", self.gpu_memory_gb)
+            positive(f"{self.KEY}.gpu_memory_gb", self.gpu_memory_gb)
         if self.cpus_per_node is not None:
-            positive("cluster.rollout_node.cpus_per_node", self.cpus_per_node)
+            positive(f"{self.KEY}.cpus_per_node", self.cpus_per_node)
         if self.time is not None:
-            parse_slurm_time(self.time, "cluster.rollout_node.time")
+            parse_slurm_time(self.time, f"{self.KEY}.time")
+
+
+@dataclass
+class JudgeNodes(RolloutNodes):
+    """The judge nodes' own kind (``cluster.judge_node``, with ``rewards.judge.nodes`` >= 1): their
+    component of the heterogeneous job, the same keys as ``cluster.rollout_node``; the judges' GPU
+    memory is ``gpu_memory_gb`` here (None: the training nodes')."""
+
+    KEY: ClassVar[str] = "cluster.judge_node"

@@ -95,7 +95,7 @@ def attach_argv(job_id: str, meta: dict[str, Any], host: str, command: list[str]
 
 
 def check_fits_allocation(plan: Plan, job_id: str, meta: dict[str, Any]) -> None:
-    roles = plan.topology.node_roles()
+    roles = plan.node_roles()
     if roles != meta["roles"]:
         raise HpcrlError(
             f"this config needs {len(roles)} node(s) with roles {roles}, but debug job {job_id} holds "

@@ -96,7 +96,7 @@ def allocation(env: Mapping[str, str]) -> Allocation:
 
 def check_fits(plan: Plan, alloc: Allocation) -> None:
     """Refuse a plan that needs more nodes or GPUs per node than the allocation holds (fewer is fine)."""
-    nodes, gpus = plan.topology.nodes, plan.cfg.cluster.gpus_per_node
+    nodes, gpus = plan.job_nodes, plan.cfg.cluster.gpus_per_node
     short = []
     if nodes > len(alloc.hosts):
         short.append(f"{nodes - len(alloc.hosts)} node(s)")
@@ -132,7 +132,7 @@ def srun_script(plan: Plan, alloc: Allocation, run_dir: Path) -> str:
     """The shell script that starts the session's Ray step: the sbatch script's set-up lines, then srun."""
     from hpcrl.launch.sbatch import setup_lines, srun_args
 
-    cluster, nodes = plan.cfg.cluster, plan.topology.nodes
+    cluster, nodes = plan.cfg.cluster, plan.job_nodes
     logs = run_dir / SUBMITIT_DIR / "%j_%t_log"  # the names `hpcrl logs` reads (submitit's)
     flags = [
         f"--jobid={alloc.job_id}",
@@ -181,7 +181,7 @@ def write_session(plan: Plan, alloc: Allocation) -> Path:
     (run_dir / SUBMITIT_DIR).mkdir(parents=True, exist_ok=True)
     write_resolved_config(cfg, run_dir)
     make_token(run_dir)
-    roles = plan.topology.node_roles()
+    roles = plan.node_roles()
     task = NodeTask(
         str(run_dir),
         roles,

@@ -1,23 +1,23 @@
-"""Heterogeneous Slurm jobs: rollout nodes of another kind (``cluster.rollout_node``) as a component of their own.
+"""Heterogeneous Slurm jobs: rollout nodes (``cluster.rollout_node``) or judge nodes (``cluster.judge_node``)
+of another kind, each role's nodes a component of their own (``plan/components.py`` says which).
 
-submitit writes one block of ``#SBATCH`` options for the whole job; when the rollout nodes differ from the
+submitit writes one block of ``#SBATCH`` options for the whole job; when some nodes differ from the
 training nodes (partition, GPU, time ...), ``het_sbatch`` splits that block into components separated by
-``#SBATCH hetjob``: the job-wide options (name, output, signal, requeue) stay first, then the rollout
-component's per-node options, then the training component's. srun starts one task a node over both
-components (``--het-group``), rollout nodes first, so node 0 (the Ray head and the driver) is a rollout
-node exactly as in a homogeneous split job, and each task finds its role by ``SLURM_NODEID`` as before.
+``#SBATCH hetjob``: the job-wide options (name, output, signal, requeue) stay first, then each
+component's per-node options in node order: rollout nodes (a split layout), training nodes, judge nodes.
+srun starts one task a node over all of them (``--het-group``), so node 0 (the Ray head and the driver)
+is the node it is in a homogeneous job, and each task finds its role by ``SLURM_NODEID`` as before.
 Tried on the namespace test cluster: in such a step every task sees the leader's ``SLURM_JOB_ID`` (so
 submitit finds its pickles), a global ``SLURM_PROCID`` and ``SLURM_NODEID`` in component order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from hpcrl.config.roles import RolloutNodes
 from hpcrl.config.slurmtime import parse_slurm_time
-from hpcrl.plan.planner import Plan
-from hpcrl.plan.topology import Placement
+from hpcrl.plan.components import Component, components
+
+__all__ = ["components", "het_sbatch", "srun_het_groups"]
 
 PER_COMPONENT = (
     "account",
@@ -36,45 +36,24 @@ PER_COMPONENT = (
 requeue) are the job's and go before the first component."""
 
 
-@dataclass(frozen=True)
-class Components:
-    """The job's components in srun's order: the rollout nodes' options, then the training nodes'."""
-
-    rollout_nodes: int
-    train_nodes: int
-    rollout: RolloutNodes
-
-
-def components(plan: Plan) -> Components | None:
-    """The components of a heterogeneous job, or None when every node is of one kind."""
-    node, topo = plan.cfg.cluster.rollout_node, plan.topology
-    if node is None or topo.placement is not Placement.SPLIT:
-        return None
-    return Components(topo.rollout_nodes, topo.train_nodes, node)
-
-
-def srun_het_groups(parts: Components | None) -> list[str]:
+def srun_het_groups(parts: list[Component] | None) -> list[str]:
     """srun's flag that starts the step on every component (none for a homogeneous job)."""
-    return [] if parts is None else ["--het-group=0,1"]
+    return [] if parts is None else [f"--het-group={','.join(str(i) for i in range(len(parts)))}"]
 
 
-def het_sbatch(text: str, parts: Components) -> str:
-    """submitit's script ``text`` with its per-node options split into the two components."""
+def het_sbatch(text: str, parts: list[Component]) -> str:
+    """submitit's script ``text`` with its per-node options split into the components."""
     lines = text.splitlines()
     options = [i for i, line in enumerate(lines) if line.startswith("#SBATCH --")]
     own = {_name(lines[i]): lines[i] for i in options if _name(lines[i]) in PER_COMPONENT}
-    train = dict(own, nodes=f"#SBATCH --nodes={parts.train_nodes}")
-    rollout = dict(own, nodes=f"#SBATCH --nodes={parts.rollout_nodes}")
-    rollout.update(_rollout_overrides(parts.rollout))
     job = [lines[i] for i in options if _name(lines[i]) not in PER_COMPONENT]
-    block = [
-        *job,
-        "# component 0: the rollout nodes (node 0 is the Ray head)",
-        *(rollout[k] for k in sorted(rollout)),
-        "#SBATCH hetjob",
-        "# component 1: the training nodes",
-        *(train[k] for k in sorted(train)),
-    ]
+    block = list(job)
+    for i, part in enumerate(parts):
+        keys = dict(own, nodes=f"#SBATCH --nodes={part.nodes}")
+        keys.update(_overrides(part.kind) if part.kind is not None else {})
+        head = " (node 0 is the Ray head)" if i == 0 else ""
+        block += ["#SBATCH hetjob"] if i else []
+        block += [f"# component {i}: the {part.what}{head}", *(keys[k] for k in sorted(keys))]
     first, last = options[0], options[-1]
     return "\n".join([*lines[:first], *block, *lines[last + 1 :]]) + ("\n" if text.endswith("\n") else "")
 
@@ -83,13 +62,13 @@ def _name(line: str) -> str:
     return line[len("#SBATCH --") :].split("=", 1)[0]
 
 
-def _rollout_overrides(node: RolloutNodes) -> dict[str, str]:
+def _overrides(node: RolloutNodes) -> dict[str, str]:
     values = {
         "partition": node.partition,
         "account": node.account,
         "qos": node.qos,
         "constraint": node.constraint,
         "cpus-per-task": node.cpus_per_node,
-        "time": None if node.time is None else parse_slurm_time(node.time, "cluster.rollout_node.time"),
+        "time": None if node.time is None else parse_slurm_time(node.time, f"{node.KEY}.time"),
     }
     return {k: f"#SBATCH --{k}={v}" for k, v in values.items() if v is not None}

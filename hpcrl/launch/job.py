@@ -81,13 +81,12 @@ def probe_placement(roles: list[str]) -> list[dict[str, Any]]:
     Actors (not tasks) hold their GPU while alive, so each lands on its own node."""
     import ray
 
-    from hpcrl.run.actors import ROLLOUT_RESOURCE, TRAIN_RESOURCE
+    from hpcrl.run.actors import JUDGE_RESOURCE, ROLLOUT_RESOURCE, TRAIN_RESOURCE
 
     actor_cls = ray.remote(num_cpus=0)(_Where)
+    resource = {"rollout": ROLLOUT_RESOURCE, "judge": JUDGE_RESOURCE}
     actors = [
-        actor_cls.options(
-            num_gpus=1, resources={ROLLOUT_RESOURCE if role == "rollout" else TRAIN_RESOURCE: 1}
-        ).remote()
+        actor_cls.options(num_gpus=1, resources={resource.get(role, TRAIN_RESOURCE): 1}).remote()
         for role in roles
     ]
     placement = list(ray.get([a.where.remote(role) for a, role in zip(actors, roles, strict=True)]))

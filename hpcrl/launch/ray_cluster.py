@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcrl.run.actors import ROLLOUT_RESOURCE, TRAIN_RESOURCE
+from hpcrl.run.actors import JUDGE_RESOURCE, ROLLOUT_RESOURCE, TRAIN_RESOURCE
 
 GCS_PORT = 1200
 NODE_MANAGER_PORT = 1301
@@ -91,6 +91,8 @@ def start_node(spec: NodeSpec, run_dir: Path, head_ip: str, job_id: str) -> subp
         role_resources[TRAIN_RESOURCE] = spec.gpus or 1
     if "rollout" in spec.role:
         role_resources[ROLLOUT_RESOURCE] = spec.gpus or 1
+    if spec.role == "judge":
+        role_resources[JUDGE_RESOURCE] = spec.gpus or 1
     # hpcrl.launch.ray_node: `ray start --block` without importing Ray's CLI (~2 s of CPU per node).
     cmd = [
         sys.executable,

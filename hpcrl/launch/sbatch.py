@@ -29,7 +29,7 @@ def slurm_parameters(plan: Plan, run_dir: Path | None = None) -> dict[str, Any]:
     site = cluster.slurm
     params: dict[str, Any] = {
         "job_name": cfg.run.name,
-        "nodes": plan.topology.nodes,
+        "nodes": plan.job_nodes,
         "ntasks_per_node": 1,
         "gpus_per_node": cluster.gpus_per_node,
         "cpus_per_task": cluster.cpus_per_node,
@@ -89,7 +89,7 @@ def setup_lines(plan: Plan) -> list[str]:
         lines = ["set -euo pipefail"]
     lines += [
         'ulimit -Sn "$(ulimit -Hn)" 2>/dev/null || true  # Ray opens many sockets per worker',
-        f"export HPCRL_ROLES={shlex.quote(','.join(plan.topology.node_roles()))}",
+        f"export HPCRL_ROLES={shlex.quote(','.join(plan.node_roles()))}",
         'export HPCRL_JOB_START="$(date +%s.%N)"  # the head reports seconds from here to "Ray ready"',
     ]
     if cfg.model.fetch != "job" and "HF_HUB_OFFLINE" not in cluster.env:
@@ -120,7 +120,7 @@ def make_executor(plan: Plan, run_dir: Path, *, offline: bool = False) -> Any:
 
         def _make_submission_file_text(self, command: str, uid: str) -> str:
             text = str(super()._make_submission_file_text(command, uid))
-            return text if parts is None else het_sbatch(text, parts)  # rollout nodes of their own kind
+            return text if parts is None else het_sbatch(text, parts)  # nodes of their own kind
 
     executor = Executor(
         folder=run_dir / SUBMITIT_DIR,

@@ -54,14 +54,14 @@ def submit(
     atomic_write_text(run_dir / "sbatch.sh", render_sbatch(plan, run_dir))
     task = NodeTask(
         str(run_dir),
-        plan.topology.node_roles(),
+        plan.node_roles(),
         None if smoke or debug else plan,
         hold_s=math.inf if debug else hold_s,
         bootstrap=cfg.cluster.bootstrap,
         expect=expect_from_plan(plan, run_dir=str(run_dir)),
     )
     job_id = submit_task(plan, run_dir, task, kept=f" Run dir kept: {run_dir}")
-    roles = plan.topology.node_roles()
+    roles = plan.node_roles()
     return record_job(plan, job_id, run_dir, roles, cfg.run.name, debug=debug)
 
 

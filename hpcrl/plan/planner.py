@@ -18,6 +18,7 @@ from hpcrl.plan.engine_defaults import (
     resolve_logprob_fraction,
     resolve_refit,
 )
+from hpcrl.plan.judge import JudgePlan, plan_judge
 from hpcrl.plan.layout import Layout, LayoutSearch, typed_layout_keys
 from hpcrl.plan.local_gpu import resolve_local_gpu
 from hpcrl.plan.memory import MemoryEstimate, estimate_memory
@@ -63,6 +64,17 @@ class Plan:
     """Engine settings the planner chose where the config left them unset, as ``hpcrl plan`` prints them."""
     refit: RefitChoice = GLOO_BROADCAST
     """How weights reach the engines after a step (``engine_defaults.resolve_refit``): the job runs this."""
+    judge: JudgePlan | None = None
+    """The judge engines (``rewards.judge``, plan/judge.py); None: no judge."""
+
+    @property
+    def job_nodes(self) -> int:
+        """The job's nodes: the topology's and the judges' own (``rewards.judge.nodes``)."""
+        return self.topology.nodes + (self.judge.nodes if self.judge is not None else 0)
+
+    def node_roles(self) -> list[str]:
+        """Each node's role by index: the topology's (``Topology.node_roles``), then the judge nodes."""
+        return self.topology.node_roles() + ["judge"] * (self.judge.nodes if self.judge is not None else 0)
 
     @property
     def problems(self) -> list[str]:
@@ -192,7 +204,10 @@ def make_plan(cfg: RunConfig, layout: Layout | None = None) -> Plan:
     nvlink = check_nvlink(topo, cfg.cluster.nvlink_domain_nodes, cfg.cluster.slurm.segment)
     memory = estimate_memory(cfg, topo, recompute=layout.recompute)
     refit = resolve_refit(cfg, topo)
-    return Plan(cfg, topo, memory, tuple(quirks), sleep, nvlink, engine_defaults=chosen, refit=refit)
+    judge = plan_judge(cfg, on_gpus(cfg.cluster))
+    return Plan(
+        cfg, topo, memory, tuple(quirks), sleep, nvlink, engine_defaults=chosen, refit=refit, judge=judge
+    )
 
 
 def plan_from_overrides(overrides: list[str]) -> Plan:

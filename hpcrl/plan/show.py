@@ -13,6 +13,7 @@ from rich.text import Text
 from hpcrl.config.defaults import default_recipes
 from hpcrl.config.schema import RunConfig
 from hpcrl.data.config import is_procedural
+from hpcrl.plan.components import components
 from hpcrl.plan.planner import Plan, ShippedLayout, shipped_layouts
 from hpcrl.trainer.backends import trainer_spec
 
@@ -43,6 +44,8 @@ def show_plan(plan: Plan, console: Console, sbatch: dict[str, Any] | None = None
     console.print(_nodes(plan))
     console.print(_parallelism(plan))
     console.print(_memory(plan))
+    if plan.judge is not None:
+        console.print(escape(f"judge: {plan.judge.line()}"))
     if plan.sleep is not None:
         how = "explicit" if plan.sleep.explicit else "auto"
         console.print(f"rollout.sleep={str(plan.sleep.value).lower()} ({how}: {plan.sleep.reason})")
@@ -117,7 +120,7 @@ def _table(title: str, *columns: str) -> Table:
 def _nodes(plan: Plan) -> Table:
     topo = plan.topology
     nodes = _table(
-        f"Nodes: {topo.nodes} x {topo.gpus_per_node} GPUs, {topo.placement.value}",
+        f"Nodes: {plan.job_nodes} x {topo.gpus_per_node} GPUs, {topo.placement.value}",
         "node",
         "role",
         "GPUs",
@@ -137,6 +140,10 @@ def _nodes(plan: Plan) -> Table:
             )
         where = str(first_node) if count == 1 else f"{first_node}-{last_node}"
         nodes.add_row(where, role, str(gpn) if count == 1 else f"{gpn} each", ", ".join(runs))
+    if plan.judge is not None and plan.judge.nodes:
+        first, last, s = topo.nodes, plan.job_nodes - 1, plan.judge.settings
+        where = str(first) if first == last else f"{first}-{last}"
+        nodes.add_row(where, "judge", str(gpn), f"{s.engines} judge engine(s) x TP{s.tp} in all (frozen)")
     return nodes
 
 
@@ -298,16 +305,9 @@ def _sbatch(plan: Plan, params: dict[str, Any]) -> Table:
             sb.add_row(key, f"{value} min" if key == "time" else str(value))
     for key, value in params["additional_parameters"].items():
         sb.add_row(key, str(value))
-    node = cfg.cluster.rollout_node
-    if node is not None and plan.topology.rollout_nodes:
-        # a heterogeneous job (launch/hetjob.py): the rollout nodes are component 0 with their own keys
-        own = {k: v for k, v in vars(node).items() if v is not None}
-        keys = ", ".join(f"{k} {v}" for k, v in own.items()) or "the training nodes' keys"
-        sb.add_row(
-            "hetjob",
-            f"component 0: {plan.topology.rollout_nodes} rollout node(s), {keys}; "
-            f"component 1: {plan.topology.train_nodes} training node(s)",
-        )
+    parts = components(plan)
+    if parts is not None:  # a heterogeneous job (launch/hetjob.py): each role's nodes with their own keys
+        sb.add_row("hetjob", "; ".join(f"component {i}: {c.line()}" for i, c in enumerate(parts)))
     sb.add_row("container", cfg.cluster.container.image or "(none)")
     for name in sorted(cfg.cluster.env):
         sb.add_row(f"env {name}", cfg.cluster.env[name])

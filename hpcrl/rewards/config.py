@@ -8,7 +8,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from hpcrl.core.checks import positive
+from hpcrl.core.checks import in_range, positive
 from hpcrl.errors import ConfigError
 
 CPUS_PER_PROCESS = 8
@@ -54,6 +54,69 @@ def default_processes(cpus: int) -> int:
     return max(MIN_PROCESSES, min(MAX_PROCESSES, cpus // CPUS_PER_PROCESS))
 
 
+JUDGE_PARSERS = ("number", "yes_no")
+"""How a judge's reply becomes a reward (``rewards/judge.py``'s ``parse_score``)."""
+JUDGE_FIELDS = ("prompt", "answer", "reference")
+"""What ``rewards.judge.template`` may name: the problem, the model's completion, the data set's answer."""
+
+
+@dataclass
+class JudgeConfig:
+    """An LLM judge (``rewards.judge``): a frozen model, served by vLLM engines of its own (never refit),
+    scores every sample of a step in one batch; its reward joins the verifier's (``weight``)."""
+
+    model: str = "tiny"
+    """The judge's model: a ``conf/model`` entry (its architecture sizes the judge's engines in the plan)."""
+    template: str = "{prompt}{answer}={reference}?"
+    """The judge's prompt, ``str.format`` with ``{prompt}``, ``{answer}`` (the completion) and
+    ``{reference}`` (the data set's answer); sent as plain text (no chat template)."""
+    parse: str = "number"
+    """``number``: the first number of the reply, divided by ``scale`` (clipped to [0, 1]); ``yes_no``:
+    a reply starting with yes is 1, with no 0. Anything else is unparsable: reward 0, counted in
+    ``judge/parse_failures``."""
+    scale: float = 10.0
+    """With ``parse=number``: the judge's top score (a reply of ``scale`` is reward 1)."""
+    weight: float = 1.0
+    """The judge's share of the reward: ``(1 - weight) * verifier + weight * judge`` (1: the judge's alone)."""
+    max_new_tokens: int = 8
+    """The judge's reply length (greedy)."""
+    engines: int = 1
+    """Judge engines; the step's samples are spread over them."""
+    tp: int = 1
+    """GPUs of one judge engine (tensor parallel)."""
+    nodes: int = 0
+    """Nodes of the judges' own (their engines placed there); 0: the judges share the run's machine,
+    which only a CPU run can (on GPUs the rollout engines and trainer ranks hold every GPU)."""
+    gpu_memory_utilization: float = 0.8
+    """Share of each judge GPU one engine takes (weights + KV cache)."""
+    max_num_seqs: int = 256
+    """Most samples one judge engine scores at once."""
+    max_model_len: int | None = None
+    """Judge prompt + reply, in tokens (longer prompts lose their start); None: the run's prompt and
+    completion (``max_seq_len``), 512 more for the template and the reference, and the reply, within the
+    judge model's ``max_position_embeddings``."""
+
+    def check(self) -> None:
+        if self.parse not in JUDGE_PARSERS:
+            raise ConfigError(f"rewards.judge.parse={self.parse!r} must be one of {', '.join(JUDGE_PARSERS)}")
+        try:
+            self.template.format(**dict.fromkeys(JUDGE_FIELDS, ""))
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(
+                f"rewards.judge.template names {exc} (or is not a format string): it may use only "
+                + ", ".join("{" + f + "}" for f in JUDGE_FIELDS)
+            ) from None
+        if not 0.0 <= self.weight <= 1.0:
+            raise ConfigError(f"rewards.judge.weight={self.weight} must be in [0, 1] (the judge's share)")
+        for key in ("scale", "max_new_tokens", "engines", "tp", "max_num_seqs"):
+            positive(f"rewards.judge.{key}", getattr(self, key))
+        if self.nodes < 0:
+            raise ConfigError(f"rewards.judge.nodes={self.nodes} must be >= 0 (0: on the run's machine)")
+        if self.max_model_len is not None:
+            positive("rewards.judge.max_model_len", self.max_model_len)
+        in_range("rewards.judge.gpu_memory_utilization", self.gpu_memory_utilization, 0.05, 0.98)
+
+
 @dataclass
 class RewardsConfig:
     processes: int | None = None
@@ -72,12 +135,16 @@ class RewardsConfig:
     start_timeout_s: float = 300.0
     """A reward process that has not started (imported its verifier and built its parsers) by then is
     broken, not slow: the run stops with an error that names the verifier."""
+    judge: JudgeConfig | None = None
+    """An LLM judge's reward (``rewards/judge.py``); None: the verifier's alone."""
 
     def process_count(self) -> int:
         """``processes``, or the default for this node's CPUs."""
         return self.processes if self.processes is not None else default_processes(available_cpus())
 
     def check(self) -> None:
+        if self.judge is not None:
+            self.judge.check()
         if self.processes is not None and self.processes < 1:
             raise ConfigError(
                 f"rewards.processes={self.processes} must be >= 1 (or null: derived from the node's CPUs)"

@@ -1,6 +1,6 @@
 """Ray actors: trainer ranks and rollout engines, placed on nodes by role resources.
 
-Every node advertises ``hpcrl_train`` and/or ``hpcrl_rollout`` resources (one unit per GPU of that
+Every node advertises ``hpcrl_train`` and/or ``hpcrl_rollout`` (or ``hpcrl_judge``) resources (one unit per GPU of that
 role); an actor asks for one unit of its role, so the topology decides where it lands.
 """
 
@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 TRAIN_RESOURCE = "hpcrl_train"
 ROLLOUT_RESOURCE = "hpcrl_rollout"
+JUDGE_RESOURCE = "hpcrl_judge"
+"""Advertised by the judge nodes (``rewards.judge.nodes``), one unit a GPU: judge engines ask for it."""
 
 
 def ray_node_ip() -> str:

@@ -118,6 +118,7 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
     from hpcrl.envs.episodes import multi_turn, private_paths
     from hpcrl.rewards.pool import RewardPool
     from hpcrl.run.engine_faults import EngineFailed, save_and_stop
+    from hpcrl.run.judges import judged
     from hpcrl.run.loop import train
     from hpcrl.run.overlap import train_overlapped
     from hpcrl.run.preempt import REQUEST, rearm
@@ -137,12 +138,13 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
         with (
             RewardPool(cfg.data.verifier, cfg.rewards, cfg.data.percent) as pool,
             multi_turn(cfg, actors, prep, private) as actors,
+            judged(plan, pool, run_dir, scratch, say, prepare_model) as scorer,
         ):
             say(
                 f"ready after {time.perf_counter() - started:.0f}s ({len(pool.slots)} reward processes); "
                 f"training {cfg.algo.max_steps} steps"
             )
-            run = prep.loop_run(cfg, actors, pool)
+            run = prep.loop_run(cfg, actors, scorer)
             try:
                 if cfg.algo.max_staleness:  # generation overlaps training (run/overlap.py)
                     last = train_overlapped(run, start_step=start_step, restored=restored)

@@ -37,6 +37,7 @@ from hpcrl.rollout.base import Completion, Prompt, SamplingSettings, spec_accept
 from hpcrl.run.checkpoint import CheckpointManager
 from hpcrl.run.metrics import console_line, sample_rows
 from hpcrl.run.preempt import REQUEST, WHY, Preempted
+from hpcrl.run.timesplit import generate_seconds, scorer_stats
 from hpcrl.run.vision import Encoded
 from hpcrl.trainer.batch import TrainBatch, build_batch
 
@@ -179,7 +180,7 @@ def collect(run: Run, step: int) -> tuple[Scored, torch.Tensor, dict[str, float]
     """One step's rollouts; with dynamic sampling, keep sampling until the batch holds enough
     informative groups (or the rounds run out: then the batch is smaller)."""
     cfg, algo = run.cfg, run.cfg.algo
-    want = algo.num_prompts_per_step
+    want, _ = algo.num_prompts_per_step, scorer_stats(run.pool)  # validation's judge figures are its own
     kept: list[Scored] = []
     kept_rewards: list[torch.Tensor] = []
     seen: list[Scored] = []
@@ -200,7 +201,7 @@ def collect(run: Run, step: int) -> tuple[Scored, torch.Tensor, dict[str, float]
             break
     merged = Scored.concat(kept, want)
     shaped = torch.cat(kept_rewards)[:want]
-    return merged, shaped, rollout_stats(seen, len(merged.examples))
+    return merged, shaped, rollout_stats(seen, len(merged.examples)) | scorer_stats(run.pool)
 
 
 def rollout_stats(seen: list[Scored], kept_groups: int) -> dict[str, float]:
@@ -329,8 +330,7 @@ class Rollouts:
     """Prompts, completions (with their versions), raw rewards, outcomes."""
     shaped: torch.Tensor
     metrics: dict[str, float]
-    seconds: float
-    """Generation and scoring."""
+    seconds: float  # generation and scoring
 
 
 class Batches(Protocol):
@@ -342,8 +342,7 @@ class Batches(Protocol):
         ...
 
     def before_refit(self, step: int, timer: Timer) -> None:
-        """After training, before the weights change: generation under way finishes first, unless
-        the weights may change under it."""
+        """After training, before the weights change: generation under way finishes first (unless it may)."""
         ...
 
 
@@ -371,6 +370,7 @@ def one_step(run: Run, step: int, batches: Batches) -> dict[str, float]:
     timer = Timer()
     got = batches.take(step, timer)
     metrics = dict(got.metrics)
+    metrics["time/generate"] = generate_seconds(got.seconds, metrics)  # the time split: run/timesplit.py
     batch = make_batch(run, got.scored, got.shaped)
     with timer("train"):  # the trainers' reference pass within it: time/ref_logprobs
         trained = actors.train_step(batch, lr_at(run.cfg.algo, step))

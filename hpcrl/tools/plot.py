@@ -8,7 +8,8 @@ the runs directly under it.
 
 Panels: reward, validation accuracy and length, loss, KL to the reference, the generator/trainer KL
 error (log scale), entropy, generated lengths, clip fraction, learning rate, then every ``time/*``
-phase and ``async/*`` staleness figure that a run logged. A panel that tells nothing is left out: no
+phase and ``async/*`` staleness figure that a run logged, and each run's time split stacked in one panel
+(``tools/timesplit.py``). A panel that tells nothing is left out: no
 run has a value for it, every value of every run is the same (a clip fraction of 0 with one
 minibatch, a constant learning rate), or a phase never took ``MIN_PHASE_S``. Noisy training curves
 (``SMOOTHED`` keys, at least ``SMOOTH_FROM`` points) are drawn faint under their running average. The
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from hpcrl.errors import HpcrlError
 from hpcrl.run.metrics import read_metrics
+from hpcrl.tools import timesplit
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,9 @@ class Panel:
     key: str
     title: str
     log: bool = False
+    stack: tuple[str, ...] = ()
+    """A time-split panel's phases (tools/timesplit.py), of run ``run``; empty: one curve a run."""
+    run: str = ""
 
 
 PANELS = (
@@ -105,7 +110,17 @@ def panels_for(runs: list[Run]) -> list[Panel]:
     keys = {k for k in every if informative(k, [v for r in runs for _, v in r.series.get(k, [])])}
     chosen = [p for p in PANELS if p.key in keys]
     extra = [k for prefix in EXTRA_PREFIXES for k in sorted(keys) if k.startswith(prefix)]
-    return chosen + [Panel(k, f"{k} (s)" if k.startswith("time/") else k) for k in extra]
+    split = [
+        Panel(
+            f"{timesplit.KEY}: {r.label}",
+            f"time split (s): {r.label}" if len(runs) > 1 else "time split (s)",
+            stack=stack,
+            run=r.label,
+        )
+        for r in runs
+        if len(stack := timesplit.phases(k for k in r.series if k in keys)) > 1
+    ]
+    return chosen + split + [Panel(k, f"{k} (s)" if k.startswith("time/") else k) for k in extra]
 
 
 def informative(key: str, values: list[float]) -> bool:
@@ -179,6 +194,8 @@ def write_png(runs: list[Run], panels: list[Panel], path: Path) -> None:
         rows, COLUMNS, figsize=(COLUMNS * w / DPI, rows * h / DPI), dpi=DPI, squeeze=False
     )
     for ax, panel in zip(axes.flat, panels, strict=False):
+        if panel.stack:
+            timesplit.draw(ax, _run(runs, panel).series, panel.stack, list(PALETTE))
         for i, run in enumerate(runs):
             points = run.series.get(panel.key, [])
             if points:
@@ -211,6 +228,10 @@ PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e
 
 def _color(i: int) -> str:
     return PALETTE[i % len(PALETTE)]
+
+
+def _run(runs: list[Run], panel: Panel) -> Run:
+    return next(r for r in runs if r.label == panel.run)
 
 
 # -- HTML: inline SVG, no scripts from anywhere -----------------------------------------------------------
@@ -257,6 +278,10 @@ def svg_panel(runs: list[Run], panel: Panel) -> str:
     """One panel as an SVG: a polyline per run (hover: the run and its last value), axis ranges."""
     import math
 
+    if panel.stack:
+        return timesplit.svg_panel(
+            panel.title, panel.key, _run(runs, panel).series, panel.stack, list(PALETTE), PANEL_PX
+        )
     w, h = PANEL_PX
     left, right, top, bottom = 56, 12, 24, 30
     every = [(s, v) for r in runs for s, v in r.series.get(panel.key, [])]

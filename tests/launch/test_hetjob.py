@@ -48,6 +48,45 @@ def test_rollout_nodes_of_their_own_kind_are_component_0_of_a_hetjob():
     assert "export HPCRL_ROLES=rollout,train,train" in text  # node 0, the head, is component 0's
 
 
+def test_judge_nodes_of_their_own_kind_are_the_last_component():
+    """Issue 38 item 4, judges: rollout, training and judge nodes, three components in node order; the
+    judge nodes' own keys, srun over all three, the judge node's role last."""
+    judge = "+experiment=grpo-tiny-3n1g-fsdp-judge-hetjob"
+    plan = make_plan(compose_config([judge, "rewards.judge.nodes=2", "cluster.judge_node.qos=judges"]))
+    text = render_sbatch(plan, Path("/RUN"))
+    blocks = re.split(r"^#SBATCH hetjob$", text, flags=re.M)
+    assert len(blocks) == 3
+    assert "# component 2: the judge nodes" in blocks[2]
+    assert _options(blocks[2].split("\n\n")[0]) == {
+        "cpus-per-task": "2",
+        "gpus-per-node": "1",
+        "nodes": "2",
+        "ntasks-per-node": "1",
+        "partition": "urgent",
+        "qos": "judges",
+        "time": "20",
+    }
+    assert _options(blocks[1])["partition"] == "debug" and _options(blocks[0])["partition"] == "urgent"
+    assert re.search(r"^srun .*--het-group=0,1,2 ", text, re.M)
+    assert "export HPCRL_ROLES=rollout,train,judge,judge" in text
+    assert plan.job_nodes == 4
+    # judges on nodes of the training nodes' kind: one homogeneous job of 2 + 1 nodes
+    same = render_sbatch(
+        make_plan(
+            compose_config([HET.replace("2n1g-fsdp-hetjob", "2n1g-fsdp-split"), "+rewards.judge.nodes=1"])
+        ),
+        Path("/RUN"),
+    )
+    assert "hetjob" not in same and "#SBATCH --nodes=3" in same and "HPCRL_ROLES=rollout,train,judge" in same
+
+
+def test_a_judge_node_kind_without_judge_nodes_is_refused():
+    with pytest.raises(
+        ConfigError, match=re.escape("cluster.judge_node describes judge nodes, and this run has none")
+    ):
+        make_plan(compose_config(["+experiment=grpo-tiny-3n1g-fsdp-judge-hetjob", "rewards.judge.nodes=0"]))
+
+
 def test_one_kind_of_node_is_one_homogeneous_job():
     text = render_sbatch(make_plan(compose_config(["+experiment=grpo-tiny-2n1g-fsdp-split"])), Path("/RUN"))
     assert "hetjob" not in text and "--het-group" not in text

@@ -284,6 +284,7 @@ def test_recipes_map_to_their_tiny_layouts():
     assert CASES[_case_of("grpo-tiny-2n1g-fsdp-split")] == [
         "grpo-tiny-1n1g-fsdp",
         "grpo-tiny-1n1g-fsdp-calculator",
+        "grpo-tiny-1n1g-fsdp-judge",
         "grpo-tiny-2n1g-fsdp-hetjob",
         "grpo-tiny-2n1g-fsdp-split",
     ]

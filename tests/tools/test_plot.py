@@ -38,7 +38,7 @@ def test_plot_writes_a_png_and_an_html_with_every_series(tmp_path, capsys):
     assert capsys.readouterr().out.split() == [str(out / "curves.png"), str(out / "curves.html")]
 
     image = Image.open(out / "curves.png").convert("RGB")
-    rows = math.ceil(len(KEYS) / COLUMNS)
+    rows = math.ceil((len(KEYS) + 2) / COLUMNS)  # and each run's time split
     assert image.size == (COLUMNS * PANEL_PX[0] * 100 // DPI, rows * PANEL_PX[1] * 100 // DPI)
     colors = image.getcolors(maxcolors=1 << 20)
     white = dict((c, n) for n, c in colors).get((255, 255, 255), 0)
@@ -64,7 +64,8 @@ def test_plot_writes_a_png_and_an_html_with_every_series(tmp_path, capsys):
         "0.220 (step 12)",
     ]
     panels = re.findall(r'<svg [^>]*data-key="([^"]+)"', page)
-    assert panels == KEYS  # fixed panels first, then time/* and async/* in order
+    split = ["time split: run-a", "time split: run-b"]  # train and weight_sync stacked, each run's
+    assert panels == [p.key for p in PANELS] + split + KEYS[len(PANELS) :]  # then time/* and async/*
     staleness = re.search(r'data-key="async/staleness".*?</svg>', page).group(0)
     assert staleness.count("<polyline") == 1  # only run-a logged it
     assert re.search(r'data-key="train/reward".*?</svg>', page).group(0).count("<polyline") == 2
@@ -117,3 +118,28 @@ def test_panels_that_tell_nothing_are_left_out_and_a_run_is_titled_by_its_settin
     assert smoothed([2.0, 2.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
     ramp = smoothed([float(i) for i in range(10)])
     assert ramp[0] == 0.0 and all(r < i for i, r in enumerate(ramp) if i) and ramp == sorted(ramp)
+
+
+def test_the_time_split_stacks_the_phases_that_hold_no_others(tmp_path):
+    """generate, environment, judge and train bottom up, then the rest; time/step, time/rollout (the
+    batch: generate + environment + judge) and time/ref_logprobs (inside train) are not stacked."""
+    phases = {
+        "time/train": 2.0,
+        "time/judge": 0.5,
+        "time/generate": 1.0,
+        "time/environment": 0.25,
+        "time/weight_sync": 0.125,
+        "time/rollout": 1.75,
+        "time/step": 3.875,
+        "time/ref_logprobs": 0.3,
+    }
+    write_run(tmp_path / "run", 0.0, steps=3, keys=[])
+    rows = [{"step": s, **{k: v * s for k, v in phases.items()}} for s in (1, 2, 3)]
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["plot", str(tmp_path / "run")]) == 0
+    page = (tmp_path / "run" / "curves.html").read_text()
+    split = re.search(r'data-key="time split: run".*?</svg>', page).group(0)
+    stacked = ["time/generate", "time/environment", "time/judge", "time/train", "time/weight_sync"]
+    assert re.findall(r"<title>(time/[a-z_]+)</title>", split) == stacked
+    # the stack's top at the last step is the step (the parts add up), the axis says so
+    assert f"{3 * 3.875:.4g} s" in split

@@ -1,0 +1,45 @@
+"""The components of a heterogeneous Slurm job, in srun's order: the roles whose nodes are of another
+kind (``cluster.rollout_node``, ``cluster.judge_node``) make the job one, each role's nodes a component
+(launch/hetjob.py writes them into the script; ``hpcrl plan`` prints them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hpcrl.config.roles import RolloutNodes
+from hpcrl.plan.topology import Placement
+
+if TYPE_CHECKING:
+    from hpcrl.plan.planner import Plan
+
+
+@dataclass(frozen=True)
+class Component:
+    what: str
+    """The nodes it holds, as the script's comment and ``hpcrl plan`` say it."""
+    nodes: int
+    kind: RolloutNodes | None
+    """Its own keys (partition, time ...); None: the training nodes'."""
+
+    def line(self) -> str:
+        own = {k: v for k, v in vars(self.kind).items() if v is not None} if self.kind else {}
+        keys = ", ".join(f"{k} {v}" for k, v in own.items()) or "the training nodes' keys"
+        return f"{self.what} ({self.nodes}), {keys}"
+
+
+def components(plan: Plan) -> list[Component] | None:
+    """The job's components in node order (node 0, the Ray head, in the first), or None when every
+    node is of one kind: rollout nodes (a split layout), training nodes, judge nodes (``rewards.judge.nodes``)."""
+    cluster, topo = plan.cfg.cluster, plan.topology
+    split = topo.placement is Placement.SPLIT
+    judges = plan.judge.nodes if plan.judge is not None else 0
+    if (cluster.rollout_node is None or not split) and (cluster.judge_node is None or not judges):
+        return None
+    parts = [Component("rollout nodes", topo.rollout_nodes, cluster.rollout_node)] if split else []
+    parts.append(
+        Component("training nodes" if split else "training and rollout nodes", topo.train_nodes, None)
+    )
+    if judges:
+        parts.append(Component("judge nodes", judges, cluster.judge_node))
+    return parts

@@ -1,0 +1,54 @@
+"""Issue 38 items 3-4, judges: the judge recipe as one heterogeneous job of three components on the
+Slurm test cluster (rollout node and judge node from `urgent`, training node from `debug`): srun starts
+a task on each, Ray spans them, the judge engine is placed on the judge node by its role resource and
+scores every step's samples there."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from hpcrl.launch import lifecycle
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_judge_node_is_a_component_of_the_job_and_holds_the_judge(slurm_cluster, tmp_path):
+    result = run_cli(
+        "submit",
+        "+experiment=grpo-tiny-3n1g-fsdp-judge-hetjob",
+        f"run.output_root={tmp_path}",
+        "algo.max_steps=2",
+        "algo.val_period=2",
+        "algo.num_prompts_per_step=8",
+        "checkpoint.enabled=false",
+    )
+    assert result.returncode == 0, result.stderr
+    job_id = re.search(r"^job\s+(\d+)", result.stdout, re.M).group(1)
+    run_dir = lifecycle.run_dir_of(job_id, tmp_path)
+    state = lifecycle.wait(job_id, run_dir, timeout_s=900)
+    logs = run_cli("logs", job_id, "--root", str(tmp_path)).stdout
+    assert state == "COMPLETED", (state, logs[-3000:])
+    parts = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,Partition,NodeList"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    partitions = sorted(p.rsplit("|", 1)[0] for p in parts)
+    assert partitions == [f"{job_id}+0|urgent", f"{job_id}+1|debug", f"{job_id}+2|urgent"], parts
+    judge_host = next(p.rsplit("|", 1)[1] for p in parts if p.startswith(f"{job_id}+2|"))
+    judge = json.loads((run_dir / "judge.json").read_text())
+    assert [e["host"] for e in judge["engines"]] == [judge_host]  # on the judge component's node
+    assert judge["weights_unchanged"] is True
+    placed = json.loads((run_dir / "placement.json").read_text())["actors"]
+    assert judge_host not in {a["host"] for a in placed}  # the trainer and the engine are elsewhere
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["judge/samples"] == 64 and r["judge/batches"] == 1 for r in steps)
+    assert f"judges on {judge_host}" in logs
