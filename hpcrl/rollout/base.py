@@ -58,6 +58,11 @@ def environment_time(completions: list[Completion]) -> dict[str, float]:
     return {"time/environment": sum(c.env_seconds for c in completions)}
 
 
+def completion_metrics(completions: list[Completion]) -> dict[str, float]:
+    """What a batch's completions carry besides tokens: ``rollout/spec_acceptance``, ``time/environment``."""
+    return spec_acceptance(completions) | environment_time(completions)
+
+
 @dataclass(frozen=True)
 class ImagePrompt:
     """A prompt with images, as the engines take it: the chat template's token ids, with the model's

@@ -33,7 +33,7 @@ from hpcrl.config.schema import RunConfig
 from hpcrl.data.loader import Example, PromptStream
 from hpcrl.rewards.pool import Task
 from hpcrl.rewards.verifiers import Outcome, Verdict, reward_of
-from hpcrl.rollout.base import Completion, Prompt, SamplingSettings, environment_time, spec_acceptance
+from hpcrl.rollout.base import Completion, Prompt, SamplingSettings, completion_metrics
 from hpcrl.run.checkpoint import CheckpointManager
 from hpcrl.run.metrics import console_line, sample_rows
 from hpcrl.run.preempt import REQUEST, WHY, Preempted
@@ -208,20 +208,16 @@ def rollout_stats(seen: list[Scored], kept_groups: int) -> dict[str, float]:
     every = [o for s in seen for row in s.outcomes for o in row]
     completions = [c for s in seen for g in s.groups for c in g]
     n, m = max(1, len(every)), max(1, len(completions))
-    return (
-        {
-            "train/accuracy": sum(o is Outcome.correct for o in every) / n,
-            "train/parse_error_rate": sum(o is Outcome.parse_error for o in every) / n,
-            "train/verifier_timeouts": float(sum(o in (Outcome.timeout, Outcome.error) for o in every)),
-            "train/mean_gen_tokens": sum(len(c.token_ids) for c in completions) / m,
-            "train/truncated_rate": sum(c.truncated for c in completions) / m,
-            "train/dynamic_sampling_rounds": float(len(seen)),
-            "train/kept_groups": float(kept_groups),
-            "perf/gen_tokens": float(sum(len(c.token_ids) for c in completions)),
-        }
-        | spec_acceptance(completions)
-        | environment_time(completions)
-    )
+    return {
+        "train/accuracy": sum(o is Outcome.correct for o in every) / n,
+        "train/parse_error_rate": sum(o is Outcome.parse_error for o in every) / n,
+        "train/verifier_timeouts": float(sum(o in (Outcome.timeout, Outcome.error) for o in every)),
+        "train/mean_gen_tokens": sum(len(c.token_ids) for c in completions) / m,
+        "train/truncated_rate": sum(c.truncated for c in completions) / m,
+        "train/dynamic_sampling_rounds": float(len(seen)),
+        "train/kept_groups": float(kept_groups),
+        "perf/gen_tokens": float(sum(len(c.token_ids) for c in completions)),
+    } | completion_metrics(completions)
 
 
 def make_batch(run: Run, s: Scored, shaped: torch.Tensor) -> TrainBatch:
