@@ -32,18 +32,18 @@ def rows(tmp_path_factory) -> list[dict[str, str]]:
 
 
 def test_the_data_file_holds_each_task_s_prompt_and_data(rows):
-    assert [r["prompt"] for r in rows] == ["10+0=", "11+3=", "12+6=", "13+9="]
-    assert json.loads(rows[1]["answer"])["a"] == 11 and json.loads(rows[1]["answer"])["b"] == 3
+    assert [r["prompt"] for r in rows] == ["10 + 10 =", "11 + 12 =", "12 + 14 =", "13 + 16 ="]
+    assert json.loads(rows[1]["answer"])["a"] == 11 and json.loads(rows[1]["answer"])["b"] == 12
 
 
 def test_tools_answer_and_the_rubric_grades_every_turn(rows):
     env = VerifiersEnv(EnvSpec(FACTORY, "hermes", "exact"))
     assert env.reset(rows[1]["prompt"], rows[1]["answer"]) == ""
-    s = env.step(call("add", a=11, b=3))
-    assert (s.observation, s.done) == ("14", False)
+    s = env.step(call("add", a=11, b=12))
+    assert (s.observation, s.done) == ("23", False)
     assert s.reward == 0.25 and s.info["rewards"] == {"correct": 0.0, "used_tool": 1.0}
     s = env.step(call("negate", x=4) + call("nope"))  # a coroutine tool, and one the env does not have
-    assert s.observation == "-4\nerror: no tool 'nope'; tools: add, negate"
+    assert s.observation == "-4\nerror: no tool 'nope'; tools: add, calculator, negate"
     assert s.done  # the task's @vf.stop: three tool results
     roles = [(n.message.role, n.sampled) for n in env.trace.nodes]
     assert (
@@ -58,7 +58,7 @@ def test_a_malformed_call_is_an_error_turn_then_the_answer_ends_it(rows):
     env.reset(rows[2]["prompt"], rows[2]["answer"])
     s = env.step('<tool_call>{"name": "add"')
     assert s.observation.startswith("error: a <tool_call> block is not closed") and not s.done
-    s = env.step("18")
+    s = env.step("26")
     assert (s.reward, s.done) == (0.75, True)  # right, without the tool: 0.75 x 1 + 0.25 x 0
 
 
@@ -75,9 +75,9 @@ def test_episode_processes_run_the_adapter(rows, tmp_path: Path):
     sessions = pool.start(2)
     try:
         assert pool.reset(sessions, [(r["prompt"], r["answer"]) for r in rows[:2]]) == ["", ""]
-        first, second = pool.step(sessions, ["10", call("add", a=11, b=3)])
+        first, second = pool.step(sessions, ["20", call("add", a=11, b=12)])
         assert first is not None and (first.reward, first.done) == (0.75, True)
-        assert second is not None and (second.observation, second.reward) == ("14", 0.25)
+        assert second is not None and (second.observation, second.reward) == ("23", 0.25)
     finally:
         for s in sessions:
             s.close()

@@ -1,5 +1,5 @@
 """A real verifiers (0.4.0) environment for the adapter's tests (``env.name=verifiers:tests.harness.vf_taskset:load``):
-sums, an ``add`` tool on a ``vf.Toolset``, and a rubric of two weighted ``@vf.reward`` methods (the right
+sums, ``add`` and ``calculator`` tools on a ``vf.Toolset``, and a rubric of two weighted ``@vf.reward`` methods (the right
 sum as the last reply: 0.75; the tool used: 0.25) and a ``@vf.stop`` on the trace (a third tool result)."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import verifiers.v1 as vf
+
+from hpcrl.envs.builtin import calculate
 
 
 class SumData(vf.TaskData):
@@ -19,6 +21,11 @@ class Adder(vf.Toolset):
     def add(self, a: int, b: int) -> str:
         """The sum of two integers."""
         return str(int(a) + int(b))
+
+    @vf.tool
+    def calculator(self, expression: str) -> str:
+        """Arithmetic (the tool ``model=tiny_tools`` learned to call)."""
+        return str(calculate(expression))
 
     @vf.tool
     async def negate(self, x: int) -> int:
@@ -43,8 +50,8 @@ class SumTask(vf.Task[SumData, vf.State, vf.TaskConfig]):
 class SumTaskset(vf.Taskset[SumTask, vf.TasksetConfig]):
     def load(self) -> Iterator[SumTask]:
         for i in range(32):
-            a, b = 10 + i, 3 * i
-            yield SumTask(SumData(prompt=f"{a}+{b}=", a=a, b=b), self.config.task)
+            a, b = 10 + i, 10 + 2 * i  # written as model=tiny_tools learned sums
+            yield SumTask(SumData(prompt=f"{a} + {b} =", a=a, b=b), self.config.task)
 
     @classmethod
     def toolsets(cls, config: vf.TasksetConfig) -> list[vf.Toolset]:
