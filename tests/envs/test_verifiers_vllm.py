@@ -49,7 +49,8 @@ def test_vllm_plays_a_verifiers_environment(model_cache, tmp_path):
     from hpcrl.rollout.vllm_engine import VLLMEngine
     from hpcrl.run.tiny_model import ensure_tiny_model
 
-    model_dir = ensure_tiny_model(compose("model=tiny_tools").model, model_cache, seed=0)
+    # the recipe runs' seed: one build for this test and the recipe tests in one session
+    model_dir = ensure_tiny_model(compose("model=tiny_tools").model, model_cache, seed=compose().run.seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = VLLMEngine(
         model_dir,
