@@ -3,7 +3,8 @@
 ``env.name`` empty (the default) keeps the single-turn rollouts: one completion per sample, scored by
 ``data.verifier``. A name picks a registered environment (``hpcrl/envs/base.py``; built-in ones in
 ``hpcrl/envs/builtin.py``, more from plugin modules named in ``HPCRL_PLUGINS``), with an argument after
-a colon where the environment takes one (``nemo_gym:http://host:port``). The names live here, so that
+a colon where the environment takes one (``nemo_gym:http://host:port``,
+``verifiers:<module>:<factory>``). The names live here, so that
 the config layer checks ``env.name`` without importing the environments.
 """
 
@@ -17,8 +18,8 @@ from hpcrl.core.checks import one_of, positive
 from hpcrl.errors import ConfigError
 from hpcrl.rewards.config import load_plugins
 
-BUILT_IN_ENVS = ("python", "calculator", "nemo_gym")
-"""The environments ``envs/builtin.py`` and ``envs/nemo_gym.py`` register (tests/envs hold them equal)."""
+BUILT_IN_ENVS = ("python", "calculator", "nemo_gym", "verifiers")
+"""The environments ``envs/builtin.py``, ``envs/nemo_gym.py`` and ``envs/verifiers_env.py`` register (tests/envs hold them equal)."""
 ENV_NAMES: set[str] = set(BUILT_IN_ENVS)
 """Every environment this process knows: the built-in ones and those plugins registered."""
 TOOL_FORMATS = ("hermes", "nemotron")

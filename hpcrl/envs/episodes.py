@@ -17,6 +17,7 @@ All live episodes take their turn in one engine call, then their environments st
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -49,6 +50,8 @@ class Episode:
     truncated: bool = False
     done: bool = False
     verdict: tuple[str, float] = ("wrong", 0.0)
+    env_seconds: float = 0.0
+    """Its share of the environment's wall time (``Completion.env_seconds``)."""
     unscored: bool = False
     """A model turn came without the engine's log-probs (``rollout.logprob_fraction``): the episode
     then has none ([]: NaN in the batch, left out of the IS correction), never zeros posing as them."""
@@ -86,6 +89,7 @@ class Episode:
             self.versions or (0, 0),
             mask=self.mask,
             verdict=self.verdict,
+            env_seconds=self.env_seconds,
         )
 
 
@@ -144,6 +148,7 @@ class Episodes:
     def _begin(self, prompts: list[Prompt], take: list[tuple[int, int]]) -> list[tuple[int, int, Episode]]:
         if not take:
             return []
+        started = time.perf_counter()
         sessions = self.pool.start(len(take))
         problems = []
         for i, _ in take:
@@ -154,9 +159,10 @@ class Episodes:
                 )
             problems.append((p.prompt, p.answer))
         first = self.pool.reset(sessions, problems)
+        share = (time.perf_counter() - started) / len(take)
         out = []
         for (i, j), s, obs in zip(take, sessions, first, strict=True):
-            e = Episode(list(prompts[i]), s)  # type: ignore[arg-type]
+            e = Episode(list(prompts[i]), s, env_seconds=share)  # type: ignore[arg-type]
             if obs is None:
                 e.fail(s.error)
             elif obs:
@@ -179,8 +185,11 @@ class Episodes:
                 e.add_model(c)
                 e.truncated = c.truncated and len(e.ids) >= self.cfg.max_tokens
         stepping = [e for e in episodes if not e.done]
+        started = time.perf_counter()
         steps = self.pool.step([e.session for e in stepping], [e.texts[-1] for e in stepping])
+        share = (time.perf_counter() - started) / max(1, len(stepping))
         for e, s in zip(stepping, steps, strict=True):
+            e.env_seconds += share  # the environments step in parallel: the round's time, split
             self._after(e, s)
 
     def _after(self, e: Episode, s: Step | None) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, cast
 
-from hpcrl.envs import nemo_gym  # noqa: F401  (registers its environment on import)
+from hpcrl.envs import nemo_gym, verifiers_env  # noqa: F401  (register their environments on import)
 from hpcrl.envs.base import REGISTRY, Environment, EnvSpec, Step
 from hpcrl.envs.builtin import PRIVATE_ENV
 from hpcrl.envs.config import EnvConfig
@@ -110,7 +110,9 @@ class EnvPool:
         self.spec = EnvSpec(argument, self.cfg.tool_format, self.verifier)
         make_env(self.cfg.kind(), self.spec)  # here, in the caller: a refusal (no sandbox) is one line
         self.ctx = mp.get_context("forkserver")  # no fork of the driver, which holds Ray and torch threads
-        self.ctx.set_forkserver_preload(["hpcrl.envs.pool", *PRELOAD])
+        # verifiers' import takes seconds: once in the server, not in each episode's first reset
+        heavy = ["verifiers.v1"] if self.cfg.kind() == "verifiers" else []
+        self.ctx.set_forkserver_preload(["hpcrl.envs.pool", *PRELOAD, *heavy])
 
     def start(self, count: int) -> list[Session]:
         sessions = []

@@ -35,6 +35,9 @@ class Completion:
     verdict: tuple[str, float] | None = None
     """An environment's grade of the episode (outcome, reward), which the reward pool takes as it is;
     None: the data set's verifier grades the text."""
+    env_seconds: float = 0.0
+    """A multi-turn episode's share of its batch's wall time in environment resets and steps (each
+    round's time split over the episodes that stepped in it, so a batch's shares add up to its time)."""
 
 
 def spec_acceptance(completions: list[Completion]) -> dict[str, float]:
@@ -45,6 +48,19 @@ def spec_acceptance(completions: list[Completion]) -> dict[str, float]:
     if not drafted:
         return {}
     return {"rollout/spec_acceptance": sum(a for _, a in counted) / drafted}
+
+
+def environment_time(completions: list[Completion]) -> dict[str, float]:
+    """``time/environment``: the seconds the batch's episodes spent in environment resets and steps
+    (``envs/episodes.py``); single-turn completions (no episodes): no metric."""
+    if not any(c.mask is not None for c in completions):
+        return {}
+    return {"time/environment": sum(c.env_seconds for c in completions)}
+
+
+def completion_metrics(completions: list[Completion]) -> dict[str, float]:
+    """What a batch's completions carry besides tokens: ``rollout/spec_acceptance``, ``time/environment``."""
+    return spec_acceptance(completions) | environment_time(completions)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from hpcrl.config.schema import RunConfig
 from hpcrl.data.loader import Example, PromptStream
 from hpcrl.rewards.pool import Task
 from hpcrl.rewards.verifiers import Outcome, Verdict, reward_of
-from hpcrl.rollout.base import Completion, Prompt, SamplingSettings, spec_acceptance
+from hpcrl.rollout.base import Completion, Prompt, SamplingSettings, completion_metrics
 from hpcrl.run.checkpoint import CheckpointManager
 from hpcrl.run.metrics import console_line, sample_rows
 from hpcrl.run.preempt import REQUEST, WHY, Preempted
@@ -218,7 +218,7 @@ def rollout_stats(seen: list[Scored], kept_groups: int) -> dict[str, float]:
         "train/dynamic_sampling_rounds": float(len(seen)),
         "train/kept_groups": float(kept_groups),
         "perf/gen_tokens": float(sum(len(c.token_ids) for c in completions)),
-    } | spec_acceptance(completions)
+    } | completion_metrics(completions)
 
 
 def make_batch(run: Run, s: Scored, shaped: torch.Tensor) -> TrainBatch:

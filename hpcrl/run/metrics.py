@@ -104,6 +104,7 @@ def console_line(step: int, total: int, m: dict[str, float]) -> str:
         ("train/mean_gen_tokens", "len {:.1f}"),
         ("perf/gen_tokens_per_s", "{:.0f} tok/s"),
         ("time/step", "{:.1f}s"),
+        ("time/environment", "env {:.1f}s"),
     ):
         if key in m:
             parts.append(fmt.format(m[key]))

@@ -23,6 +23,7 @@ from typing import Any
 
 from hpcrl.config.model import LOCAL_PREFIX, ModelConfig
 from hpcrl.data.synthetic import Problem, synthetic_split
+from hpcrl.run import tiny_tools
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = string.digits + "+-*/=() .,:?" + string.ascii_letters
@@ -50,14 +51,16 @@ def noisy_teacher(problems: list[Problem], ramble: float, seed: int) -> list[Pro
     return out
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int) -> Any:
+def build_tokenizer(out_dir: Path, vocab_size: int, whole: tuple[str, ...] = ()) -> Any:
+    """The character tokenizer; ``whole``: strings that are one token each (``run/tiny_tools.py``)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(CHARS))}
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(CHARS) + list(whole))}
     if len(vocab) > vocab_size:
         raise ValueError(f"tiny tokenizer needs {len(vocab)} ids, model.vocab_size is {vocab_size}")
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.add_tokens(list(whole))  # matched before the split into characters, at their vocabulary ids
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(
@@ -201,6 +204,7 @@ class WarmStart:
     """Auxiliary-loss-free balancing of the MoE routers' correction bias (``CorrectionBiasBalancer``)."""
 
 
+Recipe = WarmStart | tiny_tools.ToolWarmStart
 WARM_STARTS = {"qwen2": WarmStart(350, 1e-3), "nemotron_h": WarmStart(350, 1e-3, bias_rate=1e-3)}
 
 
@@ -238,9 +242,8 @@ class CorrectionBiasBalancer:
 
 def warm_start(
     model: Any,
-    tok: Any,
-    problems: list[Problem],
-    recipe: WarmStart,
+    rows: tuple[Any, Any],
+    recipe: Recipe,
     batch: int,
     seed: int,
     log: Callable[[str], None],
@@ -248,7 +251,7 @@ def warm_start(
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    ids, mask = encode_sft(tok, problems)
+    ids, mask = rows  # token ids and the loss mask (``encode_sft``)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
     balancer = CorrectionBiasBalancer(model, recipe.bias_rate) if recipe.bias_rate else None
     model.train()
@@ -272,7 +275,7 @@ def warm_start(
     model.eval()
 
 
-def tiny_model_dir(model_cfg: ModelConfig, cache: Path, recipe: WarmStart, seed: int) -> Path:
+def tiny_model_dir(model_cfg: ModelConfig, cache: Path, recipe: Recipe, seed: int) -> Path:
     """``<cache>/<name>-<hash>``: the hash covers every architecture field (the family, the hybrid
     layout, the experts ...), the warm start and the seed, so no two builds share a directory."""
     arch = {k: v for k, v in asdict(model_cfg).items() if k not in ("name", "hf_id", "stated_params_b")}
@@ -291,7 +294,8 @@ def ensure_tiny_model(
 ) -> Path:
     """Build (or reuse) the warm-started tiny model; returns its Hugging Face directory.
     ``sft_steps``: None takes the family's warm start (``WARM_STARTS``), 0 skips it."""
-    recipe = WARM_STARTS.get(model_cfg.family, WARM_STARTS["qwen2"])
+    tools = tiny_tools.uses_tools(model_cfg)
+    recipe = tiny_tools.TOOL_WARM_START if tools else WARM_STARTS.get(model_cfg.family, WARM_STARTS["qwen2"])
     if sft_steps is not None:
         recipe = replace(recipe, steps=sft_steps)
     out = tiny_model_dir(model_cfg, cache, recipe, seed)
@@ -301,12 +305,15 @@ def ensure_tiny_model(
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tok = build_tokenizer(tmp, model_cfg.vocab_size)
+    tok = build_tokenizer(tmp, model_cfg.vocab_size, tiny_tools.TOOL_TOKENS if tools else ())
     model = build_model(model_cfg, seed)
-    train, _ = synthetic_split(num_train=20000, num_val=256, seed=seed)
-    train = noisy_teacher(train, TEACHER_RAMBLE, seed)
-    if recipe.steps:
-        warm_start(model, tok, train, recipe, batch=64, seed=seed, log=log)
+    if recipe.steps and isinstance(recipe, tiny_tools.ToolWarmStart):
+        rows = tiny_tools.encode_traces(tiny_tools.run_tokenizer(model, tmp), recipe, seed)
+        warm_start(model, rows, recipe, batch=64, seed=seed, log=log)
+    elif recipe.steps:
+        train, _ = synthetic_split(num_train=20000, num_val=256, seed=seed)
+        rows = encode_sft(tok, noisy_teacher(train, TEACHER_RAMBLE, seed))
+        warm_start(model, rows, recipe, batch=64, seed=seed, log=log)
     model.save_pretrained(tmp, safe_serialization=True)
     if out.exists():  # another process built the same model meanwhile
         shutil.rmtree(tmp)

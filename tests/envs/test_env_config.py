@@ -35,8 +35,8 @@ def test_bad_env_settings_are_one_clear_line(cli, tmp_path, case):
 
 def test_the_recipe_composes_with_the_episode_budget_as_its_sequence_length():
     cfg = compose("+experiment=grpo-tiny-1n1g-fsdp-calculator")
-    assert (cfg.env.name, cfg.env.max_tokens) == ("calculator", 32)
-    assert cfg.max_seq_len == cfg.data.max_prompt_tokens + 32
+    assert (cfg.env.name, cfg.env.max_tokens, cfg.model.name) == ("calculator", 40, "tiny_tools")
+    assert cfg.max_seq_len == cfg.data.max_prompt_tokens + 40
     assert compose().max_seq_len == compose().data.max_prompt_tokens + compose().rollout.max_new_tokens
 
 

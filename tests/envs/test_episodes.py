@@ -92,6 +92,14 @@ def test_a_broken_environment_costs_its_own_episode(played, mode):
             assert "[environment error:" in c.text
 
 
+def test_episodes_carry_their_share_of_the_environment_time(played):
+    _, groups, *_ = played
+    shares = [c.env_seconds for g in groups.values() for c in g]
+    assert all(s > 0 for s in shares)  # every episode reset and stepped its environment
+    # the hung environments held their rounds for env.step_timeout_s=3 before they were killed
+    assert 3.0 <= sum(shares) < 30.0
+
+
 def test_engine_logprobs_line_up_with_the_trained_tokens(played, tiny_dir):
     """Recomputed over the whole episode (prompt, model turns, observations), the model's log-prob of
     each masked-in token is the engine's: what the importance ratio and gen_kl_error compare."""

@@ -43,4 +43,6 @@ def test_the_recipe_trains_on_multi_turn_episodes(tmp_path, model_cache, monkeyp
         assert r["train/reward"] == pytest.approx(0.25)  # the scripted environment's grade
         # the trainer's log-probs of the model's tokens are the engine's: the mask and ids line up
         assert r["train/gen_kl_error"] < 1e-4
+        # the environments' share of the batch: within the generation that waited on them
+        assert 0 < r["time/environment"] < r["time/generate"]
     assert os.path.exists(run_dir / "samples.jsonl")

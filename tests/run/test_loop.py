@@ -310,3 +310,36 @@ def test_routes_travel_with_their_samples_into_the_batch(tmp_path: Path) -> None
         assert torch.equal(b.routes[row, : n - 1, 0, 0], b.input_ids[row, : n - 1].to(torch.int16))
         assert (b.routes[row, : n - 1, 0, 1] == b.input_ids[row, 0]).all()
         assert (b.routes[row, n - 1 :] == -1).all()
+
+
+class EpisodeActors(FakeActors):
+    """``FakeActors`` whose completions are episodes (a loss mask) that spent 0.25 s each in their
+    environment (``Completion.env_seconds``, as ``envs/episodes.py`` stamps it)."""
+
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings) -> list[list[Completion]]:
+        groups = super().generate(prompts, settings)
+        for c in (c for g in groups for c in g):
+            c.mask, c.env_seconds = [1] * len(c.token_ids), 0.25
+        return groups
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_each_step_logs_its_batch_s_environment_time(tmp_path: Path, staleness: int) -> None:
+    cfg = config(
+        "algo.dynamic_sampling=false",
+        "checkpoint.enabled=false",
+        f"algo.max_staleness={staleness}",
+        "algo.is_correction=tis",
+    )
+    _, _, logger, said = run(cfg, EpisodeActors(["mixed"] * 3), tmp_path)
+    steps = [m for step, m in logger.logged if step > 0]
+    assert len(steps) == 3
+    # 3 prompts x 2 episodes x 0.25 s, whichever loop made the batch
+    assert all(m["time/environment"] == pytest.approx(1.5) for m in steps)
+    assert "env 1.5s" in said[-1]
+
+
+def test_single_turn_steps_log_no_environment_time(tmp_path: Path) -> None:
+    cfg = config("algo.dynamic_sampling=false", "checkpoint.enabled=false", "algo.max_steps=1")
+    _, _, logger, _ = run(cfg, FakeActors(["mixed"]), tmp_path)
+    assert "time/environment" not in dict(logger.logged)[1]
