@@ -8,10 +8,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcrl.config.cluster import Scheduler
 from hpcrl.errors import HpcrlError
 from hpcrl.hub.check import pin_inputs
 from hpcrl.launch.doctor import expect_from_plan
 from hpcrl.launch.job import NodeTask
+from hpcrl.launch.kube_entry import DRIVER_LOG
 from hpcrl.launch.mounts import check_mounts
 from hpcrl.launch.ray_cluster import make_token
 from hpcrl.launch.sbatch import SUBMITIT_DIR, container_args, make_executor, render_sbatch
@@ -29,6 +31,8 @@ class Submitted:
 
     @property
     def logs(self) -> list[Path]:
+        if json.loads((self.run_dir / "job.json").read_text()).get("scheduler") == "kuberay":
+            return [self.run_dir / DRIVER_LOG]  # the RayJob's driver
         return [self.run_dir / SUBMITIT_DIR / f"{self.job_id}_{i}_log.out" for i in range(self.nodes)]
 
     @property
@@ -42,6 +46,14 @@ def submit(
     """``debug``: a held session (placement check, then Ray stays up until the time limit or cancel).
     ``suffix``: appended to the run directory's name (sweep points submitted in the same second)."""
     cfg = plan.cfg
+    if cfg.cluster.scheduler is Scheduler.kuberay:
+        from hpcrl.launch import kube_jobs
+
+        if hold_s or smoke or suffix:
+            raise HpcrlError(
+                "--hold, --smoke and sweeps (-m) are Slurm's; on Kubernetes submit the run alone"
+            )
+        return kube_jobs.submit(plan, debug=debug)
     run_dir = new_run_dir(cfg).resolve()
     if suffix:
         run_dir = run_dir.with_name(f"{run_dir.name}-{suffix}")
@@ -90,9 +102,11 @@ def record_job(
     *,
     debug: bool = False,
     here: bool = False,
+    extra: dict[str, str] | None = None,
 ) -> Submitted:
     """``job.json`` in the run directory and the ``.jobs`` index entry: what status/logs/cancel read.
-    ``here``: a ``debug --here`` session, one step of an allocation the user holds (``launch/here.py``)."""
+    ``here``: a ``debug --here`` session, one step of an allocation the user holds (``launch/here.py``).
+    ``extra``: more keys (a Kubernetes job's scheduler, namespace and kind: ``launch/kube_jobs.py``)."""
     cfg = plan.cfg
     meta = {
         "job_id": job_id,
@@ -106,6 +120,7 @@ def record_job(
         "gpus_per_node": cfg.cluster.gpus_per_node,
         "python": cfg.cluster.python,
         "container_args": container_args(cfg.cluster, run_dir),
+        **(extra or {}),
     }
     atomic_write_text(run_dir / "job.json", json.dumps(meta, indent=1))
     index = Path(cfg.run.output_root) / JOBS_INDEX
