@@ -214,7 +214,7 @@ def test_no_credentials_or_no_server_is_one_line(tmp_path, monkeypatch):
         "submit",
         *overrides(tmp_path),
         "run.output_root=/nonexistent/runs",
-        f"cluster.kube.volumes=[{{name: runs, mount: /nonexistent, host_path: /nonexistent}}]",
+        "cluster.kube.volumes=[{name: runs, mount: /nonexistent, host_path: /nonexistent}]",
     )
     assert wrong.stderr.strip() == (
         "hpcrl: error: run.output_root=/nonexistent/runs does not exist here: hpcrl writes the run directory "
