@@ -18,10 +18,10 @@ from typing import Any
 
 from hpcrl.errors import HpcrlError
 from hpcrl.hub.check import pin_inputs
+from hpcrl.launch.jobrecord import Submitted, record_job
 from hpcrl.launch.kube_api import Kube
 from hpcrl.launch.kube_entry import DRIVER_LOG, PLAN_FILE, RESULT_FILE
 from hpcrl.launch.kuberay import k8s_name, manifest_yaml, pods_run_dir, raycluster, rayjob
-from hpcrl.launch.submit import Submitted, record_job
 from hpcrl.plan.planner import Plan
 from hpcrl.run.rundir import atomic_write_text, new_run_dir, write_resolved_config
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.errors import HpcrlError
+from hpcrl.launch.jobrecord import JOBS_INDEX
 from hpcrl.launch.sbatch import SUBMITIT_DIR
-from hpcrl.launch.submit import JOBS_INDEX
 
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
 
