@@ -220,3 +220,23 @@ def test_no_credentials_or_no_server_is_one_line(tmp_path, monkeypatch):
         "hpcrl: error: run.output_root=/nonexistent/runs does not exist here: hpcrl writes the run directory "
         "there for the pods; mount their shared volume at the same path here, or submit from a pod that mounts it"
     )
+
+
+def test_debug_creates_a_raycluster_of_the_plan_and_cancel_deletes_it(api, tmp_path):
+    result = hpcrl(tmp_path / "kubeconfig", "debug", *overrides(tmp_path))
+    assert result.returncode == 0, result.stderr
+    job = re.search(
+        r"^job\s+(\S+)\s+\(debug RayCluster, 1 worker pod\(s\) on slurmtest\)$", result.stdout, re.M
+    )[1]
+    [body] = api.bodies("POST", "/rayclusters")  # validated against KubeRay's RayCluster schema on arrival
+    assert body["metadata"]["name"] == job and not api.bodies("POST", "/rayjobs")
+    assert f"-l ray.io/cluster={job},ray.io/node-type=head" in result.stdout
+    root = tmp_path / "runs"
+    assert lifecycle.info(job, root).state == "CONFIGURING"
+    api.set_status("default", "rayclusters", job, state="ready")
+    assert lifecycle.info(job, root).state == "RUNNING"
+    cancel = hpcrl(tmp_path / "kubeconfig", "cancel", job, "--root", str(root))
+    assert cancel.stdout.startswith(f"cancelled RayCluster {job} (deleted with its pods)"), cancel.stderr
+    assert [r.path for r in api.requests if r.method == "DELETE"] == [
+        f"/apis/ray.io/v1/namespaces/default/rayclusters/{job}"
+    ]
