@@ -23,7 +23,7 @@ PLANNED: dict[str, tuple[str, Options | None]] = {
         "write the sbatch script and resolved config that submit would use, without submitting",
         opts.add_render,
     ),
-    "submit": ("validate, then run locally (no cluster) or submit to Slurm", opts.add_submit),
+    "submit": ("validate, then run locally (no cluster) or submit to Slurm or Kubernetes", opts.add_submit),
     "show": ("print the composed config as YAML", opts.add_show),
     "debug": (
         "hold an allocation with the planned nodes and its Ray cluster up; prints how to attach",
