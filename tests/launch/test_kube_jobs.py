@@ -240,3 +240,19 @@ def test_debug_creates_a_raycluster_of_the_plan_and_cancel_deletes_it(api, tmp_p
     assert [r.path for r in api.requests if r.method == "DELETE"] == [
         f"/apis/ray.io/v1/namespaces/default/rayclusters/{job}"
     ]
+
+
+def test_wandb_online_is_refused_before_anything_is_created(api, tmp_path):
+    """sbatch hands the shell's WANDB_API_KEY to the job; nothing hands it to a RayJob's pods."""
+    result = hpcrl(
+        tmp_path / "kubeconfig",
+        "submit",
+        *overrides(tmp_path),
+        "logger.wandb=true",
+        "logger.wandb_mode=online",
+    )
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "hpcrl: error: logger.wandb_mode=online: the pods of a RayJob get no wandb key from this shell (not "
+        "supported yet); set logger.wandb_mode=offline and `wandb sync` the run directory later"
+    )
+    assert api.requests == [] and list((tmp_path / "runs").iterdir()) == []
