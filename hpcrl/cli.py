@@ -23,7 +23,7 @@ PLANNED: dict[str, tuple[str, Options | None]] = {
         "write the sbatch script and resolved config that submit would use, without submitting",
         opts.add_render,
     ),
-    "submit": ("validate, then run locally (no cluster) or submit to Slurm", opts.add_submit),
+    "submit": ("validate, then run locally (no cluster) or submit to Slurm or Kubernetes", opts.add_submit),
     "show": ("print the composed config as YAML", opts.add_show),
     "debug": (
         "hold an allocation with the planned nodes and its Ray cluster up; prints how to attach",
@@ -168,11 +168,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.dry_run:
         raise HpcrlError("--dry-run is for sweeps (submit -m); `hpcrl render` shows one run's files")
     plan = plan_from_overrides(args.overrides)
-    if plan.cfg.cluster.scheduler is Scheduler.kuberay:
-        raise HpcrlError(
-            f"cluster '{plan.cfg.cluster.name}' runs on Kubernetes, where `hpcrl submit` cannot submit yet; "
-            "`hpcrl render` writes the run's RayJob manifest (rayjob.yaml) for `kubectl apply -f`"
-        )
     require_submittable(plan)
     print(header(plan.cfg))
     if line := recipe_line(plan.cfg):
@@ -189,7 +184,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return _stoppable(local)
     from hpcrl.launch.submit import submit
 
-    done = submit(plan, hold_s=args.hold, smoke=args.smoke)
+    done = submit(plan, hold_s=args.hold, smoke=args.smoke)  # sbatch, or a RayJob (launch/kube_jobs.py)
     print(f"job     {done.job_id}  ({plan.job_nodes} node(s) on {plan.cfg.cluster.name})")
     print(f"run dir {done.run_dir}")
     for path in done.logs:
@@ -260,6 +255,10 @@ def cmd_debug(args: argparse.Namespace) -> int:
     plan.require_fit()
     if plan.cfg.cluster.scheduler is Scheduler.local:
         raise HpcrlError("hpcrl debug holds a Slurm allocation; choose a Slurm cluster (cluster=...)")
+    if plan.cfg.cluster.scheduler is Scheduler.kuberay:
+        from hpcrl.launch.kube_jobs import debug_session
+
+        return debug_session(plan, here=args.here)
     ended, stop, held = None, None, "held until the time limit"
     if args.here:
         alloc = here.allocation(os.environ)
@@ -346,9 +345,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
     job = lifecycle.info(args.job, args.root)
     if args.follow:
         lifecycle.wait(job.job_id, job.run_dir, timeout_s=7 * 24 * 3600)
-    for path in lifecycle.log_paths(job):
-        print(f"==> {path} <==")
-        print(path.read_text() if path.exists() else "(not written yet)")
+    for where, text in lifecycle.log_texts(job):
+        print(f"==> {where} <==")
+        print(text)
     return 0
 
 

@@ -30,7 +30,13 @@ def require_submittable(plan: Plan, run_dir: Path | None = None) -> None:
     plan.require_buildable()
     plan.require_fit()
     check_context(plan.cfg)
-    check_wandb_login(plan.cfg.logger)
+    logger = plan.cfg.logger
+    if plan.cfg.cluster.scheduler is Scheduler.kuberay and logger.wandb and logger.wandb_mode == "online":
+        raise ConfigError(  # sbatch passes the shell's key on; a RayJob's pods get nothing from this shell
+            "logger.wandb_mode=online: the pods of a RayJob get no wandb key from this shell (not supported "
+            "yet); set logger.wandb_mode=offline and `wandb sync` the run directory later"
+        )
+    check_wandb_login(logger)
     check_inputs(plan.cfg)
     if plan.cfg.cluster.scheduler is Scheduler.slurm:
         check_mounts(plan, (run_dir or new_run_dir(plan.cfg)).resolve())

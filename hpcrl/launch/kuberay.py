@@ -69,6 +69,7 @@ def rayjob(plan: Plan, run_dir: Path) -> dict[str, Any]:
         "activeDeadlineSeconds": site.time_minutes() * 60,
         "backoffLimit": site.max_requeues,
         "rayClusterSpec": ray_cluster_spec(plan),
+        "submitterPodTemplate": _submitter(cluster),
     }
     if kube.queue:
         spec["suspend"] = True  # Kueue admits it (DWS Flex-Start behind the queue)
@@ -89,6 +90,38 @@ def raycluster(plan: Plan, name: str) -> dict[str, Any]:
         "metadata": _metadata(k8s_name(name), kube, plan.cfg.run.name),
         "spec": ray_cluster_spec(plan),
     }
+
+
+def _submitter(cluster: ClusterConfig) -> dict[str, Any]:
+    """The pod that runs ``ray job submit`` (KubeRay fills in its command): the job server on the head
+    takes only token-authenticated clients, so it mounts the token as every Ray pod does."""
+    kube = cluster.kube
+    container = {
+        "name": "ray-job-submitter",
+        "image": cluster.container.image,
+        "env": _auth_env(),
+        "resources": {"requests": {"cpu": "1", "memory": "1G"}, "limits": {"cpu": "1", "memory": "1G"}},
+        "volumeMounts": [{"name": "ray-token", "mountPath": TOKEN_DIR, "readOnly": True}],
+    }
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "containers": [container],
+        "volumes": [_token_volume(kube)],
+    }
+    if kube.service_account:
+        pod["serviceAccountName"] = kube.service_account
+    return {"spec": pod}
+
+
+def _auth_env() -> list[dict[str, str]]:
+    return [
+        {"name": "RAY_AUTH_MODE", "value": "token"},
+        {"name": "RAY_AUTH_TOKEN_PATH", "value": f"{TOKEN_DIR}/token"},
+    ]
+
+
+def _token_volume(kube: KubeSite) -> dict[str, Any]:
+    return {"name": "ray-token", "secret": {"secretName": kube.ray_token_secret, "defaultMode": 0o400}}
 
 
 def _metadata(name: str, kube: KubeSite, run: str) -> dict[str, Any]:
@@ -112,7 +145,8 @@ def ray_cluster_spec(plan: Plan) -> dict[str, Any]:
         ]
     gpn = topo.gpus_per_node
     head = {
-        "rayStartParams": {"dashboard-host": "127.0.0.1", "num-cpus": "0"},  # the head runs no tasks
+        # the head runs no tasks; its job server listens for the submitter pod (token auth guards it)
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
         "template": {
             "metadata": {"annotations": _gcsfuse(kube)},
             "spec": _pod(cluster, "ray-head", gpus=0, head=True),
@@ -142,11 +176,7 @@ def ray_cluster_spec(plan: Plan) -> dict[str, Any]:
 def _pod(cluster: ClusterConfig, name: str, *, gpus: int, head: bool = False) -> dict[str, Any]:
     kube = cluster.kube
     env = [{"name": k, "value": str(v)} for k, v in sorted(cluster.env.items())]
-    env += [
-        {"name": "RAY_AUTH_MODE", "value": "token"},
-        {"name": "RAY_AUTH_TOKEN_PATH", "value": f"{TOKEN_DIR}/token"},
-        {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
-    ]
+    env += [*_auth_env(), {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}]
     if head:
         resources = {"cpu": str(kube.head_cpus), "memory": f"{kube.head_memory_gb}G"}
     else:
@@ -157,9 +187,7 @@ def _pod(cluster: ClusterConfig, name: str, *, gpus: int, head: bool = False) ->
     own = [v for v in kube.volumes if not (head and v.host_path)]
     mounts = [_mount(v) for v in own] + [{"name": "ray-token", "mountPath": TOKEN_DIR, "readOnly": True}]
     volumes = [_volume(v) for v in own]
-    volumes.append(
-        {"name": "ray-token", "secret": {"secretName": kube.ray_token_secret, "defaultMode": 0o400}}
-    )
+    volumes.append(_token_volume(kube))
     if not head:
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{kube.shm_gb}Gi"}})

@@ -1,4 +1,5 @@
-"""Job lifecycle: state, logs, cancel and a listing of recent runs.
+"""Job lifecycle: state, logs, cancel and a listing of recent runs. A Kubernetes job (``job.json``'s
+``scheduler: kuberay``) is asked about through the API instead (``launch/kube_jobs.py``).
 
 State comes from ``squeue``; a job that left the queue is looked up in accounting (``sacct``, which
 remembers it for good) and, on clusters without slurmdbd, with ``scontrol show job`` (which forgets
@@ -14,10 +15,11 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hpcrl.errors import HpcrlError
+from hpcrl.launch.jobrecord import JOBS_INDEX
 from hpcrl.launch.sbatch import SUBMITIT_DIR
-from hpcrl.launch.submit import JOBS_INDEX
 
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
 
@@ -75,11 +77,19 @@ def run_dir_of(job_id: str, root: Path) -> Path:
     return Path(entry.read_text().strip())
 
 
+def _meta(run_dir: Path) -> dict[str, Any]:
+    return dict(json.loads((run_dir / "job.json").read_text()))
+
+
+def _on_kube(meta: dict[str, Any]) -> bool:
+    return meta.get("scheduler") == "kuberay"
+
+
 def info(job_id: str, root: Path) -> JobInfo:
     run_dir = run_dir_of(job_id, root)
-    meta = json.loads((run_dir / "job.json").read_text())
+    meta = _meta(run_dir)
     return JobInfo(
-        job_id, run_dir, job_state(job_id, run_dir), meta["nodes"], meta["name"], meta["submitted"]
+        job_id, run_dir, any_state(job_id, run_dir), meta["nodes"], meta["name"], meta["submitted"]
     )
 
 
@@ -89,6 +99,16 @@ def recent(root: Path, limit: int = 20) -> list[JobInfo]:
         return []
     entries = sorted(index.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)[:limit]
     return [info(p.name, root) for p in entries]
+
+
+def log_texts(job: JobInfo) -> list[tuple[str, str]]:
+    """Each log's place and text: a Slurm job's per-node files, a Kubernetes job's driver log."""
+    meta = _meta(job.run_dir)
+    if _on_kube(meta):
+        from hpcrl.launch import kube_jobs
+
+        return kube_jobs.logs(meta, job.run_dir)
+    return [(str(p), p.read_text() if p.exists() else "(not written yet)") for p in log_paths(job)]
 
 
 def log_paths(job: JobInfo) -> list[Path]:
@@ -117,7 +137,12 @@ def step_running(step: str) -> bool:
 
 def cancel(job: JobInfo) -> str:
     """scancel the job, or only the Ray step of a ``debug --here`` session (the allocation is the
-    user's); what was cancelled."""
+    user's), or delete a Kubernetes job; what was cancelled."""
+    meta = _meta(job.run_dir)
+    if _on_kube(meta):
+        from hpcrl.launch import kube_jobs
+
+        return kube_jobs.cancel(meta)
     step = here_step(job.run_dir)
     if step == "":
         raise HpcrlError(f"debug session {job.job_id} has no Ray step yet; leaving its shell stops it")
@@ -131,18 +156,36 @@ def cancel(job: JobInfo) -> str:
 def wait(job_id: str, run_dir: Path | None, timeout_s: float) -> str:
     """Poll until the job leaves the active states (or the deadline passes); returns the last state."""
     deadline = time.monotonic() + timeout_s
-    state = job_state(job_id, run_dir)
+    state = any_state(job_id, run_dir)
     while state.split()[0] in ACTIVE and time.monotonic() < deadline:
-        time.sleep(0.5)
-        state = job_state(job_id, run_dir)
+        time.sleep(5.0 if _kube_meta(run_dir) else 0.5)  # spare the Kubernetes API server
+        state = any_state(job_id, run_dir)
     return state
+
+
+def _kube_meta(run_dir: Path | None) -> dict[str, Any] | None:
+    """``job.json`` of a Kubernetes job; None for a Slurm job (or no run directory)."""
+    if run_dir is None or not (run_dir / "job.json").exists():
+        return None
+    meta = _meta(run_dir)
+    return meta if _on_kube(meta) else None
+
+
+def any_state(job_id: str, run_dir: Path | None) -> str:
+    """``job_state`` of a Slurm job, the RayJob's state of a Kubernetes one."""
+    meta = _kube_meta(run_dir)
+    if meta is not None and run_dir is not None:
+        from hpcrl.launch import kube_jobs
+
+        return kube_jobs.state(meta, run_dir)
+    return job_state(job_id, run_dir)
 
 
 def print_recent(root: Path) -> None:
     """``hpcrl ls``: one line a recent job, newest first."""
     jobs = recent(root)
     if not jobs:
-        print(f"no Slurm runs under {root}/")
+        print(f"no runs under {root}/")
     for job in jobs:
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.submitted))
         print(

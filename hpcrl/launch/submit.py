@@ -1,39 +1,22 @@
-"""``hpcrl submit`` on a Slurm cluster: write the run directory, submit through submitit, return at once."""
+"""``hpcrl submit`` on a Slurm cluster: write the run directory, submit through submitit, return at once. A
+Kubernetes cluster (``cluster.scheduler: kuberay``) goes to ``launch/kube_jobs.py``."""
 
 from __future__ import annotations
 
-import json
 import math
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from hpcrl.config.cluster import Scheduler
 from hpcrl.errors import HpcrlError
 from hpcrl.hub.check import pin_inputs
 from hpcrl.launch.doctor import expect_from_plan
 from hpcrl.launch.job import NodeTask
+from hpcrl.launch.jobrecord import Submitted, record_job
 from hpcrl.launch.mounts import check_mounts
 from hpcrl.launch.ray_cluster import make_token
-from hpcrl.launch.sbatch import SUBMITIT_DIR, container_args, make_executor, render_sbatch
+from hpcrl.launch.sbatch import make_executor, render_sbatch
 from hpcrl.plan.planner import Plan
 from hpcrl.run.rundir import atomic_write_text, new_run_dir, write_resolved_config
-
-JOBS_INDEX = ".jobs"
-"""``<output_root>/.jobs/<job id>`` holds the run directory of each submitted job."""
-
-
-@dataclass(frozen=True)
-class Submitted:
-    job_id: str
-    run_dir: Path
-
-    @property
-    def logs(self) -> list[Path]:
-        return [self.run_dir / SUBMITIT_DIR / f"{self.job_id}_{i}_log.out" for i in range(self.nodes)]
-
-    @property
-    def nodes(self) -> int:
-        return int(json.loads((self.run_dir / "job.json").read_text())["nodes"])
 
 
 def submit(
@@ -42,6 +25,14 @@ def submit(
     """``debug``: a held session (placement check, then Ray stays up until the time limit or cancel).
     ``suffix``: appended to the run directory's name (sweep points submitted in the same second)."""
     cfg = plan.cfg
+    if cfg.cluster.scheduler is Scheduler.kuberay:
+        from hpcrl.launch import kube_jobs
+
+        if hold_s or smoke or suffix:
+            raise HpcrlError(
+                "--hold, --smoke and sweeps (-m) are Slurm's; on Kubernetes submit the run alone"
+            )
+        return kube_jobs.submit(plan, debug=debug)
     run_dir = new_run_dir(cfg).resolve()
     if suffix:
         run_dir = run_dir.with_name(f"{run_dir.name}-{suffix}")
@@ -79,36 +70,3 @@ def submit_task(plan: Plan, run_dir: Path, task: object, *, kept: str = "", **sl
             f"submission to Slurm failed ({reason}); check that sbatch works here "
             f"(SLURM_CONF, partition/account in cluster.slurm.*).{kept}"
         ) from None
-
-
-def record_job(
-    plan: Plan,
-    job_id: str,
-    run_dir: Path,
-    roles: list[str],
-    name: str,
-    *,
-    debug: bool = False,
-    here: bool = False,
-) -> Submitted:
-    """``job.json`` in the run directory and the ``.jobs`` index entry: what status/logs/cancel read.
-    ``here``: a ``debug --here`` session, one step of an allocation the user holds (``launch/here.py``)."""
-    cfg = plan.cfg
-    meta = {
-        "job_id": job_id,
-        "nodes": len(roles),
-        "submitted": time.time(),
-        "roles": roles,
-        "cluster": cfg.cluster.name,
-        "name": name,
-        "debug": debug,
-        "here": here,
-        "gpus_per_node": cfg.cluster.gpus_per_node,
-        "python": cfg.cluster.python,
-        "container_args": container_args(cfg.cluster, run_dir),
-    }
-    atomic_write_text(run_dir / "job.json", json.dumps(meta, indent=1))
-    index = Path(cfg.run.output_root) / JOBS_INDEX
-    index.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(index / job_id, str(run_dir))
-    return Submitted(job_id, run_dir)

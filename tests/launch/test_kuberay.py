@@ -1,15 +1,12 @@
 """Issue 39 items 1-2: KubeRay manifests from the plan, checked against the real schemas: the pod templates
 against Kubernetes' OpenAPI schema (kubernetes-validate, strict: unknown fields fail) and the whole RayJob
 and RayCluster against KubeRay's CRD schemas, vendored from ray-project/kuberay at v1.7.0
-(``tests/launch/kuberay/``, see its README)."""
+(``tests/launch/kuberay/``, see its README): the checks in tests/harness/kube_schemas.py."""
 
 from __future__ import annotations
 
-import gzip
-import json
 import re
 from pathlib import Path
-from typing import Any
 
 import jsonschema
 import kubernetes_validate
@@ -21,45 +18,7 @@ from hpcrl.errors import ConfigError
 from hpcrl.launch.golden import KUBE_CASES, KUBE_DIR, render_kube
 from hpcrl.launch.kuberay import raycluster, rayjob
 from hpcrl.plan.planner import make_plan
-
-CRDS = Path(__file__).parent / "kuberay"
-K8S_VERSION = "1.33.0"  # GKE's regular channel at KubeRay 1.7's release
-
-
-def crd_schema(kind: str) -> dict[str, Any]:
-    data = json.loads(gzip.decompress((CRDS / f"{kind}.v1.7.0.json.gz").read_bytes()))
-    return dict(data["openAPIV3Schema"])
-
-
-def unknown_fields(obj: Any, schema: dict[str, Any], at: str = "") -> list[str]:
-    """Keys the structural schema does not declare (the API server would prune them silently)."""
-    if isinstance(obj, dict) and "properties" in schema:
-        out = []
-        for key, value in obj.items():
-            if key not in schema["properties"]:
-                out.append(f"{at}.{key}")
-            else:
-                out += unknown_fields(value, schema["properties"][key], f"{at}.{key}")
-        return out
-    if isinstance(obj, list) and "items" in schema:
-        return [f for i, item in enumerate(obj) for f in unknown_fields(item, schema["items"], f"{at}[{i}]")]
-    return []
-
-
-def check_against_schemas(manifest: dict[str, Any], kind: str) -> None:
-    schema = crd_schema(kind)
-    jsonschema.validate(manifest, schema)
-    assert unknown_fields(manifest, schema) == []
-    spec = manifest["spec"].get("rayClusterSpec", manifest["spec"])
-    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
-    for group in groups:
-        template = {
-            "apiVersion": "v1",
-            "kind": "PodTemplate",
-            "metadata": {"name": "t"},
-            "template": group["template"],
-        }
-        kubernetes_validate.validate(template, K8S_VERSION, strict=True)
+from tests.harness.kube_schemas import K8S_VERSION, check_against_schemas, crd_schema, unknown_fields
 
 
 @pytest.mark.parametrize("name", sorted(KUBE_CASES))
