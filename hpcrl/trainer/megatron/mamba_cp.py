@@ -125,8 +125,9 @@ class MambaCP:
         if self.cp > 1:
             weight = self._conv_channels(weight)
             bias = None if bias is None else self._conv_channels(bias)
-        if kernel is not None:
-            out = kernel(xbc.transpose(1, 2), weight.squeeze(1), bias, seq_idx=seq_idx, activation="silu")
+        if kernel is not None:  # in the activations' dtype, as autocast runs torch's conv
+            w, b = weight.squeeze(1).to(xbc.dtype), None if bias is None else bias.to(xbc.dtype)
+            out = kernel(xbc.transpose(1, 2), w, b, seq_idx=seq_idx, activation="silu")
             return out.transpose(1, 2)
         return F.silu(causal_conv(xbc.transpose(1, 2), weight, bias, seq_idx)).transpose(1, 2)
 
