@@ -32,8 +32,7 @@ class Precision(StrEnum):
 
 
 class KernelChoice(StrEnum):
-    auto = "auto"
-    torch = "torch"
+    auto, torch = "auto", "torch"
 
 
 class Optimizer(StrEnum):
@@ -85,11 +84,7 @@ class TrainerConfig:
     37.9k to 47.3k tokens/s (bench/results/README.md); the first step pays the compilation (~10 s).
     ``false`` if a model does not compile."""
     kernels: KernelChoice = KernelChoice.auto
-    """Nemotron-H's Mamba-2 mixers (both backends): ``auto`` runs mamba_ssm's fused SSD scan and gated
-    norm with causal_conv1d's conv where those packages import and the model is on a GPU, hpcrl's
-    torch paths otherwise; ``torch`` forces the torch paths (parity checks, debugging). The run logs
-    which path runs (``trainer/kernels.py``); the numbers agree within bf16 rounding
-    (``bench/kernels_gpu.py --parity``)."""
+    """Mamba-2 mixers: ``auto``, mamba_ssm / causal_conv1d where they run; ``torch`` (trainer/kernels.py)."""
     fused_logprob: bool = True
     """Log-probs straight from the final hidden states in chunks (``trainer/logprob_head.py``) instead
     of materialising the [tokens, vocab] logits: the same numbers, 40 GB less memory and 1.1x faster
