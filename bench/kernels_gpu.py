@@ -39,6 +39,8 @@ sys.path.insert(0, str(ROOT))
 from hpcrl.trainer import kernels  # noqa: E402
 
 PATHS = ("kernels", "torch")
+PARTIAL: dict = {}
+"""Parity cases as they finish (main writes them if a later case fails)."""
 
 
 # -- the two paths in transformers' module ------------------------------------------------------------
@@ -149,7 +151,7 @@ def parity(paths: HFPaths, device: str, tiny_only: bool) -> dict:
             (lk, gk), (lt, gt) = got["kernels"], got["torch"]
             rel = {n: float((gk[n] - gt[n]).abs().max() / gt[n].abs().max().clamp_min(1e-30)) for n in gt}
             worst = max(rel, key=rel.__getitem__)
-            out[f"{name} {layout}"] = {"loss_kernels": lk, "loss_torch": lt, "loss_rel_diff": abs(lk - lt) / abs(lt),
+            out[f"{name} {layout}"] = PARTIAL[f"{name} {layout}"] = {"loss_kernels": lk, "loss_torch": lt, "loss_rel_diff": abs(lk - lt) / abs(lt),
                                        "max_rel_grad_diff": rel[worst], "worst_grad": worst,
                                        "mamba_grad_max_rel": max(v for n, v in rel.items() if "mixer" in n and
                                                                  ("A_log" in n or "conv1d" in n or "dt_bias" in n))}  # fmt: skip
@@ -162,8 +164,8 @@ def megatron_parity(device: str) -> dict:
     """The megatron backend's mixer at Super's Mamba widths, its kernels vs its torch path."""
     try:
         mixer = megatron_mixer(device, tiny=device == "cpu")
-    except ImportError as exc:
-        return {"megatron mixer": {"skipped": f"megatron-core: {exc}"}}
+    except Exception as exc:  # megatron-core absent, or its API moved: the fsdp rows stand
+        return {"megatron mixer": {"skipped": f"{type(exc).__name__}: {exc}"[:300]}}
     from types import SimpleNamespace
 
     out: dict = {}
@@ -279,8 +281,8 @@ def bench(paths: HFPaths, device: str, batch: int, seq: int, experts: int, tiny:
 def megatron_speed(device: str, batch: int, seq: int, tiny: bool, iters: int) -> dict:
     try:
         mixer = megatron_mixer(device, tiny)
-    except ImportError as exc:
-        return {"skipped": f"megatron-core: {exc}"}
+    except Exception as exc:  # megatron-core absent, or its API moved: the fsdp rows stand
+        return {"skipped": f"{type(exc).__name__}: {exc}"[:300]}
     x = torch.randn(seq, batch, mixer.in_proj.weight.shape[1], device=device, requires_grad=True)
     out: dict = {}
     for path in PATHS:
@@ -345,8 +347,11 @@ def main() -> int:
     paths = HFPaths()
     out = Path(os.environ.get("OUT", "."), "kernels_gpu.json")
     if a.parity:
-        results["parity"] = parity(paths, a.device, a.tiny)
-        out.write_text(json.dumps(results, indent=1))
+        try:
+            results["parity"] = parity(paths, a.device, a.tiny)
+        finally:
+            results.setdefault("parity", PARTIAL)
+            out.write_text(json.dumps(results, indent=1))
     if a.bench:
         results["bench"] = bench(paths, a.device, a.batch, a.seq, a.experts, a.tiny, a.iters)
         out.write_text(json.dumps(results, indent=1))
