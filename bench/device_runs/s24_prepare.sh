@@ -6,10 +6,14 @@
 #                                    import without that scan (it imports selective_scan_cuda at the top)
 #   megatron_core-0.19.2-cp312-*.whl the GPU's megatron-core (the megatron mixer's rows)
 # The sdists come from PyPI's JSON urls (`pip download` of them runs setup.py, which needs nvcc): put them in
-# .whl/kernels/ first. Run from the repository root: `bash bench/device_runs/s24_prepare.sh`.
+# .whl/kernels/ (or .kbuild/src/, kernel_wheels.sh's) first. Run from the repository root: `bash bench/device_runs/s24_prepare.sh`.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 k=.whl/kernels
+mkdir -p $k
+for f in causal_conv1d-1.7.0.tar.gz mamba_ssm-2.3.2.post1.tar.gz; do  # kernel_wheels.sh's copies, where they are
+  [ -f $k/$f ] || [ ! -f .kbuild/src/$f ] || cp .kbuild/src/$f $k/
+done
 ls $k/causal_conv1d-1.7.0.tar.gz $k/mamba_ssm-2.3.2.post1.tar.gz > /dev/null
 ls $k/megatron_core-0.19.2-*.whl > /dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: \
   --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d $k megatron-core==0.19.2
