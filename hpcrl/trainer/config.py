@@ -31,6 +31,10 @@ class Precision(StrEnum):
     float32 = "float32"
 
 
+class KernelChoice(StrEnum):
+    auto, torch = "auto", "torch"
+
+
 class Optimizer(StrEnum):
     adamw = "adamw"
     adafactor = "adafactor"
@@ -79,6 +83,8 @@ class TrainerConfig:
     choice (``compile_layers``): on for fsdp, where it took the Qwen2-1.5B GRPO step on one H200 from
     37.9k to 47.3k tokens/s (bench/results/README.md); the first step pays the compilation (~10 s).
     ``false`` if a model does not compile."""
+    kernels: KernelChoice = KernelChoice.auto
+    """Mamba-2 mixers: ``auto``, mamba_ssm / causal_conv1d where they run; ``torch`` (trainer/kernels.py)."""
     fused_logprob: bool = True
     """Log-probs straight from the final hidden states in chunks (``trainer/logprob_head.py``) instead
     of materialising the [tokens, vocab] logits: the same numbers, 40 GB less memory and 1.1x faster

@@ -211,7 +211,8 @@ def test_the_scan_calls_mamba_ssm_kernels_with_the_torch_paths_arguments():
     the torch path's numbers, floor and all."""
     from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
 
-    from hpcrl.trainer.megatron.ssm import MambaKernels, mamba_scan
+    from hpcrl.trainer.kernels import Kernels
+    from hpcrl.trainer.megatron.ssm import mamba_scan
 
     gen = torch.Generator().manual_seed(3)
     x, b, c = (
@@ -222,7 +223,7 @@ def test_the_scan_calls_mamba_ssm_kernels_with_the_torch_paths_arguments():
     dt, a = torch.randn(2, 21, 4, generator=gen), -torch.rand(4, generator=gen) - 0.5
     d, dt_bias = torch.rand(4, generator=gen), torch.tensor([-12.0, -8.0, 0.0, 1.0])
     ours = mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 1e-3)
-    fake = MambaKernels(scan=mamba2_chunk_scan, norm=None)
+    fake = Kernels(scan=mamba2_chunk_scan)
     assert torch.allclose(mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 1e-3, fake), ours, atol=1e-5)
     assert not torch.allclose(mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 0.0, fake), ours, atol=1e-5)
     # a packed row: the kernel gets the sequences as ``seq_idx`` (the stand-in: transformers' torch
@@ -232,8 +233,8 @@ def test_the_scan_calls_mamba_ssm_kernels_with_the_torch_paths_arguments():
     from hpcrl.trainer.fsdp.segments import _scan
 
     seq_idx = torch.tensor([[0] * 5 + [1] * 9 + [2] * 7] * 2, dtype=torch.int32)
-    packed = mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 1e-3, None, seq_idx)
-    fake = MambaKernels(scan=partial(_scan, mamba2_chunk_scan), norm=None)
+    packed = mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 1e-3, seq_idx=seq_idx)
+    fake = Kernels(scan=partial(_scan, mamba2_chunk_scan))
     assert torch.allclose(mamba_scan(x, dt, a, b, c, 8, d, dt_bias, 1e-3, fake, seq_idx), packed, atol=1e-5)
     assert not torch.allclose(packed, ours, atol=1e-3)
 

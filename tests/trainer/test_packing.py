@@ -147,9 +147,9 @@ def test_packed_nemotron_h_forward_equals_the_padded_forward():
     """transformers' Nemotron-H (its torch Mamba path) run packed with ``seq_idx``: the padded forward's
     log-probs and entropy at every target, sequences of 9-11 tokens crossing chunks of 8 mid-way;
     without the restart (no ``seq_idx``: what transformers' torch path alone does) they differ."""
-    from hpcrl.trainer.fsdp.segments import reset_at_sequence_starts
+    from hpcrl.trainer.fsdp.segments import reset_at_sequence_starts, use_kernels
 
-    reset_at_sequence_starts()
+    reset_at_sequence_starts(use_kernels("auto", "cpu"))
     model = nemotron_h()
     b = batch([4, 9, 3, 6], [5, 2, 8, 4])
     with torch.no_grad():

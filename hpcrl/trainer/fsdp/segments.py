@@ -2,36 +2,45 @@
 from zeros (``trainer.packing``).
 
 The packed forward passes ``seq_idx`` (each token's sequence, ``trainer/ssd.py``) as a model keyword;
-transformers hands a Mamba mixer's keywords on to its conv and scan functions. Where mamba_ssm and
-causal_conv1d install, those are the kernels, which take ``seq_idx`` themselves (the fused training
-path too). Where they do not (CPU hosts, the lent GPU), transformers' torch stand-ins drop it: here
-each is wrapped to run hpcrl's segmented conv and scan when ``seq_idx`` comes, and itself otherwise,
-so unpacked forwards (the hf engine's included) are left as they were.
+transformers hands a Mamba mixer's keywords on to its conv and scan functions. Where the kernels run
+(``trainer/kernels.py``: mamba_ssm and causal_conv1d installed, a GPU, ``trainer.kernels=auto``),
+those take ``seq_idx`` themselves (the fused training path too). Where they do not, transformers'
+torch stand-ins drop it: here each is wrapped to run hpcrl's segmented conv and scan when ``seq_idx``
+comes, and itself otherwise, so unpacked forwards (the hf engine's included) are left as they were.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from hpcrl.trainer import kernels as fused
 from hpcrl.trainer.ssd import causal_conv, ssd_scan
 
-TORCH_PATHS = {"causal_conv1d_fn": "causal_conv1d", "mamba2_chunk_scan": "mamba_ssm"}
-"""transformers' Nemotron-H functions that fall back to torch, and the package whose kernel replaces each."""
+
+def use_kernels(mode: str, device: str) -> fused.Kernels:
+    """``trainer.kernels`` for transformers' Nemotron-H mixer: where the kernels are installed but not
+    chosen (``torch``, or a CPU model), transformers' own torch functions go back in its module."""
+    chosen = fused.configure(mode, device)
+    if not chosen.mamba and fused.installed().mamba:
+        fused.use_torch_in_transformers()
+    return chosen
 
 
-def reset_at_sequence_starts() -> None:
-    """Wrap the torch stand-ins of transformers' Nemotron-H (once per process) whose kernel is absent."""
+def reset_at_sequence_starts(kernels: fused.Kernels) -> None:
+    """Wrap the torch stand-ins of transformers' Nemotron-H (once per process) where the kernels do
+    not run."""
     from transformers.models.nemotron_h import modeling_nemotron_h as hf
 
+    if kernels.mamba:
+        return
     wrappers: dict[str, Callable[..., torch.Tensor]] = {"causal_conv1d_fn": _conv, "mamba2_chunk_scan": _scan}
-    for name, package in TORCH_PATHS.items():
+    for name in wrappers:
         current = getattr(hf, name)
-        if importlib.util.find_spec(package) is None and not getattr(current, "hpcrl_segments", False):
+        if not getattr(current, "hpcrl_segments", False):
             wrapped: Any = functools.partial(wrappers[name], current)
             wrapped.hpcrl_segments = True
             setattr(hf, name, wrapped)

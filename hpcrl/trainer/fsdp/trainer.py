@@ -27,7 +27,7 @@ from hpcrl.trainer.fsdp.model import (
     shard_model,
 )
 from hpcrl.trainer.fsdp.optim import StateStore, make_optimizer
-from hpcrl.trainer.fsdp.segments import reset_at_sequence_starts
+from hpcrl.trainer.fsdp.segments import reset_at_sequence_starts, use_kernels
 from hpcrl.trainer.hf_load import load_sharded, meta_model
 from hpcrl.trainer.logprob_head import install_logprob_head
 from hpcrl.trainer.process_group import collective_backend, init_process_group
@@ -84,8 +84,10 @@ class FSDPTrainer:
         self.store = StateStore(self.optimizer, cfg, device, rank)
         """Where the optimizer's state lives between steps (``trainer.optimizer_dtype``, ``_offload``)."""
         self.step = TrainStep.from_config(cfg)
-        if self.recurrent and self.step.pack_tokens is not None:
-            reset_at_sequence_starts()  # Mamba layers restart at each packed sequence (fsdp/segments.py)
+        if self.recurrent:
+            kernels = use_kernels(cfg.trainer.kernels, device)
+            if self.step.pack_tokens is not None:  # each packed sequence from zeros (fsdp/segments.py)
+                reset_at_sequence_starts(kernels)
         self.writer = ShardWriter()
         self._conversions: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
         """State-dict name -> the checkpoint tensors it becomes (``_hf_metas``)."""

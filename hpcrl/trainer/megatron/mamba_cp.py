@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from hpcrl.trainer.config import mamba_cp_splits
 from hpcrl.trainer.ssd import causal_conv
@@ -110,15 +111,25 @@ class MambaCP:
         return p if self.cp == 1 else p[self.rank * self.heads : (self.rank + 1) * self.heads]
 
     def conv(
-        self, xbc: torch.Tensor, conv: torch.nn.Conv1d, seq_idx: torch.Tensor | None = None
+        self,
+        xbc: torch.Tensor,
+        conv: torch.nn.Conv1d,
+        seq_idx: torch.Tensor | None = None,
+        kernel: Any = None,
     ) -> torch.Tensor:
-        """The depthwise causal conv over [b, s, x|B|C] of this CP rank, with its channels' slice of
-        the TP rank's weight and bias; ``seq_idx``: a packed row's sequences, each convolved alone."""
+        """SiLU of the depthwise causal conv over [b, s, x|B|C] of this CP rank, with its channels'
+        slice of the TP rank's weight and bias; ``seq_idx``: a packed row's sequences, each convolved
+        alone. ``kernel``: causal_conv1d's ``causal_conv1d_fn`` (trainer/kernels.py), SiLU fused; it
+        reads the channel-last [b, x|B|C, s] view as it is."""
         weight, bias = conv.weight, conv.bias
         if self.cp > 1:
             weight = self._conv_channels(weight)
             bias = None if bias is None else self._conv_channels(bias)
-        return causal_conv(xbc.transpose(1, 2), weight, bias, seq_idx).transpose(1, 2)
+        if kernel is not None:  # in the activations' dtype, as autocast runs torch's conv
+            w, b = weight.squeeze(1).to(xbc.dtype), None if bias is None else bias.to(xbc.dtype)
+            out = kernel(xbc.transpose(1, 2), w, b, seq_idx=seq_idx, activation="silu")
+            return out.transpose(1, 2)
+        return F.silu(causal_conv(xbc.transpose(1, 2), weight, bias, seq_idx)).transpose(1, 2)
 
     def _conv_channels(self, p: torch.Tensor) -> torch.Tensor:
         """[x | B | C] rows of the TP rank -> this CP rank's x channels and its groups' B and C."""

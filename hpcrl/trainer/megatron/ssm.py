@@ -9,9 +9,10 @@ contained module: pure torch, autograd-safe, used only where the real pieces are
   The scan is the SSD chunked form (``trainer/ssd.py``) in fp32, with Hugging Face's and vLLM's dt
   floor (``time_step_min``): Megatron's kernels do not clamp, but the rollout engines do, and the
   trainer must score what they sample. Packed rows (``packed_seq_params``, as Megatron's mixer takes
-  them) convolve and scan each sequence from zeros, the kernels through their ``seq_idx``. Where mamba_ssm and causal_conv1d do install (a CUDA host
-  with them), the mixer keeps its parameters and math and calls mamba_ssm's fused scan and gated
-  norm with the same arguments, floor included (``KERNELS``); the conv stays torch's depthwise conv.
+  them) convolve and scan each sequence from zeros, the kernels through their ``seq_idx``. Where mamba_ssm
+  and causal_conv1d do install (a CUDA host with them, ``trainer.kernels=auto``: trainer/kernels.py),
+  the mixer keeps its parameters and math and calls mamba_ssm's fused scan and gated norm with the
+  same arguments, floor included, and causal_conv1d's conv (with the SiLU after it fused).
   Context parallel as Megatron's MambaContextParallel (``mamba_cp.MambaCP``): the conv and the scan
   run on whole sequences for heads/cp of this rank's heads, between two all-to-alls over the CP group.
 - ``LatentMoELayer`` is Megatron's MoELayer with the latent projections (``fc1_latent_proj``,
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,38 +39,10 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
+from hpcrl.trainer.kernels import TORCH, Kernels, active_for
 from hpcrl.trainer.megatron.mamba_cp import MambaCP
 from hpcrl.trainer.megatron.spec_utils import build
 from hpcrl.trainer.ssd import seq_index_of_bounds, ssd_scan
-
-
-@dataclass(frozen=True)
-class MambaKernels:
-    """mamba_ssm's fused Triton scan and gated RMSNorm, where it installs (with causal_conv1d, which
-    its kernels import): the mixer calls them with the same arguments as the torch path, dt floor
-    included, so only the speed changes."""
-
-    scan: Any  # mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined
-    norm: Any  # mamba_ssm.ops.triton.layernorm_gated.rmsnorm_fn
-
-
-def mamba_kernels() -> MambaKernels | None:
-    try:
-        import causal_conv1d  # noqa: F401
-        from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except ImportError:
-        return None
-    return MambaKernels(mamba_chunk_scan_combined, rmsnorm_fn)
-
-
-KERNELS = mamba_kernels()
-"""Resolved once at import; None (every CPU host, the lent GPU) selects the torch scan and norm."""
-
-
-def kernels_for(t: torch.Tensor) -> MambaKernels | None:
-    """The fused kernels for a tensor they can run on (Triton: CUDA only), else None."""
-    return KERNELS if KERNELS is not None and t.is_cuda else None
 
 
 def mamba_scan(
@@ -83,13 +55,13 @@ def mamba_scan(
     d: torch.Tensor,
     dt_bias: torch.Tensor,
     dt_min: float,
-    kernels: MambaKernels | None = None,
+    kernels: Kernels = TORCH,
     seq_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The mixer's scan from the raw dt: softplus(dt + dt_bias) floored at ``dt_min``, the SSD scan,
-    D's skip; by mamba_ssm's ``mamba_chunk_scan_combined`` (same arguments) when ``kernels``.
+    D's skip; by mamba_ssm's ``mamba_chunk_scan_combined`` (same arguments) when ``kernels`` has it.
     ``seq_idx`` [b, l]: a packed row's sequences, each scanned from a zero state (trainer/ssd.py)."""
-    if kernels is not None:
+    if kernels.scan is not None:
         return kernels.scan(
             x,
             dt,
@@ -190,7 +162,7 @@ class TorchMambaMixer(MegatronModule):
             seq_idx = seq_index_of_bounds(packed_seq_params.cu_seqlens_q, xbc.shape[0])
         y = self._conv_scan(xbc.transpose(0, 1), dt.transpose(0, 1), seq_idx)
         y = self.cp.to_sequence(y.transpose(0, 1))
-        if (kernels := kernels_for(y)) is not None:
+        if (kernels := active_for(y)).mamba:
             y = kernels.norm(
                 y,
                 self.norm.weight,
@@ -211,14 +183,15 @@ class TorchMambaMixer(MegatronModule):
         head_dim] (D's skip included), in the activations' dtype; ``seq_idx``: a packed row's sequences."""
         cp = self.cp
         batch, length = xbc.shape[:2]
-        xbc = F.silu(cp.conv(xbc, self.conv1d, seq_idx))
+        kernels = active_for(xbc)
+        xbc = cp.conv(xbc, self.conv1d, seq_idx, kernels.conv)
         x, b, c = xbc.split([cp.inner, cp.groups * self.state, cp.groups * self.state], dim=-1)
         xh = x.reshape(batch, length, cp.heads, self.head_dim)
         a = -torch.exp(cp.per_head(self.A_log).float())
         b = b.reshape(batch, length, cp.groups, self.state)
         c = c.reshape(batch, length, cp.groups, self.state)
         dt_bias, d = cp.per_head(self.dt_bias), cp.per_head(self.D)
-        y = mamba_scan(xh, dt, a, b, c, self.chunk, d, dt_bias, self.dt_min, kernels_for(xh), seq_idx)
+        y = mamba_scan(xh, dt, a, b, c, self.chunk, d, dt_bias, self.dt_min, kernels, seq_idx)
         return y.reshape(batch, length, -1).to(x.dtype)
 
 

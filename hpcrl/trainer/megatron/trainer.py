@@ -22,6 +22,7 @@ import torch
 
 from hpcrl.config.schema import RunConfig
 from hpcrl.core.parallel import TrainParallel
+from hpcrl.trainer import kernels
 from hpcrl.trainer.base import WeightSink, freeze
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import MegatronTrainerConfig
@@ -87,6 +88,8 @@ class MegatronTrainer:
         self.shape = model_shape(hf, self.arch, self.par.tp)
         # HF <-> Megatron names: a hybrid model's own mapping, or the GPT families'
         self.weights = weights_hybrid if self.shape.pattern else weights
+        if "M" in (self.shape.pattern or ""):  # the Mamba mixers' path (trainer/kernels.py), logged once
+            kernels.configure(t.kernels, device)
         config = transformer_config(hf, self.arch, t, self.par, device=device)
         self.step = TrainStep.from_config(cfg)
         self._build_models(model_dir, hf, config, experts)
