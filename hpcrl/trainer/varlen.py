@@ -27,7 +27,8 @@ _ROW: dict[str, Any] = {}
 
 def use_packed_attention(model: Any) -> bool:
     """Switch ``model``'s text attention from ``sdpa`` to this module's (idempotent); False where the
-    model runs another implementation (eager, flex: transformers' own mask stays)."""
+    model runs another implementation (eager, flex) or has sliding-window layers (Gemma 3): transformers'
+    own mask stays for those."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -35,7 +36,8 @@ def use_packed_attention(model: Any) -> bool:
     AttentionMaskInterface.register(NAME, _mask)
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if text._attn_implementation == "sdpa":
+    sliding = "sliding_attention" in (getattr(text, "layer_types", None) or ())
+    if text._attn_implementation == "sdpa" and not sliding:
         text._attn_implementation = NAME
     return text._attn_implementation == NAME
 

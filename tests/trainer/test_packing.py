@@ -90,7 +90,7 @@ def test_packed_attention_is_the_block_causal_masked_attention():
     transformers' SDPA over the whole row (the mutation: attention across the restarts)."""
     from types import SimpleNamespace
 
-    from hpcrl.trainer.varlen import packed_attention, packed_sdpa
+    from hpcrl.trainer.varlen import packed_attention, packed_sdpa, use_packed_attention
 
     lengths, heads, kv, dim = [5, 1, 12, 7], 6, 2, 8
     gen = torch.Generator().manual_seed(0)
@@ -111,6 +111,12 @@ def test_packed_attention_is_the_block_causal_masked_attention():
     assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want, strict=True))
     whole, _ = packed_sdpa(layer, q, k, v, None, scaling=0.3)  # no packed row: one causal sequence
     assert (whole - want_out).abs().max() > 0.1
+    from transformers import Gemma3TextConfig
+
+    gemma = Gemma3TextConfig(num_hidden_layers=6)  # sliding-window layers: transformers' mask stays
+    gemma._attn_implementation = "sdpa"
+    assert not use_packed_attention(SimpleNamespace(config=gemma))
+    assert gemma._attn_implementation == "sdpa"
 
 
 def test_the_plan_counts_the_budget_and_refuses_what_cannot_pack():
