@@ -64,6 +64,9 @@ def _mask(**kwargs: Any) -> torch.Tensor | None:
     return None if _ROW else sdpa_mask(**kwargs)
 
 
+# Eager inside a compiled layer: traced, the bounds (host lists in a global) would be guarded as constants
+# and every new packed row would recompile the layer.
+@torch.compiler.disable
 def packed_sdpa(
     module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
 ) -> tuple[torch.Tensor, None]:
@@ -77,7 +80,6 @@ def packed_sdpa(
     return _packed(query, key, value, kwargs.get("scaling"), _ROW), None
 
 
-@torch.compiler.disable  # bounds are host lists and a data-dependent kernel: the layer compiles around it
 def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any, row: dict) -> torch.Tensor:
     sig = _varlen() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
     # a torch whose kernel takes no scale runs the default one only
