@@ -1,14 +1,17 @@
 """Sequence packing against padded micro-batches (issue 36 item 1): the fsdp train step on one GPU at a
 DAPO-like length distribution, tokens per second of real tokens, both rows in the same run.
 
-    python bench/packing_gpu.py [--model qwen2_1p5b] [--layers 0] [--seqs 256] [--max-new 3840]
-        [--mbs 4] [--steps 3] [--rows padded,packed] [--job dapo|smollm2] [--profile] [--out FILE]
+    python bench/packing_gpu.py [--model qwen2_1p5b[,smollm2_135m]] [--layers 0] [--seqs 256] [--max-new 3840]
+        [--mbs 4|plan] [--steps 3] [--rows padded,packed] [--job dapo|smollm2] [--profile] [--out FILE]
 
 The batch: ``--seqs`` sequences, prompts 100-300 tokens, completions long-tailed as DAPO's are (a
 log-normal around a quarter of the limit, a tenth of them cut at ``--max-new``), in rollout order
 (groups of similar prompts do not sort by length). ``padded`` is hpcrl's step without packing:
 ``--mbs`` rows a micro-batch, each padded to its longest row. ``packed`` is ``trainer.packing=true``
 with its default budget, ``--mbs`` x the longest possible sequence (the padded micro-batch's memory).
+``--mbs plan``: the planner's micro-batch (``trainer.micro_batch_size=null``, the most rows whose memory fits
+this GPU) and the budget it derives from it. Several ``--model``s: each shape's rows, one table at the end
+(real tokens / s and the ratio to that shape's padded row); the JSON then holds them under ``shapes``.
 A row ``padded:N`` or ``packed:N`` uses N rows a micro-batch instead of ``--mbs``; ``+ac`` after it turns on
 activation checkpointing. A row that runs out of memory is recorded as such; ``best`` names the fastest row
 and its overrides. ``--job smollm2`` is the SmolLM2 chain_sum recipe's batch instead: prompts 180-224 tokens
@@ -140,27 +143,29 @@ def row_overrides(name: str) -> list[str]:
     return out + (["trainer.activation_checkpointing=true"] if flags == "ac" else [])
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="qwen2_1p5b")
-    p.add_argument("--layers", type=int, default=0)
-    p.add_argument("--model-dir", type=Path)
-    p.add_argument("--seqs", type=int, default=256)
-    p.add_argument("--max-new", type=int, default=3840)
-    p.add_argument("--mbs", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--rows", default="padded,packed")
-    p.add_argument("--job", choices=["dapo", "smollm2"], default="dapo")
-    p.add_argument("--profile", action="store_true", help="one more step of each row under torch.profiler")
-    p.add_argument("--set", action="append", default=[], help="extra overrides for every row")
-    p.add_argument("--out", type=Path)
-    args = p.parse_args()
-    model = [f"model={args.model}"] + ([f"model.num_layers={args.layers}"] if args.layers else [])
+def planned(common: list[str], seqs: int) -> tuple[int, int]:
+    """The planner's padded micro-batch (``trainer.micro_batch_size=null``: the most rows whose memory fits
+    this GPU) and the packing budget it derives from it, for a step of ``seqs`` sequences."""
+    from hpcrl.plan.planner import make_plan
+
+    groups = 8 if seqs % 8 == 0 else 1  # num_generations: the planner's rows a step are prompts x this
+    cfg = compose_config(
+        [*common, "trainer.micro_batch_size=null", "trainer.packing=true", "algo.num_generations=" + str(groups),
+         f"algo.num_prompts_per_step={seqs // groups}"]
+    )  # fmt: skip
+    trainer = make_plan(cfg).cfg.trainer
+    assert trainer.micro_batch_size is not None and trainer.micro_batch_tokens is not None
+    return trainer.micro_batch_size, trainer.micro_batch_tokens
+
+
+def shape_rows(args: argparse.Namespace, model_name: str) -> dict:
+    """Every row of one model shape; the planner's micro-batch and budget where ``--mbs plan``."""
+    model = [f"model={model_name}"] + ([f"model.num_layers={args.layers}"] if args.layers else [])
     base = compose_config(model)
-    if args.model_dir is None:
-        with torch.device("cuda" if GPU else "cpu"):  # billions of random weights: on the GPU in seconds
-            args.model_dir = make_model_dir(base)
     model_dir = args.model_dir
+    if model_dir is None:
+        with torch.device("cuda" if GPU else "cpu"):  # billions of random weights: on the GPU in seconds
+            model_dir = make_model_dir(base)
     common = [
         *model,
         f"model.hf_id={model_dir}",
@@ -168,15 +173,19 @@ def main() -> int:
         "algo.num_minibatches=1",
         f"data.max_prompt_tokens={PROMPT_MAX}",
         f"rollout.max_new_tokens={args.max_new}",
-        f"trainer.micro_batch_size={args.mbs}",
         *args.set,
     ]
+    out: dict = {}
+    if args.mbs == "plan":
+        mbs, budget = planned(common, args.seqs)
+        common.append(f"trainer.micro_batch_size={mbs}")
+        out["plan"] = {"micro_batch_size": mbs, "micro_batch_tokens": budget}
+        print(f"{model_name}: planner micro_batch_size={mbs} micro_batch_tokens={budget}", flush=True)
+    else:
+        common.append(f"trainer.micro_batch_size={args.mbs}")
+        budget = None
     shape = (smollm2_lengths if args.job == "smollm2" else lengths)(args.seqs, args.max_new)
     batch = make_batch(shape, min(base.model.vocab_size, 32000))
-    out = {
-        "gpu": torch.cuda.get_device_name() if GPU else "cpu",
-        "args": vars(args) | {"model_dir": None, "out": None},
-    }
     out["lengths"] = {
         "sequences": len(shape),
         "mean_completion": sum(c for _, c in shape) / len(shape),
@@ -184,7 +193,10 @@ def main() -> int:
     }
     print(f"batch: {out['lengths']}", flush=True)
     for name in args.rows.split(","):
-        cfg = compose_config([*common, *row_overrides(name)])
+        extra = row_overrides(name)
+        if budget is not None and name.startswith("packed") and ":" not in name:
+            extra.append(f"trainer.micro_batch_tokens={budget}")  # the planner's (the same as the default)
+        cfg = compose_config([*common, *extra])
         try:
             out[name] = row(cfg, model_dir, batch, args.steps, args.profile)
         except torch.OutOfMemoryError as exc:  # a row too large for this GPU: said, and the others still run
@@ -195,9 +207,96 @@ def main() -> int:
         best = max(timed, key=lambda k: timed[k]["tokens_per_s"])
         out["best"] = {"row": best, "overrides": row_overrides(best)}
         print(f"best: {best} {' '.join(out['best']['overrides'])}", flush=True)
-    if "padded" in out and "packed" in out:
+    if "tokens_per_s" in out.get("padded", {}) and "tokens_per_s" in out.get("packed", {}):
         out["packed_over_padded"] = out["packed"]["tokens_per_s"] / out["padded"]["tokens_per_s"]
         print(f"packed / padded tokens/s: {out['packed_over_padded']:.2f}x", flush=True)
+    return out
+
+
+def table(shapes: dict) -> str:
+    """One line a model and row: step, real tokens / s, the ratio to that model's padded row, peak memory."""
+    lines = ["| model | row | micro-batches | tokens the forward ran | step | real tokens / s | vs padded | peak |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for model, out in shapes.items():
+        padded = out.get("padded", {}).get("tokens_per_s")
+        for name, r in out.items():
+            if not isinstance(r, dict) or name in ("plan", "lengths", "best"):
+                continue
+            if "tokens_per_s" not in r:
+                lines.append(f"| {model} | {name} | - | - | {r.get('error', '?')[:40]} | - | - | - |")
+                continue
+            ratio = f"{r['tokens_per_s'] / padded:.2f}x" if padded else "-"
+            peak = f"{r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "-"
+            lines.append(
+                f"| {model} | {name} | {r['micro_batches']} | {r['forward_tokens']:,} | {r['step_s']:.2f} s "
+                f"| {r['tokens_per_s']:,.0f} | {ratio} | {peak} |"
+            )
+    return "\n".join(lines)
+
+
+def check_kernel() -> dict:
+    """The packed attention (hpcrl/trainer/varlen.py) against SDPA under the dense block-causal mask, in
+    this torch on this device: which path ran (``varlen_attn`` needs CUDA and half precision), the largest
+    difference of outputs and of input gradients (bf16: ~1e-2 is agreement, a leak across sequences is ~1)."""
+    from hpcrl.trainer.packing import Packed
+    from hpcrl.trainer.varlen import _varlen, packed_attention, packed_sdpa
+
+    device, dtype = ("cuda", torch.bfloat16) if GPU else ("cpu", torch.float32)
+    lengths, heads, kv, dim = [300, 17, 1200, 64, 2515], 12, 2, 128
+    gen = torch.Generator().manual_seed(0)
+    n = sum(lengths)
+    q, k, v = (
+        torch.randn(1, h, n, dim, generator=gen).to(device, dtype).requires_grad_() for h in (heads, kv, kv)
+    )
+    positions = torch.cat([torch.arange(m) for m in lengths])[None].to(device)
+    layer = argparse.Namespace(num_key_value_groups=heads // kv, is_causal=True, training=True)
+    with packed_attention(positions):
+        out, _ = packed_sdpa(layer, q, k, v, None, scaling=dim**-0.5)
+    got = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    allowed = ~Packed(positions, positions, positions, [], []).attention_mask()[0]
+    rk, rv = (t.repeat_interleave(heads // kv, 1) for t in (k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    want_out = sdpa(q, rk, rv, attn_mask=allowed).transpose(1, 2)
+    want = torch.autograd.grad(want_out.float().square().sum(), (q, k, v))
+    sig = _varlen()
+    result = {
+        "varlen_attn": None if sig is None else str(sig),
+        "path": "varlen_attn" if GPU and sig is not None else "sdpa per sequence",
+        "out_max_diff": float((out - want_out).detach().abs().max()),
+        "grad_max_diff": max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True)),
+    }
+    print(f"kernel check: {json.dumps(result)}", flush=True)
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen2_1p5b", help="one model config or several, comma-separated")
+    p.add_argument("--layers", type=int, default=0)
+    p.add_argument("--model-dir", type=Path)
+    p.add_argument("--seqs", type=int, default=256)
+    p.add_argument("--max-new", type=int, default=3840)
+    p.add_argument("--mbs", default="4", help="rows a padded micro-batch, or plan: the planner's")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rows", default="padded,packed")
+    p.add_argument("--job", choices=["dapo", "smollm2"], default="dapo")
+    p.add_argument("--profile", action="store_true", help="one more step of each row under torch.profiler")
+    p.add_argument("--set", action="append", default=[], help="extra overrides for every row")
+    p.add_argument("--check-kernel", action="store_true", help="first: the packed attention against the mask")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    models = args.model.split(",")
+    out: dict = {
+        "gpu": torch.cuda.get_device_name() if GPU else "cpu",
+        "torch": torch.__version__,
+        "args": vars(args) | {"model_dir": None, "out": None},
+    }
+    if args.check_kernel:
+        out["kernel_check"] = check_kernel()
+    shapes = {m: shape_rows(args, m) for m in models}
+    # one model: its rows at the top level, as the session 21-23 tasks read them (train135's best)
+    out |= shapes[models[0]] if len(models) == 1 else {"shapes": shapes}
+    print(table(shapes), flush=True)
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
     return 0

@@ -14,6 +14,7 @@ from hpcrl.trainer.logprob_head import LogprobHead
 from hpcrl.trainer.packing import Packed
 from hpcrl.trainer.router_replay import set_routes
 from hpcrl.trainer.ssd import seq_index
+from hpcrl.trainer.varlen import packed_attention, use_packed_attention
 
 
 def token_logprobs(
@@ -53,9 +54,9 @@ def packed_logprobs(
     model: Any, batch: TrainBatch, recurrent: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_logprobs`` of right-padded rows run as one packed row (``trainer.packing``): the rows'
-    real tokens one after another, positions restarting at each, no attention mask, so transformers
-    masks attention across the restarts (``find_packed_sequence_indices``); [B, T-1] each, at the loss
-    targets (zeros elsewhere, where no reader looks). ``recurrent`` (Mamba layers): each token's
+    real tokens one after another, positions restarting at each, attention inside each sequence without
+    an [L, L] mask (``trainer/varlen.py``; a model not on SDPA gets transformers' mask from the restarts);
+    [B, T-1] each, at the loss targets (zeros elsewhere, where no reader looks). ``recurrent`` (Mamba layers): each token's
     sequence goes along as ``seq_idx``, where their conv and scan restart (``fsdp/segments.py``)."""
     packed = Packed.of(batch.input_ids, batch.attention_mask)
     set_routes(model, None if batch.routes is None else packed.gather(batch.routes))
@@ -63,13 +64,15 @@ def packed_logprobs(
     if recurrent:
         inputs["seq_idx"] = seq_index(packed.positions)
     width = batch.input_ids.shape[1] - 1
-    if not takes_logits_to_keep(model):
-        logp, entropy = _logprobs(model, packed.targets, **inputs)
-        return packed.unpack(logp, width), packed.unpack(entropy, width)
-    # the head only where a loss target is (every reader of these values masks by the loss mask): at
-    # 185 prompt tokens and ~20 generated, a head over every packed token would be 90% wasted
-    keep = packed.index_of(batch.loss_mask)
-    logp, entropy = _logprobs(model, packed.targets[:, keep], **inputs, logits_to_keep=keep)
+    use_packed_attention(model)
+    with packed_attention(packed.positions):
+        if not takes_logits_to_keep(model):
+            logp, entropy = _logprobs(model, packed.targets, **inputs)
+            return packed.unpack(logp, width), packed.unpack(entropy, width)
+        # the head only where a loss target is (every reader of these values masks by the loss mask): at
+        # 185 prompt tokens and ~20 generated, a head over every packed token would be 90% wasted
+        keep = packed.index_of(batch.loss_mask)
+        logp, entropy = _logprobs(model, packed.targets[:, keep], **inputs, logits_to_keep=keep)
     return packed.unpack_kept(logp, keep, width), packed.unpack_kept(entropy, keep, width)
 
 

@@ -45,10 +45,14 @@ def test_packed_row_goes_back_to_the_padded_rows():
 
 
 @pytest.mark.slow
-def test_packed_forward_equals_the_padded_forward_on_a_real_model(tiny_dir):
-    """Attention stays inside each packed sequence: a leak across a restart would change the later
-    sequences' log-probs by far more than the tolerance."""
+def test_packed_forward_and_gradients_equal_the_padded_ones_on_a_real_model(tiny_dir, monkeypatch):
+    """Attention stays inside each packed sequence (a leak across a restart would change the later
+    sequences' log-probs by far more than the tolerance), the gradients are the padded step's, and no
+    [L, L] mask is built on the way (transformers' SDPA mask function is refused while packed)."""
+    import transformers.masking_utils as masking
+
     from hpcrl.trainer.hf_load import meta_model
+    from hpcrl.trainer.varlen import NAME
 
     model = meta_model(tiny_dir).to_empty(device="cpu")
     torch.manual_seed(0)
@@ -56,14 +60,63 @@ def test_packed_forward_equals_the_padded_forward_on_a_real_model(tiny_dir):
         torch.nn.init.normal_(p, std=0.2)
     model.eval()
     b = batch([4, 9, 3, 6], [5, 2, 8, 4])
-    with torch.no_grad():
-        padded = token_logprobs(model, b)
-        packed = packed_logprobs(model, b)
-    # every loss target (the padded forward skips the head before the shortest prompt's end)
     targets, pad = b.loss_mask.bool(), ~b.attention_mask[:, 1:].bool()
-    for got, want in zip(packed, padded, strict=True):
+
+    def grads(forward):
+        model.zero_grad()
+        logp, entropy = forward(model, b)
+        (logp * b.loss_mask).sum().backward()
+        return logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]
+
+    padded = grads(token_logprobs)
+
+    def no_mask(**kwargs):
+        raise AssertionError("a packed forward built an attention mask")
+
+    monkeypatch.setattr(masking, "sdpa_mask", no_mask)
+    packed = grads(packed_logprobs)
+    assert model.config._attn_implementation == NAME
+    for got, want in zip(packed[:2], padded[:2], strict=True):
         assert torch.allclose(got[targets], want[targets], atol=1e-5)
         assert not got[pad].any()
+    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(packed[2], padded[2], strict=True))
+    with pytest.raises(AssertionError, match="built an attention mask"):  # unpacked forwards still mask
+        token_logprobs(model, b, right_padded=False)
+
+
+def test_packed_attention_is_the_block_causal_masked_attention():
+    """The registered function inside ``packed_attention`` against SDPA under the dense block-causal
+    mask (``Packed.attention_mask``), grouped heads, outputs and input gradients; outside the block it is
+    transformers' SDPA over the whole row (the mutation: attention across the restarts)."""
+    from types import SimpleNamespace
+
+    from hpcrl.trainer.varlen import packed_attention, packed_sdpa, use_packed_attention
+
+    lengths, heads, kv, dim = [5, 1, 12, 7], 6, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    n = sum(lengths)
+    q, k, v = (torch.randn(1, h, n, dim, generator=gen).requires_grad_() for h in (heads, kv, kv))
+    positions = torch.cat([torch.arange(m) for m in lengths])[None]
+    layer = SimpleNamespace(num_key_value_groups=heads // kv, is_causal=True, training=False)
+    with packed_attention(positions):
+        out, _ = packed_sdpa(layer, q, k, v, None, scaling=0.3)
+    got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    allowed = ~Packed(positions, positions, positions, [], []).attention_mask()[0]
+    rep = heads // kv
+    want_out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=allowed, scale=0.3
+    ).transpose(1, 2)
+    want = torch.autograd.grad(want_out.square().sum(), (q, k, v))
+    assert torch.allclose(out, want_out, atol=1e-5)
+    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want, strict=True))
+    whole, _ = packed_sdpa(layer, q, k, v, None, scaling=0.3)  # no packed row: one causal sequence
+    assert (whole - want_out).abs().max() > 0.1
+    from transformers import Gemma3TextConfig
+
+    gemma = Gemma3TextConfig(num_hidden_layers=6)  # sliding-window layers: transformers' mask stays
+    gemma._attn_implementation = "sdpa"
+    assert not use_packed_attention(SimpleNamespace(config=gemma))
+    assert gemma._attn_implementation == "sdpa"
 
 
 def test_the_plan_counts_the_budget_and_refuses_what_cannot_pack():

@@ -1,0 +1,140 @@
+"""Attention of a packed row without an [L, L] mask (``trainer.packing``, the fsdp backend).
+
+transformers reads a packed row's sequence restarts from ``position_ids`` and builds, for SDPA, a
+dense block-causal mask over the whole row: at 64 x 288 tokens that is an [18k, 18k] mask, and SDPA
+with a mask leaves its flash kernel (session 23: 3.69 s packed against 0.37 s padded). Here the
+packed forward runs under ``packed_attention(positions)``, which builds no mask (the mask function
+answers None) and gives each layer's attention the sequences' bounds: on CUDA in half precision
+torch's ``varlen_attn`` (flash attention over cumulative sequence lengths), elsewhere SDPA per
+sequence (causal, no mask). Outside the block the registered function is transformers' own SDPA,
+so the unpacked forwards of the same model are unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, cast
+
+import torch
+
+NAME = "hpcrl_packed"
+_ROW: dict[str, Any] = {}
+"""The packed row's bounds while a packed forward runs: ``cu`` (int32 [N+1]), ``lengths``, ``longest``."""
+
+
+def use_packed_attention(model: Any) -> bool:
+    """Switch ``model``'s text attention from ``sdpa`` to this module's (idempotent); False where the
+    model runs another implementation (eager, flex) or has sliding-window layers (Gemma 3): transformers'
+    own mask stays for those."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, packed_sdpa)
+    AttentionMaskInterface.register(NAME, _mask)
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    sliding = "sliding_attention" in (getattr(text, "layer_types", None) or ())
+    if text._attn_implementation == "sdpa" and not sliding:
+        text._attn_implementation = NAME
+    return text._attn_implementation == NAME
+
+
+@contextmanager
+def packed_attention(positions: torch.Tensor) -> Iterator[None]:
+    """Within: attention of the registered implementation stays inside each sequence of the packed row
+    whose ``positions`` [1, L] restart at 0 at each sequence."""
+    starts = torch.nonzero(positions[0] == 0).flatten().tolist()
+    bounds = [*starts, positions.shape[1]]
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=positions.device)
+    _ROW.update(cu=cu, lengths=lengths, longest=max(lengths))
+    try:
+        yield
+    finally:
+        _ROW.clear()
+
+
+def _mask(**kwargs: Any) -> torch.Tensor | None:
+    """transformers' SDPA mask, none in a packed forward (the attention bounds each sequence itself)."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if _ROW else sdpa_mask(**kwargs)
+
+
+# Eager inside a compiled layer: traced, the bounds (host lists in a global) would be guarded as constants
+# and every new packed row would recompile the layer.
+@torch.compiler.disable
+def packed_sdpa(
+    module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """The attention function: [1, H, L, D] in, [1, L, H, D] out (transformers' layout)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not _ROW:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if getattr(module, "sliding_window", None) is not None:
+        raise ValueError("trainer.packing: sliding-window layers have no packed attention yet")
+    return _packed(query, key, value, kwargs.get("scaling"), _ROW), None
+
+
+def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any, row: dict) -> torch.Tensor:
+    sig = _varlen() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
+    # a torch whose kernel takes no scale runs the default one only
+    if sig is not None and (
+        "scale" in sig.parameters or scale is None or abs(scale * q.shape[-1] ** 0.5 - 1) < 1e-6
+    ):
+        return _flash(q, k, v, scale, row)
+    return _per_sequence(q, k, v, scale, row["lengths"])
+
+
+def _per_sequence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any, lengths: list[int]
+) -> torch.Tensor:
+    """SDPA causal over each sequence alone: no [L, L] tensor, a kernel launch a sequence."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # the grouped heads repeated per sequence, as transformers' repeat_kv orders them
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    parts = [
+        sdpa(qs, ks, vs, is_causal=True, scale=scale)
+        for qs, ks, vs in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True)
+    ]
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
+
+
+_SIGNATURE: list[Any] = []
+
+
+def _varlen() -> inspect.Signature | None:
+    """``torch.nn.attention.varlen.varlen_attn``'s signature, None where this torch lacks it (its
+    keywords changed between releases: ``is_causal`` in 2.9-2.10, ``window_size`` and ``enable_gqa`` later)."""
+    if not _SIGNATURE:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            _SIGNATURE.append(None)
+        else:
+            _SIGNATURE.append(inspect.signature(varlen_attn))
+    return _SIGNATURE[0]
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any, row: dict) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen().parameters  # type: ignore[union-attr]
+    groups = q.shape[1] // k.shape[1]
+    # [1, H, L, D] -> [L, H, D], the packed layout the kernel takes
+    q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
+    extra: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if groups > 1 and "enable_gqa" in params:
+        extra["enable_gqa"] = True
+    elif groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if "scale" in params and scale is not None:
+        extra["scale"] = scale
+    cu, longest = row["cu"], row["longest"]
+    out = cast(torch.Tensor, varlen_attn(q, k, v, cu, cu, longest, longest, **extra))  # no aux asked
+    return out[None]  # [1, L, H, D]
