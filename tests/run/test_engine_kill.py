@@ -99,7 +99,8 @@ def test_two_engines_off_policy_engine_faults_then_a_killed_trainer_rank_and_the
     assert re.match(r"hpcrl: error: trainer rank 0 on \S+ \(pid \d+\) died \(ActorDiedError: ", line), line
     assert line.endswith("the run stops; submitting it again resumes from step_000004"), line
 
-    resumed, _, rows = killed_run(tmp_path, model_cache, 2, "-", *lagged)
+    # one engine: the resume checks the kept batch, not the engines (a vLLM start less)
+    resumed, _, rows = killed_run(tmp_path, model_cache, 1, "-", *lagged)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert re.search(r"resumed from \S+step_000004 \(step 4\), 1 generated batches", resumed.stdout)
     again = json.loads((tmp_path / "calls-resumed.json").read_text())
