@@ -259,6 +259,9 @@ def cmd_debug(args: argparse.Namespace) -> int:
         from hpcrl.launch.kube_jobs import debug_session
 
         return debug_session(plan, here=args.here)
+    from hpcrl.launch.gate import require_submittable
+
+    require_submittable(plan)  # what submit refuses a debug session refuses too (one code path)
     ended, stop, held = None, None, "held until the time limit"
     if args.here:
         alloc = here.allocation(os.environ)

@@ -154,13 +154,11 @@ def run_in_session(job_id: str, root: Path, overrides: list[str], *, here: bool)
     """``hpcrl run``: the driver on the held session's head node (from elsewhere: through srun)."""
     import subprocess
 
-    from hpcrl.hub.check import check_inputs
+    from hpcrl.launch.gate import require_submittable
     from hpcrl.plan.planner import plan_from_overrides
 
     plan = plan_from_overrides(overrides)
-    plan.require_buildable()  # first: a model the backend cannot build is refused whatever it needs
-    plan.require_fit()
-    check_inputs(plan.cfg)
+    require_submittable(plan)  # the checks plan, render and submit make (one code path)
     job, meta = held(job_id, root)
     check_fits_allocation(plan, job_id, meta)
     head = node_hosts(job.run_dir, 1)[0]

@@ -201,7 +201,7 @@ def test_super_recipes_are_accepted_by_submit(recipe, tmp_path):
 
 def test_plan_and_render_refuse_what_submit_refuses_with_its_line_and_write_nothing(cli, tmp_path):
     """A cache the job's container would mount but that does not exist: submit refuses it, and so do
-    render (no script) and plan (after its tables), with submit's line and exit code."""
+    render (no script), plan (after its tables), debug and run, with submit's line and exit code."""
     missing = tmp_path / "no-cache"
     out = tmp_path / "run"
     args = ["+experiment=dapo-nemotron-super-5n4g-megatron", *SITE, "model.fetch=job"]
@@ -215,4 +215,25 @@ def test_plan_and_render_refuse_what_submit_refuses_with_its_line_and_write_noth
     assert "Memory per GPU" in planned.stdout  # the tables it could compute come first
     submitted = cli("submit", *args)
     assert submitted.returncode == 2 and submitted.stderr == rendered.stderr == planned.stderr
+    # a debug session and a driver run in one (issue 37 item 8) ask the same gate before anything else
+    for command in (["debug"], ["run", "--job", "4242"]):
+        refused = cli(*command, *args)
+        assert refused.returncode == 2 and refused.stderr == submitted.stderr, (command, refused.stderr)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_debug_session_refuses_what_submit_refuses_before_any_job(cli, tmp_path):
+    """Issue 37 item 8: `hpcrl debug` asks the gate submit asks (here its context check, which the
+    session's submit did not make), so no job is held for a run every `hpcrl run` would refuse."""
+    args = [
+        "+experiment=grpo-tiny-2n1g-fsdp-split",
+        "rollout.max_new_tokens=4096",
+        f"run.output_root={tmp_path}",
+    ]
+    submitted = cli("submit", *args)
+    assert submitted.returncode == 2 and "exceed the 64 positions of tiny" in submitted.stderr, (
+        submitted.stderr
+    )
+    debug = cli("debug", *args)
+    assert debug.returncode == 2 and debug.stderr == submitted.stderr, debug.stderr
+    assert not any(tmp_path.iterdir())  # no run directory: nothing was submitted
