@@ -9,6 +9,7 @@ by its process group at the end."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -116,23 +117,23 @@ def ray_cluster(job: dict[str, Any], token_file: Path, scratch: Path) -> Iterato
         _wait_for_nodes(env, 1 + workers, procs)
         yield env
     finally:
-        for proc in procs:
-            _stop_group(proc)
+        _stop_groups(procs)
         log.close()
         subprocess.run(["rm", "-rf", temp], check=False)
 
 
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+def _stop_groups(procs: list[subprocess.Popen[bytes]]) -> None:
+    """All nodes at once, as a RayCluster's deletion stops its pods, not one after another."""
+    for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+        for proc in procs:  # the group: a node's raylet and workers may outlive its `ray start`
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + wait_s
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))
+        if all(proc.poll() is not None for proc in procs):
             return
-        try:
-            proc.wait(wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _wait_for_nodes(env: dict[str, str], count: int, procs: list[subprocess.Popen[bytes]]) -> None:
