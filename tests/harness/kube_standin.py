@@ -71,6 +71,14 @@ class KubeStandIn:
         self.server.shutdown()
         self.server.server_close()
 
+    def reset(self) -> None:
+        """Forget every object, request and refusal (a module's tests share one server)."""
+        with self.lock:
+            self.objects.clear()
+            self.logs.clear()
+            self.requests.clear()
+            self.faults.clear()
+
     def kubeconfig(self, path: Path, namespace: str = "default") -> Path:
         """A kubeconfig for this server, as ``gcloud container clusters get-credentials`` writes one."""
         conf = {

@@ -1,22 +1,25 @@
 """Issue 39 items 3-4: `hpcrl submit`, `status`, `logs`, `cancel`, `ls` on Kubernetes, through the real
-Kubernetes Python client and the real console entry point, against a STAND-IN API server on loopback
+Kubernetes Python client and the console entry point's ``main`` (in this process: one start for the module,
+not one a command), against a STAND-IN API server on loopback
 (tests/harness/kube_standin.py: no API server runs here). The stand-in checks every body it gets against
 Kubernetes' and KubeRay's schemas and plays KubeRay only by the statuses a test sets."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import io
 import json
 import os
 import re
 import socket
-import subprocess
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
+from hpcrl.cli import main
 from hpcrl.launch import kube_jobs, lifecycle
 from tests.conftest import ROOT
 from tests.harness.kube_standin import KubeStandIn
@@ -35,19 +38,49 @@ def overrides(root: Path, name: str = "kube") -> list[str]:
     ]
 
 
-def hpcrl(kubeconfig: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "COLUMNS": "200"}
-    exe = Path(sys.executable).with_name("hpcrl")
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def hpcrl(kubeconfig: Path, *args: str) -> Result:
+    """The console entry point's ``main`` in this process, as the shell would run it (its own KUBECONFIG,
+    200 columns, the repository as the working directory): a process start per call cost CI ~2 s each."""
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.get(k) for k in ("KUBECONFIG", "COLUMNS")}
+    os.environ.update(KUBECONFIG=str(kubeconfig), COLUMNS="200")
+    kube_jobs._kube.cache_clear()  # a client is made per process: this call's kubeconfig, not a former one's
+    cwd = os.getcwd()
+    try:
+        os.chdir(ROOT)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(cwd)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        kube_jobs._kube.cache_clear()
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="module")
+def standin():
+    with KubeStandIn() as served:  # one server for the module; each test starts from an empty one
+        yield served
 
 
 @pytest.fixture
-def api(tmp_path, monkeypatch):
+def api(standin, tmp_path, monkeypatch):
     (tmp_path / "runs").mkdir()
-    with KubeStandIn() as standin:
-        monkeypatch.setenv("KUBECONFIG", str(standin.kubeconfig(tmp_path / "kubeconfig")))
-        kube_jobs._kube.cache_clear()  # a client of an earlier test's stand-in
-        yield standin
+    standin.reset()
+    monkeypatch.setenv("KUBECONFIG", str(standin.kubeconfig(tmp_path / "kubeconfig")))
+    kube_jobs._kube.cache_clear()  # a client of an earlier test's kubeconfig
+    yield standin
     kube_jobs._kube.cache_clear()
 
 
