@@ -1,6 +1,6 @@
 """The judge's reward without its engines: the template, the parse, the mix with the verifier's reward,
 the scorer the loop talks to (over the real reward pool, the judge a plain function here: the engines
-run in test_judge_run.py), and the config and plan refusals."""
+run in test_judge_slurm.py), and the config and plan refusals."""
 
 from __future__ import annotations
 

@@ -1,7 +1,11 @@
 """Issue 38 items 3-4, judges: the judge recipe as one heterogeneous job of three components on the
 Slurm test cluster (rollout node and judge node from `urgent`, training node from `debug`): srun starts
 a task on each, Ray spans them, the judge engine is placed on the judge node by its role resource and
-scores every step's samples there."""
+scores every step's samples there. The same run checks the judge's plumbing (it was a local run of its
+own, 675 s loaded; one run now): every step's samples go to the judge engine in one batch, the replies the
+tiny judge cannot read as a number are counted, the step's time split is logged, and the judge's weights
+are those it started with after the policy's refits. The tiny judge's scores mean nothing: asserted is
+the plumbing, not the judgement."""
 
 from __future__ import annotations
 
@@ -44,11 +48,21 @@ def test_the_judge_node_is_a_component_of_the_job_and_holds_the_judge(slurm_clus
     judge_host = next(p.rsplit("|", 1)[1] for p in parts if p.startswith(f"{job_id}+2|"))
     judge = json.loads((run_dir / "judge.json").read_text())
     assert [e["host"] for e in judge["engines"]] == [judge_host]  # on the judge component's node
-    assert judge["weights_unchanged"] is True
+    assert judge["model"] == "tiny" and [e["role"] for e in judge["engines"]] == ["judge"]
+    assert judge["weights_unchanged"] is True  # two refits of the policy's engine, none of the judge's
     placed = json.loads((run_dir / "placement.json").read_text())["actors"]
     assert judge_host not in {a["host"] for a in placed}  # the trainer and the engine are elsewhere
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["judge/samples"] == 64 and r["judge/batches"] == 1 for r in steps)
+    for r in steps:
+        assert r["judge/batches"] == 1  # the whole step in one batch
+        assert r["judge/samples"] == 8 * 8  # prompts x generations (validation's are not the step's)
+        assert 0 <= r["judge/parse_failures"] <= r["judge/samples"]
+        assert 0 <= r["judge/mean_score"] <= 1
+        assert r["time/judge"] > 0 and r["time/generate"] > 0 and r["time/train"] > 0
+        # the batch's time is generation's and the judge's (no environment in this recipe)
+        assert r["time/generate"] + r["time/judge"] == pytest.approx(r["time/rollout"], abs=1e-6)
+    # parsed or not, every reply was read: over the steps the tiny judge both answers and babbles
+    assert sum(r["judge/parse_failures"] for r in steps) < sum(r["judge/samples"] for r in steps)
     assert f"judges on {judge_host}" in logs
