@@ -45,7 +45,7 @@ for w in "$TMP"/wheels/*.whl; do
   [ -f "$w" ] && [ "$(stat -c %s "$w")" -le $((16 * 1024 * 1024)) ] && cp "$w" "$OUT/"
 done
 run python3 -m pip install -q --no-index --no-deps --target "$TMP/site" "$TMP"/wheels/causal_conv1d-*.whl \
-  $K/mamba_ssm-2.3.2.post1-py3-none-any.whl $K/megatron_core-0.19.2-*.whl
+  $K/mamba_ssm-2.3.2.post1-py3-none-any.whl $K/megatron_core-0.19.2-*.whl $K/einops-*.whl  # einops: mamba_ssm imports it
 fi
 export PYTHONPATH=$PWD:$TMP/site PYTHONUNBUFFERED=1
 run python3 -c "from hpcrl.trainer import kernels; print('==', kernels.installed().describe())"

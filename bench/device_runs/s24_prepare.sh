@@ -33,4 +33,5 @@ PY
     --no-build-isolation --no-deps -w "$root/$k" .)
   rm -rf "$work"
 fi
+ls $k/einops-* > /dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: -d $k einops==0.8.2  # mamba_ssm imports it
 ls -la $k; du -sh $k
