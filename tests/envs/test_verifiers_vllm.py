@@ -73,18 +73,22 @@ def test_vllm_plays_a_verifiers_environment(model_cache, tmp_path):
     settings = SamplingSettings(n=4, temperature=1.0, top_p=1.0, max_tokens=14, seed=7)
     groups = {i: g for part in episodes.generate_stream(prompts, settings) for i, g in part}
     assert sorted(groups) == list(range(6))
-    called = 0
+    called = checked = 0
     for i, group in groups.items():
         data = json.loads(rows[i]["answer"])
         for c in group:
             turns = segments(c.token_ids, c.mask)
             model_turns = [tok.decode(t, skip_special_tokens=True) for m, t in turns if m]
-            assert 1 <= len(model_turns) <= cfg.max_turns and turns[0][0] == 1
+            assert turns[0][0] == 1, turns  # the episode opens with a model turn
+            assert 1 <= len(model_turns) <= cfg.max_turns, model_turns
             calls = parsed(model_turns[0])
             if calls and len(turns) > 1:
                 called += 1
+                result = None
                 with contextlib.suppress(ValueError, KeyError):  # an expression the calculator refuses
                     result = str(calculate(calls[0].arguments["expression"]))
+                if result is not None:
+                    checked += 1
                     assert turns[1] == (0, observe(result))  # as the episode's renderer writes it
             right = model_turns[-1].strip() == str(data["a"] + data["b"])
             assert c.verdict is not None
@@ -92,3 +96,4 @@ def test_vllm_plays_a_verifiers_environment(model_cache, tmp_path):
                 model_turns
             )
     assert called > 0  # some episodes took the tool's turn
+    assert checked > 0  # and some tool results were compared with the calculator's
