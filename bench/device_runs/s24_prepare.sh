@@ -5,14 +5,16 @@
 #                                    Mamba-2's Triton kernels; no CUDA selective scan), its __init__ made to
 #                                    import without that scan (it imports selective_scan_cuda at the top)
 #   megatron_core-0.19.2-cp312-*.whl the GPU's megatron-core (the megatron mixer's rows)
-# The sdists come from PyPI's JSON urls (`pip download` of them runs setup.py, which needs nvcc): put them in
-# .whl/kernels/ (or .kbuild/src/, kernel_wheels.sh's) first. Run from the repository root: `bash bench/device_runs/s24_prepare.sh`.
+# The sdists come from PyPI's JSON urls (`pip download` of them runs setup.py, which needs nvcc). Run from the repository root: `bash bench/device_runs/s24_prepare.sh`.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 k=.whl/kernels
 mkdir -p $k
-for f in causal_conv1d-1.7.0.tar.gz mamba_ssm-2.3.2.post1.tar.gz; do  # kernel_wheels.sh's copies, where they are
-  [ -f $k/$f ] || [ ! -f .kbuild/src/$f ] || cp .kbuild/src/$f $k/
+for pv in causal-conv1d/1.7.0 mamba-ssm/2.3.2.post1; do
+  f=$(echo "${pv%/*}" | tr - _)-${pv#*/}.tar.gz
+  [ -f $k/$f ] || curl -sSfL -o $k/$f "$(curl -sSfL "https://pypi.org/pypi/${pv%/*}/json" | python3 -c "import json,sys
+r = json.load(sys.stdin)['releases'][sys.argv[1]]
+print(next(u['url'] for u in r if u['packagetype'] == 'sdist'))" "${pv#*/}")"
 done
 ls $k/causal_conv1d-1.7.0.tar.gz $k/mamba_ssm-2.3.2.post1.tar.gz > /dev/null
 ls $k/megatron_core-0.19.2-*.whl > /dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: \
