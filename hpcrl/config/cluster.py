@@ -113,6 +113,9 @@ class ClusterConfig:
     nvlink_domain_nodes: int = 1
     """Nodes in one NVLink domain (18 on a GB200 NVL72 rack)."""
     max_nodes: int | None = None
+    checkpoint_write_gbps: float = 1.0
+    """Sustained write rate of one node to the checkpoint filesystem, GB/s: the plan's save-time estimate,
+    which a plain ``scancel``'s KillWait and a Kubernetes grace period must cover."""
     python: str | None = "python3"
     """Interpreter that runs the job on the nodes (inside the container when there is one);
     None: the interpreter running hpcrl (clusters that share this machine's filesystem and venv)."""
@@ -140,6 +143,7 @@ class ClusterConfig:
         if self.host_memory_gb is not None:
             positive("cluster.host_memory_gb", self.host_memory_gb)
         positive("cluster.nvlink_domain_nodes", self.nvlink_domain_nodes)
+        positive("cluster.checkpoint_write_gbps", self.checkpoint_write_gbps)
         if self.max_nodes is not None:
             positive("cluster.max_nodes", self.max_nodes)
         if self.slurm.segment is not None:

@@ -39,6 +39,7 @@ from hpcrl.launch.ray_cluster import (
     WORKER_PORTS,
 )
 from hpcrl.plan.planner import Plan
+from hpcrl.plan.savetime import checkpoint_gb
 
 if TYPE_CHECKING:
     from hpcrl.config.schema import RunConfig
@@ -92,13 +93,6 @@ class Expect:
     @classmethod
     def from_json(cls, text: str) -> Expect:
         return cls(**json.loads(text))
-
-
-def checkpoint_gb(plan: Plan) -> float:
-    """One checkpoint's size: the trainer's weights and optimizer state (the backend's bytes per
-    parameter: ``TrainerSpec.checkpoint_bytes``)."""
-    per_param = trainer_spec(plan.cfg.trainer).checkpoint_bytes(plan.cfg.model, plan.cfg.trainer)
-    return per_param * plan.cfg.model.param_counts().total / GB
 
 
 def ray_ports() -> list[list[int]]:

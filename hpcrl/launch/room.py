@@ -9,8 +9,9 @@ from pathlib import Path
 
 from hpcrl.config.cluster import Scheduler
 from hpcrl.errors import ConfigError
-from hpcrl.launch.doctor import GB, ROOM_FIX, checkpoint_gb, size_text
+from hpcrl.launch.doctor import GB, ROOM_FIX, size_text
 from hpcrl.plan.planner import Plan
+from hpcrl.plan.savetime import checkpoint_gb
 
 
 def check_room(plan: Plan, run_dir: Path | None, warn: Callable[[str], None]) -> None:

@@ -15,6 +15,7 @@ from hpcrl.config.schema import RunConfig
 from hpcrl.data.config import is_procedural
 from hpcrl.plan.components import components
 from hpcrl.plan.planner import Plan, ShippedLayout, shipped_layouts
+from hpcrl.plan.savetime import save_time
 from hpcrl.trainer.backends import trainer_spec
 
 
@@ -52,6 +53,8 @@ def show_plan(plan: Plan, console: Console, sbatch: dict[str, Any] | None = None
     for line in plan.engine_defaults:
         console.print(line)
     console.print(escape(plan.refit.line(cfg.rollout.weight_sync)))
+    if cfg.checkpoint.enabled:
+        console.print(escape(save_time(plan).line()))
     _verdict(plan, console)
     layouts = _layouts(plan)
     if layouts is not None:
