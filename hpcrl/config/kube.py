@@ -78,6 +78,11 @@ class KubeSite:
     ray_version: str = "2.60.0"
     head_cpus: int = 8
     head_memory_gb: int = 32
+    step_margin_s: int = 120
+    """Seconds a deleted pod's step in flight may take to end before the driver saves: the pods'
+    ``terminationGracePeriodSeconds`` is this plus the plan's save estimate (``plan/savetime.py``). 120 s:
+    Slurm's warning time (``cluster.slurm.signal_delay_s``) for the same step; raise it when a step takes
+    longer (``hpcrl logs`` shows steps' seconds)."""
     worker_setup: str | None = None
     """A shell line every GPU worker runs before Ray starts (gIB: ``source /usr/local/gib/scripts/set_nccl_env.sh``)."""
 
@@ -91,6 +96,7 @@ class KubeSite:
         positive("cluster.kube.shm_gb", self.shm_gb)
         positive("cluster.kube.head_cpus", self.head_cpus)
         positive("cluster.kube.head_memory_gb", self.head_memory_gb)
+        positive("cluster.kube.step_margin_s", self.step_margin_s)
         for i, vol in enumerate(self.volumes):
             vol.check(f"cluster.kube.volumes[{i}]")
         names = [v.name for v in self.volumes]

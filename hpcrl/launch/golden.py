@@ -39,6 +39,15 @@ KUBE_CASES = {
         "cluster.kube.queue=dws-queue",
         "cluster.kube.service_account=hpcrl-ksa",
     ],
+    # an LLM judge on a node of its own: a worker group of the role "judge" beside the training one
+    "grpo-gemma3-1b-it-judge-qwen3-8b-gke_a4": [
+        "+experiment=grpo-gemma3-1b-it-1n8g-fsdp2tp1",
+        "cluster=gke_a4",
+        "+rewards.judge.model=qwen3_8b",
+        "+rewards.judge.nodes=1",
+        "+rewards.judge.engines=8",
+        "+rewards.judge.parse=yes_no",
+    ],
 }
 """Golden RayJob manifests (``manifests/<name>.yaml``): a recipe on a GKE catalog cluster, site keys as
 placeholders, the run directory ``/data/runs/<name>``."""

@@ -74,17 +74,20 @@ def require_root(plan: Plan) -> Path:
     return root
 
 
-def submit(plan: Plan, *, debug: bool = False) -> Submitted:
+def submit(plan: Plan, *, debug: bool = False, suffix: str = "") -> Submitted:
     """Write the run directory (config, plan, manifest), make sure the Ray token's Secret exists, create
-    the RayJob (``debug``: a RayCluster without a driver) and record the job as a Slurm one is."""
+    the RayJob (``debug``: a RayCluster without a driver) and record the job as a Slurm one is.
+    ``suffix``: appended to the run directory's name, and so to the RayJob's (a sweep's point)."""
     cfg, kube = plan.cfg, plan.cfg.cluster.kube
     require_root(plan)
     run_dir = new_run_dir(cfg).resolve()
+    if suffix:
+        run_dir = run_dir.with_name(f"{run_dir.name}-{suffix}")
     pin_inputs(cfg)
     api = _kube(kube.namespace)  # credentials before any file of the run is written
     name = k8s_name(run_dir.name)
     if debug:
-        plural, manifest = "rayclusters", raycluster(plan, name)
+        plural, manifest = "rayclusters", raycluster(plan, name, pods_run_dir(plan, run_dir))
     else:
         plural, manifest = "rayjobs", rayjob(plan, pods_run_dir(plan, run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)

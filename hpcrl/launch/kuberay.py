@@ -1,19 +1,24 @@
 """KubeRay manifests from the plan (``cluster.scheduler: kuberay``): a RayJob for ``submit``, a RayCluster for
 ``debug``, as plain dicts written as YAML.
 
-One worker group a role, as the sbatch job has one task a node: ``train-rollout`` (colocated) or ``rollout``
-and ``train`` (split), ``replicas`` = the plan's node counts, each pod one whole node (every GPU, the node's
-CPUs and memory), with the role's Ray resource as ``ray start`` gets it in a Slurm job. The head is a CPU
-pod that runs no tasks; the driver is the RayJob's entrypoint (``hpcrl.launch.kube_entry``: the same loop
-as on the head node of an sbatch job, joining the running cluster). Every pod mounts ``cluster.kube.volumes``
-(the run directory must live on one), the Ray token as a file from a Secret (never inline), and GPU workers
-an in-memory /dev/shm. Validated against Kubernetes' OpenAPI schema and KubeRay's CRDs in
-tests/launch/test_kuberay.py.
+One worker group a role of ``Plan.node_roles()``, in its order, as the sbatch job has one task a node:
+``train-rollout`` (colocated) or ``rollout`` and ``train`` (split), then ``judge`` (``rewards.judge.nodes``)
+and any role the plan adds; ``replicas`` = the role's nodes, each pod one whole node (every GPU, the
+node's CPUs and memory), with the role's Ray resources as ``ray start`` gets them in a Slurm job
+(``run.actors.role_resources``). The head is a CPU pod that runs no tasks; the driver is the RayJob's
+entrypoint (``hpcrl.launch.kube_entry``: the same loop as on the head node of an sbatch job, joining the
+running cluster). Every pod mounts ``cluster.kube.volumes`` (the run directory must live on one), the Ray
+token as a file from a Secret (never inline), and GPU workers an in-memory /dev/shm. Every Ray pod has a
+preStop hook (``hpcrl.launch.kube_prestop``) that asks the driver to save when the pod is deleted, and a
+grace period that covers the step in flight and the save (``grace_seconds``). Validated against
+Kubernetes' OpenAPI schema and KubeRay's CRDs in tests/launch/test_kuberay.py.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -22,7 +27,7 @@ from hpcrl.config.cluster import ClusterConfig
 from hpcrl.config.kube import KubeSite, KubeVolume
 from hpcrl.errors import ConfigError
 from hpcrl.plan.planner import Plan
-from hpcrl.plan.topology import Placement
+from hpcrl.plan.savetime import save_seconds
 
 TOKEN_DIR = "/etc/hpcrl/ray"
 """Where every pod finds the Ray token (``RAY_AUTH_TOKEN_PATH``), a file from ``cluster.kube.ray_token_secret``."""
@@ -68,7 +73,7 @@ def rayjob(plan: Plan, run_dir: Path) -> dict[str, Any]:
         # the job's limits are the site's, as for Slurm: wall clock and requeues (a Spot preemption retries)
         "activeDeadlineSeconds": site.time_minutes() * 60,
         "backoffLimit": site.max_requeues,
-        "rayClusterSpec": ray_cluster_spec(plan),
+        "rayClusterSpec": ray_cluster_spec(plan, run_dir),
         "submitterPodTemplate": _submitter(cluster),
     }
     if kube.queue:
@@ -81,15 +86,27 @@ def rayjob(plan: Plan, run_dir: Path) -> dict[str, Any]:
     }
 
 
-def raycluster(plan: Plan, name: str) -> dict[str, Any]:
-    """A RayCluster of the plan's shape for ``hpcrl debug``: the same pods, no driver."""
+def raycluster(plan: Plan, name: str, run_dir: Path) -> dict[str, Any]:
+    """A RayCluster of the plan's shape for ``hpcrl debug``: the same pods, no driver (the one a user
+    starts in the head pod with ``run_dir`` is asked to save as a RayJob's is)."""
     kube = plan.cfg.cluster.kube
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
         "metadata": _metadata(k8s_name(name), kube, plan.cfg.run.name),
-        "spec": ray_cluster_spec(plan),
+        "spec": ray_cluster_spec(plan, run_dir),
     }
+
+
+def grace_seconds(plan: Plan) -> int:
+    """The pods' ``terminationGracePeriodSeconds``: the step in flight (``cluster.kube.step_margin_s``)
+    and then one save (``plan/savetime.py``), counted from the pod's deletion as Kubernetes counts it."""
+    return plan.cfg.cluster.kube.step_margin_s + math.ceil(save_seconds(plan))
+
+
+def role_groups(plan: Plan) -> list[tuple[str, int]]:
+    """Each role of ``Plan.node_roles()`` and its node count, in node order (node 0's role first)."""
+    return [(role, len(list(nodes))) for role, nodes in itertools.groupby(plan.node_roles())]
 
 
 def _submitter(cluster: ClusterConfig) -> dict[str, Any]:
@@ -131,49 +148,54 @@ def _metadata(name: str, kube: KubeSite, run: str) -> dict[str, Any]:
     return {"name": name, "namespace": kube.namespace, "labels": labels}
 
 
-def ray_cluster_spec(plan: Plan) -> dict[str, Any]:
-    from hpcrl.run.actors import ROLLOUT_RESOURCE, TRAIN_RESOURCE
+def ray_cluster_spec(plan: Plan, run_dir: Path) -> dict[str, Any]:
+    from hpcrl.run.actors import role_resources
 
-    topo, cluster = plan.topology, plan.cfg.cluster
-    kube = cluster.kube
-    if topo.placement is Placement.COLOCATED:
-        groups = [("train-rollout", topo.train_nodes, {TRAIN_RESOURCE: 1, ROLLOUT_RESOURCE: 1})]
-    else:
-        groups = [
-            ("rollout", topo.rollout_nodes, {ROLLOUT_RESOURCE: 1}),
-            ("train", topo.train_nodes, {TRAIN_RESOURCE: 1}),
-        ]
-    gpn = topo.gpus_per_node
+    cluster = plan.cfg.cluster
+    kube, gpn = cluster.kube, plan.topology.gpus_per_node
+    stop = Stop(run_dir, grace_seconds(plan))
     head = {
         # the head runs no tasks; its job server listens for the submitter pod (token auth guards it)
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
         "template": {
             "metadata": {"annotations": _gcsfuse(kube)},
-            "spec": _pod(cluster, "ray-head", gpus=0, head=True),
+            "spec": _pod(cluster, "ray-head", stop, gpus=0, head=True),
         },
     }
     workers = [
         {
-            "groupName": name,
+            "groupName": k8s_name(role),
             "replicas": count,
             "minReplicas": count,
             "maxReplicas": count,
             "rayStartParams": {
                 "num-gpus": str(gpn),
-                # as ray_cluster.start_node: a role's resource per GPU of the node
-                "resources": json.dumps({k: v * gpn for k, v in resources.items()}),
+                # as ray_cluster.start_node: a role's resources, one unit per GPU of the node
+                "resources": json.dumps(role_resources(role, gpn)),
             },
             "template": {
                 "metadata": {"annotations": {**kube.annotations, **_gcsfuse(kube)}},
-                "spec": _pod(cluster, "ray-worker", gpus=gpn),
+                "spec": _pod(cluster, "ray-worker", stop, gpus=gpn),
             },
         }
-        for name, count, resources in groups
+        for role, count in role_groups(plan)
     ]
     return {"rayVersion": kube.ray_version, "headGroupSpec": head, "workerGroupSpecs": workers}
 
 
-def _pod(cluster: ClusterConfig, name: str, *, gpus: int, head: bool = False) -> dict[str, Any]:
+class Stop:
+    """What a Ray pod does when deleted: its preStop hook asks the driver of ``run_dir`` to save and waits
+    for its exit, within ``grace_s`` (``terminationGracePeriodSeconds``, which includes the hook)."""
+
+    def __init__(self, run_dir: Path, grace_s: int) -> None:
+        self.run_dir, self.grace_s = run_dir, grace_s
+
+    def lifecycle(self) -> dict[str, Any]:
+        hook = ["python", "-m", "hpcrl.launch.kube_prestop", str(self.run_dir), "--wait", str(self.grace_s)]
+        return {"preStop": {"exec": {"command": hook}}}
+
+
+def _pod(cluster: ClusterConfig, name: str, stop: Stop, *, gpus: int, head: bool = False) -> dict[str, Any]:
     kube = cluster.kube
     env = [{"name": k, "value": str(v)} for k, v in sorted(cluster.env.items())]
     env += [*_auth_env(), {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}]
@@ -197,11 +219,17 @@ def _pod(cluster: ClusterConfig, name: str, *, gpus: int, head: bool = False) ->
         "env": env,
         "resources": {"requests": resources, "limits": dict(resources)},
         "volumeMounts": mounts,
+        "lifecycle": stop.lifecycle(),
     }
     if kube.worker_setup and not head:
         # KubeRay passes its `ray start` as the arguments: run the site's line, then exactly that
         container["command"] = ["/bin/bash", "-c", f'{kube.worker_setup} && eval "$*"', "--"]
-    pod: dict[str, Any] = {"restartPolicy": "Never", "containers": [container], "volumes": volumes}
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": stop.grace_s,
+        "containers": [container],
+        "volumes": volumes,
+    }
     if kube.service_account:
         pod["serviceAccountName"] = kube.service_account
     if not head:

@@ -28,11 +28,9 @@ def submit(
     if cfg.cluster.scheduler is Scheduler.kuberay:
         from hpcrl.launch import kube_jobs
 
-        if hold_s or smoke or suffix:
-            raise HpcrlError(
-                "--hold, --smoke and sweeps (-m) are Slurm's; on Kubernetes submit the run alone"
-            )
-        return kube_jobs.submit(plan, debug=debug)
+        if hold_s or smoke:
+            raise HpcrlError("--hold and --smoke are Slurm's; on Kubernetes submit the run alone")
+        return kube_jobs.submit(plan, debug=debug, suffix=suffix)
     run_dir = new_run_dir(cfg).resolve()
     if suffix:
         run_dir = run_dir.with_name(f"{run_dir.name}-{suffix}")

@@ -115,11 +115,6 @@ def plan_judge(cfg: RunConfig, on_gpus: bool) -> JudgePlan | None:
 
 def _nodes(cfg: RunConfig, s: JudgeConfig, gpus: int) -> int:
     """``rewards.judge.nodes``, checked against the machine (a local run has one) and the engines' GPUs."""
-    if s.nodes and cfg.cluster.scheduler is Scheduler.kuberay:
-        raise ConfigError(
-            f"rewards.judge.nodes={s.nodes}: judge nodes are a Slurm job's role; on '{cfg.cluster.name}' "
-            "(kuberay) set rewards.judge.nodes=0"
-        )
     if s.nodes and cfg.cluster.scheduler is Scheduler.local:
         raise ConfigError(
             f"rewards.judge.nodes={s.nodes}: a local run has one machine, which the judges share: "

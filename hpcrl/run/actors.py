@@ -22,6 +22,12 @@ JUDGE_RESOURCE = "hpcrl_judge"
 """Advertised by the judge nodes (``rewards.judge.nodes``), one unit a GPU: judge engines ask for it."""
 
 
+def role_resources(role: str, units: int) -> dict[str, int]:
+    """A node's Ray resources by its role (``Plan.node_roles()``): ``hpcrl_<role>``, ``units`` of it (one a
+    GPU); a node of two roles (``train+rollout``) advertises both. A new role's resource follows by name."""
+    return {f"hpcrl_{part}": units for part in role.split("+")}
+
+
 def ray_node_ip() -> str:
     import ray
 

@@ -1,4 +1,5 @@
-"""``hpcrl submit -m``: Hydra multirun syntax, one Slurm job per point.
+"""``hpcrl submit -m``: Hydra multirun syntax, one job per point: a Slurm job, or a RayJob on a Kubernetes
+cluster (``cluster.scheduler: kuberay``), each with its own run directory and job record.
 
 ``algo.lr=1e-6,3e-6 algo.kl_coef=0,0.01`` is four points (the cartesian product). Every point is
 composed and planned before the first job goes out: one bad point submits nothing.
@@ -71,10 +72,9 @@ def plan_points(overrides: list[str]) -> list[Point]:
 
 def preview_multirun(overrides: list[str]) -> int:
     """``hpcrl render -m`` / ``hpcrl submit -m --dry-run``: every point planned, its config and sbatch
-    file written (a Slurm cluster) under a preview directory, one line a point with its verdict; nothing
-    submitted. Exit 1 when a point would be refused (``submit -m`` would submit none)."""
-    from hpcrl.config.cluster import Scheduler
-    from hpcrl.launch.sbatch import render_sbatch
+    file (a Slurm cluster) or RayJob manifest (Kubernetes) written under a preview directory, one line a
+    point with its verdict; nothing submitted. Exit 1 when a point would be refused (``submit -m`` would
+    submit none)."""
     from hpcrl.run.rundir import write_resolved_config
 
     points = expand(overrides)
@@ -100,13 +100,25 @@ def preview_multirun(overrides: list[str]) -> int:
         where = out / f"p{n}"
         where.mkdir(parents=True, exist_ok=True)
         write_resolved_config(cfg, where)
-        if cfg.cluster.scheduler is Scheduler.slurm:
-            (where / "sbatch.sh").write_text(render_sbatch(plan, where.resolve()))
+        _write_job_file(plan, where)
         peak = f"peak {plan.memory.train_gpu_peak:.0f} of {plan.memory.capacity:.0f} GB per GPU"
         print(f"{n:>5}  {shown:40s}  fits ({plan.topology.nodes} node(s), {peak})  {where}")
     verdict = f"{refused} of {len(points)} point(s) would be refused" if refused else "every point fits"
     print(f"{verdict}; nothing was submitted" + (f" (files: {out})" if out else ""))
     return 1 if refused else 0
+
+
+def _write_job_file(plan: Plan, where: Path) -> None:
+    """What ``submit`` would hand the scheduler for this point: the sbatch script or the RayJob."""
+    if plan.cfg.cluster.scheduler is Scheduler.slurm:
+        from hpcrl.launch.sbatch import render_sbatch
+
+        (where / "sbatch.sh").write_text(render_sbatch(plan, where.resolve()))
+    elif plan.cfg.cluster.scheduler is Scheduler.kuberay:
+        from hpcrl.launch.kuberay import manifest_yaml, rayjob
+
+        # under run.output_root as the pods see it (on their volume): the path a submitted point gets
+        (where / "rayjob.yaml").write_text(manifest_yaml(rayjob(plan, where)))
 
 
 def submit_sweep(points: list[Point], into: Path | None = None) -> tuple[Path, list[dict[str, Any]]]:
@@ -153,14 +165,14 @@ def latest_metric(run_dir: Path) -> str:
 
 
 def summary(sweep_dir: Path) -> list[dict[str, Any]]:
-    from hpcrl.launch.lifecycle import job_state
+    from hpcrl.launch.lifecycle import any_state
 
     path = sweep_dir / "sweep.json"
     if not path.exists():
         raise HpcrlError(f"{sweep_dir} is not a sweep directory (no sweep.json); `hpcrl submit -m` prints it")
     rows = json.loads(path.read_text())["points"]
     for row in rows:
-        row["state"] = job_state(row["job_id"], Path(row["run_dir"]))
+        row["state"] = any_state(row["job_id"], Path(row["run_dir"]))  # Slurm's, or the RayJob's
         row["metric"] = latest_metric(Path(row["run_dir"]))
     return rows
 
@@ -170,7 +182,9 @@ def submit_multirun(overrides: list[str], into: Path | None = None) -> int:
     sweep has not submitted), print the table."""
     points = plan_points(overrides)  # every point validated before the first job goes out
     if points[0].plan.cfg.cluster.scheduler is Scheduler.local:
-        raise HpcrlError("submit -m submits one Slurm job per point; choose a Slurm cluster (cluster=...)")
+        raise HpcrlError(
+            "submit -m submits one job per point; choose a Slurm or Kubernetes cluster (cluster=...)"
+        )
     sweep_dir, rows = submit_sweep(points, into)
     print(f"sweep   {sweep_dir}  ({len(rows)} jobs)")
     print(f"{'point':>5}  {'job':>8}  {'overrides':40s}  run dir")

@@ -173,6 +173,13 @@ def _entrypoint(job: dict[str, Any]) -> list[str]:
     return [sys.executable, *argv[1:]]
 
 
+def _prestop(group: dict[str, Any]) -> list[str]:
+    """A group's pods' preStop hook, as the kubelet runs it in the container when the pod is deleted."""
+    argv = group["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert argv[0] == "python"
+    return [sys.executable, *argv[1:]]
+
+
 def _steps(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(r)["step"] for r in path.read_text().splitlines()] if path.exists() else []
@@ -188,14 +195,17 @@ def api(tmp_path):
 
 def test_the_rayjob_driver_joins_trains_is_preempted_and_kuberays_retry_resumes(api, tmp_path, tiny_dir):
     """Issue 39 items 3-4 in one run (each Ray cluster start and driver start costs CI a minute): the
-    entrypoint joins the running cluster and trains; SIGTERM to the driver (what a pod's deletion sends
-    when the Spot VM is reclaimed) mid-run saves the step in flight (no checkpoint is due: period 100)
-    and exits 75; KubeRay retries the failed RayJob (backoffLimit) with a new RayCluster and the same
-    entrypoint, and that attempt resumes from exactly that step and finishes, as a requeued sbatch job
-    does."""
+    entrypoint joins the running cluster and trains; mid-run the worker pod is deleted (a Spot VM's
+    reclaim, a drain): the kubelet runs its preStop hook, which asks the driver to save through the run
+    directory and holds the pod until the driver has saved the step in flight (no checkpoint is due:
+    period 100) and exited 75; KubeRay retries the failed RayJob (backoffLimit) with a new RayCluster and
+    the same entrypoint, and that attempt resumes from exactly that step and finishes, as a requeued
+    sbatch job does."""
     extra = ["algo.max_steps=5", "checkpoint.period=100", "algo.val_period=100"]
     job, run_dir, manifest, token = _submitted(api, tmp_path, tiny_dir, *extra)
     assert manifest["spec"]["backoffLimit"] >= 1  # the retry below is KubeRay's to make
+    spec = manifest["spec"]["rayClusterSpec"]
+    [worker] = spec["workerGroupSpecs"]
     with ray_cluster(manifest, token, tmp_path) as env:
         driver = subprocess.Popen(
             _entrypoint(manifest), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -204,12 +214,18 @@ def test_the_rayjob_driver_joins_trains_is_preempted_and_kuberays_retry_resumes(
         while not any(step >= 1 for step in _steps(run_dir)):
             assert driver.poll() is None and time.monotonic() < deadline, "no training step"
             time.sleep(0.3)
-        driver.send_signal(signal.SIGTERM)
-        assert driver.wait(300) == EXIT_PREEMPTED
+        pod_env = _pod_env(worker["template"]["spec"]["containers"][0], token, tmp_path)
+        hook = subprocess.run(_prestop(worker), env=pod_env, capture_output=True, text=True, timeout=300)
+        assert driver.wait(120) == EXIT_PREEMPTED, hook  # the hook returned once the driver had saved
+        # the RayJob's failure deletes the head pod too: its hook finds no driver and returns at once
+        head = subprocess.run(_prestop(spec["headGroupSpec"]), env=env, capture_output=True, text=True)
+    assert head.stdout == f"hpcrl preStop: no driver runs in {run_dir}: nothing to save\n", head
     log = (run_dir / "driver.log").read_text()
+    assert "is being deleted (its preStop hook asked): saving after the current step" in log, log[-3000:]
     saved = int(re.search(r"stopped after step (\d+) on SIGTERM", log).group(1))
     assert 1 <= saved < 5, log[-3000:]  # after a trained step, before the last
     assert (run_dir / "checkpoints" / f"step_{saved:06d}").is_dir(), log[-3000:]
+    assert hook.returncode == 0 and f"driver exited {EXIT_PREEMPTED} (saved step {saved})" in hook.stdout
     assert f"exiting {EXIT_PREEMPTED}: KubeRay's retry resumes here" in log
     root = str(tmp_path / "runs")
     api.set_status("default", "rayjobs", job, jobDeploymentStatus="Retrying", failed=1)

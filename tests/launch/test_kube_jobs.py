@@ -289,3 +289,33 @@ def test_wandb_online_is_refused_before_anything_is_created(api, tmp_path):
         "supported yet); set logger.wandb_mode=offline and `wandb sync` the run directory later"
     )
     assert api.requests == [] and list((tmp_path / "runs").iterdir()) == []
+
+
+def test_a_sweep_submits_one_rayjob_per_point_each_with_its_run_directory(api, tmp_path):
+    """``hpcrl submit -m`` on Kubernetes: every point through the same gate first (one refused point
+    submits nothing), then one RayJob a point, each its own run directory and job record; ``hpcrl ls``
+    and ``ls --sweep`` follow them through the API."""
+    kube = overrides(tmp_path, "sweep")
+    refused = hpcrl(tmp_path / "kubeconfig", "submit", "-m", *kube, "algo.num_generations=1,4")
+    assert refused.returncode == 2 and "sweep point 0 (algo.num_generations=1): " in refused.stderr
+    assert api.requests == [] and list((tmp_path / "runs").iterdir()) == []
+    result = hpcrl(tmp_path / "kubeconfig", "submit", "-m", *kube, "algo.lr=1e-4,3e-4")
+    assert result.returncode == 0, result.stderr
+    sweep_dir = Path(re.search(r"^sweep\s+(\S+)\s+\(2 jobs\)$", result.stdout, re.M)[1])
+    rows = json.loads((sweep_dir / "sweep.json").read_text())["points"]
+    bodies = api.bodies("POST", "/rayjobs")  # each checked against KubeRay's schema on arrival
+    assert [r["overrides"] for r in rows] == [["algo.lr=0.0001"], ["algo.lr=0.0003"]]
+    for n, (row, body) in enumerate(zip(rows, bodies, strict=True)):
+        run_dir = Path(row["run_dir"])
+        assert run_dir.name.endswith(f"-p{n}") and body["metadata"]["name"] == row["job_id"] == run_dir.name
+        assert body["spec"]["entrypoint"] == f"python -m hpcrl.launch.kube_entry {run_dir}"
+        assert f"lr: {('0.0001', '0.0003')[n]}" in (run_dir / "config.yaml").read_text()
+        assert lifecycle.run_dir_of(row["job_id"], tmp_path / "runs") == run_dir
+    first, second = (r["job_id"] for r in rows)
+    api.set_status("default", "rayjobs", first, jobDeploymentStatus="Running", jobStatus="RUNNING")
+    api.set_status("default", "rayjobs", second, jobDeploymentStatus="Retrying", failed=1)
+    listing = hpcrl(tmp_path / "kubeconfig", "ls", "--root", str(tmp_path / "runs")).stdout
+    assert re.search(rf"{first}\s+RUNNING\s", listing) and re.search(rf"{second}\s+REQUEUED\s", listing)
+    swept = hpcrl(tmp_path / "kubeconfig", "ls", "--sweep", str(sweep_dir)).stdout.splitlines()
+    assert re.match(rf"\s+0\s+{first}\s+RUNNING\s+algo.lr=0.0001\s+-$", swept[1]), swept
+    assert re.match(rf"\s+1\s+{second}\s+REQUEUED\s+algo.lr=0.0003\s+-$", swept[2]), swept

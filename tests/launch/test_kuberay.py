@@ -5,6 +5,8 @@ and RayCluster against KubeRay's CRD schemas, vendored from ray-project/kuberay 
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from pathlib import Path
 
@@ -16,8 +18,10 @@ import yaml
 from hpcrl.config.compose import compose_config
 from hpcrl.errors import ConfigError
 from hpcrl.launch.golden import KUBE_CASES, KUBE_DIR, render_kube
-from hpcrl.launch.kuberay import raycluster, rayjob
+from hpcrl.launch.kuberay import grace_seconds, raycluster, rayjob
 from hpcrl.plan.planner import make_plan
+from hpcrl.plan.savetime import save_seconds
+from hpcrl.run import actors
 from tests.harness.kube_schemas import K8S_VERSION, check_against_schemas, crd_schema, unknown_fields
 
 
@@ -64,7 +68,54 @@ def test_the_rayjob_is_the_plan():
     head = spec["headGroupSpec"]["template"]["spec"]
     assert [v["name"] for v in head["volumes"]] == ["data", "ray-token"] and "nodeSelector" not in head
     check_against_schemas(job, "rayjobs")
-    check_against_schemas(raycluster(plan, "debug-1"), "rayclusters")
+    check_against_schemas(raycluster(plan, "debug-1", Path("/data/runs/debug-1")), "rayclusters")
+
+
+def _groups(job):
+    spec = job["spec"].get("rayClusterSpec", job["spec"])
+    return [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+
+
+def test_every_ray_pod_asks_the_driver_to_save_when_deleted():
+    """Kubernetes SIGTERMs a container's PID 1 (``ray start``), not the driver: each Ray pod's preStop hook
+    asks the driver of this run directory to save, within a grace period of a step and one save."""
+    plan = _plan("layout.rollout_nodes=1", "cluster.kube.step_margin_s=300")
+    assert grace_seconds(plan) == 300 + math.ceil(save_seconds(plan)) and save_seconds(plan) > 15
+    job = rayjob(plan, Path("/data/runs/r-1"))
+    for manifest in (job, raycluster(plan, "r-1", Path("/data/runs/r-1"))):
+        for group in _groups(manifest):
+            pod = group["template"]["spec"]
+            assert pod["terminationGracePeriodSeconds"] == grace_seconds(plan)
+            hook = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+            assert hook == [
+                *["python", "-m", "hpcrl.launch.kube_prestop", "/data/runs/r-1", "--wait"],
+                str(grace_seconds(plan)),
+            ]
+    assert "lifecycle" not in job["spec"]["submitterPodTemplate"]["spec"]["containers"][0]  # not a Ray pod
+    with pytest.raises(ConfigError, match=r"^cluster.kube.step_margin_s=0 must be > 0$"):
+        _plan("cluster.kube.step_margin_s=0")
+
+
+def test_each_role_is_a_worker_group_with_its_ray_resources():
+    """Judge nodes (``rewards.judge.nodes``) are a worker group of their own, as any role of
+    ``Plan.node_roles()``, advertising the resources the actors ask for."""
+    name = "grpo-gemma3-1b-it-judge-qwen3-8b-gke_a4"
+    job = yaml.safe_load(render_kube(name))
+    workers = job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    shape = [(g["groupName"], g["replicas"], json.loads(g["rayStartParams"]["resources"])) for g in workers]
+    assert shape == [
+        ("train-rollout", 1, {"hpcrl_train": 8, "hpcrl_rollout": 8}),
+        ("judge", 1, {"hpcrl_judge": 8}),
+    ]
+    assert {
+        g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] for g in workers
+    } == {"8"}
+    declared = {v for k, v in vars(actors).items() if k.endswith("_RESOURCE")}
+    plan = _plan("layout.rollout_nodes=1", "+rewards.judge.model=qwen3_8b", "+rewards.judge.nodes=2")
+    groups = rayjob(plan, Path("/data/runs/r"))["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert [(g["groupName"], g["replicas"]) for g in groups] == [("rollout", 1), ("train", 1), ("judge", 2)]
+    for role in set(plan.node_roles()):  # a role's resources are ones the actors ask for by name
+        assert set(actors.role_resources(role, 1)) <= declared, role
 
 
 def test_the_ray_token_is_a_secret_reference_never_a_value():
