@@ -319,3 +319,15 @@ def test_a_sweep_submits_one_rayjob_per_point_each_with_its_run_directory(api, t
     swept = hpcrl(tmp_path / "kubeconfig", "ls", "--sweep", str(sweep_dir)).stdout.splitlines()
     assert re.match(rf"\s+0\s+{first}\s+RUNNING\s+algo.lr=0.0001\s+-$", swept[1]), swept
     assert re.match(rf"\s+1\s+{second}\s+REQUEUED\s+algo.lr=0.0003\s+-$", swept[2]), swept
+
+
+def test_render_m_writes_each_points_rayjob(tmp_path):
+    """A sweep's preview on Kubernetes: each point's RayJob, its run directory under the pods' volume."""
+    (tmp_path / "runs").mkdir()
+    done = hpcrl(tmp_path / "kubeconfig", "render", "-m", *overrides(tmp_path, "sweep"), "algo.lr=1e-4,3e-4")
+    assert done.returncode == 0 and done.stdout.splitlines()[-1].startswith("every point fits"), done.stderr
+    (preview,) = (tmp_path / "runs" / "sweeps").iterdir()
+    for n in (0, 1):
+        job = yaml.safe_load((preview / f"p{n}" / "rayjob.yaml").read_text())
+        assert job["spec"]["entrypoint"] == f"python -m hpcrl.launch.kube_entry {preview / f'p{n}'}"
+    assert not (tmp_path / "kubeconfig").exists()  # nothing asked of an API server
