@@ -24,6 +24,16 @@ def crd_schema(kind: str) -> dict[str, Any]:
     return dict(data["openAPIV3Schema"])
 
 
+@cache
+def crd_validator(kind: str) -> Any:
+    """The CRD's validator, its schema checked once: ``jsonschema.validate`` checks the (large) schema
+    itself on every call, seconds each on this machine, for every body the stand-in receives."""
+    schema = crd_schema(kind)
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
 def unknown_fields(obj: Any, schema: dict[str, Any], at: str = "") -> list[str]:
     """Keys the structural schema does not declare (the API server would prune them silently)."""
     if isinstance(obj, dict) and "properties" in schema:
@@ -42,7 +52,7 @@ def unknown_fields(obj: Any, schema: dict[str, Any], at: str = "") -> list[str]:
 def check_against_schemas(manifest: dict[str, Any], kind: str) -> None:
     """``kind``: rayjobs or rayclusters. Raises on the first mistake (AssertionError for an unknown field)."""
     schema = crd_schema(kind)
-    jsonschema.validate(manifest, schema)
+    crd_validator(kind).validate(manifest)
     assert unknown_fields(manifest, schema) == []
     spec = manifest["spec"].get("rayClusterSpec", manifest["spec"])
     groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
