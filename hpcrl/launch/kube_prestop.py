@@ -71,9 +71,9 @@ def answering_prestop(
     run_dir: Path, ask: Callable[[str], None], poll_s: float = POLL_S
 ) -> Iterator[Callable[[int, int | None], None]]:
     """The driver's side, around its loop: clears an earlier attempt's files, says a driver runs, and
-    calls ``ask(pod)`` (from a thread) when a pod's hook asks. Yields ``exited(code, step)`` to record
-    how the driver ends; left unset (an exception), ``exited.json`` says code 1, no step: the hooks
-    stop waiting either way."""
+    calls ``ask(pod)`` from a thread once a pod's hook asks (every ``poll_s`` while the request stands).
+    Yields ``exited(code, step)`` to record how the driver ends; left unset (an exception),
+    ``exited.json`` says code 1, no step: the hooks stop waiting either way."""
     stop = run_dir / STOP_DIR
     stop.mkdir(exist_ok=True)
     for name in (REQUEST, EXITED):
@@ -83,11 +83,12 @@ def answering_prestop(
     outcome: dict[str, Any] = {"code": 1, "step": None}
 
     def watch() -> None:
+        # asked again at every poll while the request stands: the driver's loop resets its request
+        # when it starts (``run_loop``), which may come after a pod's early deletion
         while not ended.wait(poll_s):
             asked = _read(stop / REQUEST)
             if asked is not None:
                 ask(str(asked.get("pod", "?")))
-                return
 
     def exited(code: int, step: int | None) -> None:
         outcome.update(code=code, step=step)
