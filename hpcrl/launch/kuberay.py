@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -183,12 +184,13 @@ def ray_cluster_spec(plan: Plan, run_dir: Path) -> dict[str, Any]:
     return {"rayVersion": kube.ray_version, "headGroupSpec": head, "workerGroupSpecs": workers}
 
 
+@dataclass(frozen=True)
 class Stop:
     """What a Ray pod does when deleted: its preStop hook asks the driver of ``run_dir`` to save and waits
     for its exit, within ``grace_s`` (``terminationGracePeriodSeconds``, which includes the hook)."""
 
-    def __init__(self, run_dir: Path, grace_s: int) -> None:
-        self.run_dir, self.grace_s = run_dir, grace_s
+    run_dir: Path
+    grace_s: int
 
     def lifecycle(self) -> dict[str, Any]:
         hook = ["python", "-m", "hpcrl.launch.kube_prestop", str(self.run_dir), "--wait", str(self.grace_s)]
