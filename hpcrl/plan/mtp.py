@@ -18,11 +18,14 @@ def check_mtp(cfg: RunConfig) -> None:
             f"trainer.mtp_loss_scale={scale}: {model.name} has no MTP layers (model.mtp_layers=0); "
             "drop trainer.mtp_loss_scale"
         )
-    if scale is not None and not trainer_spec(cfg.trainer).mtp:
+    gap = trainer_spec(cfg.trainer).mtp_gap
+    if scale is not None and gap is None:
         raise ConfigError(
             f"trainer.mtp_loss_scale={scale}: the {cfg.trainer.backend} backend does not carry MTP layers "
             f"yet; use {with_mtp()} or drop trainer.mtp_loss_scale"
         )
+    if scale is not None and gap is not None and (why := gap(cfg.trainer)):
+        raise ConfigError(f"trainer.mtp_loss_scale={scale}: {why}")
     method = speculative(cfg.rollout)
     if method is None:
         return

@@ -100,9 +100,9 @@ class TrainerSpec:
     optimizer_options: tuple[str, ...] = ()
     """The optimizer settings it runs beyond AdamW in fp32 on the GPU, as ``key=value`` of
     ``trainer.*`` (``optimizer_gap`` refuses the others)."""
-    mtp: bool = False
+    mtp_gap: Callable[[TrainerConfig], str] | None = None
     """Loads, trains, exports and refits the model's multi-token-prediction layers
-    (``trainer.mtp_loss_scale``)."""
+    (``trainer.mtp_loss_scale``) where this says nothing: why a layout cannot yet. None: never."""
 
     def checkpoint_bytes(self, model: ModelConfig, trainer: TrainerConfig) -> float:
         """One checkpoint's bytes per parameter: weights and optimizer state."""
@@ -119,7 +119,7 @@ class TrainerSpec:
 
 def with_mtp() -> str:
     """The backends that carry MTP layers, for a message."""
-    return " or ".join(f"trainer={n}" for n, s in TRAINERS.items() if s.mtp)
+    return " or ".join(f"trainer={n}" for n, s in TRAINERS.items() if s.mtp_gap is not None)
 
 
 def _load(path: str) -> Any:
@@ -250,7 +250,7 @@ FSDP = TrainerSpec(
     notes=lambda t: [],
     images=True,
     optimizer_options=("optimizer=adafactor", "optimizer_dtype=bfloat16", "optimizer_offload=true"),
-    mtp=True,
+    mtp_gap=lambda _: "",
 )
 
 
@@ -258,6 +258,19 @@ FSDP = TrainerSpec(
 def _megatron(trainer: TrainerConfig) -> MegatronTrainerConfig:
     """The megatron schema's own settings (the ``trainer`` group picked it for this spec)."""
     return cast(MegatronTrainerConfig, trainer)
+
+
+def _megatron_mtp_gap(t: MegatronTrainerConfig) -> str:
+    """megatron/mtp.py runs a hybrid model's MTP layers on the final hidden states (the chunked head's
+    input: TP=1), with the input embedding at hand (PP=1), on whole unpacked rows (CP=1), unreplayed."""
+    needs = {"tp": (t.tp, 1), "fused_logprob": (t.fused_logprob, True), "pp": (t.pp, 1), "cp": (t.cp, 1)}
+    needs |= {"packing": (t.packing, False), "router_replay": (t.router_replay, False)}
+    key = next((k for k, (have, want) in needs.items() if have != want), "")
+    have, want = (str(v).lower() for v in needs.get(key, ("", "")))
+    return key and (
+        f"trainer=megatron does not carry MTP layers with trainer.{key}={have} yet: set trainer.{key}={want}, "
+        "or use trainer=fsdp"
+    )
 
 
 def _megatron_gaps(model: ModelConfig, trainer: TrainerConfig) -> list[str]:
@@ -343,6 +356,7 @@ MEGATRON = TrainerSpec(
     checkpoint_prefix="model/",
     export_names="hpcrl.trainer.megatron.export:hf_names",
     expert_tp=True,
+    mtp_gap=lambda t: _megatron_mtp_gap(_megatron(t)),
     model_gap=lambda model: megatron_build_gap(model),
     build_gaps=_megatron_gaps,
     choices=_megatron_choices,

@@ -78,16 +78,28 @@ class MTPLayers(nn.Module):
         embed: Callable[[torch.Tensor], torch.Tensor],
         head: torch.Tensor,
     ) -> torch.Tensor:
-        """The mean over depths of each depth's mean negative log-likelihood on its loss tokens.
-        ``hidden`` [B, T, h] (after ``norm_f``), ``ids`` [B, T], ``loss_mask`` [B, T-1] (at target
-        ``ids[:, 1:]``), ``head`` the output embedding [V, h]."""
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for d in range(self.depths):
-            hidden = self.depth(d, hidden[:, :-1], embed(ids[:, d + 1 :]))
-            targets, mask = ids[:, d + 2 :], loss_mask[:, d + 1 :].to(torch.float32)
-            logp, _ = chunked_logprob(hidden[:, :-1], head, targets)
-            total = total - (logp * mask).sum() / mask.sum().clamp(min=1)
-        return total / self.depths
+        return nll(self.depth, self.depths, hidden, ids, loss_mask, embed, head)
+
+
+def nll(
+    depth: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+    depths: int,
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    head: torch.Tensor,
+) -> torch.Tensor:
+    """The mean over depths of each depth's mean negative log-likelihood on its loss tokens (both
+    backends' MTP layers: ``depth(d, hidden, embedded)``). ``hidden`` [B, T, h] (after ``norm_f``),
+    ``ids`` [B, T], ``loss_mask`` [B, T-1] (at target ``ids[:, 1:]``), ``head`` the output embedding [V, h]."""
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for d in range(depths):
+        hidden = depth(d, hidden[:, :-1], embed(ids[:, d + 1 :]))
+        targets, mask = ids[:, d + 2 :], loss_mask[:, d + 1 :].to(torch.float32)
+        logp, _ = chunked_logprob(hidden[:, :-1], head, targets)
+        total = total - (logp * mask).sum() / mask.sum().clamp(min=1)
+    return total / depths
 
 
 class MTPLoss:
@@ -135,3 +147,9 @@ def attach(model: Any, depths: int) -> None:
 def depths_of(config: Any) -> int:
     """MTP depths the checkpoint ships (``num_nextn_predict_layers``)."""
     return int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+
+
+def kinds_of(config: Any) -> str:
+    """The MTP layers' kinds over every depth, one symbol a layer as in the decoder's pattern (the
+    megatron backend's ``Shape.mtp``); empty for a model without them."""
+    return str(getattr(config, "mtp_hybrid_override_pattern", "") or "") * depths_of(config)

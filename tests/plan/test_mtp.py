@@ -38,9 +38,21 @@ def test_each_mtp_refusal_names_the_key_and_the_fix():
     assert "tiny_nemotronh has no MTP layers (model.mtp_layers=0); drop trainer.mtp_loss_scale" in refusal(
         NH, "trainer.mtp_loss_scale=0.3"
     )
-    assert "use trainer=fsdp or drop trainer.mtp_loss_scale" in refusal(
-        *WITH_MTP, "trainer=megatron", "trainer.mtp_loss_scale=0.3"
-    )
+    megatron = (*WITH_MTP, "trainer=megatron", "trainer.mtp_loss_scale=0.3")
+    assert plan(*megatron).cfg.trainer.mtp_loss_scale == 0.3
+    for key, fix in (
+        ("trainer.tp=2", "trainer.tp=1"),
+        ("trainer.fused_logprob=false", "trainer.fused_logprob=true"),
+        ("trainer.pp=7", "trainer.pp=1"),  # 7: divides the tiny model's layers
+        ("trainer.cp=2", "trainer.cp=1"),
+        ("trainer.packing=true", "trainer.packing=false"),
+        ("trainer.router_replay=true", "trainer.router_replay=false"),
+    ):
+        expected = (
+            f"trainer=megatron does not carry MTP layers with {key} yet: set {fix}, or use trainer=fsdp"
+        )
+        engine = ("rollout=vllm",) if "router_replay" in key else ()  # the hf engine returns no routes
+        assert f"trainer.mtp_loss_scale=0.3: {expected}" in refusal(*megatron, key, *engine, *SITE), key
     assert "has none (model.mtp_layers=0): set rollout.speculative=null" in refusal(
         NH, "rollout=vllm", "rollout.speculative=mtp"
     )

@@ -89,14 +89,19 @@ def test_mtp_loads_trains_with_its_loss_and_goes_back_under_its_names(mtp_dir, t
         assert torch.equal(exported[name], value), name
 
 
-def export(trainer, model_dir, tmp_path) -> dict[str, torch.Tensor]:
+def export(trainer, model_dir, tmp_path, backend: str = "fsdp") -> dict[str, torch.Tensor]:
     """``hpcrl export`` of a checkpoint the trainer writes (fp32: the weights bit for bit)."""
     from safetensors.torch import load_file
 
     from hpcrl.cli import main
     from hpcrl.run.checkpoint import CheckpointManager
 
-    about = {"model": "tiny_nemotronh", "backend": "fsdp", "layout": {"world": 1}, "source": str(model_dir)}
+    layout = (
+        {"world": 1}
+        if backend == "fsdp"
+        else {"world": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "expert_tp": 1}
+    )
+    about = {"model": "tiny_nemotronh", "backend": backend, "layout": layout, "source": str(model_dir)}
     ckpt = CheckpointManager(tmp_path / "run" / "checkpoints", 3, "m", True, about=about, model_dir=model_dir)
     ckpt.save(1, trainer, {"step": 1}, {"m": 1.0}, async_save=False)
     ckpt.settle(trainer)
@@ -134,3 +139,70 @@ def test_each_depth_predicts_the_token_after_next_at_the_loss_tokens_only():
     target[0, j + 1] = 40
     assert not torch.allclose(nll(target), nll(ids))
     assert nll(ids, torch.zeros_like(mask)) == 0  # no loss token, no MTP loss
+
+
+MEGATRON = ("+experiment=grpo-tinynemotronh-1n1g-megatron", *MTP[1:])
+
+
+def test_megatron_loads_streams_and_exports_the_mtp_layers_under_their_names(mtp_dir, tmp_path):
+    """The megatron backend's MTP layers (megatron/mtp.py: the decoder's own layer kinds) take the
+    checkpoint's ``mtp.*`` bit for bit, go to the engines in the refit under the same names, and
+    ``hpcrl export`` gives them back; without trainer.mtp_loss_scale the model has none."""
+    from safetensors.torch import load_file
+
+    from hpcrl.trainer.base import CollectSink
+    from hpcrl.trainer.megatron import MegatronTrainer
+
+    on_disk = mtp_part(load_file(mtp_dir / "model.safetensors"))
+    trainer = MegatronTrainer(mtp_dir, plan(*MEGATRON, "trainer.mtp_loss_scale=0").cfg, master=MASTER)
+    loaded = mtp_part(trainer.export_weights())
+    assert set(loaded) == {k for k in on_disk if not k.endswith(BIAS)} and len(loaded) > 20
+    assert all(torch.equal(v, on_disk[k]) for k, v in loaded.items())
+    sink = CollectSink()
+    trainer.stream_weights(sink, torch.float32)
+    streamed = mtp_part(sink.weights)
+    assert streamed.keys() == loaded.keys() and all(torch.equal(v, loaded[k]) for k, v in streamed.items())
+    assert {n: s for n, s in trainer.weight_metas() if n.startswith("mtp.")} == {
+        k: tuple(v.shape) for k, v in loaded.items()
+    }
+    exported = export(trainer, mtp_dir, tmp_path, backend="megatron")
+    assert set(mtp_part(exported)) == set(on_disk)  # the frozen bias from the source checkpoint
+    assert all(torch.equal(exported[k], v) for k, v in on_disk.items())
+    left_out = MegatronTrainer(mtp_dir, plan(*MEGATRON).cfg, master=MASTER)
+    assert not mtp_part(left_out.export_weights()) and not hasattr(left_out.model, "mtp_block")
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_megatron_mtp_loss_and_gradients_equal_fsdps(mtp_dir, detach):
+    """One step on the same weights and batch: the megatron backend's MTP loss, policy loss and the
+    gradients of the MTP layers (and, detached, of nothing else beyond the policy loss's) equal the
+    fsdp backend's."""
+    from hpcrl.trainer.megatron import MegatronTrainer
+    from tests.harness.megatron_parity import stepped_grads
+
+    keys = ("trainer.mtp_loss_scale=0.5", f"trainer.mtp_detach={detach}", "algo.kl_coef=0")
+    fsdp = FSDPTrainer(mtp_dir, plan(*MTP, *keys).cfg, master=MASTER)
+    meg = MegatronTrainer(mtp_dir, plan(*MEGATRON, *keys).cfg, master=MASTER)
+    grads = {"fsdp": stepped_grads(fsdp, "fsdp"), "megatron": stepped_grads(meg, "megatron")}
+    m_fsdp, m_meg = fsdp.train_step(batch()), meg.train_step(batch())
+    for key in ("mtp_loss", "policy_loss", "grad_norm"):
+        assert m_meg[key] == pytest.approx(m_fsdp[key], rel=1e-4), key
+    assert m_meg["mtp_loss"] > 1.0
+    g_fsdp = {k.replace("model.", "backbone.", 1): v for k, v in grads["fsdp"].items()}
+    g_meg = grads["megatron"]
+    mtp_names = [k for k in g_fsdp if k.startswith("mtp.")]
+    assert len(mtp_names) > 10 and any(g_fsdp[k].abs().max() > 0 for k in mtp_names)
+    for name in [*mtp_names, "lm_head.weight", "backbone.layers.6.mixer.gate.weight"]:
+        torch.testing.assert_close(per_expert(g_meg, name), g_fsdp[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def per_expert(grads: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """``grads[name]``; a transformers stacked expert weight (``experts.up_proj``) from the per-expert
+    checkpoint names the megatron backend exports."""
+    if name in grads:
+        return grads[name]
+    stem, proj = name.rsplit(".", 1)
+    experts = sorted(
+        int(k[len(stem) + 1 :].split(".")[0]) for k in grads if k.startswith(f"{stem}.") and proj in k
+    )
+    return torch.stack([grads[f"{stem}.{e}.{proj}.weight"] for e in experts])

@@ -16,6 +16,7 @@ from hpcrl.trainer.megatron import weights, weights_hybrid
 from hpcrl.trainer.megatron.model import model_shape
 from hpcrl.trainer.megatron.spec import family_of, text_config
 from hpcrl.trainer.megatron.weights import VLM_LAYOUTS, LanguageModel
+from hpcrl.trainer.mtp import kinds_of
 
 
 def hf_names(hf_dir: Path, source: Path) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
@@ -23,7 +24,9 @@ def hf_names(hf_dir: Path, source: Path) -> Callable[[dict[str, torch.Tensor]], 
     (a vision-language checkpoint's text decoder under its own prefix)."""
 
     hf = text_config(hf_dir)
-    shape = replace(model_shape(hf, family_of(hf), 1), fused_norms=False)  # sharded.py's unfused names
+    shape = model_shape(hf, family_of(hf), 1)
+    # sharded.py's unfused names; the MTP layers' kinds, for a checkpoint trained with them
+    shape = replace(shape, fused_norms=False, mtp=kinds_of(hf) if shape.pattern else "")
     tied = bool(getattr(hf, "tie_word_embeddings", False))
     mapping = weights_hybrid if shape.pattern else weights
     lm = vlm_naming(hf_dir, source)

@@ -14,6 +14,7 @@ its text decoder (weights.LanguageModel).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,12 @@ import torch
 from hpcrl.config.schema import RunConfig
 from hpcrl.core.parallel import TrainParallel
 from hpcrl.trainer import kernels
+from hpcrl.trainer import mtp as shared_mtp
 from hpcrl.trainer.base import WeightSink, freeze
 from hpcrl.trainer.batch import TrainBatch
 from hpcrl.trainer.config import MegatronTrainerConfig
 from hpcrl.trainer.hf_checkpoint import HFCheckpoint
-from hpcrl.trainer.megatron import compat, weights, weights_hybrid
+from hpcrl.trainer.megatron import compat, mtp, weights, weights_hybrid
 from hpcrl.trainer.megatron.grads import Gradients
 from hpcrl.trainer.megatron.load import Source, stream_checkpoint
 from hpcrl.trainer.megatron.model import (
@@ -136,6 +138,7 @@ class MegatronTrainer:
             self.par, hf.num_hidden_layers, experts, self.arch.buffers, parts
         )
         self.model = build()
+        self.mtp = self._attach_mtp(hf, config, compute_dtype)
         if t.compile_layers() and self.device.type == "cuda":
             compile_layers(self.model, moe=experts > 0)
         # The frozen reference policy for the KL term (a second model: Megatron modules hold process
@@ -153,6 +156,19 @@ class MegatronTrainer:
             every = stream_checkpoint(source, self.placement, models)
         self.placement.check_every_weight_used(self.model, every, self.tied, hf.model_type)
         freeze(self.model, t.freeze)
+
+    def _attach_mtp(self, hf: Any, config: Any, dtype: torch.dtype) -> mtp.MTPLoss | None:
+        """With ``trainer.mtp_loss_scale``: the policy's MTP layers (the reference needs none), named
+        in ``shape.mtp`` so the checkpoint's ``mtp.*`` fill them, and their loss."""
+        t = self.cfg.trainer
+        if t.mtp_loss_scale is None:
+            return None
+        if not (self.pipeline.chunked_head and self.shape.pattern):  # the plan refused it (plan/mtp.py)
+            raise ValueError("trainer=megatron carries MTP layers of a hybrid model at trainer.tp=1 only")
+        kinds = shared_mtp.kinds_of(hf)
+        mtp.attach(self.model, config, self.arch.stack_layers(hf, config), kinds, shared_mtp.depths_of(hf))
+        self.shape = replace(self.shape, mtp=kinds)
+        return mtp.MTPLoss(self.model, t.mtp_loss_scale, t.mtp_detach, self.tied, dtype)
 
     def _make_optimizer(self) -> ShardedAdamW:
         """AdamW; with ``trainer.distributed_optimizer`` its state (m, v) is sharded as Megatron's
@@ -290,6 +306,10 @@ class MegatronTrainer:
             logp, entropy = self.pipeline.token_stats(self.model, out, mb.data)
             w = mb.data.loss_mask.shape[1]
             value, metrics = loss_fn(i, mb, logp[:, :w], entropy[:, :w])
+            if self.mtp is not None:  # on the final hidden states (TP=1: the chunked head's input)
+                ids = mb.data.input_ids.to(self.device)
+                extra = self.mtp.value(out, ids, mb.data.loss_mask.to(self.device))
+                value = self.mtp.add(value, metrics, extra, k)
             # the schedule divides by the number of micro-batches; the token share is the real weight
             return value * k, metrics
 

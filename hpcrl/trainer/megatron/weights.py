@@ -95,6 +95,9 @@ class Shape:
     """A hybrid model's layer kinds, one symbol a layer (Nemotron-H: weights_hybrid.py maps it)."""
     mamba: tuple[int, int, int] = (0, 0, 0)
     """A hybrid model's Mamba widths (inner = heads x head dim, groups x state, heads): in_proj's parts."""
+    mtp: str = ""
+    """The multi-token-prediction layers' kinds, one symbol a layer over every depth (Nemotron-H's
+    ``mtp_layers_block_type`` times the depths) when the model carries them (``trainer.mtp_loss_scale``)."""
 
     def attention(self, layer: int) -> LayerAttention:
         return (self.layers or {}).get(layer) or LayerAttention(self.groups, self.head_dim)
