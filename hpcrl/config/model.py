@@ -64,7 +64,7 @@ class ParamCounts:
     fewer KV heads than TP ranks each rank holds one KV head and its query heads' share of two)."""
     mtp: int = 0
     """Multi-token-prediction blocks in the checkpoint, outside ``total``: RL trains without them unless
-    ``trainer.mtp_loss_scale`` is set (``with_mtp``), and the megatron weight loader skips ``mtp.*``."""
+    ``trainer.mtp_loss_scale`` is set (``with_mtp``); else the megatron weight loader skips ``mtp.*``."""
 
     @property
     def dense(self) -> int:

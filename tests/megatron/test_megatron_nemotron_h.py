@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hpcrl.trainer.megatron.weights import Shape, shard, unshard
-from hpcrl.trainer.megatron.weights_hybrid import MTP_PREFIX, partitions, to_hf, to_megatron
+from hpcrl.trainer.megatron.weights_hybrid import MTP_PREFIX, QKV, partitions, to_hf, to_megatron
 from tests.conftest import TorchrunCase, register_torchrun_case
 from tests.harness.mamba_mixer_check import OVERRIDES as MIXER_OVERRIDES
 from tests.harness.megatron_parity import overrides as parity_overrides
@@ -178,6 +178,36 @@ def test_hf_to_megatron_to_hf_is_bit_identical_through_tensor_parallel(tmp_path,
     # the squared-ReLU fc1 is one part (no gate/up halves): rank 0 holds the first rows
     fc1 = meg["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"]
     assert torch.equal(sliced["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"][0], fc1.chunk(tp)[0])
+
+
+def test_carried_mtp_layers_map_as_the_decoders_layers_of_their_kind(tmp_path):
+    """With ``Shape.mtp`` (``trainer.mtp_loss_scale``) an MTP block (attention, LatentMoE: Super's) maps
+    to ``mtp_block.layers.<i>`` by its layers' kinds, the depth's own weights as they are, and back."""
+    from dataclasses import replace
+
+    hf = _checkpoint(tmp_path)
+    block = {  # the decoder's attention layer 3 and MoE layer 4, as the MTP block's two layers
+        f"mtp.layers.{j}.{k.split('.', 3)[3]}": v
+        for j, i in enumerate((3, 4))
+        for k, v in hf.items()
+        if k.startswith(f"backbone.layers.{i}.")
+    }
+    own = {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.1.final_layernorm.weight"}
+    block |= {n: torch.randn(64) for n in own} | {"mtp.layers.0.eh_proj.weight": torch.randn(64, 128)}
+    shape = replace(_shape(), mtp="*E")
+    meg = to_megatron(block, shape, tied=False)
+    assert torch.equal(meg["mtp_block.layers.0.eh_proj.weight"], block["mtp.layers.0.eh_proj.weight"])
+    assert torch.equal(meg["mtp_block.layers.0.input_layernorm.weight"], hf["backbone.layers.3.norm.weight"])
+    fused = to_megatron({k: v for k, v in hf.items() if k.startswith("backbone.layers.3.")}, _shape(), False)
+    assert torch.equal(
+        meg["mtp_block.layers.0.self_attention.linear_qkv.weight"], fused[f"decoder.layers.3.{QKV}"]
+    )
+    assert torch.equal(
+        meg["mtp_block.layers.1.mlp.experts.local_experts.7.linear_fc1.weight"],
+        hf["backbone.layers.4.mixer.experts.7.up_proj.weight"],
+    )
+    back = to_hf(meg, shape, tied=False)
+    assert back.keys() == block.keys() and all(torch.equal(back[k], block[k]) for k in block)
 
 
 def _logp(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
