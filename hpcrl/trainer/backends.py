@@ -261,10 +261,10 @@ def _megatron(trainer: TrainerConfig) -> MegatronTrainerConfig:
 
 
 def _megatron_mtp_gap(t: MegatronTrainerConfig) -> str:
-    """megatron/mtp.py runs a hybrid model's MTP layers on the final hidden states (the chunked head's
-    input: TP=1), with the input embedding at hand (PP=1), on whole unpacked rows (CP=1), unreplayed."""
+    """megatron/mtp.py runs MTP layers on the final hidden states (the chunked head's input: TP=1), the
+    embedding at hand (PP=1), on whole unpacked rows (CP=1), unreplayed, every expert on each rank (EP=1)."""
     needs = {"tp": (t.tp, 1), "fused_logprob": (t.fused_logprob, True), "pp": (t.pp, 1), "cp": (t.cp, 1)}
-    needs |= {"packing": (t.packing, False), "router_replay": (t.router_replay, False)}
+    needs |= {"ep": (t.ep, 1), "packing": (t.packing, False), "router_replay": (t.router_replay, False)}
     key = next((k for k, (have, want) in needs.items() if have != want), "")
     have, want = (str(v).lower() for v in needs.get(key, ("", "")))
     return key and (

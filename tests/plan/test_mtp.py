@@ -45,6 +45,7 @@ def test_each_mtp_refusal_names_the_key_and_the_fix():
         ("trainer.fused_logprob=false", "trainer.fused_logprob=true"),
         ("trainer.pp=7", "trainer.pp=1"),  # 7: divides the tiny model's layers
         ("trainer.cp=2", "trainer.cp=1"),
+        ("trainer.ep=2", "trainer.ep=1"),
         ("trainer.packing=true", "trainer.packing=false"),
         ("trainer.router_replay=true", "trainer.router_replay=false"),
     ):
