@@ -173,10 +173,10 @@ def test_megatron_loads_streams_and_exports_the_mtp_layers_under_their_names(mtp
 
 
 @pytest.mark.parametrize("detach", [True, False])
-def test_megatron_mtp_loss_and_gradients_equal_fsdps(mtp_dir, detach):
-    """One step on the same weights and batch: the megatron backend's MTP loss, policy loss and the
-    gradients of the MTP layers (and, detached, of nothing else beyond the policy loss's) equal the
-    fsdp backend's."""
+def test_megatron_mtp_loss_and_gradients_equal_fsdps(mtp_dir, detach, tmp_path):
+    """One step on the same weights and batch: the megatron backend's MTP loss, policy loss, gradient
+    norm and the gradients of the MTP layers, the head and a router equal the fsdp backend's; the
+    trained MTP layers come back from a megatron checkpoint."""
     from hpcrl.trainer.megatron import MegatronTrainer
     from tests.harness.megatron_parity import stepped_grads
 
@@ -194,6 +194,17 @@ def test_megatron_mtp_loss_and_gradients_equal_fsdps(mtp_dir, detach):
     assert len(mtp_names) > 10 and any(g_fsdp[k].abs().max() > 0 for k in mtp_names)
     for name in [*mtp_names, "lm_head.weight", "backbone.layers.6.mixer.gate.weight"]:
         torch.testing.assert_close(per_expert(g_meg, name), g_fsdp[name], rtol=1e-4, atol=1e-6, msg=name)
+    if detach:  # resume: the step's MTP weights (moved from the checkpoint's) load back
+        meg.save_checkpoint(str(tmp_path / "ckpt"), async_save=False)
+        trained = mtp_part(meg.export_weights())
+        resumed = MegatronTrainer(mtp_dir, plan(*MEGATRON, *keys).cfg, master=MASTER)
+        assert not torch.equal(
+            mtp_part(resumed.export_weights())["mtp.layers.0.eh_proj.weight"],
+            trained["mtp.layers.0.eh_proj.weight"],
+        )
+        resumed.load_checkpoint(str(tmp_path / "ckpt"))
+        back = mtp_part(resumed.export_weights())
+        assert back.keys() == trained.keys() and all(torch.equal(v, trained[k]) for k, v in back.items())
 
 
 def per_expert(grads: dict[str, torch.Tensor], name: str) -> torch.Tensor:
