@@ -34,13 +34,14 @@ SLOT = {"M": "mamba_layer", "*": "attention_layer", "-": "mlp_layer", "E": "moe_
 
 
 class MTPBlock(MegatronModule):
-    def __init__(self, config: Any, layers: dict[str, Any], kinds: str, depths: int) -> None:
-        """``kinds``: one symbol a layer over every depth (``Shape.mtp``)."""
+    def __init__(self, config: Any, layers: dict[str, Any], kinds: str, depths: int, groups: Any) -> None:
+        """``kinds``: one symbol a layer over every depth (``Shape.mtp``); ``groups``: the model's
+        process groups (its ``pg_collection``)."""
         super().__init__(config)
         self.depths, self.width = depths, len(kinds) // depths
         first = config.num_layers  # numbered after the decoder's layers, as vLLM numbers them
         self.layers = torch.nn.ModuleList(
-            _layer(layers, kind, config, first + i + 1) for i, kind in enumerate(kinds)
+            _layer(layers, kind, config, first + i + 1, groups) for i, kind in enumerate(kinds)
         )
         h = config.hidden_size
         for d in range(depths):
@@ -64,17 +65,15 @@ class MTPBlock(MegatronModule):
         return end.final_layernorm(x).transpose(0, 1)
 
 
-def _layer(layers: dict[str, Any], kind: str, config: Any, number: int) -> Any:
-    spec = layers[SLOT[kind]]
-    if kind == "M":  # MambaLayer takes the residual's precision as the hybrid stack passes it
-        return build(spec, config=config, residual_in_fp32=False, layer_number=number)
-    return build(spec, config=config, layer_number=number)
+def _layer(layers: dict[str, Any], kind: str, config: Any, number: int, groups: Any) -> Any:
+    """A decoder layer of ``kind`` as the hybrid stack builds it (MambaLayer needs the groups passed)."""
+    return build(layers[SLOT[kind]], config=config, layer_number=number, pg_collection=groups)
 
 
 def attach(model: Any, config: Any, layers: dict[str, Any], kinds: str, depths: int) -> None:
     """Give ``model`` (one stage: the whole model) its MTP layers as the ``mtp_block`` submodule."""
     device = next(model.parameters()).device
-    model.mtp_block = MTPBlock(config, layers, kinds, depths).to(device)
+    model.mtp_block = MTPBlock(config, layers, kinds, depths, model.pg_collection).to(device)
 
 
 class MTPLoss:
