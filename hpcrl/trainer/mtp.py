@@ -12,8 +12,9 @@ through the model's own paths (its conversion mapping splits their experts as th
 Depth k (from 0) at position t: ``eh_proj([enorm(embed(x[t+k+1])); hnorm(h[t])])`` through the
 block's layers and ``final_layernorm``, then the model's head, predicts ``x[t+k+2]``; ``h`` is the
 model's last hidden state (after ``norm_f``) for depth 0, the previous depth's output after that
-(Megatron's ``MultiTokenPredictionBlock``; vLLM drafts the same way). Its loss is the mean negative
-log-likelihood over the loss tokens among those targets, averaged over the depths.
+(Megatron's ``MultiTokenPredictionBlock``; vLLM drafts the same way). Its loss (``nll``, which the
+megatron backend's layers share: megatron/mtp.py) is the mean negative log-likelihood over the loss
+tokens among those targets, averaged over the depths.
 """
 
 from __future__ import annotations
