@@ -29,8 +29,8 @@ NAME = "hpcrl_packed"
 @dataclass(frozen=True)
 class RowBounds:
     """A packed row's sequences: ``cu`` int32 [N+1] on the row's device (0, then where each sequence
-    ends; the last is the row's width: a padding tail counts as one more sequence) and the same
-    ``lengths`` on the host (the per-sequence path splits by them, no device sync a layer)."""
+    ends) and the same ``lengths`` on the host (the per-sequence path splits by them, no device sync a
+    layer). Positions past the last sequence are padding (megatron's rows at the budget's width)."""
 
     cu: torch.Tensor
     lengths: list[int]
@@ -107,7 +107,12 @@ def attend_packed(
 ) -> torch.Tensor:
     """Causal attention inside each sequence of a packed row: [1, H, L, D] queries, [1, H_kv, L, D]
     keys and values in, [1, L, H, D] out. On CUDA in half precision torch's ``varlen_attn``, else
-    SDPA per sequence; no [L, L] tensor either way."""
+    SDPA per sequence; no [L, L] tensor either way. Padding past the last sequence attends nowhere:
+    its output is 0 (no position reads it, and a finite value keeps every gradient finite)."""
+    real = sum(row.lengths)
+    if real < q.shape[2]:
+        out = attend_packed(q[:, :, :real], k[:, :, :real], v[:, :, :real], scale, row)
+        return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, q.shape[2] - real))
     sig = _varlen() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
     # a torch whose kernel takes no scale runs the default one only
     if sig is not None and (

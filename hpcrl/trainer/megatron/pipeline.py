@@ -212,17 +212,15 @@ def fit(t: torch.Tensor | None, rows: slice, like: torch.Tensor) -> torch.Tensor
 
 def seq_params(packed: Packed) -> Any:
     """Megatron's ``PackedSeqParams`` of a packed row: where each sequence starts and the real
-    tokens end (what Megatron's MambaMixer reads; the padding past them is one more sequence), the
-    row's width as the longest (GPTModel sizes RoPE by it: the row's positions, as unpacked), and
-    the bounds as attention reads them (``hpcrl_row``: the padding a sequence of its own, host lengths)."""
+    tokens end (what Megatron's MambaMixer reads; the padding past them is one more sequence there,
+    attention skips it), the row's width as the longest (GPTModel sizes RoPE by it: the row's
+    positions, as unpacked), and the same bounds with their host lengths (``hpcrl_row``, attention's)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    row = RowBounds.of(packed.lengths, packed.ids.device)
     width = packed.ids.shape[1]
-    bounds = [*packed.starts, sum(packed.lengths)]
-    cu = torch.tensor(bounds, dtype=torch.int32, device=packed.ids.device)
-    params = PackedSeqParams("sbhd", cu, cu, max_seqlen_q=width, max_seqlen_kv=width)
-    tail = [width - bounds[-1]] if width > bounds[-1] else []
-    params.hpcrl_row = RowBounds.of([*packed.lengths, *tail], packed.ids.device)  # a field Megatron lacks
+    params = PackedSeqParams("sbhd", row.cu, row.cu, max_seqlen_q=width, max_seqlen_kv=width)
+    params.hpcrl_row = row  # a field Megatron's dataclass lacks: the lengths without a device sync
     return params
 
 
