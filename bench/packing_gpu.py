@@ -238,9 +238,10 @@ def table(shapes: dict) -> str:
 
 
 def check_kernel() -> dict:
-    """The packed attention (hpcrl/trainer/varlen.py) against SDPA under the dense block-causal mask, in
-    this torch on this device: which path ran (``varlen_attn`` needs CUDA and half precision), the largest
-    difference of outputs and of input gradients (bf16: ~1e-2 is agreement, a leak across sequences is ~1)."""
+    """The packed attention (hpcrl/trainer/varlen.py, both backends') against SDPA under the dense
+    block-causal mask, in this torch on this device: which path ran (``varlen_attn`` needs CUDA and half
+    precision), the largest difference of outputs and of input gradients (bf16: ~1e-2 is agreement, a
+    leak across sequences is ~1), and each one's forward + backward time (the fastest of 5)."""
     from hpcrl.trainer.packing import Packed
     from hpcrl.trainer.varlen import _varlen, packed_attention, packed_sdpa
 
@@ -262,14 +263,39 @@ def check_kernel() -> dict:
     want_out = sdpa(q, rk, rv, attn_mask=allowed).transpose(1, 2)
     want = torch.autograd.grad(want_out.float().square().sum(), (q, k, v))
     sig = _varlen()
+
+    def packed() -> None:
+        with packed_attention(positions):
+            torch.autograd.grad(packed_sdpa(layer, q, k, v, None, scaling=dim**-0.5)[0].sum(), (q, k, v))
+
+    def masked() -> None:
+        torch.autograd.grad(sdpa(q, rk, rv, attn_mask=allowed).sum(), (q, k, v))
+
     result = {
         "varlen_attn": None if sig is None else str(sig),
         "path": "varlen_attn" if GPU and sig is not None else "sdpa per sequence",
         "out_max_diff": float((out - want_out).detach().abs().max()),
         "grad_max_diff": max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True)),
+        "tokens": n,
+        "packed_fwd_bwd_ms": fastest(packed) * 1e3,
+        "masked_fwd_bwd_ms": fastest(masked) * 1e3,
     }
     print(f"kernel check: {json.dumps(result)}", flush=True)
     return result
+
+
+def fastest(fn, reps: int = 5) -> float:
+    """The fastest of ``reps`` timed calls after one untimed (on a shared CPU the minimum is the figure
+    least disturbed by other processes)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def main() -> int:
