@@ -2,7 +2,8 @@
 DAPO-like length distribution, tokens per second of real tokens, both rows in the same run.
 
     python bench/packing_gpu.py [--model qwen2_1p5b[,smollm2_135m]] [--layers 0] [--seqs 256] [--max-new 3840]
-        [--mbs 4|plan] [--steps 3] [--rows padded,packed] [--job dapo|smollm2] [--profile] [--out FILE]
+        [--mbs 4|plan] [--steps 3] [--rows padded,packed] [--job dapo|smollm2] [--trainer fsdp|megatron]
+        [--profile] [--out FILE]
 
 The batch: ``--seqs`` sequences, prompts 100-300 tokens, completions long-tailed as DAPO's are (a
 log-normal around a quarter of the limit, a tenth of them cut at ``--max-new``), in rollout order
@@ -15,7 +16,8 @@ this GPU) and the budget it derives from it. Several ``--model``s: each shape's 
 A row ``padded:N`` or ``packed:N`` uses N rows a micro-batch instead of ``--mbs``; ``+ac`` after it turns on
 activation checkpointing. A row that runs out of memory is recorded as such; ``best`` names the fastest row
 and its overrides. ``--job smollm2`` is the SmolLM2 chain_sum recipe's batch instead: prompts 180-224 tokens
-(the few-shot chat), completions 8-64.
+(the few-shot chat), completions 8-64. ``--trainer megatron``: the megatron backend's step instead (one
+rank, its local spec; packed rows attend by their bounds, ``hpcrl/trainer/megatron/attention.py``).
 Each row: a first step (compiles) and ``--steps`` timed steps; real tokens / s, the padded tokens the
 forward ran, peak memory. Random weights; the numbers are speeds. ``--profile``: one more step of each
 row under torch.profiler: the GPU's busy time against the step's wall time (a step far longer than its
@@ -38,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import make_model_dir, released
 
 from hpcrl.config.compose import compose_config
+from hpcrl.trainer import make_trainer
 from hpcrl.trainer.batch import build_batch
-from hpcrl.trainer.fsdp import FSDPTrainer
 from hpcrl.trainer.process_group import free_port
 
 PROMPT_MAX = 300
@@ -100,7 +102,7 @@ def profiled(trainer, batch) -> dict:
 @released
 def row(cfg, model_dir: Path, batch, steps: int, profile: bool = False) -> dict:
     device = "cuda" if GPU else "cpu"
-    trainer = FSDPTrainer(model_dir, cfg, master=f"127.0.0.1:{free_port()}", device=device)
+    trainer = make_trainer(model_dir, cfg, 0, 1, f"127.0.0.1:{free_port()}", device)
     if GPU:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -168,6 +170,7 @@ def shape_rows(args: argparse.Namespace, model_name: str) -> dict:
             model_dir = make_model_dir(base)
     common = [
         *model,
+        f"trainer={args.trainer}",
         f"model.hf_id={model_dir}",
         "algo.kl_coef=0",
         "algo.num_minibatches=1",
@@ -235,9 +238,10 @@ def table(shapes: dict) -> str:
 
 
 def check_kernel() -> dict:
-    """The packed attention (hpcrl/trainer/varlen.py) against SDPA under the dense block-causal mask, in
-    this torch on this device: which path ran (``varlen_attn`` needs CUDA and half precision), the largest
-    difference of outputs and of input gradients (bf16: ~1e-2 is agreement, a leak across sequences is ~1)."""
+    """The packed attention (hpcrl/trainer/varlen.py, both backends') against SDPA under the dense
+    block-causal mask, in this torch on this device: which path ran (``varlen_attn`` needs CUDA and half
+    precision), the largest difference of outputs and of input gradients (bf16: ~1e-2 is agreement, a
+    leak across sequences is ~1), and each one's forward + backward time (the fastest of 5)."""
     from hpcrl.trainer.packing import Packed
     from hpcrl.trainer.varlen import _varlen, packed_attention, packed_sdpa
 
@@ -259,14 +263,39 @@ def check_kernel() -> dict:
     want_out = sdpa(q, rk, rv, attn_mask=allowed).transpose(1, 2)
     want = torch.autograd.grad(want_out.float().square().sum(), (q, k, v))
     sig = _varlen()
+
+    def packed() -> None:
+        with packed_attention(positions):
+            torch.autograd.grad(packed_sdpa(layer, q, k, v, None, scaling=dim**-0.5)[0].sum(), (q, k, v))
+
+    def masked() -> None:
+        torch.autograd.grad(sdpa(q, rk, rv, attn_mask=allowed).sum(), (q, k, v))
+
     result = {
         "varlen_attn": None if sig is None else str(sig),
         "path": "varlen_attn" if GPU and sig is not None else "sdpa per sequence",
         "out_max_diff": float((out - want_out).detach().abs().max()),
         "grad_max_diff": max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True)),
+        "tokens": n,
+        "packed_fwd_bwd_ms": fastest(packed) * 1e3,
+        "masked_fwd_bwd_ms": fastest(masked) * 1e3,
     }
     print(f"kernel check: {json.dumps(result)}", flush=True)
     return result
+
+
+def fastest(fn, reps: int = 5) -> float:
+    """The fastest of ``reps`` timed calls after one untimed (on a shared CPU the minimum is the figure
+    least disturbed by other processes)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def main() -> int:
@@ -280,6 +309,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rows", default="padded,packed")
     p.add_argument("--job", choices=["dapo", "smollm2"], default="dapo")
+    p.add_argument(
+        "--trainer", choices=["fsdp", "megatron"], default="fsdp", help="the backend whose step runs"
+    )
     p.add_argument("--profile", action="store_true", help="one more step of each row under torch.profiler")
     p.add_argument("--set", action="append", default=[], help="extra overrides for every row")
     p.add_argument("--check-kernel", action="store_true", help="first: the packed attention against the mask")

@@ -1,4 +1,6 @@
-"""Attention of a packed row without an [L, L] mask (``trainer.packing``, the fsdp backend).
+"""Attention of a packed row without an [L, L] mask (``trainer.packing``): the kernels both backends
+run (``attend_packed`` over a row's ``RowBounds``; megatron's ``SDPAttention`` calls it with the bounds
+of ``packed_seq_params``) and the fsdp backend's hook into transformers.
 
 transformers reads a packed row's sequence restarts from ``position_ids`` and builds, for SDPA, a
 dense block-causal mask over the whole row: at 64 x 288 tokens that is an [18k, 18k] mask, and SDPA
@@ -16,13 +18,35 @@ import inspect
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 
 NAME = "hpcrl_packed"
-_ROW: dict[str, Any] = {}
-"""The packed row's bounds while a packed forward runs: ``cu`` (int32 [N+1]), ``lengths``, ``longest``."""
+
+
+@dataclass(frozen=True)
+class RowBounds:
+    """A packed row's sequences: ``cu`` int32 [N+1] on the row's device (0, then where each sequence
+    ends) and the same ``lengths`` on the host (the per-sequence path splits by them, no device sync a
+    layer). Positions past the last sequence are padding (megatron's rows at the budget's width)."""
+
+    cu: torch.Tensor
+    lengths: list[int]
+
+    @property
+    def longest(self) -> int:
+        return max(self.lengths)
+
+    @classmethod
+    def of(cls, lengths: list[int], device: torch.device | str) -> RowBounds:
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+        return cls(cu, lengths)
+
+
+_ROW: dict[str, RowBounds] = {}
+"""The packed row's bounds (under ``"row"``) while a packed forward runs."""
 
 
 def use_packed_attention(model: Any) -> bool:
@@ -48,9 +72,7 @@ def packed_attention(positions: torch.Tensor) -> Iterator[None]:
     whose ``positions`` [1, L] restart at 0 at each sequence."""
     starts = torch.nonzero(positions[0] == 0).flatten().tolist()
     bounds = [*starts, positions.shape[1]]
-    lengths = [b - a for a, b in itertools.pairwise(bounds)]
-    cu = torch.tensor(bounds, dtype=torch.int32, device=positions.device)
-    _ROW.update(cu=cu, lengths=lengths, longest=max(lengths))
+    _ROW["row"] = RowBounds.of([b - a for a, b in itertools.pairwise(bounds)], positions.device)
     try:
         yield
     finally:
@@ -77,17 +99,27 @@ def packed_sdpa(
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if getattr(module, "sliding_window", None) is not None:
         raise ValueError("trainer.packing: sliding-window layers have no packed attention yet")
-    return _packed(query, key, value, kwargs.get("scaling"), _ROW), None
+    return attend_packed(query, key, value, kwargs.get("scaling"), _ROW["row"]), None
 
 
-def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any, row: dict) -> torch.Tensor:
+def attend_packed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, row: RowBounds
+) -> torch.Tensor:
+    """Causal attention inside each sequence of a packed row: [1, H, L, D] queries, [1, H_kv, L, D]
+    keys and values in, [1, L, H, D] out. On CUDA in half precision torch's ``varlen_attn``, else
+    SDPA per sequence; no [L, L] tensor either way. Padding past the last sequence attends nowhere:
+    its output is 0 (no position reads it, and a finite value keeps every gradient finite)."""
+    real = sum(row.lengths)
+    if real < q.shape[2]:
+        out = attend_packed(q[:, :, :real], k[:, :, :real], v[:, :, :real], scale, row)
+        return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, q.shape[2] - real))
     sig = _varlen() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
     # a torch whose kernel takes no scale runs the default one only
     if sig is not None and (
         "scale" in sig.parameters or scale is None or abs(scale * q.shape[-1] ** 0.5 - 1) < 1e-6
     ):
         return _flash(q, k, v, scale, row)
-    return _per_sequence(q, k, v, scale, row["lengths"])
+    return _per_sequence(q, k, v, scale, row.lengths)
 
 
 def _per_sequence(
@@ -121,7 +153,7 @@ def _varlen() -> inspect.Signature | None:
     return _SIGNATURE[0]
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any, row: dict) -> torch.Tensor:
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any, row: RowBounds) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
     params = _varlen().parameters  # type: ignore[union-attr]
@@ -135,6 +167,6 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any, row: d
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if "scale" in params and scale is not None:
         extra["scale"] = scale
-    cu, longest = row["cu"], row["longest"]
+    cu, longest = row.cu, row.longest
     out = cast(torch.Tensor, varlen_attn(q, k, v, cu, cu, longest, longest, **extra))  # no aux asked
     return out[None]  # [1, L, H, D]

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +148,26 @@ def expert_layout(trainer: Any) -> dict[str, Any]:
     }
 
 
+@contextmanager
+def counting_masks() -> Iterator[dict[str, int]]:
+    """Within: how many packed rows' dense [L, L] block masks were built (``Packed.attention_mask``);
+    megatron builds them only for sliding-window layers and context parallel."""
+    from hpcrl.trainer.packing import Packed
+
+    seen = {"masks": 0}
+    build = Packed.attention_mask
+
+    def counted(self: Packed) -> torch.Tensor:
+        seen["masks"] += 1
+        return build(self)
+
+    Packed.attention_mask = counted  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        Packed.attention_mask = build  # type: ignore[method-assign]
+
+
 def _full(grad: Any) -> torch.Tensor:
     """An FSDP2 gradient (a DTensor) as one plain tensor."""
     return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
@@ -192,10 +214,13 @@ def main() -> None:
         trainer.load_checkpoint(resume)
         batch = after_checkpoint(batch)
     loaded = {k: v.clone() for k, v in trainer.export_weights().items()} if resume else {}  # TP=1: views
-    ref = trainer.logprobs(batch, reference=True)  # the loaded weights' log-probs (the step scores its own)
-    grads = stepped_grads(trainer, backend)
-    forwards = watch_forwards(trainer) if backend == "fsdp" else {}
-    metrics = trainer.train_step(batch)
+    with counting_masks() as masks:
+        ref = trainer.logprobs(
+            batch, reference=True
+        )  # the loaded weights' log-probs (the step scores its own)
+        grads = stepped_grads(trainer, backend)
+        forwards = watch_forwards(trainer) if backend == "fsdp" else {}
+        metrics = trainer.train_step(batch)
     forwards.pop("stop", lambda: None)()
     del trainer.zero_grad  # this step's gradients only (a second step may follow the checkpoint)
     assert grads or rank != 0, "no gradients were seen before the step freed them"
@@ -224,6 +249,7 @@ def main() -> None:
         layout = {
             "sequence_parallel": mc.sequence_parallel,
             "cp": mc.context_parallel_size,
+            "packed_masks": masks["masks"],
             "qk_norms": sum("q_layernorm" in n for n, _ in trainer.model.named_parameters()),
             "expert_tp": mc.expert_tensor_parallel_size,
             "experts": sorted(

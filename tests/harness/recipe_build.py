@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from mamba_mixer_check import mixer_check  # beside this script (sys.path[0])
-from megatron_parity import _state_round_trip, expert_layout, parity_batch, stepped_grads
+from megatron_parity import _state_round_trip, counting_masks, expert_layout, parity_batch, stepped_grads
 from weight_stream_check import stream_check
 
 from hpcrl.config.compose import compose_config
@@ -70,9 +70,12 @@ def parity_step(trainer: Any, backend: str, world: int, out: Path) -> dict[str, 
     """tests/harness/megatron_parity.py's run of one layout (no resume, no second step): one step on the
     parity batch with a reference pass; rank 0's copy of the full gradients and weights."""
     batch = parity_batch()
-    ref = trainer.logprobs(batch, reference=True)  # the loaded weights' log-probs (the step scores its own)
-    grads = stepped_grads(trainer, backend)
-    metrics = trainer.train_step(batch)
+    with counting_masks() as masks:
+        ref = trainer.logprobs(
+            batch, reference=True
+        )  # the loaded weights' log-probs (the step scores its own)
+        grads = stepped_grads(trainer, backend)
+        metrics = trainer.train_step(batch)
     del trainer.zero_grad  # this step's gradients only
     assert grads or dist.get_rank() != 0, "no gradients were seen before the step freed them"
     weights = trainer.export_weights()
@@ -92,6 +95,7 @@ def parity_step(trainer: Any, backend: str, world: int, out: Path) -> dict[str, 
         layout = {
             "sequence_parallel": mc.sequence_parallel,
             "cp": mc.context_parallel_size,
+            "packed_masks": masks["masks"],
             "qk_norms": sum("q_layernorm" in n for n, _ in trainer.model.named_parameters()),
             "expert_tp": mc.expert_tensor_parallel_size,
             "experts": sorted(

@@ -205,9 +205,9 @@ def test_sp_norm_marks_its_weight_and_hands_the_next_matmul_its_autocast_dtype()
 
 @pytest.mark.slow
 def test_packed_micro_batches_step_as_the_padded_ones(tiny_dir, tmp_path):
-    """trainer.packing under megatron: the bins of 16 tokens run as packed rows with a block-causal
-    mask, through TP (sequence parallel) and the pipeline schedule, give fsdp's padded step; two
-    minibatches and a KL term, so the log-prob passes run packed too."""
+    """trainer.packing under megatron: the bins of 16 tokens run as packed rows, attention inside each
+    sequence by its bounds (no [L, L] mask built), through TP (sequence parallel) and the pipeline
+    schedule, give fsdp's padded step; two minibatches and a KL term, so the log-prob passes run packed too."""
     mask = parity_batch().loss_mask.bool()
     algo = ("algo.num_minibatches=2", "algo.kl_coef=0.05")
     packing = ("trainer.packing=true", "trainer.micro_batch_tokens=16")
@@ -218,6 +218,7 @@ def test_packed_micro_batches_step_as_the_padded_ones(tiny_dir, tmp_path):
         run = _torchrun(
             tiny_dir, tmp_path / f"packed{tp}{pp}.pt", tp, pp, port=port, extra=packing, algo=algo
         )
+        assert run["layout"]["packed_masks"] == 0, where
         assert torch.allclose(run["logp"][mask], base["logp"][mask], atol=1e-5), where
         for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm"):
             assert run["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-4, abs=1e-6), (

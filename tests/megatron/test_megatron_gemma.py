@@ -101,7 +101,8 @@ def test_gemma3_matches_fsdp_and_under_tensor_and_pipeline_parallel(gemma3_dirs,
     built by Megatron gives the Hugging Face model's step (fsdp backend); TP=2 with sequence parallel
     (the post norms' partial grads summed over TP) and PP=2 (sliding layers on stage 0, the global one on
     stage 1) and CP=2 (windows across the CP chunks) give the one-rank step; the VLM's text decoder
-    trains the same under its own names."""
+    trains the same under its own names. Packed (``trainer.packing``, bins of 16 tokens) too: the
+    sliding layers read the row's block mask, the global one the sequences' bounds."""
     from transformers import AutoModelForCausalLM
 
     from hpcrl.trainer.fsdp import checkpoint_names
@@ -141,6 +142,10 @@ def test_gemma3_matches_fsdp_and_under_tensor_and_pipeline_parallel(gemma3_dirs,
         assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
         _assert_same_step(run, text, mask, where)
         assert all(run["state_restored"]), where
+    packing = ("trainer.packing=true", "trainer.micro_batch_tokens=16")
+    run = _torchrun(gemma3_dirs["text"], tmp_path / "packed.pt", 1, 1, port=29769, extra=packing)
+    assert run["layout"]["packed_masks"] > 0  # the sliding layers' (the global one reads the bounds)
+    _assert_same_step(run, text, mask, "gemma3 packed")
 
 
 @pytest.fixture(scope="module")

@@ -119,6 +119,50 @@ def test_packed_attention_is_the_block_causal_masked_attention():
     assert gemma._attn_implementation == "sdpa"
 
 
+def test_megatron_attention_of_a_packed_row_reads_its_bounds_not_a_mask():
+    """megatron's ``SDPAttention`` given a packed row's ``packed_seq_params`` (the pipeline's
+    ``seq_params``: sequences of 5, 1, 12 and 7 tokens, then 3 of padding) and no mask: the outputs and
+    input gradients of the same layer under the row's dense block mask at every real token, grouped
+    heads (the mutation: one causal sequence over the whole row); the padding attends nowhere (0). A
+    sliding-window layer or context parallel still needs the mask and says so; the params keep the real
+    tokens' end for the Mamba mixers and the width for RoPE."""
+    from types import SimpleNamespace
+
+    from hpcrl.trainer.megatron.attention import SDPAttention
+    from hpcrl.trainer.megatron.pipeline import seq_params
+
+    lengths, heads, kv, dim, width = [5, 1, 12, 7], 6, 2, 8, 28
+    rows = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+    packed = Packed.of(rows.masked_fill(mask, 7), mask.long()).padded(width)
+    params = seq_params(packed)
+    assert params.cu_seqlens_q.tolist() == [0, 5, 6, 18, 25] and params.max_seqlen_q == width
+    assert params.hpcrl_row.lengths == lengths
+    config = SimpleNamespace(
+        attention_dropout=0.0, context_parallel_size=1, window_size=None, window_attn_skip_freq=None
+    )
+    layer = SDPAttention(config, layer_number=1, attn_mask_type=None, softmax_scale=0.3)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(width, 1, h, dim, generator=gen).requires_grad_() for h in (heads, kv, kv))
+
+    def run(**kw):  # the real tokens' outputs, and the input gradients of a loss on them
+        out = layer(q, k, v, kw.pop("attention_mask", None), **kw)
+        return out, torch.autograd.grad(out[:25].square().sum(), (q, k, v))
+
+    out, grads = run(packed_seq_params=params)
+    want, want_grads = run(attention_mask=packed.attention_mask())
+    assert out.shape == (width, 1, heads * dim) and torch.allclose(out[:25], want[:25], atol=1e-5)
+    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(grads, want_grads, strict=True))
+    assert not out[25:].any()
+    assert (run()[0][:25] - want[:25]).abs().max() > 0.1
+    for field, value in (("window_size", (3, 0)), ("context_parallel_size", 2)):
+        other = SDPAttention(
+            SimpleNamespace(**{**vars(config), field: value}), layer_number=1, attn_mask_type=None
+        )
+        with pytest.raises(ValueError, match="needs its mask"):
+            other(q, k, v, None, packed_seq_params=params)
+
+
 def test_the_plan_counts_the_budget_and_refuses_what_cannot_pack():
     base = ("trainer.micro_batch_size=2",)
     padded = plan(*base).memory.train.activations

@@ -3,8 +3,11 @@
 ``SDPAttention``: torch's scaled_dot_product_attention (flash attention on GPUs) instead of Megatron's
 unfused attention (which materialises [b, heads, s, s] scores: out of memory at 8 x 2048 on an H200);
 causal, GQA without repeating K/V, sliding windows by Megatron's ``window_size`` fields (flex_attention
-on GPUs, a boolean mask on CPUs), and context parallel (keys and values gathered over the CP group:
-``cp_gather``). Family-free: every family's layers take it.
+on GPUs, a boolean mask on CPUs), context parallel (keys and values gathered over the CP group:
+``cp_gather``), and packed rows (``trainer.packing``): each sequence attends alone over the bounds in
+``packed_seq_params`` (``varlen.attend_packed``: ``varlen_attn`` on GPUs in half precision, SDPA per
+sequence elsewhere), no [L, L] mask; only sliding-window layers and context parallel still read the
+row's block mask (the pipeline builds it for them alone). Family-free: every family's layers take it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 import torch
 
 from hpcrl.trainer.context_parallel import attend_chunks, chunk_order, sdpa, window_mask
+from hpcrl.trainer.varlen import RowBounds, attend_packed
 
 
 class SDPAttention(torch.nn.Module):
@@ -52,29 +56,51 @@ class SDPAttention(torch.nn.Module):
         attention_bias: Any = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        # hpcrl's packed rows come with their block mask; their bounds are for the Mamba layers
-        if (packed_seq_params is not None and attention_mask is None) or attention_bias is not None:
-            raise ValueError("SDPAttention: packed sequences and attention bias need Transformer Engine")
-        # Megatron hands [s, b, heads, dim]; SDPA wants [b, heads, s, dim]. Sequences are right-padded,
-        # so the causal mask alone is exact for every real token; packed rows come with their mask.
+        if attention_bias is not None:
+            raise ValueError("SDPAttention: attention bias needs Transformer Engine")
+        cp = self.config.context_parallel_size > 1
+        if packed_seq_params is not None and attention_mask is None and (self.window is not None or cp):
+            raise ValueError(
+                "SDPAttention: a packed row on a sliding-window layer or under CP needs its mask"
+            )
+        # Megatron hands [s, b, heads, dim]; SDPA wants [b, heads, s, dim].
         s, b = query.shape[0], query.shape[1]
-        if self.config.context_parallel_size > 1:
+        if cp:
             out = self._context_parallel(query, key, value, attention_mask)
-        elif attention_mask is not None:  # packed rows (trainer.packing): True where a key is out of reach
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            allowed = ~attention_mask
-            if self.window is not None:
-                allowed = allowed & window_mask(s, self.window, q.device)
-            out = self._sdpa(q, k, v, causal=allowed)
+        elif packed_seq_params is not None and self.window is None:  # each packed sequence alone, no mask
+            return self._packed(query, key, value, packed_seq_params.hpcrl_row)
         else:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            if self.window is None or s <= self.window:  # a window longer than the sequence is causal
-                out = self._sdpa(q, k, v, causal=True)
-            elif q.is_cuda and WINDOW_KERNEL == "flex":
-                out = flex_window_attention(q, k, v, self.window, self.scale)
-            else:
-                out = self._sdpa(q, k, v, causal=window_mask(s, self.window, q.device))
+            out = self._local(q, k, v, attention_mask)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+        """Right-padded rows (the causal mask alone is exact for every real token) or a packed row's
+        block mask (``mask``: True where a key is out of reach), a sliding window on top."""
+        s = q.shape[2]
+        if mask is not None:
+            allowed = ~mask
+            if self.window is not None:
+                allowed = allowed & window_mask(s, self.window, q.device)
+            return self._sdpa(q, k, v, causal=allowed)
+        if self.window is None or s <= self.window:  # a window longer than the sequence is causal
+            return self._sdpa(q, k, v, causal=True)
+        if q.is_cuda and WINDOW_KERNEL == "flex":
+            return flex_window_attention(q, k, v, self.window, self.scale)
+        return self._sdpa(q, k, v, causal=window_mask(s, self.window, q.device))
+
+    # Eager inside a compiled layer (as varlen's own): traced, the row's host lengths would be guarded
+    # as constants and every new packed row would recompile the layer.
+    @torch.compiler.disable
+    def _packed(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, row: RowBounds
+    ) -> torch.Tensor:
+        """A packed row [s, 1, heads, dim] (``row``: its sequences) -> [s, 1, heads x dim]."""
+        if self.training and self.dropout:
+            raise ValueError("SDPAttention: packed rows run without attention dropout")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out = attend_packed(q, k, v, self.scale, row)  # [1, s, heads, dim]
+        return out.transpose(0, 1).flatten(2)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: Any) -> torch.Tensor:
         return sdpa(q, k, v, causal, dropout=self.dropout if self.training else 0.0, scale=self.scale)

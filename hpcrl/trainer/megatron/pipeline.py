@@ -28,6 +28,7 @@ from hpcrl.trainer.megatron.attention import cp_gather
 from hpcrl.trainer.megatron.router_replay import RouteReplay, local_routes
 from hpcrl.trainer.packing import Packed
 from hpcrl.trainer.step import StepBatch
+from hpcrl.trainer.varlen import RowBounds
 
 ScheduleLoss = Callable[[int, StepBatch, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]
 """(micro-batch index, micro-batch, last stage's output) -> (loss for the schedule, its metrics)."""
@@ -49,9 +50,10 @@ class Pipeline:
     sequence); None: rows as they are."""
     replay: RouteReplay | None = None
     """``trainer.router_replay``: where each forward's routes go (``megatron/router_replay.py``)."""
-    bounds: bool = False
-    """Packed rows also pass their sequences' bounds (``packed_seq_params``): Mamba layers restart
-    their conv and scan at each (attention reads the block mask)."""
+    mask: bool = False
+    """Packed rows also pass their [L, L] block mask: a layer reads it (sliding-window layers, context
+    parallel). Every packed row passes its sequences' bounds (``packed_seq_params``): attention stays
+    inside each sequence by them, Mamba layers restart their conv and scan at each."""
 
     def micro_batches(self, batch: TrainBatch, size: int) -> list[TrainBatch]:
         """Equal micro-batches of ``size`` rows (fewer for a smaller batch), width a multiple of TP and
@@ -80,10 +82,9 @@ class Pipeline:
             bounds = {}
             if self.pack_width is not None:  # positions restart per sequence (GPTModel's RoPE reads the
                 packed = self.packed(mb.data)  # length only: relative, so an offset changes no score)
-                ids, mask, pos = packed.ids, packed.attention_mask(), packed.positions
+                ids, pos, bounds = packed.ids, packed.positions, {"packed_seq_params": seq_params(packed)}
+                mask = packed.attention_mask() if self.mask else None
                 routes = None if routes is None else packed.gather(routes.to(self.device))
-                if self.bounds:
-                    bounds = {"packed_seq_params": seq_params(packed)}
             if self.replay is not None:
                 self.replay.routes = (
                     None if routes is None else local_routes(routes, self.par.tp, self.cp_split)
@@ -211,13 +212,16 @@ def fit(t: torch.Tensor | None, rows: slice, like: torch.Tensor) -> torch.Tensor
 
 def seq_params(packed: Packed) -> Any:
     """Megatron's ``PackedSeqParams`` of a packed row: where each sequence starts and the real
-    tokens end (what Megatron's MambaMixer reads); the padding past them is one more sequence."""
+    tokens end (what Megatron's MambaMixer reads; the padding past them is one more sequence there,
+    attention skips it), the row's width as the longest (GPTModel sizes RoPE by it: the row's
+    positions, as unpacked), and the same bounds with their host lengths (``hpcrl_row``, attention's)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    bounds = [*packed.starts, sum(packed.lengths)]
-    cu = torch.tensor(bounds, dtype=torch.int32, device=packed.ids.device)
-    longest = max(packed.lengths)
-    return PackedSeqParams("sbhd", cu, cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+    row = RowBounds.of(packed.lengths, packed.ids.device)
+    width = packed.ids.shape[1]
+    params = PackedSeqParams("sbhd", row.cu, row.cu, max_seqlen_q=width, max_seqlen_kv=width)
+    params.hpcrl_row = row  # a field Megatron's dataclass lacks: the lengths without a device sync
+    return params
 
 
 def _concat(parts: list[TrainBatch]) -> TrainBatch:

@@ -118,9 +118,10 @@ class MegatronTrainer:
         unit = self.par.tp * (2 * self.par.cp if self.par.cp > 1 else 1)
         width = None if budget is None else -(-budget // unit) * unit
         replay = RouteReplay() if t.router_replay else None
-        mamba = bool(self.shape.pattern)  # a hybrid model: its Mamba layers read packed rows' bounds
+        # the [L, L] block mask of a packed row, only for the attention that still reads it
+        mask = self.par.cp > 1 or config.window_size is not None
         self.pipeline = Pipeline(
-            self.par, self.device, chunked, self.tied, compute_dtype, softcap, width, replay, mamba
+            self.par, self.device, chunked, self.tied, compute_dtype, softcap, width, replay, mask
         )
         build = partial(
             build_model,
