@@ -137,7 +137,9 @@ def step_running(step: str) -> bool:
 
 def cancel(job: JobInfo) -> str:
     """scancel the job, or only the Ray step of a ``debug --here`` session (the allocation is the
-    user's), or delete a Kubernetes job; what was cancelled."""
+    user's), or delete a Kubernetes job; what was cancelled. A training job whose tasks run gets
+    SIGTERM alone (``scancel --signal=TERM``): it saves the step in flight and ends (a plain scancel
+    SIGKILLs it ``KillWait`` seconds later, often before the save is done)."""
     meta = _meta(job.run_dir)
     if _on_kube(meta):
         from hpcrl.launch import kube_jobs
@@ -147,10 +149,21 @@ def cancel(job: JobInfo) -> str:
     if step == "":
         raise HpcrlError(f"debug session {job.job_id} has no Ray step yet; leaving its shell stops it")
     target = step or job.job_id
-    result = subprocess.run(["scancel", target], capture_output=True, text=True, timeout=30)
+    saves = step is None and not meta.get("debug") and tasks_running(job.job_id)
+    command = ["scancel", "--signal=TERM", target] if saves else ["scancel", target]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=30)
     if result.returncode != 0:
-        raise HpcrlError(f"scancel {target} failed: {result.stderr.strip()}")
+        raise HpcrlError(f"{' '.join(command)} failed: {result.stderr.strip()}")
+    if saves:
+        return f"{target} with SIGTERM: it saves the step in flight, then ends (`scancel {target}`: unsaved)"
     return target if step is None else f"step {target} (the allocation stays yours)"
+
+
+def tasks_running(job_id: str) -> bool:
+    """Whether the job's node tasks run (a step of its own, e.g. ``123.0`` or ``123+0.0``, not only
+    the batch script): a signal sent to the steps reaches them."""
+    steps = _run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"]).split()
+    return any(re.fullmatch(rf"{job_id}(\+\d+)?\.\d+", s) for s in steps)
 
 
 def wait(job_id: str, run_dir: Path | None, timeout_s: float) -> str:

@@ -4,6 +4,7 @@ Kubernetes cluster (``cluster.scheduler: kuberay``) goes to ``launch/kube_jobs.p
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 from hpcrl.config.cluster import Scheduler
@@ -15,6 +16,7 @@ from hpcrl.launch.jobrecord import Submitted, record_job
 from hpcrl.launch.mounts import check_mounts
 from hpcrl.launch.ray_cluster import make_token
 from hpcrl.launch.sbatch import make_executor, render_sbatch
+from hpcrl.launch.slurm_checks import kill_wait_s, kill_wait_warning, require_accepted
 from hpcrl.plan.planner import Plan
 from hpcrl.run.rundir import atomic_write_text, new_run_dir, write_resolved_config
 
@@ -41,6 +43,9 @@ def submit(
     write_resolved_config(cfg, run_dir)
     make_token(run_dir)  # 0600, on the shared filesystem: the job's nodes and `hpcrl run` read it
     atomic_write_text(run_dir / "sbatch.sh", render_sbatch(plan, run_dir))
+    if not (smoke or debug) and (line := kill_wait_warning(plan, kill_wait_s())):
+        print(f"hpcrl: warning: {line}", file=sys.stderr)
+    require_accepted(plan, run_dir / "sbatch.sh")  # Slurm's refusal as one line, before anything is queued
     task = NodeTask(
         str(run_dir),
         plan.node_roles(),

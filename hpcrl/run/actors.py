@@ -141,6 +141,9 @@ class TrainerActor:
         stats = packer.finish() if packer is not None else PackStats()
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # buffers shared by IPC go back to the allocator
+        if packer is not None and packer.failed:  # a receiver died: the next refit forms a new group
+            self.sender = None
+            raise RuntimeError(f"weight sync: sending to the rollout engines failed ({packer.failed})")
         return {k: float(v) for k, v in asdict(stats).items()}
 
     def _device(self) -> Any:

@@ -162,7 +162,7 @@ class Fleet:
             ray.get([self.engines[e].sleep.remote() for e in down])
         self.refit.layout = None
 
-    def _find_dead(self) -> None:
+    def _find_dead(self, when: str = "") -> None:
         """Engines that died between two generations (no groups lost): a refit into one would fail."""
         import ray
 
@@ -171,7 +171,31 @@ class Fleet:
             try:
                 ray.get(ping)
             except ray.exceptions.RayActorError as exc:
-                self.faults.lost(e, self._kill(e), cause_of(exc), 0)
+                self.faults.lost(e, self._kill(e), when + cause_of(exc), 0)
+
+    def _refitting(self, refit: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """``refit()`` into every engine, the lost ones rebuilt first; an engine that dies in it is
+        rebuilt and the refit runs again (each time one more restart: ``rollout.max_engine_restarts``
+        bounds it). The refit's broadcast fails fast when a receiver dies (its group is closed,
+        sync/broadcast.py) and is formed again with the new engine."""
+        while True:
+            self._find_dead()
+            if self.faults.down:
+                self._rebuild(sorted(self.faults.down))
+            try:
+                return refit()
+            except Exception as exc:
+                if not self._lost_in_refit(exc):
+                    raise  # every engine is up: not theirs (a trainer rank's death, a bug)
+
+    def _lost_in_refit(self, exc: Exception) -> bool:
+        """Whether engines died in a refit that raised ``exc`` (the one it names, those a ping finds);
+        they are marked lost (and killed)."""
+        for e, engine in enumerate(self.engines):
+            if e not in self.faults.down and getattr(exc, "actor_id", None) == engine._actor_id.hex():
+                self.faults.lost(e, self._kill(e), f"died in a refit: {cause_of(exc)}", 0)
+        self._find_dead("died in a refit: ")
+        return bool(self.faults.down)
 
     def _revive(self) -> list[int]:
         """No engine is left mid-batch: every one comes back now (a CUDA-IPC refit feeds all of a GPU's
@@ -180,9 +204,8 @@ class Fleet:
         import ray
 
         with self.lock:
-            down = sorted(self.faults.down)
-            self._rebuild(down)
-            self.refit.run(self.trainers, self.engines)
+            down = sorted(self.faults.down)  # every engine (none is left), rebuilt by the refit
+            self._refitting(lambda: self.refit.run(self.trainers, self.engines))
             ray.get([self.engines[e].resume_generation.remote(self.version) for e in down])
         return down
 
@@ -235,13 +258,11 @@ class Fleet:
         engine, streamed (run/refit.py); sleeping engines wake their weights first and their KV cache
         after (the refit's buckets and the KV cache are never resident together). Generation running
         (``rollout.inflight_update``) is held between two steps while the weights change. Engines lost
-        since the last refit (in a generation, or while the trainers trained) are rebuilt first; the
-        engine faults since then come back with the phases."""
+        since the last refit (in a generation, or while the trainers trained) are rebuilt first, and
+        one that dies in it is rebuilt and the refit run again; the engine faults since the last
+        refit come back with the phases."""
         with self.lock:
-            self._find_dead()
-            if self.faults.down:
-                self._rebuild(sorted(self.faults.down))
-            phases = self._sync(version)
+            phases = self._refitting(lambda: self._sync(version))
             self.version = version
         return {**phases, **self.faults.metrics()}
 

@@ -37,6 +37,15 @@ class Refit:
     """The last refit's phases (seconds) and bytes."""
 
     def run(self, trainers: list[Any], engines: list[Any]) -> dict[str, float]:
+        """One refit; one that fails (an engine died in it) leaves no call of it running and the
+        groups to be formed again by the next."""
+        try:
+            return self._run(trainers, engines)
+        except Exception:
+            self.layout = None
+            raise
+
+    def _run(self, trainers: list[Any], engines: list[Any]) -> dict[str, float]:
         import ray
 
         start, phases = time.perf_counter(), {}
@@ -46,7 +55,8 @@ class Refit:
         if self.mode == "broadcast":
             sends = [t.send_weights.remote() for t in trainers]
             receives = [e.receive_weights.remote() for e in engines]
-            senders, engines_got = ray.get(sends), ray.get(receives)
+            got = settle([*sends, *receives])
+            senders, engines_got = got[: len(sends)], got[len(sends) :]
             for key in ("receive_s", "load_s"):
                 phases[key] = max(e[key] for e in engines_got)
         elif self.mode == "ipc":
@@ -110,3 +120,21 @@ class Refit:
                 "directly, set rollout.weight_sync=object_store"
             ) from exc
         return layout
+
+
+def settle(refs: list[Any]) -> list[Any]:
+    """``ray.get`` of every call, waiting for each even after one failed (a receiver still in the
+    broadcast would take the next refit's calls after it), then the first error: an actor's death
+    first, as it names the one gone."""
+    import ray
+
+    results, errors = [], []
+    for ref in refs:
+        try:
+            results.append(ray.get(ref))
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        died = [e for e in errors if isinstance(e, ray.exceptions.RayActorError)]
+        raise (died or errors)[0]
+    return results

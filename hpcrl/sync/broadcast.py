@@ -50,6 +50,13 @@ class WeightGroup:
         opts.rootRank = 0
         return self.pg.broadcast([buf], opts)
 
+    def close(self) -> None:
+        """Drop the group and its store: their connections close, so every peer still waiting in a
+        collective of it fails at once (a gloo broadcast whose receiver died leaves the others
+        waiting for the group's timeout otherwise: measured, 30 of 30 s)."""
+        self.pg = None
+        self.store = None
+
     def barrier(self, device: torch.device) -> None:
         """Every rank has reached this point (an all-reduce: a broadcast does not hold its root, which
         may finish as soon as its data sits in the peers' buffers)."""
@@ -97,8 +104,12 @@ class WeightSender:
 
     def packer(self) -> BucketPacker:
         """A sink for one stream (``Trainer.stream_weights``): each full bucket is broadcast while
-        the next is packed; ``finish()`` waits for the last and returns the stream's costs."""
-        return BucketPacker(self.buckets, self.dtype, self.device, self._emit)
+        the next is packed; ``finish()`` waits for the last and returns the stream's costs. A failed
+        broadcast (a receiver died) closes the group: the packer's ``failed`` says why."""
+        return BucketPacker(self.buckets, self.dtype, self.device, self._emit, on_fail=self._failed)
+
+    def _failed(self) -> None:
+        self.group.close()
 
     def _emit(self, buf: torch.Tensor, bucket: Bucket) -> Any:
         return _Sent(self.group.broadcast_async(buf), buf)
@@ -123,8 +134,10 @@ class _Sent:
     buf: torch.Tensor
 
     def wait(self) -> None:
-        self.work.wait()
-        self.work = None  # its own hold on the buffer goes with it
+        try:
+            self.work.wait()
+        finally:
+            self.work = None  # its own hold on the buffer (and on the group) goes with it
         let_go(self.buf)
 
 

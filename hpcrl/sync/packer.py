@@ -12,6 +12,10 @@ the bucket in flight, the one being packed, and the trainer's scratch for the te
 (``scratch``) — and before anything new is allocated it waits for the bucket in flight whenever the
 total would pass two buckets. A tensor larger than a bucket gets a bucket of its own (then it alone
 sets the peak).
+
+A send that fails (a receiving engine died mid-refit) stops the sending, not the stream: the trainer's
+ranks gather together, so the sender goes on taking part until the end, and ``failed`` says why
+(``on_fail`` runs at once: a broadcast closes its group, so the other receivers stop waiting).
 """
 
 from __future__ import annotations
@@ -103,6 +107,9 @@ class BucketPacker:
     device: torch.device
     emit: Emit
     stats: PackStats = field(default_factory=PackStats)
+    on_fail: Callable[[], None] | None = None
+    failed: str | None = None
+    """The first send's error, in one line; nothing is sent after it."""
 
     def __post_init__(self) -> None:
         self.budget = 2 * max((b.numel for b in self.buckets), default=0)
@@ -174,9 +181,17 @@ class BucketPacker:
     def _launch(self, bucket: Bucket) -> None:
         assert self._current is not None
         self._wait()  # one bucket in flight at a time: at most two buffers live
+        if self.failed is not None:
+            self._current = None
+            return
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # copies done before another process reads
-        self._flight = _Flight(self.emit(self._current, bucket), self._current)
+        try:
+            self._flight = _Flight(self.emit(self._current, bucket), self._current)
+        except Exception as exc:
+            self._fail(exc)
+            self._current = None
+            return
         self.stats.bytes += self._current.numel() * self._current.element_size()
         self.stats.buckets += 1
         self._current = None
@@ -185,9 +200,18 @@ class BucketPacker:
         if self._flight is None:
             return
         start = time.perf_counter()
-        self._flight.pending.wait()
+        try:
+            self._flight.pending.wait()
+        except Exception as exc:
+            self._fail(exc)
         self.stats.wait_s += time.perf_counter() - start
         self._flight = None
+
+    def _fail(self, exc: Exception) -> None:
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        self.failed = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+        if self.on_fail is not None:
+            self.on_fail()
 
 
 LET_GO_S = 1.0

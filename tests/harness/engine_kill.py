@@ -8,9 +8,11 @@ rollout units for Ray). KILLS (e.g. ``2,t3,4``): in those training generate call
 handed over the first group is killed right after it (``rollout.max_num_seqs`` = the group size: its
 other prompts are still to come); ``sN``: that engine is stopped instead (SIGSTOP: it hangs);
 ``tN``: engine 0 is killed as train step N begins; ``rN``: trainer rank 0 is (the run stops; run the
-harness again on OUT_DIR, with ``-`` for KILLS, to resume). OUT_DIR/calls.json: per training call, the trainers' version when it
-began and every completion's stamped versions; OUT_DIR/run: the run directory. Exits 2 with the one
-line on stderr where the run stops on an ``HpcrlError``, as the CLI does.
+harness again on OUT_DIR, with ``-`` for KILLS, to resume); ``fN``: engine 0 is killed inside the
+refit to version N, after the engines paused and before the weights go out. OUT_DIR/calls.json: per
+training call, the trainers' version when it began and every completion's stamped versions;
+OUT_DIR/refits.json: per weight sync, its version and wall seconds; OUT_DIR/run: the run directory.
+Exits 2 with the one line on stderr where the run stops on an ``HpcrlError``, as the CLI does.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,18 +92,43 @@ def killing_trains(fleet: Fleet, steps: set[int], rank_steps: set[int]) -> Any:
     return train
 
 
+def killing_refits(fleet: Fleet, versions: set[int], refits: list[dict[str, Any]]) -> Any:
+    """``fleet.sync_weights``, timed; in the refits to ``versions`` engine 0 is killed (once each)
+    when the refit itself begins (engines paused; in the first try, before the weights go out)."""
+    sync, run = fleet.sync_weights, fleet.refit.run
+
+    def refit_run(trainers: Any, engines: Any) -> Any:
+        if refits and refits[-1]["version"] in versions and not refits[-1]["killed"]:
+            refits[-1]["killed"] = True
+            kill(fleet, 0)
+            time.sleep(0.5)  # gone (its sockets closed) before the first bucket goes out
+        return run(trainers, engines)
+
+    def sync_weights(version: int) -> dict[str, float]:
+        refits.append({"version": version, "killed": False})
+        start = time.perf_counter()
+        out = sync(version)
+        refits[-1]["seconds"] = time.perf_counter() - start
+        return out
+
+    fleet.refit.run = refit_run  # type: ignore[method-assign]
+    return sync_weights
+
+
 def main() -> int:
     out, engines = Path(sys.argv[1]), int(sys.argv[2])
     kills = {
         int(k.lstrip("s")): signal.SIGSTOP if k[0] == "s" else signal.SIGKILL
         for k in sys.argv[3].split(",")
-        if k[0] not in "tr-"
+        if k[0] not in "trf-"
     }
     train_kills = {int(k[1:]) for k in sys.argv[3].split(",") if k.startswith("t")}
     rank_kills = {int(k[1:]) for k in sys.argv[3].split(",") if k.startswith("r")}
+    refit_kills = {int(k[1:]) for k in sys.argv[3].split(",") if k.startswith("f")}
     plan = make_plan(compose_config(sys.argv[4:]))
     (out / "run").mkdir(parents=True, exist_ok=True)
     calls: list[dict[str, Any]] = []  # a resume's calls go to calls-resumed.json
+    refits: list[dict[str, Any]] = []
     start = Fleet.start.__func__  # type: ignore[attr-defined]
 
     def start_more(cls: type[Fleet], *args: Any, **kwargs: Any) -> Fleet:
@@ -115,6 +143,7 @@ def main() -> int:
             fleet.placement.append(ray.get(fleet.engines[-1].where.remote()))
         fleet.generate_stream = watched(fleet, kills, calls)  # type: ignore[method-assign]
         fleet.train_step = killing_trains(fleet, train_kills, rank_kills)  # type: ignore[method-assign]
+        fleet.sync_weights = killing_refits(fleet, refit_kills, refits)  # type: ignore[method-assign]
         return fleet
 
     Fleet.start = classmethod(start_more)  # type: ignore[method-assign, assignment]
@@ -124,8 +153,9 @@ def main() -> int:
         print(f"hpcrl: error: {exc}", file=sys.stderr)
         return 2
     finally:
-        name = "calls-resumed.json" if (out / "calls.json").exists() else "calls.json"
-        (out / name).write_text(json.dumps(calls))
+        resumed = "-resumed" if (out / "calls.json").exists() else ""
+        (out / f"calls{resumed}.json").write_text(json.dumps(calls))
+        (out / f"refits{resumed}.json").write_text(json.dumps(refits))
     return 0
 
 

@@ -247,9 +247,10 @@ def _wait_for_row(metrics: Path, job_id: str, run_dir: Path, done: Callable[[lis
 def test_usr2_saves_requeues_and_resumes_there_then_sigterm_saves_and_stops(slurm_cluster, tmp_path):
     """The time-limit/preemption signal (USR2, what `--signal=USR2@...` sends) mid-run: the driver
     checkpoints the step it is in (no checkpoint is due: period 100), submitit requeues the job, and
-    the next attempt brings Ray up again and resumes from exactly that step. Then scancel's SIGTERM
-    (issue 37 item 5; Slurm sends it to every process of the job, Ray's too): the driver saves the step
-    it is in and the job ends with 143 and one line, not requeued. Issue 38 item 4: the job is
+    the next attempt brings Ray up again and resumes from exactly that step. Then `hpcrl cancel`, which
+    sends a running job SIGTERM alone (``scancel --signal=TERM``; issue 37 item 5; Slurm sends it to
+    every process of the job's steps, Ray's too): the driver saves the step it is in and the job ends
+    with 143 and one line, not requeued. Issue 38 item 4: the job is
     heterogeneous (the rollout node from another partition than the training node, a component each):
     the signals, the requeue and Ray work across the components. One job for both: CI time."""
     result = run_cli(
@@ -273,7 +274,10 @@ def test_usr2_saves_requeues_and_resumes_there_then_sigterm_saves_and_stops(slur
     _wait_for_row(
         metrics, job_id, run_dir, lambda rows: ready_again.exists() and rows[-1]["step"] > logged + 2
     )
-    subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
+    cancelled = run_cli("cancel", job_id, "--root", str(tmp_path))  # its tasks run: SIGTERM alone
+    assert f"cancelled {job_id} with SIGTERM: it saves the step in flight, then ends" in cancelled.stdout, (
+        cancelled.stdout + cancelled.stderr
+    )
     term_at = max(r["step"] for r in _rows(metrics))
     state = lifecycle.wait(job_id, run_dir, timeout_s=480)
     logs = run_cli("logs", job_id, "--root", str(tmp_path)).stdout

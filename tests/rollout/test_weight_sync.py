@@ -1,4 +1,5 @@
-"""Trainer -> engine weight broadcast: bucket plans by hand, and a real gloo group of three processes."""
+"""Trainer -> engine weight broadcast: bucket plans by hand, and a real gloo group of three processes
+(one of which dies: issue 37)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def _weights() -> dict[str, torch.Tensor]:
 
 
 def _rank(rank: int, port: int, dtype: str, out: Path) -> None:
-    """One rank of the group, in its own process (``python tests/rollout/test_weight_sync.py ...``)."""
+    """One rank of the group, in its own process (``python tests/rollout/test_weight_sync.py ...``).
+    float32: then rank 1 dies and the others refit once more (``_one_dies``)."""
     group = new_group("gloo", f"127.0.0.1:{port}", rank, 3, local_ip="127.0.0.1", timeout_s=60)
     buckets = plan_buckets(METAS, bucket_numel=16)
     cpu = torch.device("cpu")
@@ -57,6 +59,34 @@ def _rank(rank: int, port: int, dtype: str, out: Path) -> None:
         for _ in range(2):
             got = dict(receiver.receive())
         torch.save(got, out)
+    if dtype == "float32":
+        _one_dies(rank, sender if rank == 0 else receiver, out.with_suffix(".dies.pt"))
+
+
+def _one_dies(rank: int, end: WeightSender | WeightReceiver, out: Path) -> None:
+    """Rank 1 dies (issue 37: an engine killed in a refit); what the sender and the other receiver
+    see of the next refit, and after how long."""
+    import os
+    import time
+
+    if isinstance(end, WeightReceiver):
+        if rank == 1:
+            os._exit(0)  # its sockets close, as a SIGKILLed engine's do
+        start = time.perf_counter()
+        try:
+            dict(end.receive())
+            error = ""
+        except RuntimeError as exc:
+            error = str(exc)
+        torch.save({"error": error, "s": time.perf_counter() - start}, out)
+        return
+    time.sleep(0.5)  # rank 1 is gone
+    packer = end.packer()
+    for name, tensor in _weights().items():  # the whole stream: the trainer's ranks gather together
+        packer.put(name, tensor)
+    stats = packer.finish()
+    torch.save({"failed": packer.failed, "buckets": stats.buckets}, out)
+    time.sleep(3.0)  # the other receiver fails from the closed group, not from this process ending
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -74,6 +104,12 @@ def test_every_receiver_gets_the_senders_weights(dtype, tmp_path):
         assert results[rank].keys() == want.keys()
         for name, tensor in want.items():
             assert torch.equal(results[rank][name], tensor), (rank, name)
+    if dtype == "float32":  # then rank 1 died: the send failed, the other receiver was let go at once
+        sender, other = (torch.load(outs[r].with_suffix(".dies.pt")) for r in (0, 2))
+        assert sender["failed"] and sender["failed"].startswith("RuntimeError: "), sender
+        assert sender["buckets"] == 1  # of 4: its first broadcast failed, and nothing went out after it
+        # let go by the group's closing: not its timeout (60 s), nor the sender's exit (after 3.5 s)
+        assert other["error"] and other["s"] < 3.0, other
 
 
 def test_sender_refuses_a_weight_whose_shape_changed():

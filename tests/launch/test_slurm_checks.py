@@ -1,0 +1,89 @@
+"""Before a job is queued (issue 37): Slurm's own answer to the written script (``sbatch --test-only``)
+and its ``KillWait`` against one save of the run. On the test cluster (KillWait 5 s; any save takes
+longer: plan/savetime.py's fixed overhead alone is 15 s) the submissions take seconds; the tests are
+marked slow for the cluster's start (a session fixture), as the other Slurm tests are."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from hpcrl.config.compose import compose_config
+from hpcrl.launch.slurm_checks import fix_for, kill_wait_s, kill_wait_warning, refusal
+from hpcrl.plan.planner import make_plan
+from hpcrl.plan.savetime import save_seconds
+from tests.conftest import run_cli
+
+TINY = [
+    "cluster=slurmtest",
+    "model=tiny",
+    "data.max_prompt_tokens=56",  # with 8 new tokens, within the tiny model's 64 positions
+    "rollout.max_new_tokens=8",
+]
+
+
+def test_slurms_refusal_names_the_key_to_change():
+    plan = make_plan(compose_config(TINY))
+    said = refusal(
+        "sbatch: error: invalid partition specified: nope\nallocation failure: Invalid partition name specified\n"
+    )
+    assert said == "Invalid partition name specified"
+    assert fix_for(plan, said) == "change cluster.slurm.partition (now 'debug')"
+    time = "Requested time limit is invalid (missing or exceeds some limit)"
+    assert fix_for(plan, time) == "change cluster.slurm.time (now '00:30:00')"
+    nodes = fix_for(plan, "Requested node configuration is not available")
+    assert nodes.startswith("the job asks for 1 node(s) of 1 GPU(s) and 2 CPUs each") and "layout." in nodes
+    # KillWait shorter than a save warns; as long as one, or unknown (no scontrol), does not
+    needed = save_seconds(plan)
+    line = kill_wait_warning(plan, 5)
+    assert line is not None and line.startswith(
+        f"Slurm's KillWait is 5 s but one save of this run takes ~{needed:.0f} s"
+    )
+    assert "`hpcrl cancel JOB` (or `scancel --signal=TERM JOB`)" in line
+    assert kill_wait_warning(plan, int(needed) + 1) is None and kill_wait_warning(plan, None) is None
+
+
+def _submit(tmp_path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    return run_cli("submit", *TINY, f"run.output_root={tmp_path}", "run.name=gate", *overrides)
+
+
+def _queued(name: str) -> list[str]:
+    return subprocess.run(
+        ["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True
+    ).stdout.split()
+
+
+@pytest.mark.slow
+def test_a_job_slurm_would_refuse_is_one_line_and_never_queued(slurm_cluster, tmp_path):
+    assert kill_wait_s() == 5
+    refused = _submit(tmp_path, "cluster.slurm.partition=nope")
+    assert refused.returncode == 2, refused.stderr
+    (line,) = [x for x in refused.stderr.splitlines() if x.startswith("hpcrl: error:")]
+    assert line.startswith(
+        "hpcrl: error: Slurm would refuse this job (sbatch --test-only: Invalid partition name specified); "
+        "change cluster.slurm.partition (now 'nope'); nothing was submitted (the script stays: "
+    ), line
+    (script,) = tmp_path.glob("**/sbatch.sh")  # the run directory's files stay
+    assert line.endswith(f"{script})") and "#SBATCH --partition=nope" in script.read_text()
+    assert "hpcrl: warning: Slurm's KillWait is 5 s but one save" in refused.stderr  # said before the refusal
+    # a node shape no partition has
+    big = _submit(tmp_path, "cluster.cpus_per_node=64")
+    assert big.returncode == 2, big.stderr
+    assert (
+        "(sbatch --test-only: Requested node configuration is not available); the job asks for 1 node(s)"
+        in (big.stderr)
+    )
+    assert "cluster.cpus_per_node" in big.stderr
+    assert _queued("gate") == []
+
+
+@pytest.mark.slow
+def test_an_accepted_job_is_queued_with_the_kill_wait_warning(slurm_cluster, tmp_path):
+    done = _submit(tmp_path)
+    assert done.returncode == 0, done.stderr
+    job_id = re.search(r"^job\s+(\d+)", done.stdout, re.M).group(1)
+    subprocess.run(["scancel", job_id], check=True)  # what it runs is not this test's
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("hpcrl: warning: Slurm's KillWait")]
+    assert "a plain `scancel` kills the job before its save completes" in line
