@@ -127,9 +127,36 @@ class Episodes:
 
     def __init__(self, actors: Any, cfg: EnvConfig, pool: Pool, observe: Callable[[str], list[int]]) -> None:
         self.actors, self.cfg, self.pool, self.observe = actors, cfg, pool, observe
+        self.cache_seen = (0, 0)
+        """The engines' prefix-cache counters when ``stats`` was last asked."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.actors, name)
+
+    def stats(self) -> dict[str, float]:
+        """``rollout/prefix_cache_hit_rate`` since last asked: the share of the prompt tokens of the
+        episodes' engine calls that the engines found in their prefix cache (an episode's later turns
+        continue its earlier ones, and a group's episodes share their prompt); none where the engines
+        keep no counters."""
+        counts = self._cache_counts()
+        if counts is None:
+            return {}
+        (queries, hits), self.cache_seen = self.cache_seen, counts
+        queries, hits = counts[0] - queries, counts[1] - hits
+        return {"rollout/prefix_cache_hit_rate": hits / queries} if queries > 0 and hits >= 0 else {}
+
+    def _cache_counts(self) -> tuple[int, int] | None:
+        engines = getattr(self.actors, "engines", None)  # the run's engines (Fleet), else one engine here
+        if engines is None:
+            read = getattr(self.actors, "prefix_cache_counts", None)
+            return read() if callable(read) else None
+        import ray
+
+        try:
+            got = [c for c in ray.get([e.prefix_cache_counts.remote() for e in engines]) if c is not None]
+        except ray.exceptions.RayActorError:  # an engine lost (its counters with it): no figure this time
+            return None
+        return (sum(q for q, _ in got), sum(h for _, h in got)) if got else None
 
     def generate_stream(
         self, prompts: list[Prompt], settings: SamplingSettings

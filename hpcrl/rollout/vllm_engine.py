@@ -178,6 +178,7 @@ class VLLMEngine:
             max_num_seqs=cfg.max_num_seqs,
             # a cached prompt runs no forward, so records no routes (rollout/vllm_routes.py)
             enable_prefix_caching=cfg.enable_prefix_caching and not routes,
+            disable_log_stats=False,  # the prefix cache's counters (prefix_cache_counts)
             enable_sleep_mode=self.sleeps,
             seed=seed,
             worker_extension_cls="hpcrl.rollout.vllm_engine.WeightReloader",
@@ -302,6 +303,9 @@ class VLLMEngine:
         drop it before new requests could reuse KV of the old weights."""
         if self.stale_cache:
             self.stale_cache = not self.llm.reset_prefix_cache()
+
+    def prefix_cache_counts(self) -> tuple[int, int] | None:
+        return vllm_compat.prefix_cache_counts(self.llm)
 
     def sleep(self) -> None:
         """Free the KV cache and the weights until ``wake_up`` (no-op unless sleep mode is on)."""

@@ -201,6 +201,11 @@ class RolloutActor:
         self._engine_threads()
         return self.engine.generate(prompts, settings)
 
+    def prefix_cache_counts(self) -> tuple[int, int] | None:
+        """(tokens looked up, found) in the engine's prefix cache so far; None: the engine keeps none."""
+        counts = getattr(self.engine, "prefix_cache_counts", None)
+        return counts() if callable(counts) else None
+
     def generate_stream(
         self, prompts: list[Prompt], settings: SamplingSettings
     ) -> Iterator[list[tuple[int, list[Completion]]]]:

@@ -31,6 +31,8 @@ def test_judge_and_environment_nodes_are_components_of_the_job_and_hold_their_wo
         "algo.max_steps=2",
         "algo.val_period=2",
         "algo.num_prompts_per_step=8",
+        "algo.num_generations=4",
+        "data.max_val_samples=16",  # every sample an episode: environment processes cost time
         "checkpoint.enabled=false",
     )
     assert result.returncode == 0, result.stderr
@@ -64,11 +66,12 @@ def test_judge_and_environment_nodes_are_components_of_the_job_and_hold_their_wo
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["judge/batches"] == 1  # the whole step in one batch
-        assert r["judge/samples"] == 8 * 8  # prompts x generations (validation's are not the step's)
+        assert r["judge/samples"] == 8 * 4  # prompts x generations (validation's are not the step's)
         assert 0 <= r["judge/parse_failures"] <= r["judge/samples"]
         assert 0 <= r["judge/mean_score"] <= 1
         assert r["time/judge"] > 0 and r["time/generate"] > 0 and r["time/train"] > 0
         assert r["time/environment"] > 0  # the episodes' environment steps, on the environment node
+        assert 0 <= r["rollout/prefix_cache_hit_rate"] <= 1  # read from the engine (CPU blocks: 128 tokens)
         parts_of_the_batch = r["time/generate"] + r["time/judge"] + r["time/environment"]
         assert parts_of_the_batch == pytest.approx(r["time/rollout"], abs=1e-6)
     # parsed or not, every reply was read: over the steps the tiny judge both answers and babbles
