@@ -7,11 +7,14 @@ import re
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from hpcrl.config.compose import compose_config
 from hpcrl.errors import ConfigError
-from hpcrl.launch.sbatch import render_sbatch
+from hpcrl.launch.hetjob import components
+from hpcrl.launch.sbatch import render_sbatch, slurm_parameters
 from hpcrl.plan.planner import make_plan
+from hpcrl.plan.show import show_plan
 
 HET = "+experiment=grpo-tiny-2n1g-fsdp-hetjob"
 
@@ -137,6 +140,15 @@ def test_environment_nodes_of_their_own_kind_are_a_component_without_gpus():
     assert _options(blocks[1])["gpus-per-node"] == "1"  # the judge node keeps its GPU
     assert re.search(r"^srun .*--het-group=0,1,2 ", text, re.M)
     assert "export HPCRL_ROLES=train+rollout,judge,env,env" in text
+    console = Console(record=True, width=200)
+    show_plan(plan, console, slurm_parameters(plan))  # `hpcrl plan`: the node table's row, the component
+    shown = console.export_text()
+    assert re.search(
+        r"│ 2-3 +│ env +│ 0 +│ calculator environments: an actor each, 32 processes in all", shown
+    )
+    assert components(plan)[2].line() == (  # `hpcrl plan`'s sbatch table
+        "environment nodes (2), partition urgent, time 00:20:00, cpus_per_node 32, mem_gb 64, no GPUs"
+    )
 
 
 def test_environment_nodes_of_the_training_nodes_kind_are_more_nodes_of_one_job():
@@ -155,7 +167,7 @@ def test_environment_nodes_of_the_training_nodes_kind_are_more_nodes_of_one_job(
         ([ENV_HET, "env.nodes=-1"], "env.nodes=-1 must be >= 0"),
         ([ENV_HET, "cluster.env_node.mem_gb=0"], "cluster.env_node.mem_gb"),
         (
-            ["+experiment=grpo-tiny-1n1g-fsdp-calculator", "env.nodes=1"],
+            ["+env.name=calculator", "+env.nodes=1"],
             "env.nodes=1: a local run has one machine, where the environments run beside the engines",
         ),
     ],

@@ -32,7 +32,7 @@ def test_judge_and_environment_nodes_are_components_of_the_job_and_hold_their_wo
         "algo.val_period=2",
         "algo.num_prompts_per_step=8",
         "algo.num_generations=4",
-        "data.max_val_samples=16",  # every sample an episode: environment processes cost time
+        "data.max_val_samples=8",  # every sample an episode: environment processes cost time
         "checkpoint.enabled=false",
     )
     assert result.returncode == 0, result.stderr
