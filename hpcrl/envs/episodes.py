@@ -147,9 +147,8 @@ class Episodes:
 
     def _cache_counts(self) -> tuple[int, int] | None:
         engines = getattr(self.actors, "engines", None)  # the run's engines (Fleet), else one engine here
-        if engines is None:
-            read = getattr(self.actors, "prefix_cache_counts", None)
-            return read() if callable(read) else None
+        if engines is None:  # a RolloutEngine itself
+            return self.actors.prefix_cache_counts()
         import ray
 
         try:

@@ -178,7 +178,6 @@ class VLLMEngine:
             max_num_seqs=cfg.max_num_seqs,
             # a cached prompt runs no forward, so records no routes (rollout/vllm_routes.py)
             enable_prefix_caching=cfg.enable_prefix_caching and not routes,
-            disable_log_stats=False,  # the prefix cache's counters (prefix_cache_counts)
             enable_sleep_mode=self.sleeps,
             seed=seed,
             worker_extension_cls="hpcrl.rollout.vllm_engine.WeightReloader",
@@ -366,8 +365,8 @@ class VLLMEngine:
 
 
 def _optional_settings(cfg: VLLMRolloutConfig, kv_cache_gb: float | None) -> dict[str, Any]:
-    """The ``LLM`` arguments that are set only where hpcrl's settings say so."""
-    kwargs: dict[str, Any] = {}
+    """The ``LLM`` arguments that are set only where hpcrl's settings say so (and the stats on)."""
+    kwargs: dict[str, Any] = {"disable_log_stats": False}  # the prefix cache's counters (prefix_cache_counts)
     if cfg.block_size is not None:
         kwargs["block_size"] = cfg.block_size
     if cfg.max_num_batched_tokens is not None:

@@ -203,8 +203,7 @@ class RolloutActor:
 
     def prefix_cache_counts(self) -> tuple[int, int] | None:
         """(tokens looked up, found) in the engine's prefix cache so far; None: the engine keeps none."""
-        counts = getattr(self.engine, "prefix_cache_counts", None)
-        return counts() if callable(counts) else None
+        return self.engine.prefix_cache_counts()
 
     def generate_stream(
         self, prompts: list[Prompt], settings: SamplingSettings
