@@ -14,7 +14,7 @@ from enum import StrEnum
 from typing import Any
 
 from hpcrl.config.kube import KubeSite
-from hpcrl.config.roles import JudgeNodes, RolloutNodes
+from hpcrl.config.roles import EnvNodes, JudgeNodes, RolloutNodes
 from hpcrl.config.slurmtime import parse_slurm_time
 from hpcrl.core.checks import MISSING, non_negative, positive
 from hpcrl.errors import ConfigError
@@ -128,6 +128,8 @@ class ClusterConfig:
     """Rollout nodes of another kind (partition, GPU, time): the job becomes a heterogeneous Slurm job."""
     judge_node: JudgeNodes | None = None
     """Judge nodes (``rewards.judge.nodes``) of another kind: a component of the heterogeneous job."""
+    env_node: EnvNodes | None = None
+    """Environment nodes (``env.nodes``) of another kind: a component of the heterogeneous job, no GPUs."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment for every task (NCCL settings and the like). Never put secrets here."""
     setup: list[str] = field(default_factory=list)
@@ -153,7 +155,7 @@ class ClusterConfig:
         self.slurm.time_minutes()
         self.slurm.check_extra_sbatch()
         self.bootstrap.check()
-        for node in (self.rollout_node, self.judge_node):
+        for node in (self.rollout_node, self.judge_node, self.env_node):
             if node is not None:
                 node.check()
                 if self.scheduler is not Scheduler.slurm:

@@ -1,4 +1,5 @@
-"""Node kinds of the job's roles beyond the training nodes' (``cluster.rollout_node``)."""
+"""Node kinds of the job's roles beyond the training nodes' (``cluster.rollout_node``, ``judge_node``,
+``env_node``)."""
 
 from __future__ import annotations
 
@@ -10,32 +11,44 @@ from hpcrl.core.checks import positive
 
 
 @dataclass
-class RolloutNodes:
-    """The dedicated rollout nodes' own kind where it differs from the training nodes' (``cluster.rollout_node``,
-    a split layout only). Then the job is a Slurm heterogeneous job: one component of rollout nodes, one
-    of training nodes, each with its own partition, GPU, time and accounting keys; srun starts one task
-    a node over both and Ray spans them. A key left None is the training nodes' value. The GPU count
-    per node is the training nodes' (engines and trainer ranks are placed one per GPU slot)."""
+class NodeKind:
+    """The keys every node kind of its own has: its component's partition, accounting, time and CPUs.
+    A key left None is the training nodes' value."""
 
-    KEY: ClassVar[str] = "cluster.rollout_node"
+    KEY: ClassVar[str] = ""
 
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
     constraint: str | None = None
     time: str | None = None
-    """The rollout component's wall-clock limit (Slurm syntax); None: ``cluster.slurm.time``."""
-    gpu_memory_gb: float | None = None
-    """Usable HBM per rollout GPU: what the engines' ``rollout.gpu_memory_utilization`` is a share of."""
+    """The component's wall-clock limit (Slurm syntax); None: ``cluster.slurm.time``."""
     cpus_per_node: int | None = None
 
     def check(self) -> None:
-        if self.gpu_memory_gb is not None:
-            positive(f"{self.KEY}.gpu_memory_gb", self.gpu_memory_gb)
         if self.cpus_per_node is not None:
             positive(f"{self.KEY}.cpus_per_node", self.cpus_per_node)
         if self.time is not None:
             parse_slurm_time(self.time, f"{self.KEY}.time")
+
+
+@dataclass
+class RolloutNodes(NodeKind):
+    """The dedicated rollout nodes' own kind where it differs from the training nodes' (``cluster.rollout_node``,
+    a split layout only). Then the job is a Slurm heterogeneous job: one component of rollout nodes, one
+    of training nodes, each with its own partition, GPU, time and accounting keys; srun starts one task
+    a node over both and Ray spans them. The GPU count per node is the training nodes' (engines and
+    trainer ranks are placed one per GPU slot)."""
+
+    KEY: ClassVar[str] = "cluster.rollout_node"
+
+    gpu_memory_gb: float | None = None
+    """Usable HBM per rollout GPU: what the engines' ``rollout.gpu_memory_utilization`` is a share of."""
+
+    def check(self) -> None:
+        super().check()
+        if self.gpu_memory_gb is not None:
+            positive(f"{self.KEY}.gpu_memory_gb", self.gpu_memory_gb)
 
 
 @dataclass
@@ -45,3 +58,20 @@ class JudgeNodes(RolloutNodes):
     memory is ``gpu_memory_gb`` here (None: the training nodes')."""
 
     KEY: ClassVar[str] = "cluster.judge_node"
+
+
+@dataclass
+class EnvNodes(NodeKind):
+    """The environment nodes' own kind (``cluster.env_node``, with ``env.nodes`` >= 1): their component of
+    the heterogeneous job, without GPUs (the environments' processes need CPUs and memory only)."""
+
+    KEY: ClassVar[str] = "cluster.env_node"
+
+    mem_gb: int | None = None
+    """Memory Slurm gives the component on each node (``--mem``, GB); None: the training nodes' setting
+    (all of a node's with ``cluster.slurm.exclusive``)."""
+
+    def check(self) -> None:
+        super().check()
+        if self.mem_gb is not None:
+            positive(f"{self.KEY}.mem_gb", self.mem_gb)

@@ -160,6 +160,7 @@ class RunConfig:
         if gap := optimizer_gap(self.trainer):
             raise ConfigError(gap)
         self.env.check_episodes(self.trainer.router_replay, self.data.image_field, self.algo.overlong_buffer)
+        self.env.check_nodes(self.cluster.scheduler.value, self.cluster.env_node is not None)
         positive("layout.train_nodes", self.layout.train_nodes)
         if self.layout.rollout_nodes < 0:
             raise ConfigError(

@@ -22,6 +22,9 @@ BUILT_IN_ENVS = ("python", "calculator", "nemo_gym", "verifiers")
 """The environments ``envs/builtin.py``, ``envs/nemo_gym.py`` and ``envs/verifiers_env.py`` register (tests/envs hold them equal)."""
 ENV_NAMES: set[str] = set(BUILT_IN_ENVS)
 """Every environment this process knows: the built-in ones and those plugins registered."""
+ENV_RESOURCE = "hpcrl_env"
+"""The Ray resource the environment nodes (``env.nodes``) advertise, one unit a node: an environment
+actor each (``envs/remote.py``)."""
 TOOL_FORMATS = ("hermes", "nemotron")
 """How a model writes a tool call (``envs/toolcall.py``): Qwen/Hermes ``<tool_call>{json}</tool_call>``,
 Llama-Nemotron ``<TOOLCALL>[{json}, ...]</TOOLCALL>``."""
@@ -48,6 +51,11 @@ class EnvConfig:
     memory_mb: int = 2048
     """Address-space limit of each environment process (``RLIMIT_AS``): one that allocates past it
     fails its episode, not the node."""
+    nodes: int = 0
+    """Nodes of the environments' own (a Slurm job's role, ``env`` in ``hpcrl plan``): the episodes'
+    environment processes run in a Ray actor on each (``env.processes`` in all, spread over them), not on
+    the driver's node. ``cluster.env_node`` makes them a zero-GPU component of a heterogeneous job;
+    without it they are more nodes of the training nodes' kind. 0: beside the driver."""
 
     @property
     def enabled(self) -> bool:
@@ -58,7 +66,16 @@ class EnvConfig:
         return self.name.partition(":")[0]
 
     def check(self) -> None:
+        if self.nodes < 0:
+            raise ConfigError(
+                f"env.nodes={self.nodes} must be >= 0 (0: the environments run beside the driver)"
+            )
         if not self.enabled:
+            if self.nodes:
+                raise ConfigError(
+                    f"env.nodes={self.nodes} gives environments nodes of their own, and env.name is empty "
+                    "(single-turn rollouts): set env.name=<environment> or env.nodes=0"
+                )
             return
         self._check_name()
         one_of("env.tool_format", self.tool_format, TOOL_FORMATS)
@@ -87,6 +104,19 @@ class EnvConfig:
             )
         if self.enabled and image_field:
             raise ConfigError(f"env.name={self.name}: episodes take text prompts; drop data.image_field")
+
+    def check_nodes(self, scheduler: str, node_kind: bool) -> None:
+        """``env.nodes`` against the cluster: a Slurm or KubeRay job's role; ``cluster.env_node`` needs them."""
+        if self.nodes and scheduler == "local":
+            raise ConfigError(
+                f"env.nodes={self.nodes}: a local run has one machine, where the environments run beside "
+                "the engines: set env.nodes=0"
+            )
+        if node_kind and not self.nodes:
+            raise ConfigError(
+                "cluster.env_node describes environment nodes, and this run has none: set env.nodes >= 1 "
+                "(with env.name), or remove cluster.env_node"
+            )
 
     def _check_name(self) -> None:
         """Built in, or registered by a module of ``HPCRL_PLUGINS``, imported here as the job will."""

@@ -21,11 +21,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from hpcrl.envs.base import Step
 from hpcrl.envs.config import EnvConfig
-from hpcrl.envs.pool import EnvPool, Session
+from hpcrl.envs.pool import EnvPool
 from hpcrl.rollout.base import Completion, Prompt, SamplingSettings
 
 
@@ -37,10 +37,28 @@ class EpisodePrompt(list[int]):
         self.prompt, self.answer = prompt, answer
 
 
+class EnvSession(Protocol):
+    """An episode's environment: ``envs/pool.py``'s ``Session`` (beside the driver) or ``envs/remote.py``'s."""
+
+    error: str
+
+    def close(self) -> None: ...
+
+
+class Pool(Protocol):
+    """Where the episodes' environments run: ``EnvPool`` here, or ``RemotePool`` on nodes of their own."""
+
+    def start(self, count: int) -> list[Any]: ...
+
+    def reset(self, sessions: list[Any], problems: list[tuple[str, str]]) -> list[str | None]: ...
+
+    def step(self, sessions: list[Any], turns: list[str]) -> list[Step | None]: ...
+
+
 @dataclass
 class Episode:
     prompt: list[int]
-    session: Session
+    session: EnvSession
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -107,13 +125,37 @@ def _ended(step: Step) -> tuple[str, float]:
 class Episodes:
     """The run's actors, with ``generate_stream`` playing multi-turn episodes (everything else is theirs)."""
 
-    def __init__(
-        self, actors: Any, cfg: EnvConfig, pool: EnvPool, observe: Callable[[str], list[int]]
-    ) -> None:
+    def __init__(self, actors: Any, cfg: EnvConfig, pool: Pool, observe: Callable[[str], list[int]]) -> None:
         self.actors, self.cfg, self.pool, self.observe = actors, cfg, pool, observe
+        self.cache_seen = (0, 0)
+        """The engines' prefix-cache counters when ``stats`` was last asked."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.actors, name)
+
+    def stats(self) -> dict[str, float]:
+        """``rollout/prefix_cache_hit_rate`` since last asked: the share of the prompt tokens of the
+        episodes' engine calls that the engines found in their prefix cache (an episode's later turns
+        continue its earlier ones, and a group's episodes share their prompt); none where the engines
+        keep no counters."""
+        counts = self._cache_counts()
+        if counts is None:
+            return {}
+        (queries, hits), self.cache_seen = self.cache_seen, counts
+        queries, hits = counts[0] - queries, counts[1] - hits
+        return {"rollout/prefix_cache_hit_rate": hits / queries} if queries > 0 and hits >= 0 else {}
+
+    def _cache_counts(self) -> tuple[int, int] | None:
+        engines = getattr(self.actors, "engines", None)  # the run's engines (Fleet), else one engine here
+        if engines is None:  # a RolloutEngine itself
+            return self.actors.prefix_cache_counts()
+        import ray
+
+        try:
+            got = [c for c in ray.get([e.prefix_cache_counts.remote() for e in engines]) if c is not None]
+        except ray.exceptions.RayActorError:  # an engine lost (its counters with it): no figure this time
+            return None
+        return (sum(q for q, _ in got), sum(h for _, h in got)) if got else None
 
     def generate_stream(
         self, prompts: list[Prompt], settings: SamplingSettings
@@ -256,18 +298,27 @@ def tag_problems(encode: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 @contextlib.contextmanager
-def multi_turn(cfg: Any, actors: Any, prep: Any, private: tuple[str, ...]) -> Iterator[Any]:
+def multi_turn(
+    cfg: Any, actors: Any, prep: Any, private: tuple[str, ...], run_dir: Any, say: Any
+) -> Iterator[Any]:
     """The actors as the loop should see them: ``Episodes`` when ``env.name`` is set (and the driver's
-    prompt encoder, ``prep.encode``, tagging each prompt with its problem), else themselves."""
+    prompt encoder, ``prep.encode``, tagging each prompt with its problem), else themselves. The
+    environments run beside the driver, or with ``env.nodes`` on those nodes (``envs/remote.py``)."""
     if not cfg.env.enabled:
         yield actors
         return
     from transformers import AutoTokenizer
 
+    from hpcrl.envs.remote import remote_pool
+
     observe = observation_renderer(AutoTokenizer.from_pretrained(prep.model_dir))
-    pool = EnvPool(cfg.env, cfg.data.verifier, private)
+    remote = remote_pool(cfg.env, cfg.data.verifier, private, run_dir, say) if cfg.env.nodes else None
     prep.encode = tag_problems(prep.encode)
-    yield Episodes(actors, cfg.env, pool, observe)
+    try:
+        yield Episodes(actors, cfg.env, remote or EnvPool(cfg.env, cfg.data.verifier, private), observe)
+    finally:
+        if remote is not None:
+            remote.shutdown()
 
 
 def private_paths(run_dir: Any, checkpoint_dir: str | None) -> tuple[str, ...]:

@@ -1,10 +1,12 @@
-"""Heterogeneous Slurm jobs: rollout nodes (``cluster.rollout_node``) or judge nodes (``cluster.judge_node``)
-of another kind, each role's nodes a component of their own (``plan/components.py`` says which).
+"""Heterogeneous Slurm jobs: rollout nodes (``cluster.rollout_node``), judge nodes (``cluster.judge_node``)
+or environment nodes (``cluster.env_node``) of another kind, each role's nodes a component of their own
+(``plan/components.py`` says which).
 
 submitit writes one block of ``#SBATCH`` options for the whole job; when some nodes differ from the
 training nodes (partition, GPU, time ...), ``het_sbatch`` splits that block into components separated by
 ``#SBATCH hetjob``: the job-wide options (name, output, signal, requeue) stay first, then each
-component's per-node options in node order: rollout nodes (a split layout), training nodes, judge nodes.
+component's per-node options in node order: rollout nodes (a split layout), training nodes, judge nodes,
+environment nodes (no ``--gpus-per-node``: they hold none).
 srun starts one task a node over all of them (``--het-group``), so node 0 (the Ray head and the driver)
 is the node it is in a homogeneous job, and each task finds its role by ``SLURM_NODEID`` as before.
 Tried on the namespace test cluster: in such a step every task sees the leader's ``SLURM_JOB_ID`` (so
@@ -13,7 +15,7 @@ submitit finds its pickles), a global ``SLURM_PROCID`` and ``SLURM_NODEID`` in c
 
 from __future__ import annotations
 
-from hpcrl.config.roles import RolloutNodes
+from hpcrl.config.roles import EnvNodes, NodeKind
 from hpcrl.config.slurmtime import parse_slurm_time
 from hpcrl.plan.components import Component, components
 
@@ -51,6 +53,8 @@ def het_sbatch(text: str, parts: list[Component]) -> str:
     for i, part in enumerate(parts):
         keys = dict(own, nodes=f"#SBATCH --nodes={part.nodes}")
         keys.update(_overrides(part.kind) if part.kind is not None else {})
+        if not part.gpus:
+            keys.pop("gpus-per-node", None)
         head = " (node 0 is the Ray head)" if i == 0 else ""
         block += ["#SBATCH hetjob"] if i else []
         block += [f"# component {i}: the {part.what}{head}", *(keys[k] for k in sorted(keys))]
@@ -62,7 +66,7 @@ def _name(line: str) -> str:
     return line[len("#SBATCH --") :].split("=", 1)[0]
 
 
-def _overrides(node: RolloutNodes) -> dict[str, str]:
+def _overrides(node: NodeKind) -> dict[str, str]:
     values = {
         "partition": node.partition,
         "account": node.account,
@@ -70,5 +74,6 @@ def _overrides(node: RolloutNodes) -> dict[str, str]:
         "constraint": node.constraint,
         "cpus-per-task": node.cpus_per_node,
         "time": None if node.time is None else parse_slurm_time(node.time, f"{node.KEY}.time"),
+        "mem": f"{node.mem_gb}G" if isinstance(node, EnvNodes) and node.mem_gb is not None else None,
     }
     return {k: f"#SBATCH --{k}={v}" for k, v in values.items() if v is not None}

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -81,12 +82,14 @@ def probe_placement(roles: list[str]) -> list[dict[str, Any]]:
     Actors (not tasks) hold their GPU while alive, so each lands on its own node."""
     import ray
 
-    from hpcrl.run.actors import JUDGE_RESOURCE, ROLLOUT_RESOURCE, TRAIN_RESOURCE
+    from hpcrl.run.actors import ENV_RESOURCE, JUDGE_RESOURCE, ROLLOUT_RESOURCE, TRAIN_RESOURCE
 
     actor_cls = ray.remote(num_cpus=0)(_Where)
-    resource = {"rollout": ROLLOUT_RESOURCE, "judge": JUDGE_RESOURCE}
+    resource = {"rollout": ROLLOUT_RESOURCE, "judge": JUDGE_RESOURCE, "env": ENV_RESOURCE}
     actors = [
-        actor_cls.options(num_gpus=1, resources={resource.get(role, TRAIN_RESOURCE): 1}).remote()
+        actor_cls.options(
+            num_gpus=0 if role == "env" else 1, resources={resource.get(role, TRAIN_RESOURCE): 1}
+        ).remote()
         for role in roles
     ]
     placement = list(ray.get([a.where.remote(role) for a, role in zip(actors, roles, strict=True)]))
@@ -188,6 +191,8 @@ class NodeTask:
         (and, through srun's --kill-on-bad-exit, the job) before Ray starts."""
         if self.expect is None:
             return
+        # an environment node runs no GPU work (none at all in a component of its own kind)
+        expect = replace(self.expect, on_gpus=False, imex=False) if spec.role == "env" else self.expect
         failed: list[str] = []
 
         def say(line: str) -> None:
@@ -195,7 +200,7 @@ class NodeTask:
             if line.startswith("FAIL"):
                 failed.append(line)
 
-        if not report(self.expect, say):
+        if not report(expect, say):
             raise BootstrapError(
                 f"node {spec.node_id} ({spec.host}) failed hpcrl doctor: {' | '.join(failed)}"
             )
@@ -302,7 +307,8 @@ class NodeTask:
         try:
             _write(head_file, {"ip": spec.ip, "port": GCS_PORT})
             os.environ.update(auth_env(run_dir / "ray" / "token"))
-            gpus = spec.gpus * len(self.roles)  # every node gets the same --gpus-per-node
+            # every node but the environment nodes (none in Ray) gets the same --gpus-per-node
+            gpus = spec.gpus * sum(role != "env" for role in self.roles)
             waited = wait_for_cluster(
                 f"{spec.ip}:{GCS_PORT}", len(self.roles), gpus, self.bootstrap.ray_nodes_s, proc
             )

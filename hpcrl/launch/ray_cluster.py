@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcrl.run.actors import JUDGE_RESOURCE, ROLLOUT_RESOURCE, TRAIN_RESOURCE
+from hpcrl.run.actors import ENV_RESOURCE, JUDGE_RESOURCE, ROLLOUT_RESOURCE, TRAIN_RESOURCE
 
 GCS_PORT = 1200
 NODE_MANAGER_PORT = 1301
@@ -79,7 +79,10 @@ def this_node(roles: list[str]) -> NodeSpec:
     node_id = int(os.environ.get("SLURM_NODEID", "0"))
     host = socket.gethostname()
     visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
-    return NodeSpec(node_id, roles[node_id], host, socket.gethostbyname(host), len(visible))
+    # an environment node holds no GPU: Ray gets none there (a zero-GPU component's task may still
+    # inherit the batch script's CUDA_VISIBLE_DEVICES from node 0)
+    gpus = 0 if roles[node_id] == "env" else len(visible)
+    return NodeSpec(node_id, roles[node_id], host, socket.gethostbyname(host), gpus)
 
 
 def start_node(spec: NodeSpec, run_dir: Path, head_ip: str, job_id: str) -> subprocess.Popen[bytes]:
@@ -93,6 +96,8 @@ def start_node(spec: NodeSpec, run_dir: Path, head_ip: str, job_id: str) -> subp
         role_resources[ROLLOUT_RESOURCE] = spec.gpus or 1
     if spec.role == "judge":
         role_resources[JUDGE_RESOURCE] = spec.gpus or 1
+    if spec.role == "env":
+        role_resources[ENV_RESOURCE] = 1
     # hpcrl.launch.ray_node: `ray start --block` without importing Ray's CLI (~2 s of CPU per node).
     cmd = [
         sys.executable,

@@ -69,12 +69,16 @@ class Plan:
 
     @property
     def job_nodes(self) -> int:
-        """The job's nodes: the topology's and the judges' own (``rewards.judge.nodes``)."""
-        return self.topology.nodes + (self.judge.nodes if self.judge is not None else 0)
+        """The job's nodes: the topology's, the judges' own (``rewards.judge.nodes``), the environments'."""
+        return self.topology.nodes + len(self.own_nodes())
 
     def node_roles(self) -> list[str]:
-        """Each node's role by index: the topology's (``Topology.node_roles``), then the judge nodes."""
-        return self.topology.node_roles() + ["judge"] * (self.judge.nodes if self.judge is not None else 0)
+        """Each node's role by index: the topology's (``Topology.node_roles``), then ``own_nodes``."""
+        return self.topology.node_roles() + self.own_nodes()
+
+    def own_nodes(self) -> list[str]:
+        """The roles after the topology's: judge nodes, then environment nodes (``env.nodes``)."""
+        return ["judge"] * (self.judge.nodes if self.judge is not None else 0) + ["env"] * self.cfg.env.nodes
 
     @property
     def problems(self) -> list[str]:
@@ -129,8 +133,7 @@ def shipped_layouts(current: Plan) -> list[ShippedLayout]:
     """Every shipped recipe for this model and cluster, planned with this run's site keys (account,
     image: they change no number, but a Slurm cluster refuses to compose without them); the recipe
     this plan was made from is this plan, not composed again."""
-    cfg = current.cfg
-    cluster = cfg.cluster
+    cfg, cluster = current.cfg, current.cfg.cluster
     site = [
         f"cluster.{key}={value}"
         for key in cluster.slurm.required
@@ -152,12 +155,9 @@ def shipped_layouts(current: Plan) -> list[ShippedLayout]:
 
 def matching_recipes(model: str, cluster: str) -> list[str]:
     """Shipped experiment recipes that select this model on this cluster."""
-    found = []
-    for path in sorted((conf_dir() / "experiment").glob("*.yaml"), key=lambda p: p.stem):
-        text = path.read_text()
-        if f"override /model: {model}\n" in text and f"override /cluster: {cluster}\n" in text:
-            found.append(path.stem)
-    return found
+    wanted = (f"override /model: {model}\n", f"override /cluster: {cluster}\n")
+    paths = sorted((conf_dir() / "experiment").glob("*.yaml"), key=lambda p: p.stem)
+    return [p.stem for p in paths if all(w in p.read_text() for w in wanted)]
 
 
 def make_plan(cfg: RunConfig, layout: Layout | None = None) -> Plan:

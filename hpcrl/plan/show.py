@@ -144,9 +144,17 @@ def _nodes(plan: Plan) -> Table:
         where = str(first_node) if count == 1 else f"{first_node}-{last_node}"
         nodes.add_row(where, role, str(gpn) if count == 1 else f"{gpn} each", ", ".join(runs))
     if plan.judge is not None and plan.judge.nodes:
-        first, last, s = topo.nodes, plan.job_nodes - 1, plan.judge.settings
+        first, last, s = topo.nodes, topo.nodes + plan.judge.nodes - 1, plan.judge.settings
         where = str(first) if first == last else f"{first}-{last}"
         nodes.add_row(where, "judge", str(gpn), f"{s.engines} judge engine(s) x TP{s.tp} in all (frozen)")
+    if env := plan.cfg.env.nodes:
+        first, last = plan.job_nodes - env, plan.job_nodes - 1
+        where = str(first) if first == last else f"{first}-{last}"
+        gpus = "0" if plan.cfg.cluster.env_node is not None else f"{gpn} (idle)"
+        e = plan.cfg.env
+        nodes.add_row(
+            where, "env", gpus, f"{e.name} environments: an actor each, {e.processes} processes in all"
+        )
     return nodes
 
 

@@ -134,6 +134,11 @@ class RolloutEngine(Protocol):
         """Replace the engine's weights in place (checkpoint names); caches from old weights are dropped."""
         ...
 
+    def prefix_cache_counts(self) -> tuple[int, int] | None:
+        """(prompt tokens looked up, found) in the engine's prefix cache since it started; None: it keeps
+        no such cache (multi-turn episodes log the hit rate, ``envs/episodes.py``)."""
+        ...
+
     # Colocated GPUs: the engine sleeps while the trainer trains. The loop calls sleep() after
     # generating and, before the next generation, wake_up(["weights"]), the refit, wake_up(["kv_cache"]).
     # Engines without a sleep mode (and engines with it off) return at once.

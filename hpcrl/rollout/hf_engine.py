@@ -261,6 +261,9 @@ class HFEngine:
     def finish_refit(self) -> None:
         """Nothing cached across generations."""
 
+    def prefix_cache_counts(self) -> tuple[int, int] | None:
+        return None  # each call starts its KV afresh
+
     def sleep(self) -> None:
         """The hf engine has no sleep mode."""
 

@@ -254,3 +254,22 @@ def ipc_views(
     rebuilt = list(args)
     rebuilt[6] = device  # (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, ...)
     yield from bucket_views(rebuild_cuda_tensor(*rebuilt), entries)
+
+
+PREFIX_CACHE = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
+"""vLLM's Prometheus counters of prompt tokens looked up in the prefix cache, and of those found there."""
+
+
+def prefix_cache_counts(llm: Any) -> tuple[int, int] | None:
+    """(tokens looked up, tokens found) in the engine's prefix cache since it started, summed over its
+    engine cores; None where this vLLM has no such counters. They need ``disable_log_stats=False``.
+    On the CPU build a cached block is ``block_size`` tokens (32 at least; its default 128)."""
+    try:
+        metrics = llm.get_metrics()
+    except (AttributeError, AssertionError):  # no metrics API, or stat logging off
+        return None
+    got = dict.fromkeys(PREFIX_CACHE, 0)
+    for m in metrics:
+        if m.name in got:
+            got[m.name] += int(getattr(m, "value", 0))
+    return got[PREFIX_CACHE[0]], got[PREFIX_CACHE[1]]

@@ -303,6 +303,9 @@ class VLLMEngine:
         if self.stale_cache:
             self.stale_cache = not self.llm.reset_prefix_cache()
 
+    def prefix_cache_counts(self) -> tuple[int, int] | None:
+        return vllm_compat.prefix_cache_counts(self.llm)
+
     def sleep(self) -> None:
         """Free the KV cache and the weights until ``wake_up`` (no-op unless sleep mode is on)."""
         if self.sleeps:
@@ -362,8 +365,8 @@ class VLLMEngine:
 
 
 def _optional_settings(cfg: VLLMRolloutConfig, kv_cache_gb: float | None) -> dict[str, Any]:
-    """The ``LLM`` arguments that are set only where hpcrl's settings say so."""
-    kwargs: dict[str, Any] = {}
+    """The ``LLM`` arguments that are set only where hpcrl's settings say so (and the stats on)."""
+    kwargs: dict[str, Any] = {"disable_log_stats": False}  # the prefix cache's counters (prefix_cache_counts)
     if cfg.block_size is not None:
         kwargs["block_size"] = cfg.block_size
     if cfg.max_num_batched_tokens is not None:

@@ -1,7 +1,8 @@
 """Ray actors: trainer ranks and rollout engines, placed on nodes by role resources.
 
 Every node advertises ``hpcrl_train`` and/or ``hpcrl_rollout`` (or ``hpcrl_judge``) resources (one unit per GPU of that
-role); an actor asks for one unit of its role, so the topology decides where it lands.
+role); an actor asks for one unit of its role, so the topology decides where it lands. Environment
+nodes advertise ``hpcrl_env`` (``ENV_RESOURCE``, one unit a node) and no GPU.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from hpcrl.envs.config import ENV_RESOURCE as ENV_RESOURCE  # beside the other roles' resources
 
 if TYPE_CHECKING:
     from hpcrl.core.parallel import TrainParallel
@@ -206,6 +209,10 @@ class RolloutActor:
     def generate(self, prompts: list[Prompt], settings: SamplingSettings) -> list[list[Completion]]:
         self._engine_threads()
         return self.engine.generate(prompts, settings)
+
+    def prefix_cache_counts(self) -> tuple[int, int] | None:
+        """(tokens looked up, found) in the engine's prefix cache so far; None: the engine keeps none."""
+        return self.engine.prefix_cache_counts()
 
     def generate_stream(
         self, prompts: list[Prompt], settings: SamplingSettings

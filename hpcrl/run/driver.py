@@ -137,7 +137,7 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
         private = private_paths(run_dir, cfg.checkpoint.dir)
         with (
             RewardPool(cfg.data.verifier, cfg.rewards, cfg.data.percent) as pool,
-            multi_turn(cfg, actors, prep, private) as actors,
+            multi_turn(cfg, actors, prep, private, run_dir, say) as actors,
             judged(plan, pool, run_dir, scratch, say, prepare_model) as scorer,
         ):
             say(

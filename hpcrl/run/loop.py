@@ -37,7 +37,7 @@ from hpcrl.rollout.base import Completion, Prompt, SamplingSettings, completion_
 from hpcrl.run.checkpoint import CheckpointManager
 from hpcrl.run.metrics import console_line, sample_rows
 from hpcrl.run.preempt import REQUEST, WHY, Preempted
-from hpcrl.run.timesplit import generate_seconds, scorer_stats
+from hpcrl.run.timesplit import generate_seconds, own_stats
 from hpcrl.run.vision import Encoded
 from hpcrl.trainer.batch import TrainBatch, build_batch
 
@@ -180,7 +180,7 @@ def collect(run: Run, step: int) -> tuple[Scored, torch.Tensor, dict[str, float]
     """One step's rollouts; with dynamic sampling, keep sampling until the batch holds enough
     informative groups (or the rounds run out: then the batch is smaller)."""
     cfg, algo = run.cfg, run.cfg.algo
-    want, _ = algo.num_prompts_per_step, scorer_stats(run.pool)  # validation's judge figures are its own
+    want, _ = algo.num_prompts_per_step, own_stats(run)  # validation's judge and cache figures are its own
     kept: list[Scored] = []
     kept_rewards: list[torch.Tensor] = []
     seen: list[Scored] = []
@@ -201,7 +201,7 @@ def collect(run: Run, step: int) -> tuple[Scored, torch.Tensor, dict[str, float]
             break
     merged = Scored.concat(kept, want)
     shaped = torch.cat(kept_rewards)[:want]
-    return merged, shaped, rollout_stats(seen, len(merged.examples)) | scorer_stats(run.pool)
+    return merged, shaped, rollout_stats(seen, len(merged.examples)) | own_stats(run)
 
 
 def rollout_stats(seen: list[Scored], kept_groups: int) -> dict[str, float]:

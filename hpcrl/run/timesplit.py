@@ -18,3 +18,9 @@ def scorer_stats(scorer: object) -> dict[str, float]:
 def generate_seconds(batch_seconds: float, metrics: dict[str, float]) -> float:
     """Generation's part of the ``batch_seconds`` it took to make the step's batch."""
     return max(0.0, batch_seconds - sum(metrics.get(k, 0.0) for k in PARTS_OF_THE_BATCH))
+
+
+def own_stats(run: object) -> dict[str, float]:
+    """The figures the scorer (``scorer_stats``) and the actors (multi-turn episodes' prefix-cache hit
+    rate, ``Episodes.stats``) keep since they were last asked."""
+    return scorer_stats(getattr(run, "pool", None)) | scorer_stats(getattr(run, "actors", None))

@@ -7,11 +7,14 @@ import re
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from hpcrl.config.compose import compose_config
 from hpcrl.errors import ConfigError
-from hpcrl.launch.sbatch import render_sbatch
+from hpcrl.launch.hetjob import components
+from hpcrl.launch.sbatch import render_sbatch, slurm_parameters
 from hpcrl.plan.planner import make_plan
+from hpcrl.plan.show import show_plan
 
 HET = "+experiment=grpo-tiny-2n1g-fsdp-hetjob"
 
@@ -112,3 +115,75 @@ def test_rollout_node_mistakes_are_one_line_before_submit(overrides, says):
     with pytest.raises(ConfigError, match=re.escape(says)) as err:
         make_plan(compose_config(overrides))
     assert "\n" not in str(err.value)
+
+
+ENV_HET = "+experiment=grpo-tiny-3n1g-fsdp-judge-env-hetjob"
+
+
+def test_environment_nodes_of_their_own_kind_are_a_component_without_gpus():
+    """Issue 38 item 4, environments: ``env.nodes`` with ``cluster.env_node`` is the last component,
+    with its own keys (memory, CPUs) and no GPUs; the role ``env`` last in the job's roles."""
+    overrides = [ENV_HET, "env.nodes=2", "+cluster.env_node.mem_gb=64", "+cluster.env_node.cpus_per_node=32"]
+    plan = make_plan(compose_config(overrides))
+    assert plan.node_roles() == ["train+rollout", "judge", "env", "env"] and plan.job_nodes == 4
+    text = render_sbatch(plan, Path("/RUN"))
+    blocks = re.split(r"^#SBATCH hetjob$", text, flags=re.M)
+    assert len(blocks) == 3 and "# component 2: the environment nodes" in blocks[2]
+    assert _options(blocks[2].split("\n\n")[0]) == {
+        "cpus-per-task": "32",
+        "mem": "64G",
+        "nodes": "2",
+        "ntasks-per-node": "1",
+        "partition": "urgent",
+        "time": "20",
+    }
+    assert _options(blocks[1])["gpus-per-node"] == "1"  # the judge node keeps its GPU
+    assert re.search(r"^srun .*--het-group=0,1,2 ", text, re.M)
+    assert "export HPCRL_ROLES=train+rollout,judge,env,env" in text
+    console = Console(record=True, width=200)
+    show_plan(plan, console, slurm_parameters(plan))  # `hpcrl plan`: the node table's row, the component
+    shown = console.export_text()
+    assert re.search(
+        r"│ 2-3 +│ env +│ 0 +│ calculator environments: an actor each, 32 processes in all", shown
+    )
+    assert components(plan)[2].line() == (  # `hpcrl plan`'s sbatch table
+        "environment nodes (2), partition urgent, time 00:20:00, cpus_per_node 32, mem_gb 64, no GPUs"
+    )
+
+
+def test_environment_nodes_of_the_training_nodes_kind_are_more_nodes_of_one_job():
+    plan = make_plan(
+        compose_config(["+experiment=grpo-tiny-2n1g-fsdp-split", "+env.name=calculator", "+env.nodes=1"])
+    )
+    text = render_sbatch(plan, Path("/RUN"))
+    assert "hetjob" not in text and "#SBATCH --nodes=3" in text and "HPCRL_ROLES=rollout,train,env" in text
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ([ENV_HET, "env.name="], "env.nodes=1 gives environments nodes of their own, and env.name is empty"),
+        ([ENV_HET, "env.nodes=0"], "cluster.env_node describes environment nodes, and this run has none"),
+        ([ENV_HET, "env.nodes=-1"], "env.nodes=-1 must be >= 0"),
+        ([ENV_HET, "cluster.env_node.mem_gb=0"], "cluster.env_node.mem_gb"),
+        (
+            ["+env.name=calculator", "+env.nodes=1"],
+            "env.nodes=1: a local run has one machine, where the environments run beside the engines",
+        ),
+    ],
+)
+def test_environment_node_mistakes_are_one_line_before_submit(overrides, says):
+    with pytest.raises(ConfigError, match=re.escape(says)) as err:
+        make_plan(compose_config(overrides))
+    assert "\n" not in str(err.value)
+
+
+def test_an_environment_node_gives_ray_no_gpu(monkeypatch):
+    """A zero-GPU component's task may inherit node 0's CUDA_VISIBLE_DEVICES: Ray still gets none there."""
+    from hpcrl.launch.ray_cluster import this_node
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("SLURM_NODEID", "2")
+    assert this_node(["train+rollout", "judge", "env"]).gpus == 0
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    assert this_node(["train+rollout", "judge", "env"]).gpus == 1

@@ -287,6 +287,7 @@ def test_recipes_map_to_their_tiny_layouts():
         "grpo-tiny-1n1g-fsdp-judge",
         "grpo-tiny-2n1g-fsdp-hetjob",
         "grpo-tiny-2n1g-fsdp-split",
+        "grpo-tiny-3n1g-fsdp-judge-env-hetjob",
         "grpo-tiny-3n1g-fsdp-judge-hetjob",
     ]
     assert all(c.layout.world <= MAX_WORLD for c in CASES)
