@@ -150,7 +150,7 @@ def _metadata(name: str, kube: KubeSite, run: str) -> dict[str, Any]:
 
 
 def ray_cluster_spec(plan: Plan, run_dir: Path) -> dict[str, Any]:
-    from hpcrl.run.actors import role_resources
+    from hpcrl.run.actors import role_gpus, role_resources
 
     cluster = plan.cfg.cluster
     kube, gpn = cluster.kube, plan.topology.gpus_per_node
@@ -170,16 +170,16 @@ def ray_cluster_spec(plan: Plan, run_dir: Path) -> dict[str, Any]:
             "minReplicas": count,
             "maxReplicas": count,
             "rayStartParams": {
-                "num-gpus": str(gpn),
+                "num-gpus": str(gpus),
                 # as ray_cluster.start_node: a role's resources, one unit per GPU of the node
-                "resources": json.dumps(role_resources(role, gpn)),
+                "resources": json.dumps(role_resources(role, gpus)),
             },
             "template": {
                 "metadata": {"annotations": {**kube.annotations, **_gcsfuse(kube)}},
-                "spec": _pod(cluster, "ray-worker", stop, gpus=gpn),
+                "spec": _pod(cluster, "ray-worker", stop, gpus=gpus),
             },
         }
-        for role, count in role_groups(plan)
+        for role, count, gpus in ((r, n, role_gpus(r, gpn)) for r, n in role_groups(plan))
     ]
     return {"rayVersion": kube.ray_version, "headGroupSpec": head, "workerGroupSpecs": workers}
 
@@ -204,7 +204,9 @@ def _pod(cluster: ClusterConfig, name: str, stop: Stop, *, gpus: int, head: bool
     if head:
         resources = {"cpu": str(kube.head_cpus), "memory": f"{kube.head_memory_gb}G"}
     else:
-        resources = {"cpu": str(cluster.cpus_per_node), "nvidia.com/gpu": str(gpus)}
+        resources = {"cpu": str(cluster.cpus_per_node)}
+        if gpus:  # an environment pod asks for none
+            resources["nvidia.com/gpu"] = str(gpus)
         if cluster.host_memory_gb:
             resources["memory"] = f"{int(cluster.host_memory_gb)}G"
     # the head (a CPU node) gets the shared storage, not the GPU nodes' host paths

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcrl.run.actors import ENV_RESOURCE, JUDGE_RESOURCE, ROLLOUT_RESOURCE, TRAIN_RESOURCE
+from hpcrl.run.actors import role_gpus, role_resources
 
 GCS_PORT = 1200
 NODE_MANAGER_PORT = 1301
@@ -81,7 +81,7 @@ def this_node(roles: list[str]) -> NodeSpec:
     visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
     # an environment node holds no GPU: Ray gets none there (a zero-GPU component's task may still
     # inherit the batch script's CUDA_VISIBLE_DEVICES from node 0)
-    gpus = 0 if roles[node_id] == "env" else len(visible)
+    gpus = role_gpus(roles[node_id], len(visible))
     return NodeSpec(node_id, roles[node_id], host, socket.gethostbyname(host), gpus)
 
 
@@ -89,15 +89,7 @@ def start_node(spec: NodeSpec, run_dir: Path, head_ip: str, job_id: str) -> subp
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(65535, hard), hard))  # Ray opens many sockets
     temp = f"/tmp/hpcrl-ray-{job_id}-{spec.node_id}"  # short: unix socket paths are length-limited
-    role_resources = {}
-    if "train" in spec.role:
-        role_resources[TRAIN_RESOURCE] = spec.gpus or 1
-    if "rollout" in spec.role:
-        role_resources[ROLLOUT_RESOURCE] = spec.gpus or 1
-    if spec.role == "judge":
-        role_resources[JUDGE_RESOURCE] = spec.gpus or 1
-    if spec.role == "env":
-        role_resources[ENV_RESOURCE] = 1
+    resources = role_resources(spec.role, spec.gpus)
     # hpcrl.launch.ray_node: `ray start --block` without importing Ray's CLI (~2 s of CPU per node).
     cmd = [
         sys.executable,
@@ -107,7 +99,7 @@ def start_node(spec: NodeSpec, run_dir: Path, head_ip: str, job_id: str) -> subp
         f"--temp-dir={temp}",
         f"--num-gpus={spec.gpus}",
         f"--num-cpus={os.cpu_count() or 1}",
-        f"--resources={json.dumps(role_resources)}",
+        f"--resources={json.dumps(resources)}",
         "--object-store-memory=200000000",
         f"--node-manager-port={NODE_MANAGER_PORT}",
         f"--object-manager-port={OBJECT_MANAGER_PORT}",

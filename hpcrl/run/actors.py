@@ -25,10 +25,20 @@ JUDGE_RESOURCE = "hpcrl_judge"
 """Advertised by the judge nodes (``rewards.judge.nodes``), one unit a GPU: judge engines ask for it."""
 
 
-def role_resources(role: str, units: int) -> dict[str, int]:
-    """A node's Ray resources by its role (``Plan.node_roles()``): ``hpcrl_<role>``, ``units`` of it (one a
-    GPU); a node of two roles (``train+rollout``) advertises both. A new role's resource follows by name."""
-    return {f"hpcrl_{part}": units for part in role.split("+")}
+CPU_ROLES = ("env",)
+"""Roles whose nodes hold no GPU for Ray (environment nodes), whatever the node has."""
+
+
+def role_gpus(role: str, node_gpus: int) -> int:
+    """The GPUs a node of ``role`` gives Ray: none on a CPU role's node."""
+    return 0 if role in CPU_ROLES else node_gpus
+
+
+def role_resources(role: str, gpus: int) -> dict[str, int]:
+    """A node's Ray resources by its role (``Plan.node_roles()``): ``hpcrl_<role>``, one unit a GPU
+    (one on a node of none); a node of two roles (``train+rollout``) advertises both. A new role's resource
+    follows by name. Slurm (``ray_cluster.start_node``) and KubeRay (``kuberay``) both take it from here."""
+    return {f"hpcrl_{part}": gpus or 1 for part in role.split("+")}
 
 
 def ray_node_ip() -> str:

@@ -118,6 +118,19 @@ def test_each_role_is_a_worker_group_with_its_ray_resources():
         assert set(actors.role_resources(role, 1)) <= declared, role
 
 
+def test_environment_nodes_are_a_worker_group_without_gpus():
+    """``env.nodes`` (issue 38 item 4) on KubeRay: a worker group advertising ``hpcrl_env`` (what the
+    environment actor asks for) whose pods ask for no GPU and give Ray none."""
+    plan = _plan("+env.name=calculator", "+env.nodes=2")
+    groups = rayjob(plan, Path("/data/runs/r"))["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    env = groups[-1]
+    assert (env["groupName"], env["replicas"]) == ("env", 2)
+    assert json.loads(env["rayStartParams"]["resources"]) == {actors.ENV_RESOURCE: 1}
+    assert env["rayStartParams"]["num-gpus"] == "0"
+    assert "nvidia.com/gpu" not in env["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert groups[0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+
+
 def test_the_ray_token_is_a_secret_reference_never_a_value():
     text = render_kube(sorted(KUBE_CASES)[0])
     job = yaml.safe_load(text)
