@@ -51,6 +51,8 @@ KUBE_CASES = {
 }
 """Golden RayJob manifests (``manifests/<name>.yaml``): a recipe on a GKE catalog cluster, site keys as
 placeholders, the run directory ``/data/runs/<name>``."""
+KUBE_DEBUG = ("grpo-gemma3-1b-it-1n8g-fsdp2tp1-gke_a4",)
+"""``KUBE_CASES`` whose ``hpcrl debug`` RayCluster is golden too (``manifests/<name>.raycluster.yaml``)."""
 
 
 def recipes() -> list[str]:
@@ -69,14 +71,21 @@ def render_recipe(name: str) -> str | None:
     return render_sbatch(plan, Path("/RUN_DIR") / name)
 
 
-def render_kube(name: str) -> str:
-    """The RayJob manifest of one ``KUBE_CASES`` entry."""
-    from hpcrl.launch.kuberay import manifest_yaml, rayjob
+def render_kube(name: str, debug: bool = False) -> str:
+    """The RayJob manifest of one ``KUBE_CASES`` entry; ``debug``: its ``hpcrl debug`` RayCluster."""
+    from hpcrl.launch.kuberay import manifest_yaml, raycluster, rayjob
 
     cfg = compose_config([*KUBE_CASES[name], "cluster.container.image=IMAGE", "run.output_root=/data/runs"])
     plan = make_plan(cfg)
     plan.require_fit()
-    return manifest_yaml(rayjob(plan, Path("/data/runs") / name))
+    run_dir = Path("/data/runs") / name
+    return manifest_yaml(raycluster(plan, f"debug-{name}", run_dir) if debug else rayjob(plan, run_dir))
+
+
+def kube_files() -> dict[str, tuple[str, bool]]:
+    """Each golden manifest's file name: (its ``KUBE_CASES`` entry, a debug RayCluster)."""
+    files = {f"{name}.yaml": (name, False) for name in KUBE_CASES}
+    return files | {f"{name}.raycluster.yaml": (name, True) for name in KUBE_DEBUG}
 
 
 def main() -> int:
@@ -92,9 +101,9 @@ def main() -> int:
             (GOLDEN_DIR / f"{name}.sbatch").write_text(text)
             print(f"wrote sbatch/{name}.sbatch")
     KUBE_DIR.mkdir(exist_ok=True)
-    for name in KUBE_CASES:
-        (KUBE_DIR / f"{name}.yaml").write_text(render_kube(name))
-        print(f"wrote manifests/{name}.yaml")
+    for file, (name, debug) in kube_files().items():
+        (KUBE_DIR / file).write_text(render_kube(name, debug))
+        print(f"wrote manifests/{file}")
     return 0
 
 

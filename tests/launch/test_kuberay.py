@@ -17,7 +17,7 @@ import yaml
 
 from hpcrl.config.compose import compose_config
 from hpcrl.errors import ConfigError
-from hpcrl.launch.golden import KUBE_CASES, KUBE_DIR, render_kube
+from hpcrl.launch.golden import KUBE_CASES, KUBE_DIR, kube_files, render_kube
 from hpcrl.launch.kuberay import grace_seconds, raycluster, rayjob
 from hpcrl.plan.planner import make_plan
 from hpcrl.plan.savetime import save_seconds
@@ -25,15 +25,19 @@ from hpcrl.run import actors
 from tests.harness.kube_schemas import K8S_VERSION, check_against_schemas, crd_schema, unknown_fields
 
 
-@pytest.mark.parametrize("name", sorted(KUBE_CASES))
-def test_golden_rayjobs_match_and_validate(name):
-    text = render_kube(name)
-    assert (KUBE_DIR / f"{name}.yaml").read_text() == text, "refresh: .venv/bin/python -m hpcrl.launch.golden"
-    check_against_schemas(yaml.safe_load(text), "rayjobs")
+@pytest.mark.parametrize("file", sorted(kube_files()))
+def test_golden_manifests_match_and_validate(file):
+    """The RayJobs and the ``hpcrl debug`` RayCluster, each against its CRD's schema."""
+    name, debug = kube_files()[file]
+    text = render_kube(name, debug)
+    assert (KUBE_DIR / file).read_text() == text, "refresh: .venv/bin/python -m hpcrl.launch.golden"
+    manifest = yaml.safe_load(text)
+    assert manifest["kind"] == ("RayCluster" if debug else "RayJob")
+    check_against_schemas(manifest, "rayclusters" if debug else "rayjobs")
 
 
 def test_no_stale_golden_manifests():
-    assert sorted(p.stem for p in KUBE_DIR.glob("*.yaml")) == sorted(KUBE_CASES)
+    assert sorted(p.name for p in KUBE_DIR.glob("*.yaml")) == sorted(kube_files())
 
 
 def _plan(*extra: str):
