@@ -151,7 +151,7 @@ def test_a_failing_node_ends_its_task_before_ray(tmp_path):
     with pytest.raises(
         BootstrapError, match=r"node 0 \(\S+\) failed hpcrl doctor: FAIL .*0 GPUs, plan wants 4"
     ):
-        task._doctor(SimpleNamespace(node_id=0, host=HOST))
+        task._doctor(SimpleNamespace(node_id=0, host=HOST, role="train"))
     assert not (tmp_path / "nodes").exists() and os.listdir(tmp_path) == []
 
 
