@@ -152,7 +152,13 @@ def test_a_failing_node_ends_its_task_before_ray(tmp_path):
         BootstrapError, match=r"node 0 \(\S+\) failed hpcrl doctor: FAIL .*0 GPUs, plan wants 4"
     ):
         task._doctor(SimpleNamespace(node_id=0, host=HOST, role="train"))
-    assert not (tmp_path / "nodes").exists() and os.listdir(tmp_path) == []
+    assert not (tmp_path / "nodes").exists()
+    assert os.listdir(tmp_path) == []
+    # an environment node (env.nodes) holds no GPU: the same expectation passes the GPU checks there
+    env = NodeTask(
+        str(tmp_path), ["train", "env"], None, bootstrap=plan().cfg.cluster.bootstrap, expect=expect
+    )
+    env._doctor(SimpleNamespace(node_id=1, host=HOST, role="env"))
 
 
 def test_submit_checks_the_checkpoints_room_where_the_filesystem_is_visible(tmp_path):
