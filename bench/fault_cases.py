@@ -75,6 +75,8 @@ def partial_tmp(work: Path, _cache: Path) -> Row:
     from hpcrl.run.checkpoint import verify
 
     said = (work / "resume.out").read_text()
+    metrics = (work / "run" / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(metrics[-1])["step"] if metrics else None
     left = sorted(p.name for p in ckpts.glob("*.tmp"))
     six = ckpts / "step_000006"
     whole = six.is_dir() and verify(six, deep=True) == ""
@@ -84,7 +86,7 @@ def partial_tmp(work: Path, _cache: Path) -> Row:
         f"ignored by the resume; the save of step 6 replaced it ({'step_000006 verifies' if whole else 'NOT WHOLE'}; "
         f".tmp left: {left or 'none'})",
         "0",
-        "yes (damaged_shard's resume, steps 5-7)",
+        f"{'yes' if last == 7 else 'NO'} (damaged_shard's resume, to step {last})",
     )
 
 
@@ -113,7 +115,7 @@ def damaged_export(work: Path, _cache: Path) -> Row:
         "`hpcrl export` / `hpcrl eval` of the truncated checkpoint",
         "the deep check (sizes and CRC32 of every file) before anything loads",
         f"refused in one line each (export: {'yes' if ok[0] else 'NO'}, eval: {'yes' if ok[1] else 'NO'}): "
-        f"`{lines[0].split(': ', 2)[-1][-110:]}`",
+        f"`… is damaged: {lines[0].split(' is damaged: ')[-1]}`",
         "none written (no model directory, no eval.json)"
         if not (work / "exported").exists() and not (work / "eval" / "eval.json").exists()
         else "SOMETHING WRITTEN",
