@@ -5,7 +5,10 @@ The real parts throughout: local Ray, the vLLM CPU build, the FSDP2 trainer on t
 math-verify reward processes, driven by the tests' own harnesses (tests/harness/engine_kill.py for
 engines and trainer ranks, tests/harness/verifier_plugins.py for plugins, the tests' pathological
 answers). The tests stay the assertions: the cases with no figure of their own here (full disk,
-signals) run their test and report it passed, and how long it took.
+signals) run their test and report it passed, and how long it took. bench/fault_cases.py holds the
+cases added in session 25 (engine killed inside a refit, partial ``.tmp``, export/eval of a damaged
+checkpoint, plugins that cannot start, all-error rewards, broken environments). damaged_shard,
+partial_tmp and damaged_export work on trainer_killed's run directory: run them after it.
 
     PYTHONPATH=. .venv/bin/python bench/fault_suite.py [--only engine_killed,...] [--work DIR]
 """
