@@ -50,7 +50,7 @@ def engine_refit_killed(work: Path, cache: Path) -> Row:
     restarts = sum(r.get("faults/engine_restarts", 0) for r in rows)
     return Row(
         "rollout engine SIGKILLed inside a refit (weights not yet sent)",
-        "the refit's broadcast (its group closed at once, not left to its timeout)",
+        "the refit: the lost engine's call fails at once (not left to the broadcast's timeout)",
         f"engine rebuilt, refit run again: {killed[0]['seconds']:.1f} s for that refit; "
         f"{restarts:.0f} restart counted; batch after it at version "
         f"{calls[-1]['version'] if calls else '?'}" + ("" if versions_ok else " (VERSIONS WRONG)")
