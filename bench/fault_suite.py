@@ -5,7 +5,10 @@ The real parts throughout: local Ray, the vLLM CPU build, the FSDP2 trainer on t
 math-verify reward processes, driven by the tests' own harnesses (tests/harness/engine_kill.py for
 engines and trainer ranks, tests/harness/verifier_plugins.py for plugins, the tests' pathological
 answers). The tests stay the assertions: the cases with no figure of their own here (full disk,
-signals) run their test and report it passed, and how long it took.
+signals) run their test and report it passed, and how long it took. bench/fault_cases.py holds the
+cases added in session 25 (engine killed inside a refit, partial ``.tmp``, export/eval of a damaged
+checkpoint, plugins that cannot start, all-error rewards, broken environments). damaged_shard,
+partial_tmp and damaged_export work on trainer_killed's run directory: run them after it.
 
     PYTHONPATH=. .venv/bin/python bench/fault_suite.py [--only engine_killed,...] [--work DIR]
 """
@@ -21,12 +24,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import fault_cases  # noqa: E402
+from bench.fault_cases import Row, _steps  # noqa: E402
 from hpcrl.rewards.config import RewardsConfig  # noqa: E402
 from hpcrl.rewards.pool import RewardPool, Task  # noqa: E402
 from hpcrl.rewards.verifiers import Outcome  # noqa: E402
@@ -41,20 +45,6 @@ LAGGED = [
     "checkpoint.keep_top_k=5",
     "algo.max_steps=5",
 ]
-
-
-@dataclass
-class Row:
-    fault: str
-    detected: str
-    recovered: str
-    lost: str
-    completed: str
-    seconds: float = 0.0
-
-
-def _steps(rows: list[dict]) -> str:
-    return ",".join(str(r["step"]) for r in rows)
 
 
 def engine_killed(work: Path, cache: Path) -> Row:
@@ -110,14 +100,17 @@ def trainer_killed(work: Path, cache: Path) -> Row:
 
 
 def damaged_shard(work: Path, cache: Path) -> Row:
-    """The newest checkpoint of ``trainer_killed``'s run with its shard cut to 5%, then a resume."""
+    """The newest checkpoint of ``trainer_killed``'s run with its shard cut to 5%, then a resume (with
+    a half-written ``step_000006.tmp`` planted beside it: partial_tmp's row)."""
     ckpts = sorted((work / "run" / "checkpoints").glob("step_*"))
     newest = ckpts[-1]
     shard = next((newest / "trainer").glob("__0_*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 20])
+    fault_cases.plant_partial(newest.parent)
     more = [*LAGGED[:-1], "algo.max_steps=7"]
     (work / "calls-resumed.json").unlink()
     result, _calls, rows = killed_run(work, cache, 1, "-", *more)
+    (work / "resume.out").write_text(result.stdout + result.stderr)
     skipped = next((x for x in result.stdout.splitlines() if newest.name in x and "resumed" not in x), "")
     resumed = next(
         (x.split("resumed from ")[1] for x in result.stdout.splitlines() if "resumed from" in x), "?"
@@ -228,13 +221,21 @@ def _line(r: Row) -> str:
 CASES: dict[str, Callable[[Path, Path], Row]] = {
     "engine_killed": engine_killed,
     "engine_hung": engine_hung,
+    "engine_refit_killed": fault_cases.engine_refit_killed,
     "trainer_killed": trainer_killed,
     "damaged_shard": damaged_shard,  # after trainer_killed: its run's checkpoints
+    "partial_tmp": fault_cases.partial_tmp,  # after damaged_shard: what its resume did
+    "damaged_export": fault_cases.damaged_export,  # after damaged_shard: its damaged checkpoint
     "full_disk": full_disk,
     "signals": signals,
     "reward_plugins": reward_plugins,
+    "plugin_no_start": fault_cases.plugin_no_start,
+    "all_errors": fault_cases.all_errors,
+    "env_broken": fault_cases.env_broken,
     "adversarial": adversarial,
 }
+AFTER = {"damaged_shard", "partial_tmp", "damaged_export"}
+"""Cases that read or change ``trainer_killed``'s run directory (run them after it)."""
 
 
 def main() -> int:
@@ -252,7 +253,7 @@ def main() -> int:
     started = time.perf_counter()
     for name in args.only.split(","):
         t0 = time.perf_counter()
-        case = work / ("trainer_killed" if name == "damaged_shard" else name)
+        case = work / ("trainer_killed" if name in AFTER else name)
         case.mkdir(exist_ok=True)
         row = CASES[name](case, cache)
         row.seconds = row.seconds or time.perf_counter() - t0
