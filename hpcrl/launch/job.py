@@ -24,12 +24,12 @@ from hpcrl.launch.ray_cluster import (
     GCS_PORT,
     BootstrapError,
     auth_env,
+    cluster_gpus,
     start_node,
     this_node,
     wait_for_cluster,
 )
 from hpcrl.plan.planner import Plan
-from hpcrl.run.actors import role_gpus
 from hpcrl.run.preempt import EXIT_PREEMPTED, Preempted
 
 
@@ -306,12 +306,8 @@ class NodeTask:
         try:
             _write(head_file, {"ip": spec.ip, "port": GCS_PORT})
             os.environ.update(auth_env(run_dir / "ray" / "token"))
-            # each node's own GPUs (a heterogeneous job's components differ), none on environment nodes;
-            # none at all on a CPU cluster (the head sees none)
-            planned = (self.expect.node_gpus if self.expect is not None else []) or [spec.gpus] * len(
-                self.roles
-            )
-            gpus = sum(role_gpus(r, n) for r, n in zip(self.roles, planned, strict=True)) if spec.gpus else 0
+            # each node's own GPUs: a heterogeneous job's components may differ
+            gpus = cluster_gpus(self.roles, self.expect.node_gpus if self.expect else [], spec.gpus)
             waited = wait_for_cluster(
                 f"{spec.ip}:{GCS_PORT}", len(self.roles), gpus, self.bootstrap.ray_nodes_s, proc
             )

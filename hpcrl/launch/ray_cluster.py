@@ -88,6 +88,14 @@ def this_node(roles: list[str], node_gpus: list[int] | None = None) -> NodeSpec:
     return NodeSpec(node_id, roles[node_id], host, socket.gethostbyname(host), gpus)
 
 
+def cluster_gpus(roles: list[str], node_gpus: list[int], head_gpus: int) -> int:
+    """The GPUs the whole Ray cluster must show before the run starts: each node's own (``node_gpus``, the
+    plan's by node index; empty: the head's count on every node), none on environment nodes, and none at
+    all where the head has none (a CPU cluster)."""
+    planned = node_gpus or [head_gpus] * len(roles)
+    return sum(role_gpus(r, n) for r, n in zip(roles, planned, strict=True)) if head_gpus else 0
+
+
 def start_node(spec: NodeSpec, run_dir: Path, head_ip: str, job_id: str) -> subprocess.Popen[bytes]:
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(65535, hard), hard))  # Ray opens many sockets

@@ -102,15 +102,16 @@ def check_rollout_nodes(cluster: ClusterConfig, *, split: bool) -> None:
 def check_engine_fits_node(rollout_tp: int, gpus_per_node: int, own: bool = False) -> None:
     """An engine stays within one node of ``gpus_per_node`` GPUs; ``own``: a rollout node's own count
     (``cluster.rollout_node.gpus_per_node``), which the refusal names."""
-    node = f"a rollout node (cluster.rollout_node.gpus_per_node={gpus_per_node})" if own else "a node"
+    node = "a rollout node" if own else "a node"
+    key = ", cluster.rollout_node.gpus_per_node" if own else ""
     if rollout_tp > gpus_per_node:
         raise ConfigError(
-            f"rollout.tp={rollout_tp} is larger than {node} ({gpus_per_node} GPUs); "
+            f"rollout.tp={rollout_tp} is larger than {node} ({gpus_per_node} GPUs{key}); "
             f"use rollout.tp <= {gpus_per_node} and more engines"
         )
     if gpus_per_node % rollout_tp:
         raise ConfigError(
-            f"rollout.tp={rollout_tp} must divide the {gpus_per_node} GPUs of {node} "
+            f"rollout.tp={rollout_tp} must divide the {gpus_per_node} GPUs of {node}{key} "
             "so that no engine spans two nodes"
         )
 
