@@ -195,7 +195,7 @@ def test_an_environment_node_gives_ray_no_gpu(monkeypatch):
     assert this_node(["rollout", "rollout", "train"], [4, 4, 8]).gpus == 8
 
 
-GPUS_HET = "+experiment=grpo-gemma3-1b-it-h100-l40s-hetjob"
+GPUS_HET = "+experiment=grpo-gemma3-1b-it-2n4g-1n8g-fsdp2-hetjob"
 
 
 def test_rollout_nodes_with_their_own_gpu_count():
