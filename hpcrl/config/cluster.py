@@ -191,6 +191,11 @@ class ClusterConfig:
             return node.gpu_memory_gb
         return self.gpu_memory_gb
 
+    def rollout_node_gpus(self) -> int | None:
+        """GPUs of a dedicated rollout node where its kind has its own count (``rollout_node.gpus_per_node``);
+        None: ``gpus_per_node``."""
+        return None if self.rollout_node is None else self.rollout_node.gpus_per_node
+
     def check_required_site_keys(self) -> None:
         missing = [key for key in self.slurm.required if self.site_value(key) in (None, "", [])]
         if missing:

@@ -37,16 +37,21 @@ class RolloutNodes(NodeKind):
     """The dedicated rollout nodes' own kind where it differs from the training nodes' (``cluster.rollout_node``,
     a split layout only). Then the job is a Slurm heterogeneous job: one component of rollout nodes, one
     of training nodes, each with its own partition, GPU, time and accounting keys; srun starts one task
-    a node over both and Ray spans them. The GPU count per node is the training nodes' (engines and
-    trainer ranks are placed one per GPU slot)."""
+    a node over both and Ray spans them. Each node kind has its own GPU count (``gpus_per_node``): the
+    plan places that many GPUs of engines on each of its nodes."""
 
     KEY: ClassVar[str] = "cluster.rollout_node"
 
+    gpus_per_node: int | None = None
+    """GPUs of one of these nodes (the component's ``--gpus-per-node``, the GPUs its Ray node advertises);
+    the engines' tensor-parallel size must divide it. None: ``cluster.gpus_per_node``."""
     gpu_memory_gb: float | None = None
     """Usable HBM per rollout GPU: what the engines' ``rollout.gpu_memory_utilization`` is a share of."""
 
     def check(self) -> None:
         super().check()
+        if self.gpus_per_node is not None:
+            positive(f"{self.KEY}.gpus_per_node", self.gpus_per_node)
         if self.gpu_memory_gb is not None:
             positive(f"{self.KEY}.gpu_memory_gb", self.gpu_memory_gb)
 
@@ -54,8 +59,8 @@ class RolloutNodes(NodeKind):
 @dataclass
 class JudgeNodes(RolloutNodes):
     """The judge nodes' own kind (``cluster.judge_node``, with ``rewards.judge.nodes`` >= 1): their
-    component of the heterogeneous job, the same keys as ``cluster.rollout_node``; the judges' GPU
-    memory is ``gpu_memory_gb`` here (None: the training nodes')."""
+    component of the heterogeneous job, the same keys as ``cluster.rollout_node``; the judges' GPUs per
+    node and their memory are ``gpus_per_node`` and ``gpu_memory_gb`` here (None: the training nodes')."""
 
     KEY: ClassVar[str] = "cluster.judge_node"
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from hpcrl.errors import HpcrlError
 from hpcrl.launch import lifecycle
+from hpcrl.plan.components import node_gpus
 from hpcrl.plan.planner import Plan
 
 READY_TIMEOUT_S = 900.0
@@ -106,6 +107,12 @@ def check_fits_allocation(plan: Plan, job_id: str, meta: dict[str, Any]) -> None
     if gpus != meta.get("gpus_per_node", gpus):
         raise HpcrlError(
             f"this config uses {gpus} GPUs per node; debug job {job_id} holds {meta['gpus_per_node']}"
+        )
+    each = node_gpus(plan)  # a node kind's own count (cluster.rollout_node.gpus_per_node ...)
+    if each != meta.get("node_gpus", each):
+        raise HpcrlError(
+            f"this config's nodes have {each} GPUs; debug job {job_id}'s have {meta['node_gpus']}: "
+            "match cluster.rollout_node/judge_node.gpus_per_node, or start a debug session for this config"
         )
 
 

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,6 +38,7 @@ from hpcrl.launch.ray_cluster import (
     NODE_MANAGER_PORT,
     WORKER_PORTS,
 )
+from hpcrl.plan.components import node_gpus
 from hpcrl.plan.planner import Plan
 from hpcrl.plan.savetime import checkpoint_gb
 
@@ -86,6 +87,15 @@ class Expect:
     """Ranges [first, last] of the ports Ray will listen on (none for a local run)."""
     shared_file: str = ""
     """A file the login node wrote on the shared filesystem ("": not checked)."""
+    node_gpus: list[int] = field(default_factory=list)
+    """GPUs of each node of the job by index (a heterogeneous job's components differ); empty: ``gpus_per_node``."""
+
+    def for_node(self, node_id: int, role: str) -> Expect:
+        """What node ``node_id`` of ``role`` must offer: its own GPUs; an environment node runs no GPU work."""
+        if role == "env":
+            return replace(self, on_gpus=False, imex=False)
+        own = self.node_gpus[node_id] if node_id < len(self.node_gpus) else self.gpus_per_node
+        return replace(self, gpus_per_node=own)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -130,6 +140,7 @@ def expect_from_plan(plan: Plan, shared_file: str = "", run_dir: str = "") -> Ex
         # a local run lets Ray pick free ports; a Slurm job pins them (ray_cluster)
         ports=ray_ports() if cluster.scheduler is Scheduler.slurm else [],
         shared_file=shared_file,
+        node_gpus=node_gpus(plan),
     )
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from hpcrl.errors import HpcrlError
 from hpcrl.launch.sbatch import SUBMITIT_DIR
+from hpcrl.plan.components import node_gpus
 from hpcrl.plan.planner import Plan
 
 HOLD_GRACE_S = 20.0
@@ -97,6 +98,11 @@ def allocation(env: Mapping[str, str]) -> Allocation:
 def check_fits(plan: Plan, alloc: Allocation) -> None:
     """Refuse a plan that needs more nodes or GPUs per node than the allocation holds (fewer is fine)."""
     nodes, gpus = plan.job_nodes, plan.cfg.cluster.gpus_per_node
+    if len({n for n in node_gpus(plan) if n}) > 1:  # one step asks one --gpus-per-node of every node
+        raise HpcrlError(
+            f"this config's nodes have {node_gpus(plan)} GPUs (a node kind's own gpus_per_node), and a --here "
+            "session's step gives every node the same; submit it (hpcrl submit) or drop that gpus_per_node"
+        )
     short = []
     if nodes > len(alloc.hosts):
         short.append(f"{nodes - len(alloc.hosts)} node(s)")

@@ -3,10 +3,10 @@ or environment nodes (``cluster.env_node``) of another kind, each role's nodes a
 (``plan/components.py`` says which).
 
 submitit writes one block of ``#SBATCH`` options for the whole job; when some nodes differ from the
-training nodes (partition, GPU, time ...), ``het_sbatch`` splits that block into components separated by
+training nodes (partition, GPUs per node, time ...), ``het_sbatch`` splits that block into components separated by
 ``#SBATCH hetjob``: the job-wide options (name, output, signal, requeue) stay first, then each
 component's per-node options in node order: rollout nodes (a split layout), training nodes, judge nodes,
-environment nodes (no ``--gpus-per-node``: they hold none).
+environment nodes; each with its own ``--gpus-per-node`` (none on environment nodes: they hold none).
 srun starts one task a node over all of them (``--het-group``), so node 0 (the Ray head and the driver)
 is the node it is in a homogeneous job, and each task finds its role by ``SLURM_NODEID`` as before.
 Tried on the namespace test cluster: in such a step every task sees the leader's ``SLURM_JOB_ID`` (so
@@ -53,7 +53,9 @@ def het_sbatch(text: str, parts: list[Component]) -> str:
     for i, part in enumerate(parts):
         keys = dict(own, nodes=f"#SBATCH --nodes={part.nodes}")
         keys.update(_overrides(part.kind) if part.kind is not None else {})
-        if not part.gpus:
+        if part.gpus:  # the component's own nodes' GPUs (a rollout node of 4 beside training nodes of 8)
+            keys["gpus-per-node"] = f"#SBATCH --gpus-per-node={part.gpus}"
+        else:
             keys.pop("gpus-per-node", None)
         head = " (node 0 is the Ray head)" if i == 0 else ""
         block += ["#SBATCH hetjob"] if i else []

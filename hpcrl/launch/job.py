@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from hpcrl.launch.ray_cluster import (
     GCS_PORT,
     BootstrapError,
     auth_env,
+    cluster_gpus,
     start_node,
     this_node,
     wait_for_cluster,
@@ -141,7 +141,7 @@ class NodeTask:
         # ``finally`` blocks stop this node's Ray at once instead of waiting for Slurm's SIGKILL.
         signal.signal(signal.SIGTERM, _terminated if self.plan is None else self._on_term)
         run_dir, job_id = Path(self.run_dir), attempt_key()
-        spec = this_node(self.roles)
+        spec = this_node(self.roles, self.expect.node_gpus if self.expect is not None else [])
         self._head_node = spec.node_id == 0
         self._doctor(spec)
         record = {
@@ -191,8 +191,7 @@ class NodeTask:
         (and, through srun's --kill-on-bad-exit, the job) before Ray starts."""
         if self.expect is None:
             return
-        # an environment node runs no GPU work (none at all in a component of its own kind)
-        expect = replace(self.expect, on_gpus=False, imex=False) if spec.role == "env" else self.expect
+        expect = self.expect.for_node(spec.node_id, spec.role)  # its own GPUs; none on an environment node
         failed: list[str] = []
 
         def say(line: str) -> None:
@@ -307,8 +306,8 @@ class NodeTask:
         try:
             _write(head_file, {"ip": spec.ip, "port": GCS_PORT})
             os.environ.update(auth_env(run_dir / "ray" / "token"))
-            # every node but the environment nodes (none in Ray) gets the same --gpus-per-node
-            gpus = spec.gpus * sum(role != "env" for role in self.roles)
+            # each node's own GPUs: a heterogeneous job's components may differ
+            gpus = cluster_gpus(self.roles, self.expect.node_gpus if self.expect else [], spec.gpus)
             waited = wait_for_cluster(
                 f"{spec.ip}:{GCS_PORT}", len(self.roles), gpus, self.bootstrap.ray_nodes_s, proc
             )

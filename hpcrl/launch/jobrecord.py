@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hpcrl.launch.kube_entry import DRIVER_LOG
 from hpcrl.launch.sbatch import SUBMITIT_DIR, container_args
+from hpcrl.plan.components import node_gpus
 from hpcrl.plan.planner import Plan
 from hpcrl.run.rundir import atomic_write_text
 
@@ -58,6 +59,7 @@ def record_job(
         "debug": debug,
         "here": here,
         "gpus_per_node": cfg.cluster.gpus_per_node,
+        "node_gpus": node_gpus(plan),  # each node's own (a heterogeneous job's components may differ)
         "python": cfg.cluster.python,
         "container_args": container_args(cfg.cluster, run_dir),
         **(extra or {}),

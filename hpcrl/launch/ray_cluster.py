@@ -75,14 +75,25 @@ def ray_env(run_dir: Path) -> dict[str, str]:
     return env
 
 
-def this_node(roles: list[str]) -> NodeSpec:
+def this_node(roles: list[str], node_gpus: list[int] | None = None) -> NodeSpec:
+    """This node of the job: its role and the GPUs it gives Ray, what Slurm made visible to the task,
+    at most the plan's count for the node (``node_gpus`` by node index; None or empty: not capped)."""
     node_id = int(os.environ.get("SLURM_NODEID", "0"))
     host = socket.gethostname()
     visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
-    # an environment node holds no GPU: Ray gets none there (a zero-GPU component's task may still
-    # inherit the batch script's CUDA_VISIBLE_DEVICES from node 0)
-    gpus = role_gpus(roles[node_id], len(visible))
+    # A component's task may inherit the batch script's CUDA_VISIBLE_DEVICES from node 0 where Slurm
+    # sets none (a zero-GPU component): the plan's count caps it, and an environment node gives Ray none.
+    count = min(len(visible), node_gpus[node_id]) if node_gpus else len(visible)
+    gpus = role_gpus(roles[node_id], count)
     return NodeSpec(node_id, roles[node_id], host, socket.gethostbyname(host), gpus)
+
+
+def cluster_gpus(roles: list[str], node_gpus: list[int], head_gpus: int) -> int:
+    """The GPUs the whole Ray cluster must show before the run starts: each node's own (``node_gpus``, the
+    plan's by node index; empty: the head's count on every node), none on environment nodes, and none at
+    all where the head has none (a CPU cluster)."""
+    planned = node_gpus or [head_gpus] * len(roles)
+    return sum(role_gpus(r, n) for r, n in zip(roles, planned, strict=True)) if head_gpus else 0
 
 
 def start_node(spec: NodeSpec, run_dir: Path, head_ip: str, job_id: str) -> subprocess.Popen[bytes]:

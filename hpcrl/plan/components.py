@@ -1,6 +1,7 @@
 """The components of a heterogeneous Slurm job, in srun's order: the roles whose nodes are of another
 kind (``cluster.rollout_node``, ``cluster.judge_node``, ``cluster.env_node``) make the job one, each
-role's nodes a component (launch/hetjob.py writes them into the script; ``hpcrl plan`` prints them)."""
+role's nodes a component (launch/hetjob.py writes them into the script; ``hpcrl plan`` prints them).
+Each component asks for its own nodes' GPUs (``gpus_per_node`` of its kind, else the training nodes')."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hpcrl.config.roles import NodeKind
+from hpcrl.plan.judge import judge_node_gpus
 from hpcrl.plan.topology import Placement
 
 if TYPE_CHECKING:
@@ -21,13 +23,22 @@ class Component:
     nodes: int
     kind: NodeKind | None
     """Its own keys (partition, time ...); None: the training nodes'."""
-    gpus: bool = True
-    """Its nodes ask for the training nodes' GPUs (False: none, environment nodes of their own kind)."""
+    gpus: int
+    """GPUs each of its nodes asks for (``--gpus-per-node``; 0: none, environment nodes of their own kind)."""
 
     def line(self) -> str:
         own = {k: v for k, v in vars(self.kind).items() if v is not None} if self.kind else {}
+        own.pop("gpus_per_node", None)  # said below, whoever set it
         keys = ", ".join(f"{k} {v}" for k, v in own.items()) or "the training nodes' keys"
-        return f"{self.what} ({self.nodes}), {keys}{'' if self.gpus else ', no GPUs'}"
+        return f"{self.what} ({self.nodes}), {keys}, {f'{self.gpus} GPUs each' if self.gpus else 'no GPUs'}"
+
+
+def node_gpus(plan: Plan) -> list[int]:
+    """The GPUs Slurm gives each node of the job, by node index (``Plan.node_roles``' order): the rollout
+    nodes' and judge nodes' own count where their kind has one, none on environment nodes of their own."""
+    cluster, judges = plan.cfg.cluster, plan.judge.nodes if plan.judge is not None else 0
+    env = 0 if cluster.env_node is not None else cluster.gpus_per_node
+    return plan.topology.node_gpus() + [judge_node_gpus(plan.cfg)] * judges + [env] * plan.cfg.env.nodes
 
 
 def components(plan: Plan) -> list[Component] | None:
@@ -41,12 +52,17 @@ def components(plan: Plan) -> list[Component] | None:
     own = ((cluster.rollout_node, split), (cluster.judge_node, judges), (cluster.env_node, envs))
     if not any(kind is not None and count for kind, count in own):
         return None
-    parts = [Component("rollout nodes", topo.rollout_nodes, cluster.rollout_node)] if split else []
+    gpn = topo.gpus_per_node
+    parts = []
+    if split:
+        parts.append(
+            Component("rollout nodes", topo.rollout_nodes, cluster.rollout_node, topo.rollout_gpus_per_node)
+        )
     parts.append(
-        Component("training nodes" if split else "training and rollout nodes", topo.train_nodes, None)
+        Component("training nodes" if split else "training and rollout nodes", topo.train_nodes, None, gpn)
     )
     if judges:
-        parts.append(Component("judge nodes", judges, cluster.judge_node))
+        parts.append(Component("judge nodes", judges, cluster.judge_node, judge_node_gpus(plan.cfg)))
     if envs:  # of their own kind: no GPUs; else the training nodes' kind, GPUs and all
-        parts.append(Component("environment nodes", envs, cluster.env_node, gpus=cluster.env_node is None))
+        parts.append(Component("environment nodes", envs, cluster.env_node, 0 if cluster.env_node else gpn))
     return parts

@@ -88,10 +88,11 @@ def plan_judge(cfg: RunConfig, on_gpus: bool) -> JudgePlan | None:
     kv = model.kv_bytes_for_sequence(length, tp=s.tp) / GB
     if not on_gpus:
         return JudgePlan(s, model, _nodes(cfg, s, 0), 0, length, 0.0, kv, 0.0)
-    gpn = cfg.cluster.gpus_per_node
+    gpn = judge_node_gpus(cfg)
     if s.tp > gpn or gpn % s.tp:
         raise ConfigError(
-            f"rewards.judge.tp={s.tp} must divide a node's {gpn} GPUs (one engine within a node)"
+            f"rewards.judge.tp={s.tp} must divide a judge node's {gpn} GPUs ({_gpus_key(cfg)}; "
+            "one engine within a node)"
         )
     gpus = s.engines * s.tp
     if s.nodes == 0:
@@ -120,10 +121,24 @@ def _nodes(cfg: RunConfig, s: JudgeConfig, gpus: int) -> int:
             f"rewards.judge.nodes={s.nodes}: a local run has one machine, which the judges share: "
             "set rewards.judge.nodes=0"
         )
-    have = s.nodes * cfg.cluster.gpus_per_node
+    gpn = judge_node_gpus(cfg)
+    have = s.nodes * gpn
     if gpus > have:
         raise ConfigError(
             f"{s.engines} judge engine(s) of rewards.judge.tp={s.tp} need {gpus} GPUs; rewards.judge.nodes="
-            f"{s.nodes} gives {have}: set rewards.judge.nodes={-(-gpus // cfg.cluster.gpus_per_node)}"
+            f"{s.nodes} gives {have}: set rewards.judge.nodes={-(-gpus // gpn)}"
         )
     return s.nodes
+
+
+def judge_node_gpus(cfg: RunConfig) -> int:
+    """GPUs of one judge node: its kind's own (``cluster.judge_node.gpus_per_node``), else a training node's."""
+    node = cfg.cluster.judge_node
+    own = node.gpus_per_node if node is not None else None
+    return cfg.cluster.gpus_per_node if own is None else own
+
+
+def _gpus_key(cfg: RunConfig) -> str:
+    node = cfg.cluster.judge_node
+    own = node is not None and node.gpus_per_node is not None
+    return "cluster.judge_node.gpus_per_node" if own else "cluster.gpus_per_node"

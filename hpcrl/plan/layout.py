@@ -103,13 +103,15 @@ class Scored:
     peak_gb: float
     """The largest per-GPU peak of the layout (training or rollout GPUs)."""
     step_s: float
+    engines: int
+    """The rollout engines (on the rollout nodes' own GPUs where their kind has its own count)."""
 
     def key(self) -> tuple[int, float]:
         return self.gpus, self.step_s
 
     def describe(self) -> tuple[str, str, str, str, str]:
         """Nodes, train parallelism, rollout engines, GPUs and peak, nominal step: one row."""
-        layout, gpus_per_node = self.layout, self.gpus // self.layout.nodes
+        layout = self.layout
         nodes = (
             f"{layout.rollout_nodes} + {layout.train_nodes} split"
             if layout.rollout_nodes
@@ -120,11 +122,10 @@ class Scored:
         if par.expert_tp > 1:
             train += f" ETP{par.expert_tp}"
         train += ", recompute" if layout.recompute else ""
-        engines = (layout.rollout_nodes or layout.train_nodes) * gpus_per_node // layout.rollout_tp
         return (
             nodes + (f" (segment {layout.segment})" if layout.segment else ""),
             train,
-            f"{engines} x TP{layout.rollout_tp}",
+            f"{self.engines} x TP{layout.rollout_tp}",
             f"{self.gpus} / {self.peak_gb:.0f} GB",
             f"{self.step_s:.0f} s",
         )

@@ -30,7 +30,14 @@ from hpcrl.plan.packing import check_packing, resolve_packing
 from hpcrl.plan.quantization import check_quantization
 from hpcrl.plan.quirks import AppliedQuirk, apply_quirks
 from hpcrl.plan.search import search_layouts
-from hpcrl.plan.topology import Placement, Topology, build_topology, check_engine_fits_node, on_gpus
+from hpcrl.plan.topology import (
+    Placement,
+    Topology,
+    build_topology,
+    check_engine_fits_node,
+    check_rollout_nodes,
+    on_gpus,
+)
 from hpcrl.rollout.backends import sleep_mode
 from hpcrl.trainer.backends import trainer_spec, with_degree
 
@@ -175,9 +182,10 @@ def make_plan(cfg: RunConfig, layout: Layout | None = None) -> Plan:
     check_algo(cfg)
     check_backend(cfg)
     shared = resolve_engines_per_gpu(cfg)
-    gpus_per_node = cfg.cluster.gpus_per_node
-    if layout is None:
-        check_engine_fits_node(cfg.rollout.tp, gpus_per_node)  # named before the training degrees
+    gpus_per_node, rollout_gpus = cfg.cluster.gpus_per_node, cfg.cluster.rollout_node_gpus()
+    check_rollout_nodes(cfg.cluster, split=cfg.layout.rollout_nodes > 0)
+    if layout is None:  # named before the training degrees
+        check_engine_fits_node(cfg.rollout.tp, rollout_gpus or gpus_per_node, rollout_gpus is not None)
         layout = Layout.configured(cfg)
     topo = build_topology(
         gpus_per_node=gpus_per_node,
@@ -185,8 +193,8 @@ def make_plan(cfg: RunConfig, layout: Layout | None = None) -> Plan:
         rollout_nodes=layout.rollout_nodes,
         rollout_tp=layout.rollout_tp,
         engines_per_gpu=cfg.rollout.engines_per_gpu or 1,
+        rollout_node_gpus=rollout_gpus,
     )
-    check_rollout_nodes(cfg, topo.placement)
     check_model_parallel(cfg)
     check_images(cfg)
     check_quantization(cfg, topo.rollout.tp)
@@ -291,15 +299,6 @@ def resolve_sleep(cfg: RunConfig, placement: Placement) -> SleepChoice | None:
         raise ConfigError(f"rollout.sleep=true needs colocated GPUs ({blocker}); drop it{gpu}")
     reason = blocker or (SLEEP_ON if rollout.sleep else SLEEP_OFF)
     return SleepChoice(rollout.sleep, explicit=explicit, reason=reason)
-
-
-def check_rollout_nodes(cfg: RunConfig, placement: Placement) -> None:
-    """``cluster.rollout_node`` (a heterogeneous job) describes dedicated rollout nodes: a split layout."""
-    if cfg.cluster.rollout_node is not None and placement is not Placement.SPLIT:
-        raise ConfigError(
-            "cluster.rollout_node describes dedicated rollout nodes, but this layout is colocated; "
-            "set layout.rollout_nodes>=1 (split) or remove cluster.rollout_node"
-        )
 
 
 def check_cluster_layout(cfg: RunConfig) -> None:

@@ -63,6 +63,9 @@ class Search:
         apply_quirks(self.cfg)
         self.cluster = self.cfg.cluster
         self.gpn = self.cluster.gpus_per_node
+        self.rollout_gpn = self.cluster.rollout_node_gpus()
+        """A dedicated rollout node's own GPUs (None: ``gpn``); with ``cluster.rollout_node`` set, only
+        split layouts are searched (a colocated one is refused) and the rollout side is sized on them."""
         self.capacity = self.cluster.gpu_memory_gb
         self.tried = 0
         self._train: dict[int, list[tuple[TrainChoice, TrainMemory, Topology]]] = {}
@@ -97,7 +100,9 @@ class Search:
 
     def rollout_tps(self) -> list[int]:
         heads = self.cfg.model.num_attention_heads
-        return self.options("rollout.tp", [t for t in divisors(self.gpn) if heads % t == 0])
+        return self.options(
+            "rollout.tp", [t for t in divisors(self.rollout_gpn or self.gpn) if heads % t == 0]
+        )
 
     # -- one side at a time --------------------------------------------------------------------------
     def train_side(self, nodes: int) -> list[tuple[TrainChoice, TrainMemory, Topology]]:
@@ -152,15 +157,25 @@ class Search:
                 if memory.sequences_that_fit >= 1:
                     fitting.append((tp, memory))
                 else:
-                    missed = rollout_short(memory, tp, self.gpn)  # the largest rollout.tp's, last
+                    missed = rollout_short(memory, tp, self.rollout_gpn or self.gpn)  # the largest tp's, last
             if not fitting and missed:
                 self.short["rollout"] = missed
             self._rollout[nodes] = fitting
         return self._rollout[nodes]
 
     def estimate_rollout(self, nodes: int, tp: int) -> RolloutMemory:
-        train = TrainParallel(nodes * self.gpn)
-        topo = build_topology(gpus_per_node=self.gpn, train=train, rollout_nodes=0, rollout_tp=tp)
+        if self.cluster.rollout_node is not None:  # split only: the rollout nodes' own GPUs and memory
+            train = TrainParallel(self.gpn)
+            topo = build_topology(
+                gpus_per_node=self.gpn,
+                train=train,
+                rollout_nodes=nodes,
+                rollout_tp=tp,
+                rollout_node_gpus=self.rollout_gpn,
+            )
+        else:
+            train = TrainParallel(nodes * self.gpn)
+            topo = build_topology(gpus_per_node=self.gpn, train=train, rollout_nodes=0, rollout_tp=tp)
         self.tried += 1
         return estimate_rollout(self.cfg, topo)
 
@@ -196,6 +211,7 @@ class Search:
                     train=choice.train,
                     rollout_nodes=rollout_nodes,
                     rollout_tp=rollout_tp,
+                    rollout_node_gpus=self.rollout_gpn,
                 )
                 if scored := self.score(choice, topo, train, memory, max(train.peak, memory.budget)):
                     yield scored
@@ -207,7 +223,8 @@ class Search:
         if not placeable:
             return None
         layout = Layout(topo.train_nodes, topo.rollout_nodes, c.train, c.recompute, topo.rollout.tp, segment)
-        return Scored(layout, topo.total_gpus, peak, step_seconds(self.cfg, topo, c.recompute, rollout))
+        step = step_seconds(self.cfg, topo, c.recompute, rollout)
+        return Scored(layout, topo.total_gpus, peak, step, topo.rollout.engines)
 
     def segment(self, topo: Topology) -> tuple[bool, int | None]:
         """Whether the layout can be placed, and the segment it submits with: on NVLink-domain clusters
@@ -239,7 +256,7 @@ class Search:
                     continue
                 if rollout_nodes:
                     found += self.split(rollout_nodes, nodes - rollout_nodes)
-                else:
+                elif self.cluster.rollout_node is None:  # dedicated rollout nodes are split only
                     found += self.colocated(nodes)
             if found and first is None:
                 first = nodes

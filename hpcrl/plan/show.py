@@ -13,7 +13,7 @@ from rich.text import Text
 from hpcrl.config.defaults import default_recipes
 from hpcrl.config.schema import RunConfig
 from hpcrl.data.config import is_procedural
-from hpcrl.plan.components import components
+from hpcrl.plan.components import components, node_gpus
 from hpcrl.plan.planner import Plan, ShippedLayout, shipped_layouts
 from hpcrl.plan.savetime import save_time
 from hpcrl.trainer.backends import trainer_spec
@@ -121,16 +121,12 @@ def _table(title: str, *columns: str) -> Table:
 
 
 def _nodes(plan: Plan) -> Table:
-    topo = plan.topology
-    nodes = _table(
-        f"Nodes: {plan.job_nodes} x {topo.gpus_per_node} GPUs, {topo.placement.value}",
-        "node",
-        "role",
-        "GPUs",
-        "runs",
-    )
+    topo, per_node = plan.topology, node_gpus(plan)  # each node's own GPUs (a hetjob's components differ)
     gpn = topo.gpus_per_node
-    engines_per_node = gpn // topo.rollout.tp * topo.rollout.per_gpu
+    kinds = sorted({g for g in per_node if g} or {gpn})  # environment nodes of their own hold none
+    label = f"x {gpn} GPUs" if len(kinds) == 1 else f"of {' / '.join(str(k) for k in kinds)} GPUs"
+    nodes = _table(f"Nodes: {plan.job_nodes} {label}, {topo.placement.value}", "node", "role", "GPUs", "runs")
+    engines_per_node = topo.rollout_gpus_per_node // topo.rollout.tp * topo.rollout.per_gpu
     for first_node, last_node, role in _node_rows(topo.node_roles()):
         runs, count = [], last_node - first_node + 1
         if "train" in role:
@@ -141,12 +137,13 @@ def _nodes(plan: Plan) -> Table:
             runs.append(
                 f"{engines_per_node} {plan.cfg.rollout.backend} engine(s) x TP{topo.rollout.tp}{each}"
             )
-        where = str(first_node) if count == 1 else f"{first_node}-{last_node}"
-        nodes.add_row(where, role, str(gpn) if count == 1 else f"{gpn} each", ", ".join(runs))
+        where, own = str(first_node) if count == 1 else f"{first_node}-{last_node}", per_node[first_node]
+        nodes.add_row(where, role, str(own) if count == 1 else f"{own} each", ", ".join(runs))
     if plan.judge is not None and plan.judge.nodes:
         first, last, s = topo.nodes, topo.nodes + plan.judge.nodes - 1, plan.judge.settings
         where = str(first) if first == last else f"{first}-{last}"
-        nodes.add_row(where, "judge", str(gpn), f"{s.engines} judge engine(s) x TP{s.tp} in all (frozen)")
+        judges = f"{s.engines} judge engine(s) x TP{s.tp} in all (frozen)"
+        nodes.add_row(where, "judge", str(per_node[first]) + (" each" if last > first else ""), judges)
     if env := plan.cfg.env.nodes:
         first, last = plan.job_nodes - env, plan.job_nodes - 1
         where = str(first) if first == last else f"{first}-{last}"

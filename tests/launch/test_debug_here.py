@@ -53,6 +53,9 @@ def test_a_plan_bigger_than_the_allocation_is_refused_naming_what_is_short():
         here.check_fits(split, here.Allocation("7", ("a",), gpus_per_node=4, cpus_per_node=8))
     with pytest.raises(HpcrlError, match=r"holds 1 with 0: 1 node\(s\) and 1 GPU\(s\) per node short"):
         here.check_fits(split, here.Allocation("7", ("a",), gpus_per_node=0, cpus_per_node=8))
+    two = plan(SPLIT, "+cluster.rollout_node.gpus_per_node=2")  # one step cannot ask 2 here and 1 there
+    with pytest.raises(HpcrlError, match=r"this config's nodes have \[2, 1\] GPUs .* submit it"):
+        here.check_fits(two, here.Allocation("7", ("a", "b"), gpus_per_node=4, cpus_per_node=8))
 
 
 def test_cancel_of_a_here_session_names_its_step_not_the_allocation(tmp_path):

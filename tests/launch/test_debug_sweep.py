@@ -152,3 +152,8 @@ def test_a_config_that_does_not_fit_the_held_allocation_is_refused():
         check_fits_allocation(plan("+experiment=grpo-tiny-1n1g-fsdp", "cluster=slurmtest"), "9", held)
     with pytest.raises(HpcrlError, match="uses 1 GPUs per node; debug job 9 holds 4"):
         check_fits_allocation(plan(SPLIT), "9", {**held, "gpus_per_node": 4})
+    # a debug job whose rollout node holds 2 GPUs (cluster.rollout_node.gpus_per_node), this config 1
+    with pytest.raises(
+        HpcrlError, match=r"this config's nodes have \[1, 1\] GPUs; debug job 9's have \[2, 1\]"
+    ):
+        check_fits_allocation(plan(SPLIT), "9", {**held, "node_gpus": [2, 1]})

@@ -146,7 +146,7 @@ def test_checkpoint_space_is_the_plans_checkpoint_times_the_kept_ones(tmp_path):
 
 
 def test_a_failing_node_ends_its_task_before_ray(tmp_path):
-    expect = local_expect(on_gpus=True, gpus_per_node=4)
+    expect = local_expect(on_gpus=True, node_gpus=[4])  # node 0's own count (a hetjob component's)
     task = NodeTask(str(tmp_path), ["train"], None, bootstrap=plan().cfg.cluster.bootstrap, expect=expect)
     with pytest.raises(
         BootstrapError, match=r"node 0 \(\S+\) failed hpcrl doctor: FAIL .*0 GPUs, plan wants 4"

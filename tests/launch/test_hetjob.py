@@ -15,6 +15,7 @@ from hpcrl.launch.hetjob import components
 from hpcrl.launch.sbatch import render_sbatch, slurm_parameters
 from hpcrl.plan.planner import make_plan
 from hpcrl.plan.show import show_plan
+from tests.conftest import SITE
 
 HET = "+experiment=grpo-tiny-2n1g-fsdp-hetjob"
 
@@ -187,3 +188,110 @@ def test_an_environment_node_gives_ray_no_gpu(monkeypatch):
     assert this_node(["train+rollout", "judge", "env"]).gpus == 0
     monkeypatch.setenv("SLURM_NODEID", "1")
     assert this_node(["train+rollout", "judge", "env"]).gpus == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")  # node 0's, leaked into a 4-GPU node's task
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    assert this_node(["rollout", "rollout", "train"], [4, 4, 8]).gpus == 4  # the plan's count caps it
+    monkeypatch.setenv("SLURM_NODEID", "2")
+    assert this_node(["rollout", "rollout", "train"], [4, 4, 8]).gpus == 8
+
+
+GPUS_HET = "+experiment=grpo-gemma3-1b-it-2n4g-1n8g-fsdp2-hetjob"
+
+
+def test_rollout_nodes_with_their_own_gpu_count():
+    """Issue 38 item 4, a component's own GPUs: two 4-GPU L40S rollout nodes beside an 8-GPU H100 training
+    node. The plan's engines, GPUs and engine memory are the rollout nodes' own; each component asks for
+    its own --gpus-per-node; `hpcrl plan` shows each node's; each node's doctor and Ray count its own."""
+    from hpcrl.launch.doctor import expect_from_plan
+    from hpcrl.launch.ray_cluster import cluster_gpus
+    from hpcrl.plan.components import node_gpus
+
+    plan = make_plan(compose_config([GPUS_HET, *SITE]))
+    topo = plan.topology
+    assert (topo.rollout_gpus_per_node, topo.gpus_per_node, topo.train.world) == (4, 8, 8)
+    assert (topo.rollout.engines, topo.total_gpus, plan.job_nodes) == (8, 16, 3)
+    assert plan.memory.rollout.budget == pytest.approx(plan.cfg.rollout.gpu_memory_utilization * 46)
+    assert node_gpus(plan) == [4, 4, 8] and plan.node_roles() == ["rollout", "rollout", "train"]
+    assert make_plan(compose_config([GPUS_HET, *SITE, "rollout.tp=4"])).topology.rollout.engines == 2
+    rollout, train = re.split(r"^#SBATCH hetjob$", render_sbatch(plan, Path("/RUN")), flags=re.M)
+    assert _options(rollout.split("# component 0")[1])["gpus-per-node"] == "4"
+    assert _options(rollout.split("# component 0")[1])["partition"] == "l40s"
+    assert _options(train.split("\n\n")[0])["gpus-per-node"] == "8"
+    console = Console(record=True, width=200)
+    show_plan(plan, console, slurm_parameters(plan))
+    shown = console.export_text()
+    assert "Nodes: 3 of 4 / 8 GPUs, split" in shown
+    assert re.search(r"│ 1 +│ rollout +│ 4 +│ 4 vllm engine\(s\) x TP1 ", shown)
+    assert re.search(r"│ 2 +│ train +│ 8 +│ trainer ranks 0-7 ", shown)
+    assert [c.line().rsplit(", ", 1)[1] for c in components(plan)] == ["4 GPUs each", "8 GPUs each"]
+    expect = expect_from_plan(plan)
+    assert expect.node_gpus == [4, 4, 8]
+    assert [expect.for_node(i, r).gpus_per_node for i, r in enumerate(plan.node_roles())] == [4, 4, 8]
+    assert cluster_gpus(plan.node_roles(), expect.node_gpus, head_gpus=4) == 16  # what the head waits for
+    assert cluster_gpus(plan.node_roles(), expect.node_gpus, head_gpus=0) == 0  # a CPU cluster
+
+
+def test_auto_layout_sizes_the_rollout_side_on_the_rollout_nodes_gpus():
+    from hpcrl.plan.planner import plan_config
+
+    plan = make_plan(compose_config([GPUS_HET, *SITE]))
+    auto = plan_config(compose_config([GPUS_HET, *SITE, "layout.auto=true"]))
+    assert plan.fits and auto.search is not None
+    chosen = auto.search.chosen
+    assert auto.topology.rollout_nodes >= 1  # never colocated: dedicated rollout nodes are split only
+    assert chosen.gpus == auto.topology.total_gpus == 4 * auto.topology.rollout_nodes + 8
+    assert (
+        chosen.engines
+        == auto.topology.rollout.engines
+        == 4 * auto.topology.rollout_nodes // chosen.layout.rollout_tp
+    )
+
+
+def test_judge_nodes_with_their_own_gpu_count():
+    judge = "+experiment=grpo-tiny-3n1g-fsdp-judge-hetjob"
+    plan = make_plan(compose_config([judge, "+cluster.judge_node.gpus_per_node=2"]))
+    text = render_sbatch(plan, Path("/RUN"))
+    blocks = re.split(r"^#SBATCH hetjob$", text, flags=re.M)
+    own = [_options(b.split("# component")[1].split("\n\n")[0]) for b in blocks]
+    assert [o["gpus-per-node"] for o in own] == ["1", "1", "2"]
+    gpus = make_plan(compose_config([judge, *JUDGE_ON_GPUS, "+cluster.judge_node.gpus_per_node=2"])).judge
+    assert gpus is not None and gpus.gpus == 2  # two TP1 engines on one 2-GPU judge node
+
+
+JUDGE_ON_GPUS = ["cluster.gpu=H100", "rewards.judge.engines=2"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (
+            [GPUS_HET, *SITE, "rollout.tp=8"],
+            "rollout.tp=8 is larger than a rollout node (4 GPUs, cluster.rollout_node.gpus_per_node)",
+        ),
+        (
+            [GPUS_HET, *SITE, "cluster.rollout_node.gpus_per_node=6", "rollout.tp=4"],
+            "rollout.tp=4 must divide the 6 GPUs of a rollout node, cluster.rollout_node.gpus_per_node",
+        ),
+        (
+            [GPUS_HET, *SITE, "layout.rollout_nodes=0"],
+            "cluster.rollout_node.gpus_per_node describes dedicated rollout nodes, but this layout is colocated",
+        ),
+        (
+            [GPUS_HET, *SITE, "cluster.rollout_node.gpus_per_node=0"],
+            "cluster.rollout_node.gpus_per_node=0 must be > 0",
+        ),
+        (
+            [
+                "+experiment=grpo-tiny-3n1g-fsdp-judge-hetjob",
+                *JUDGE_ON_GPUS,
+                "rewards.judge.tp=2",
+                "+cluster.judge_node.gpus_per_node=3",
+            ],
+            "rewards.judge.tp=2 must divide a judge node's 3 GPUs (cluster.judge_node.gpus_per_node",
+        ),
+    ],
+)
+def test_own_gpu_count_mistakes_are_one_line_before_submit(overrides, says):
+    with pytest.raises(ConfigError, match=re.escape(says)) as err:
+        make_plan(compose_config(overrides))
+    assert "\n" not in str(err.value)
