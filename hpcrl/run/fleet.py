@@ -203,6 +203,8 @@ class Fleet:
                 self._rebuild(sorted(self.faults.down))
             try:
                 return self._watched(refit)
+            except EngineFailed:
+                raise  # a hang past rollout.max_engine_restarts: the run saves and stops
             except Exception as exc:
                 if not self._lost_in_refit(exc):
                     raise  # every engine is up: not theirs (a trainer rank's death, a bug)
