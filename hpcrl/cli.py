@@ -113,7 +113,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     show_plan(plan, Console(), sbatch)
     from hpcrl.launch.gate import require_submittable
 
-    require_submittable(plan)  # after the tables: what they show helps to fix what submit refuses
+    require_submittable(plan, ask_slurm=True)  # after the tables: they help to fix what submit refuses
     return 0
 
 
@@ -130,7 +130,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
     plan = plan_from_overrides(args.overrides)
     run_dir = args.out or new_run_dir(plan.cfg)
-    require_submittable(plan, run_dir)  # a script submit would refuse is not written
+    require_submittable(plan, run_dir, ask_slurm=True)  # a script submit or Slurm refuses is not written
     if plan.search:
         print(plan.search.summary())
     run_dir.mkdir(parents=True, exist_ok=True)

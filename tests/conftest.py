@@ -107,21 +107,23 @@ def model_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster():
+def _slurm_up():
     """A real 3-node Slurm cluster (namespace nodes) for the whole session; torn down at the end."""
     tool = ROOT / "tools" / "slurm-cluster"
     subprocess.run([str(tool), "up", "3"], check=True, timeout=600)
-    conf = "/tmp/hpcrl-slurm/etc/slurm.conf"
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = conf
     try:
-        yield conf
+        yield "/tmp/hpcrl-slurm/etc/slurm.conf"
     finally:
         subprocess.run([str(tool), "down"], check=False, timeout=120)
-        if old is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old
+
+
+@pytest.fixture
+def slurm_cluster(_slurm_up, monkeypatch):
+    """The session's Slurm cluster, seen (``SLURM_CONF``) only by the test that asks for it: ``hpcrl plan``
+    and ``render`` ask any Slurm they see (``sbatch --test-only``), and the test cluster would refuse
+    the other tests' partitions and node shapes."""
+    monkeypatch.setenv("SLURM_CONF", _slurm_up)
+    return _slurm_up
 
 
 # -- one torchrun per world size, shared by the test modules that build trainers -----------------------

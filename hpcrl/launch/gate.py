@@ -14,11 +14,12 @@ from hpcrl.errors import ConfigError
 from hpcrl.hub.check import check_inputs
 from hpcrl.launch.mounts import check_mounts
 from hpcrl.launch.room import check_room
+from hpcrl.launch.slurm_checks import require_accepted_text
 from hpcrl.plan.planner import Plan
 from hpcrl.run.rundir import new_run_dir
 
 
-def require_submittable(plan: Plan, run_dir: Path | None = None) -> None:
+def require_submittable(plan: Plan, run_dir: Path | None = None, *, ask_slurm: bool = False) -> None:
     """Raise the first refusal, one ConfigError line naming the key and the fix: the backend cannot
     build the model (first: refused whatever else it needs), the memory does not fit, the sequences
     outgrow the model's positions, wandb online has no login, the cache lacks an input or holds a data
@@ -26,7 +27,8 @@ def require_submittable(plan: Plan, run_dir: Path | None = None) -> None:
     for keep_top_k + 1 of them, on Slurm a path the job opens is outside its container's mounts, on
     Kubernetes the pods lack an image or the run directory is on none of their volumes. ``run_dir``:
     where the run's files go; None: where submit would put them (only its place matters, nothing is
-    written)."""
+    written). ``ask_slurm`` (plan, render): Slurm's ``sbatch --test-only`` on the script too, where
+    sbatch is on PATH; submit asks it of the script it writes (launch/slurm_checks.py)."""
     plan.require_buildable()
     plan.require_fit()
     check_context(plan.cfg)
@@ -40,6 +42,8 @@ def require_submittable(plan: Plan, run_dir: Path | None = None) -> None:
     check_inputs(plan.cfg)
     if plan.cfg.cluster.scheduler is Scheduler.slurm:
         check_mounts(plan, (run_dir or new_run_dir(plan.cfg)).resolve())
+        if ask_slurm:
+            require_accepted_text(plan, run_dir or new_run_dir(plan.cfg))
     if plan.cfg.cluster.scheduler is Scheduler.kuberay:
         from hpcrl.launch.kuberay import check_kube, pods_run_dir
 

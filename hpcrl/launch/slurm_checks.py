@@ -3,17 +3,22 @@
 - ``sbatch --test-only`` on the written script: a request Slurm would refuse (an unknown partition, a
   node shape no partition has, more nodes than it holds, a time over its limit) is one ConfigError line
   with Slurm's words and the key to change, before anything is queued; the run directory's files stay.
+  ``hpcrl plan`` and ``render`` ask the same of the script's text from a temporary file, before writing
+  anything: a script Slurm refuses is never left in a run directory as if it could be submitted.
 - ``KillWait`` (``scontrol show config``): a plain ``scancel`` sends SIGTERM, then SIGKILL that many
   seconds later. Shorter than one save of the run (plan/savetime.py), the save is cut off: a warning.
 
-Both skip quietly where Slurm's commands are not on PATH (rendering elsewhere, tests without a cluster).
+Both skip quietly where Slurm's commands are not on PATH (rendering elsewhere), and the first where
+Slurm cannot be asked (no configuration here, controller or munge down: the submission itself says so).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from hpcrl.errors import ConfigError
@@ -56,23 +61,57 @@ def kill_wait_warning(plan: Plan, kill_wait: int | None) -> str | None:
     )
 
 
-def require_accepted(plan: Plan, script: Path) -> None:
-    """``sbatch --test-only script``: Slurm's refusal as one ConfigError line naming the key to change."""
+UNREACHABLE = (
+    "fatal:",
+    "unable to contact slurm controller",
+    "authentication error",
+    "munge",
+    "socket timed out",
+    "communication connection failure",
+)
+"""Words of sbatch's output when Slurm could not be asked (not a refusal of the job)."""
+
+
+def require_accepted(plan: Plan, script: Path, *, after: str = "") -> None:
+    """``sbatch --test-only script``: Slurm's refusal as one ConfigError line naming the key to change;
+    ``after``: what became of the run's files (default: submit's, the script stays)."""
+    said = slurm_refusal(script)
+    if said is None:
+        return
+    raise ConfigError(
+        f"Slurm would refuse this job (sbatch --test-only: {said}); {fix_for(plan, said)}; "
+        + (after or f"nothing was submitted (the script stays: {script})")
+    )
+
+
+def require_accepted_text(plan: Plan, run_dir: Path) -> None:
+    """``hpcrl plan`` and ``render``: the script submit would write for ``run_dir``, tested from a
+    temporary file, so that a refused one is never written. Nothing is rendered where sbatch is missing."""
     if shutil.which("sbatch") is None:
         return
+    from hpcrl.launch.sbatch import render_sbatch  # submitit: only where there is a Slurm to ask
+
+    with tempfile.TemporaryDirectory(prefix="hpcrl-test-only-") as tmp:
+        script = Path(tmp) / "sbatch.sh"
+        script.write_text(render_sbatch(plan, run_dir.resolve()))
+        require_accepted(plan, script, after="nothing was written")
+
+
+def slurm_refusal(script: Path) -> str | None:
+    """Slurm's reason for refusing ``script``; None where it accepts it or cannot be asked."""
+    conf = os.environ.get("SLURM_CONF")
+    if shutil.which("sbatch") is None or (conf and not Path(conf).is_file()):
+        return None  # a SLURM_CONF that is not there: sbatch would retry it for a minute
     try:
         asked = subprocess.run(
             ["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=60
         )
     except (OSError, subprocess.TimeoutExpired):
-        return  # no answer is no refusal: the real submission reports its own failure
-    if asked.returncode == 0:
-        return
-    said = refusal(asked.stdout + asked.stderr)
-    raise ConfigError(
-        f"Slurm would refuse this job (sbatch --test-only: {said}); {fix_for(plan, said)}; nothing was "
-        f"submitted (the script stays: {script})"
-    )
+        return None  # no answer is no refusal: the real submission reports its own failure
+    said = asked.stdout + asked.stderr
+    if asked.returncode == 0 or any(words in said.lower() for words in UNREACHABLE):
+        return None
+    return refusal(said)
 
 
 def refusal(output: str) -> str:

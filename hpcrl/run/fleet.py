@@ -18,7 +18,7 @@ from hpcrl.plan.planner import Plan
 from hpcrl.rollout.backends import inflight_updates, sleeps
 from hpcrl.rollout.base import Completion, Prompt, SamplingSettings
 from hpcrl.run.actors import RolloutActor, TrainerActor
-from hpcrl.run.engine_faults import EngineFaults, cause_of, dispatch
+from hpcrl.run.engine_faults import EngineFailed, EngineFaults, cause_of, dispatch
 from hpcrl.run.refit import Refit
 from hpcrl.run.slots import place, plan_slots
 from hpcrl.trainer.batch import TrainBatch
@@ -162,31 +162,76 @@ class Fleet:
             ray.get([self.engines[e].sleep.remote() for e in down])
         self.refit.layout = None
 
-    def _find_dead(self, when: str = "") -> None:
-        """Engines that died between two generations (no groups lost): a refit into one would fail."""
+    def _find_dead(self, during: str = "") -> None:
+        """Engines that died between two generations (no groups lost), or that answer no ping within
+        ``rollout.hang_timeout_s`` (hung: a stopped process, a wedged driver): a refit into one would
+        fail, or wait for ever."""
         import ray
 
         pings = {e: a.where.remote() for e, a in enumerate(self.engines) if e not in self.faults.down}
+        if not pings:
+            return
+        limit = self.faults.hang_timeout_s
+        _, late = ray.wait(list(pings.values()), num_returns=len(pings), timeout=limit)
         for e, ping in pings.items():
+            if ping in late:
+                self._lose(e, f"hung{during}: no answer to a ping in rollout.hang_timeout_s={limit:g} s")
+                continue
             try:
                 ray.get(ping)
             except ray.exceptions.RayActorError as exc:
-                self.faults.lost(e, self._kill(e), when + cause_of(exc), 0)
+                self.faults.lost(e, self._kill(e), (f"died{during}: " if during else "") + cause_of(exc), 0)
+
+    def _lose(self, e: int, cause: str) -> None:
+        """Engine ``e`` marked lost, then killed (even past the bound): a refit its death wakes finds
+        it marked already."""
+        if e in self.faults.down:  # the generation's own hang check (a producer thread) was first
+            return
+        try:
+            self.faults.lost(e, self._host(e), cause, 0)
+        finally:
+            self._kill(e)
 
     def _refitting(self, refit: Callable[[], dict[str, float]]) -> dict[str, float]:
-        """``refit()`` into every engine, the lost ones rebuilt first; an engine that dies in it is
-        rebuilt and the refit runs again (each time one more restart: ``rollout.max_engine_restarts``
-        bounds it). The refit's broadcast fails fast when a receiver dies (its group is closed,
-        sync/broadcast.py) and is formed again with the new engine."""
+        """``refit()`` into every engine, the lost ones rebuilt first; an engine that dies in it, or
+        hangs in it (``_watched``), is rebuilt and the refit runs again (each time one more restart:
+        ``rollout.max_engine_restarts`` bounds it). The refit's broadcast fails fast when a receiver
+        dies (its group is closed, sync/broadcast.py) and is formed again with the new engine."""
         while True:
             self._find_dead()
             if self.faults.down:
                 self._rebuild(sorted(self.faults.down))
             try:
-                return refit()
+                return self._watched(refit)
+            except EngineFailed:
+                raise  # a hang past rollout.max_engine_restarts: the run saves and stops
             except Exception as exc:
                 if not self._lost_in_refit(exc):
                     raise  # every engine is up: not theirs (a trainer rank's death, a bug)
+
+    def _watched(self, refit: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """``refit()``, its engines pinged each ``rollout.hang_timeout_s`` it runs: one that answers
+        no ping within that bound is hung in it, marked lost and killed, which ends the refit's wait
+        on it (an engine's call has no timeout of its own). Past the bound: ``EngineFailed``."""
+        done, failed = threading.Event(), []
+
+        def watch() -> None:
+            while not done.wait(self.faults.hang_timeout_s):
+                try:
+                    self._find_dead(" in a refit")
+                except EngineFailed as exc:
+                    failed.append(exc)
+                    return
+
+        watcher = threading.Thread(target=watch, name="hpcrl-refit-watch", daemon=True)
+        watcher.start()
+        try:
+            return refit()
+        finally:
+            done.set()
+            watcher.join()  # before the refit's failure is looked at: one thread marks engines lost
+            if failed:
+                raise failed[0]  # past rollout.max_engine_restarts: the run saves and stops
 
     def _lost_in_refit(self, exc: Exception) -> bool:
         """Whether engines died in a refit that raised ``exc`` (the one it names, those a ping finds);
@@ -194,7 +239,7 @@ class Fleet:
         for e, engine in enumerate(self.engines):
             if e not in self.faults.down and getattr(exc, "actor_id", None) == engine._actor_id.hex():
                 self.faults.lost(e, self._kill(e), f"died in a refit: {cause_of(exc)}", 0)
-        self._find_dead("died in a refit: ")
+        self._find_dead(" in a refit")
         return bool(self.faults.down)
 
     def _revive(self) -> list[int]:

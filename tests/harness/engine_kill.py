@@ -9,7 +9,8 @@ handed over the first group is killed right after it (``rollout.max_num_seqs`` =
 other prompts are still to come); ``sN``: that engine is stopped instead (SIGSTOP: it hangs);
 ``tN``: engine 0 is killed as train step N begins; ``rN``: trainer rank 0 is (the run stops; run the
 harness again on OUT_DIR, with ``-`` for KILLS, to resume); ``fN``: engine 0 is killed inside the
-refit to version N, after the engines paused and before the weights go out. OUT_DIR/calls.json: per
+refit to version N, after the engines paused and before the weights go out; ``hN``: stopped there
+(SIGSTOP: it hangs in the refit). OUT_DIR/calls.json: per
 training call, the trainers' version when it began and every completion's stamped versions;
 OUT_DIR/refits.json: per weight sync, its version and wall seconds; OUT_DIR/run: the run directory.
 Exits 2 with the one line on stderr where the run stops on an ``HpcrlError``, as the CLI does.
@@ -92,15 +93,15 @@ def killing_trains(fleet: Fleet, steps: set[int], rank_steps: set[int]) -> Any:
     return train
 
 
-def killing_refits(fleet: Fleet, versions: set[int], refits: list[dict[str, Any]]) -> Any:
-    """``fleet.sync_weights``, timed; in the refits to ``versions`` engine 0 is killed (once each)
-    when the refit itself begins (engines paused; in the first try, before the weights go out)."""
+def killing_refits(fleet: Fleet, versions: dict[int, int], refits: list[dict[str, Any]]) -> Any:
+    """``fleet.sync_weights``, timed; in the refits to ``versions`` engine 0 is sent that signal (once
+    each) when the refit itself begins (engines paused; in the first try, before the weights go out)."""
     sync, run = fleet.sync_weights, fleet.refit.run
 
     def refit_run(trainers: Any, engines: Any) -> Any:
         if refits and refits[-1]["version"] in versions and not refits[-1]["killed"]:
             refits[-1]["killed"] = True
-            kill(fleet, 0)
+            kill(fleet, 0, versions[refits[-1]["version"]])
             time.sleep(0.5)  # gone (its sockets closed) before the first bucket goes out
         return run(trainers, engines)
 
@@ -120,11 +121,15 @@ def main() -> int:
     kills = {
         int(k.lstrip("s")): signal.SIGSTOP if k[0] == "s" else signal.SIGKILL
         for k in sys.argv[3].split(",")
-        if k[0] not in "trf-"
+        if k[0] not in "trfh-"
     }
     train_kills = {int(k[1:]) for k in sys.argv[3].split(",") if k.startswith("t")}
     rank_kills = {int(k[1:]) for k in sys.argv[3].split(",") if k.startswith("r")}
-    refit_kills = {int(k[1:]) for k in sys.argv[3].split(",") if k.startswith("f")}
+    refit_kills = {
+        int(k[1:]): signal.SIGSTOP if k[0] == "h" else signal.SIGKILL
+        for k in sys.argv[3].split(",")
+        if k[0] in "fh"
+    }
     plan = make_plan(compose_config(sys.argv[4:]))
     (out / "run").mkdir(parents=True, exist_ok=True)
     calls: list[dict[str, Any]] = []  # a resume's calls go to calls-resumed.json

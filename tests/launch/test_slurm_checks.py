@@ -1,17 +1,19 @@
-"""Before a job is queued (issue 37): Slurm's own answer to the written script (``sbatch --test-only``)
-and its ``KillWait`` against one save of the run. On the test cluster (KillWait 5 s; any save takes
+"""Before a job is queued (issue 37): Slurm's own answer to the written script (``sbatch --test-only``),
+asked by ``hpcrl plan`` and ``render`` too, and its ``KillWait`` against one save of the run. On the test cluster (KillWait 5 s; any save takes
 longer: plan/savetime.py's fixed overhead alone is 15 s) the submissions take seconds; the tests are
 marked slow for the cluster's start (a session fixture), as the other Slurm tests are."""
 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
+import time
 
 import pytest
 
 from hpcrl.config.compose import compose_config
-from hpcrl.launch.slurm_checks import fix_for, kill_wait_s, kill_wait_warning, refusal
+from hpcrl.launch.slurm_checks import fix_for, kill_wait_s, kill_wait_warning, refusal, slurm_refusal
 from hpcrl.plan.planner import make_plan
 from hpcrl.plan.savetime import save_seconds
 from tests.conftest import run_cli
@@ -45,6 +47,22 @@ def test_slurms_refusal_names_the_key_to_change():
     assert kill_wait_warning(plan, int(needed) + 1) is None and kill_wait_warning(plan, None) is None
 
 
+def test_a_slurm_that_cannot_be_asked_refuses_nothing(tmp_path, monkeypatch):
+    """The real sbatch with no configuration here (this test has no cluster) fails; that is no refusal:
+    plan and render go on (the real submission says what is wrong), at once."""
+    assert shutil.which("sbatch"), "the Slurm client comes with the test cluster's tools"
+    script = tmp_path / "sbatch.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --partition=nope\nhostname\n")
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    asked = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True)
+    assert asked.returncode != 0 and "fatal: Could not establish a configuration source" in asked.stderr
+    assert slurm_refusal(script) is None
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "gone.conf"))
+    start = time.monotonic()
+    assert slurm_refusal(script) is None
+    assert time.monotonic() - start < 1  # not asked: sbatch would retry a missing file for a minute
+
+
 def _submit(tmp_path, *overrides: str) -> subprocess.CompletedProcess[str]:
     return run_cli("submit", *TINY, f"run.output_root={tmp_path}", "run.name=gate", *overrides)
 
@@ -58,6 +76,17 @@ def _queued(name: str) -> list[str]:
 @pytest.mark.slow
 def test_a_job_slurm_would_refuse_is_one_line_and_never_queued(slurm_cluster, tmp_path):
     assert kill_wait_s() == 5
+    # plan and render ask Slurm first: the same line, and render writes no file
+    said = (
+        "hpcrl: error: Slurm would refuse this job (sbatch --test-only: Invalid partition name specified); "
+        "change cluster.slurm.partition (now 'nope'); nothing was written"
+    )
+    rendered = tmp_path / "rendered"
+    for command, *extra in (["plan"], ["render", "--out", str(rendered)]):
+        asked = run_cli(command, *extra, *TINY, f"run.output_root={tmp_path}", "cluster.slurm.partition=nope")
+        assert asked.returncode == 2, asked.stderr
+        assert [x for x in asked.stderr.splitlines() if x.startswith("hpcrl: error:")] == [said], asked.stderr
+    assert not rendered.exists()
     refused = _submit(tmp_path, "cluster.slurm.partition=nope")
     assert refused.returncode == 2, refused.stderr
     (line,) = [x for x in refused.stderr.splitlines() if x.startswith("hpcrl: error:")]
@@ -76,6 +105,8 @@ def test_a_job_slurm_would_refuse_is_one_line_and_never_queued(slurm_cluster, tm
         in (big.stderr)
     )
     assert "cluster.cpus_per_node" in big.stderr
+    planned = run_cli("plan", *TINY, "cluster.cpus_per_node=64")
+    assert planned.returncode == 2 and "(sbatch --test-only: Requested node configuration" in planned.stderr
     assert _queued("gate") == []
 
 
