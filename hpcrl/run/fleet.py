@@ -19,6 +19,7 @@ from hpcrl.rollout.backends import inflight_updates, sleeps
 from hpcrl.rollout.base import Completion, Prompt, SamplingSettings
 from hpcrl.run.actors import RolloutActor, TrainerActor
 from hpcrl.run.engine_faults import EngineFailed, EngineFaults, cause_of, dispatch
+from hpcrl.run.preempt import REQUEST
 from hpcrl.run.refit import Refit
 from hpcrl.run.slots import place, plan_slots
 from hpcrl.trainer.batch import TrainBatch
@@ -206,8 +207,10 @@ class Fleet:
             except EngineFailed:
                 raise  # a hang past rollout.max_engine_restarts: the run saves and stops
             except Exception as exc:
-                if not self._lost_in_refit(exc):
-                    raise  # every engine is up: not theirs (a trainer rank's death, a bug)
+                # a stop asked (a SIGTERM to the whole process group also reaches Ray's processes: the
+                # engines and Ray's GCS may be gone, and a kill or rebuild waits on the GCS) ends here
+                if REQUEST.asked or not self._lost_in_refit(exc):
+                    raise  # or every engine is up: not theirs (a trainer rank's death, a bug)
 
     def _watched(self, refit: Callable[[], dict[str, float]]) -> dict[str, float]:
         """``refit()``, its engines pinged each ``rollout.hang_timeout_s`` it runs: one that answers
@@ -217,6 +220,8 @@ class Fleet:
 
         def watch() -> None:
             while not done.wait(self.faults.hang_timeout_s):
+                if REQUEST.asked:  # stopping: no engine is rebuilt (see _refitting)
+                    return
                 try:
                     self._find_dead(" in a refit")
                 except EngineFailed as exc:
