@@ -8,4 +8,4 @@ T0=$SECONDS
 nvidia-smi --query-gpu=name --format=csv,noheader
 BUDGET=${KBUDGET:-330} bash bench/device_runs/s24_kernels.sh
 echo "== varlen at $((SECONDS - T0)) s"
-VBUDGET=${VBUDGET:-210} bash bench/device_runs/s25.sh  # varlen only (no KBUDGET): one copy of that run
+KBUDGET= VBUDGET=${VBUDGET:-210} bash bench/device_runs/s25.sh  # varlen only (no KBUDGET): one copy of that run
