@@ -33,6 +33,7 @@ from tests.launch.test_kube_jobs import hpcrl, overrides
 
 pytestmark = pytest.mark.slow
 
+STEPS = 30
 RECIPE = ["data.max_prompt_tokens=16", "rollout.max_new_tokens=8", "algo.num_prompts_per_step=16"]
 
 
@@ -201,7 +202,9 @@ def test_the_rayjob_driver_joins_trains_is_preempted_and_kuberays_retry_resumes(
     period 100) and exited 75; KubeRay retries the failed RayJob (backoffLimit) with a new RayCluster and
     the same entrypoint, and that attempt resumes from exactly that step and finishes, as a requeued
     sbatch job does."""
-    extra = ["algo.max_steps=5", "checkpoint.period=100", "algo.val_period=100"]
+    # 30 steps of ~0.3 s: the hook (a Python start, a 1 s poll) lands mid-run even on a loaded machine
+    # (with 5, a loaded CI machine finished the run before the request was read)
+    extra = [f"algo.max_steps={STEPS}", "checkpoint.period=100", "algo.val_period=100"]
     job, run_dir, manifest, token = _submitted(api, tmp_path, tiny_dir, *extra)
     assert manifest["spec"]["backoffLimit"] >= 1  # the retry below is KubeRay's to make
     spec = manifest["spec"]["rayClusterSpec"]
@@ -224,7 +227,7 @@ def test_the_rayjob_driver_joins_trains_is_preempted_and_kuberays_retry_resumes(
     assert "is being deleted (its preStop hook asked): saving after the current step" in log, log[-3000:]
     saved = int(re.search(r"stopped after step (\d+) on SIGTERM", log).group(1))
     assert saved >= 1, log[-3000:]  # after a trained step
-    assert saved < 5, log[-3000:]  # before the last
+    assert saved < STEPS, log[-3000:]  # before the last
     assert (run_dir / "checkpoints" / f"step_{saved:06d}").is_dir(), log[-3000:]
     assert hook.returncode == 0 and f"driver exited {EXIT_PREEMPTED} (saved step {saved})" in hook.stdout
     assert f"exiting {EXIT_PREEMPTED}: KubeRay's retry resumes here" in log
@@ -236,14 +239,16 @@ def test_the_rayjob_driver_joins_trains_is_preempted_and_kuberays_retry_resumes(
     assert again.returncode == 0, again.stderr[-3000:]
     log = (run_dir / "driver.log").read_text()  # both attempts, appended
     assert re.search(rf"resumed from \S+step_{saved:06d} \(step {saved}\)", log), log[-3000:]
-    assert _steps(run_dir) == [0, 1, 2, 3, 4, 5]  # 0: the validation before training; no step twice
+    assert _steps(run_dir) == list(range(STEPS + 1))  # 0: the validation before training; no step twice
     result = json.loads((run_dir / "result.json").read_text())
     assert "train/loss" in result and "val/accuracy" in result  # the last step's metrics, as run_loop returns
     # the actors ran on the worker pod (the head has no CPUs for tasks), by the role's resource
     placement = json.loads((run_dir / "placement.json").read_text())["actors"]
     assert {a["role"] for a in placement} == {"train", "rollout"}
-    assert "bootstrapping" not in log.lower() and re.search(r"step +5/5", log), log[-2000:]
+    assert "bootstrapping" not in log.lower() and re.search(rf"step +{STEPS}/{STEPS}", log), log[-2000:]
     api.set_status("default", "rayjobs", job, jobDeploymentStatus="Complete", jobStatus="SUCCEEDED")
     assert f"{job}  COMPLETED" in hpcrl(tmp_path / "kubeconfig", "status", job, "--root", root).stdout
     logs = hpcrl(tmp_path / "kubeconfig", "logs", job, "--root", root).stdout
-    assert logs.startswith(f"==> {run_dir / 'driver.log'} <==\n") and re.search(r"step +5/5", logs)
+    assert logs.startswith(f"==> {run_dir / 'driver.log'} <==\n") and re.search(
+        rf"step +{STEPS}/{STEPS}", logs
+    )
