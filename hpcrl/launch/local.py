@@ -32,7 +32,12 @@ def start_local_ray(plan: Plan, scratch: Path) -> None:
 
     # scancel of a run inside an allocation sends SIGTERM to every process of the step: Ray's
     # processes are started ignoring it, so that the driver can save the step first (ray.shutdown
-    # stops them after); a disposition of "ignore" is inherited, a handler would not be
+    # stops them after); a disposition of "ignore" is inherited, a handler would not be. The GCS and
+    # the raylet install their own SIGTERM handlers and stop anyway: running actors go on (their calls
+    # need neither) and the driver has 60 s before Ray's client gives up on the GCS, longer than
+    # Slurm's default KillWait (30 s) that ends such a step. Blocking SIGTERM (the Slurm path's
+    # reaper --hold-term) would keep them up, but ray.shutdown then waits 1 s for each of its
+    # processes (+4-5 s on every local run, measured), so it is left to the Slurm path.
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         _init(ray, plan, scratch)
