@@ -6,7 +6,6 @@ This is what ``hpcrl submit`` does when the cluster is ``local`` (the embedded d
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 from hpcrl.launch.orphans import start_watcher
 from hpcrl.plan.planner import Plan
 from hpcrl.run.driver import run_loop
+from hpcrl.run.rayprocs import start_holding_term
 from hpcrl.run.rundir import new_run_dir, write_resolved_config
 
 
@@ -30,19 +30,9 @@ def start_local_ray(plan: Plan, scratch: Path) -> None:
     start_watcher()  # Ray's agents outlive a killed driver: launch/orphans.py
     import ray
 
-    # scancel of a run inside an allocation sends SIGTERM to every process of the step: Ray's
-    # processes are started ignoring it, so that the driver can save the step first (ray.shutdown
-    # stops them after); a disposition of "ignore" is inherited, a handler would not be. The GCS and
-    # the raylet install their own SIGTERM handlers and stop anyway: running actors go on (their calls
-    # need neither) and the driver has 60 s before Ray's client gives up on the GCS, longer than
-    # Slurm's default KillWait (30 s) that ends such a step. Blocking SIGTERM (the Slurm path's
-    # reaper --hold-term) would keep them up, but ray.shutdown then waits 1 s for each of its
-    # processes (+4-5 s on every local run, measured), so it is left to the Slurm path.
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        _init(ray, plan, scratch)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    # scancel of a run inside an allocation sends SIGTERM to every process of the step: Ray's processes
+    # start with it blocked, so that the driver can save the step first (run/rayprocs.py)
+    start_holding_term(lambda: _init(ray, plan, scratch))
 
 
 def _init(ray: Any, plan: Plan, scratch: Path) -> None:

@@ -159,9 +159,9 @@ def run_loop(plan: Plan, run_dir: Path, connect: Callable[[Path], None], *, slur
     finally:
         prep.logger.close()
         if "ray" in sys.modules:
-            import ray
+            from hpcrl.run.rayprocs import shutdown
 
-            ray.shutdown()
+            shutdown()
         shutil.rmtree(scratch, ignore_errors=True)
     summarize(run_dir, prep.ckpt, started)
     return last
