@@ -424,6 +424,8 @@ def test_doctor_names_the_node_that_fails_each_check_and_the_job_ends_before_ray
     with contextlib.ExitStack() as undo:
         _break_node2(undo, slurm_cluster, tmp_path)
         held = _hold_three_nodes(undo)
+        # beside it (a core of each node), a heterogeneous job (issue 38) of a component a node
+        het = _hold_three_nodes(undo, components=True)
         doctor = ["doctor", "--job", held, "cluster=slurmtest", f"run.output_root={out}"]
         cpu = run_cli(
             *doctor,
@@ -435,10 +437,8 @@ def test_doctor_names_the_node_that_fails_each_check_and_the_job_ends_before_ray
         # the container image: no pyxis here, so srun refuses the image flag before any check runs, as it
         # ends when an image does not start; doctor says so in one line naming the job and the fix
         image = run_cli(*doctor, f"cluster.container.image={tmp_path / 'missing.sqsh'}")
-        subprocess.run(["scancel", held], check=False)
-        # a heterogeneous job (issue 38): a component a node, a GPU plan of a 2-GPU rollout node, a 4-GPU
-        # training node and a 2-GPU judge node; srun reaches every component and each node checks its own
-        het = _hold_three_nodes(undo, components=True)
+        # on the heterogeneous job, a GPU plan of a 2-GPU rollout node, a 4-GPU training node and a 2-GPU
+        # judge node: srun reaches every component and each node checks its own role's GPUs
         gpu = run_cli(
             "doctor",
             "--job",
@@ -452,6 +452,7 @@ def test_doctor_names_the_node_that_fails_each_check_and_the_job_ends_before_ray
             "cluster.imex.enabled=true",
             "cluster.imex.channel=0",
         )
+        subprocess.run(["scancel", held, het], check=False)  # the nodes for the job submitted below
         assert cpu.returncode == 1, cpu.stdout + cpu.stderr
         checks = [line.split()[2] for line in cpu.stdout.splitlines()]
         assert checks == 3 * ["gpus", "nccl", "versions", "paths", "disk", "ports", "shared"], cpu.stdout
