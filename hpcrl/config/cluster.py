@@ -163,6 +163,8 @@ class ClusterConfig:
                         f"{node.KEY} describes a Slurm heterogeneous job; cluster "
                         f"'{self.name}' is {self.scheduler.value}: remove {node.KEY}"
                     )
+                if isinstance(node, RolloutNodes):  # judge nodes too
+                    node.check_gpu(self.gpu)
         for mount in self.container.mounts:
             if ":" not in mount:
                 raise ConfigError(f"cluster.container.mounts entry '{mount}' must be 'src:dst'")

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from hpcrl.config.slurmtime import parse_slurm_time
 from hpcrl.core.checks import positive
+from hpcrl.errors import ConfigError
 
 
 @dataclass
@@ -42,6 +43,9 @@ class RolloutNodes(NodeKind):
 
     KEY: ClassVar[str] = "cluster.rollout_node"
 
+    gpu: str | None = None
+    """The GPU model of these nodes as plans print it (L40S); None: ``cluster.gpu``. Another model than
+    ``cluster.gpu`` needs its memory (``gpu_memory_gb``), which the engines' share is planned on."""
     gpus_per_node: int | None = None
     """GPUs of one of these nodes (the component's ``--gpus-per-node``, the GPUs its Ray node advertises);
     the engines' tensor-parallel size must divide it. None: ``cluster.gpus_per_node``."""
@@ -54,6 +58,19 @@ class RolloutNodes(NodeKind):
             positive(f"{self.KEY}.gpus_per_node", self.gpus_per_node)
         if self.gpu_memory_gb is not None:
             positive(f"{self.KEY}.gpu_memory_gb", self.gpu_memory_gb)
+
+    def check_gpu(self, cluster_gpu: str) -> None:
+        """A GPU model of their own is planned on its own memory, never on the training GPUs'."""
+        if self.gpu and self.gpu.lower() != cluster_gpu.lower() and self.gpu_memory_gb is None:
+            raise ConfigError(
+                f"{self.KEY}.gpu={self.gpu} is another GPU than cluster.gpu={cluster_gpu}: give its memory, "
+                f"{self.KEY}.gpu_memory_gb=<GB per GPU>"
+            )
+
+    def gpu_label(self, cluster_gpu: str) -> str:
+        """The GPU model these nodes hold as the plan shows it: theirs, the training nodes' where they
+        share its memory too, else "" (another GPU, known only by its memory)."""
+        return self.gpu or (cluster_gpu if self.gpu_memory_gb is None else "")
 
 
 @dataclass

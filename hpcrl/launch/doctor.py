@@ -31,13 +31,7 @@ from typing import TYPE_CHECKING
 from hpcrl.config.cluster import Scheduler
 from hpcrl.config.model import LOCAL_PREFIX
 from hpcrl.launch.ports import listening_ports
-from hpcrl.launch.ray_cluster import (
-    DASHBOARD_PORT,
-    GCS_PORT,
-    METRICS_EXPORT_PORT,
-    NODE_MANAGER_PORT,
-    WORKER_PORTS,
-)
+from hpcrl.launch.ray_cluster import ray_ports
 from hpcrl.plan.components import node_gpus
 from hpcrl.plan.planner import Plan
 from hpcrl.plan.savetime import checkpoint_gb
@@ -89,6 +83,8 @@ class Expect:
     """A file the login node wrote on the shared filesystem ("": not checked)."""
     node_gpus: list[int] = field(default_factory=list)
     """GPUs of each node of the job by index (a heterogeneous job's components differ); empty: ``gpus_per_node``."""
+    node_roles: list[str] = field(default_factory=list)
+    """Each node's role by index (``Plan.node_roles``): what ``doctor --job`` checks each node as."""
 
     def for_node(self, node_id: int, role: str) -> Expect:
         """What node ``node_id`` of ``role`` must offer: its own GPUs; an environment node runs no GPU work."""
@@ -97,22 +93,16 @@ class Expect:
         own = self.node_gpus[node_id] if node_id < len(self.node_gpus) else self.gpus_per_node
         return replace(self, gpus_per_node=own)
 
+    def on_node(self, node_id: int) -> Expect:
+        """``for_node`` with the plan's role of node ``node_id`` (a node past the plan's: a training node's)."""
+        return self.for_node(node_id, self.node_roles[node_id] if node_id < len(self.node_roles) else "")
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> Expect:
         return cls(**json.loads(text))
-
-
-def ray_ports() -> list[list[int]]:
-    """The fixed ports the job's Ray listens on (``ray_cluster``), all below 9000, as ranges."""
-    return [
-        [GCS_PORT, GCS_PORT],
-        [NODE_MANAGER_PORT, METRICS_EXPORT_PORT],
-        [DASHBOARD_PORT, DASHBOARD_PORT],
-        list(WORKER_PORTS),
-    ]
 
 
 def expect_from_plan(plan: Plan, shared_file: str = "", run_dir: str = "") -> Expect:
@@ -141,6 +131,7 @@ def expect_from_plan(plan: Plan, shared_file: str = "", run_dir: str = "") -> Ex
         ports=ray_ports() if cluster.scheduler is Scheduler.slurm else [],
         shared_file=shared_file,
         node_gpus=node_gpus(plan),
+        node_roles=plan.node_roles(),
     )
 
 

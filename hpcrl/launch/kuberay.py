@@ -27,6 +27,7 @@ from typing import Any
 from hpcrl.config.cluster import ClusterConfig
 from hpcrl.config.kube import KubeSite, KubeVolume
 from hpcrl.errors import ConfigError
+from hpcrl.plan.components import node_gpus
 from hpcrl.plan.planner import Plan
 from hpcrl.plan.savetime import save_seconds
 
@@ -105,9 +106,17 @@ def grace_seconds(plan: Plan) -> int:
     return plan.cfg.cluster.kube.step_margin_s + math.ceil(save_seconds(plan))
 
 
-def role_groups(plan: Plan) -> list[tuple[str, int]]:
-    """Each role of ``Plan.node_roles()`` and its node count, in node order (node 0's role first)."""
-    return [(role, len(list(nodes))) for role, nodes in itertools.groupby(plan.node_roles())]
+def role_groups(plan: Plan) -> list[tuple[str, int, int]]:
+    """Each role of ``Plan.node_roles()``, its node count and the GPUs of one of its nodes (``node_gpus``:
+    the node kinds of their own are Slurm's, so on Kubernetes every role's nodes are the cluster's), in
+    node order (node 0's role first)."""
+    each = node_gpus(plan)
+    groups, first = [], 0
+    for role, nodes in itertools.groupby(plan.node_roles()):
+        count = len(list(nodes))
+        groups.append((role, count, each[first]))
+        first += count
+    return groups
 
 
 def _submitter(cluster: ClusterConfig) -> dict[str, Any]:
@@ -153,7 +162,7 @@ def ray_cluster_spec(plan: Plan, run_dir: Path) -> dict[str, Any]:
     from hpcrl.run.actors import role_gpus, role_resources
 
     cluster = plan.cfg.cluster
-    kube, gpn = cluster.kube, plan.topology.gpus_per_node
+    kube = cluster.kube
     stop = Stop(run_dir, grace_seconds(plan))
     head = {
         # the head runs no tasks; its job server listens for the submitter pod (token auth guards it)
@@ -179,7 +188,7 @@ def ray_cluster_spec(plan: Plan, run_dir: Path) -> dict[str, Any]:
                 "spec": _pod(cluster, "ray-worker", stop, gpus=gpus),
             },
         }
-        for role, count, gpus in ((r, n, role_gpus(r, gpn)) for r, n in role_groups(plan))
+        for role, count, gpus in ((r, n, role_gpus(r, g)) for r, n, g in role_groups(plan))
     ]
     return {"rayVersion": kube.ray_version, "headGroupSpec": head, "workerGroupSpecs": workers}
 

@@ -35,6 +35,16 @@ DASHBOARD_PORT = 8265
 DROP_PREFIXES = ("PMI", "PMIX", "OMPI", "SLURM_CPU_BIND", "SLURM_MPI")
 
 
+def ray_ports() -> list[list[int]]:
+    """The fixed ports the job's Ray listens on, all below 9000, as ranges (``hpcrl doctor`` checks them)."""
+    return [
+        [GCS_PORT, GCS_PORT],
+        [NODE_MANAGER_PORT, METRICS_EXPORT_PORT],
+        [DASHBOARD_PORT, DASHBOARD_PORT],
+        list(WORKER_PORTS),
+    ]
+
+
 class BootstrapError(RuntimeError):
     pass
 

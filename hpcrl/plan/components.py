@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hpcrl.config.roles import NodeKind
-from hpcrl.plan.judge import judge_node_gpus
+from hpcrl.plan.judge import judge_memory_gb, judge_node_gpus
 from hpcrl.plan.topology import Placement
 
 if TYPE_CHECKING:
@@ -66,3 +66,34 @@ def components(plan: Plan) -> list[Component] | None:
     if envs:  # of their own kind: no GPUs; else the training nodes' kind, GPUs and all
         parts.append(Component("environment nodes", envs, cluster.env_node, 0 if cluster.env_node else gpn))
     return parts
+
+
+@dataclass(frozen=True)
+class RoleGpu:
+    """The GPUs one role's nodes hold, as ``hpcrl plan``'s memory table names them."""
+
+    role: str
+    gpu: str
+    """The GPU model ("": another than the training nodes', known by its memory only)."""
+    memory_gb: float
+    """What its per-GPU figures are of (the engines' share, the training peak)."""
+
+    def label(self) -> str:
+        return f"{self.role} {self.gpu + ' ' if self.gpu else ''}of {self.memory_gb:.0f}"
+
+
+def role_gpus(plan: Plan) -> list[RoleGpu]:
+    """Each GPU role's GPU model and memory: the training nodes' (the engines' too when colocated), the
+    dedicated rollout nodes' (``cluster.rollout_node``), the judge nodes' (``cluster.judge_node``)."""
+    cluster = plan.cfg.cluster
+    split = plan.topology.placement is Placement.SPLIT
+    kinds = [RoleGpu("train" if split else "train+rollout", cluster.gpu, cluster.gpu_memory_gb)]
+    if split:
+        node = cluster.rollout_node
+        gpu = node.gpu_label(cluster.gpu) if node is not None else cluster.gpu
+        kinds.append(RoleGpu("rollout", gpu, cluster.rollout_memory_gb(split)))
+    if plan.judge is not None and plan.judge.gpus:
+        judge = cluster.judge_node
+        gpu = judge.gpu_label(cluster.gpu) if judge is not None else cluster.gpu
+        kinds.append(RoleGpu("judge", gpu, judge_memory_gb(plan.cfg)))
+    return kinds

@@ -101,8 +101,7 @@ def plan_judge(cfg: RunConfig, on_gpus: bool) -> JudgePlan | None:
             f"hold: give the {gpus} judge GPU(s) nodes of their own, rewards.judge.nodes={-(-gpus // gpn)}"
         )
     nodes = _nodes(cfg, s, gpus)
-    node = cfg.cluster.judge_node
-    capacity = node.gpu_memory_gb if node is not None and node.gpu_memory_gb else cfg.cluster.gpu_memory_gb
+    capacity = judge_memory_gb(cfg)
     weights = model.param_counts().total * WEIGHT_BYTES / s.tp / GB
     plan = JudgePlan(s, model, nodes, gpus, length, weights, kv, capacity * s.gpu_memory_utilization)
     if plan.sequences_that_fit < 1:
@@ -136,6 +135,13 @@ def judge_node_gpus(cfg: RunConfig) -> int:
     node = cfg.cluster.judge_node
     own = node.gpus_per_node if node is not None else None
     return cfg.cluster.gpus_per_node if own is None else own
+
+
+def judge_memory_gb(cfg: RunConfig) -> float:
+    """Memory of one judge GPU: its kind's own (``cluster.judge_node.gpu_memory_gb``), else a training GPU's."""
+    node = cfg.cluster.judge_node
+    own = node.gpu_memory_gb if node is not None else None
+    return cfg.cluster.gpu_memory_gb if own is None else own
 
 
 def _gpus_key(cfg: RunConfig) -> str:

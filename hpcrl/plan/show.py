@@ -13,7 +13,7 @@ from rich.text import Text
 from hpcrl.config.defaults import default_recipes
 from hpcrl.config.schema import RunConfig
 from hpcrl.data.config import is_procedural
-from hpcrl.plan.components import components, node_gpus
+from hpcrl.plan.components import components, node_gpus, role_gpus
 from hpcrl.plan.planner import Plan, ShippedLayout, shipped_layouts
 from hpcrl.plan.savetime import save_time
 from hpcrl.trainer.backends import trainer_spec
@@ -204,7 +204,7 @@ def engines_note(engines: int, per_gpu: int) -> str:
 
 def _memory(plan: Plan) -> Table:
     mem = plan.memory
-    table = Table(title=f"Memory per GPU (GB of {mem.capacity:.0f})")
+    table = Table(title=memory_title(plan))
     table.add_column("item")
     table.add_column("GB", justify="right")
     t = mem.train
@@ -229,10 +229,27 @@ def _memory(plan: Plan) -> Table:
     table.add_row("rollout: sequences in KV (fit / wanted)", f"{r.sequences_that_fit} / {r.wanted_sequences}")
     for name, value in _colocated_rows(plan):
         table.add_row(name, f"{value:.1f}")
+    judge = plan.judge
+    if judge is not None and judge.gpus:
+        table.add_row("judge: engine share", f"{judge.budget_gb:.1f}")
+        table.add_row("judge: weights (per GPU)", f"{judge.weights_gb:.1f}")
+        table.add_row(
+            f"judge: KV per {judge.max_model_len}-token sequence", f"{judge.kv_per_sequence_gb:.3f}"
+        )
+        table.add_row("judge: sequences in KV (fit)", str(judge.sequences_that_fit))
     if mem.host_per_node:
         of = f" of {mem.host_capacity:.0f}" if mem.host_capacity is not None else ""
         table.add_row(f"host: offloaded optimizer state per node (GB{of})", f"{mem.host_per_node:.1f}")
     return table
+
+
+def memory_title(plan: Plan) -> str:
+    """The memory table's title: the GPU memory its figures are of, each role's where the roles' GPUs
+    differ (rollout or judge nodes of another kind: ``cluster.rollout_node``, ``judge_node``)."""
+    kinds = role_gpus(plan)
+    if len({(k.gpu, k.memory_gb) for k in kinds}) == 1:
+        return f"Memory per GPU (GB of {plan.memory.capacity:.0f})"
+    return f"Memory per GPU (GB; {', '.join(k.label() for k in kinds)})"
 
 
 def _colocated_rows(plan: Plan) -> list[tuple[str, float]]:
@@ -254,7 +271,8 @@ def _verdict(plan: Plan, console: Console) -> None:
     for warning in plan.nvlink.warnings:
         console.print(f"[yellow]NVLink[/]: {warning}")
     if plan.fits:
-        console.print(f"[green]fits[/]: peak {mem.train_gpu_peak:.0f} GB of {mem.capacity:.0f} GB per GPU")
+        each = "per GPU" if len({k.memory_gb for k in role_gpus(plan)}) == 1 else "per training GPU"
+        console.print(f"[green]fits[/]: peak {mem.train_gpu_peak:.0f} GB of {mem.capacity:.0f} GB {each}")
         return
     for problem in mem.problems:
         console.print(f"[red]does not fit[/]: {problem}")

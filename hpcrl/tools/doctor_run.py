@@ -1,5 +1,7 @@
 """Where ``hpcrl doctor`` runs: on this machine, or on every node of a running job from the login node
-(one task a node through ``srun --overlap``, in the job's container). The checks: ``doctor.py``."""
+(one task a node through ``srun --overlap``, in the job's container, over every component of a
+heterogeneous job). Each node's task checks the plan's expectations as its own node's (``SLURM_NODEID``):
+its role's GPUs, none on an environment node. The checks: ``doctor.py``."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from hpcrl.plan.planner import Plan
 def doctor_command(overrides: list[str], *, job: str | None, here: bool, expect_json: str | None) -> int:
     """``hpcrl doctor``: this node (``--here``, or outside any allocation), or every node of ``job``
     (default: the allocation you are in, ``$SLURM_JOB_ID``). Exit status 1 if any check fails."""
-    if expect_json is not None:  # a node of a fan-out: the login node's expectations
-        return 0 if report(Expect.from_json(expect_json)) else 1
+    if expect_json is not None:  # a node of a fan-out: the login node's expectations, as its role's
+        node = int(os.environ.get("SLURM_NODEID", "0"))  # global over a heterogeneous job's components
+        return 0 if report(Expect.from_json(expect_json).on_node(node)) else 1
     from hpcrl.plan.planner import plan_from_overrides
 
     plan = plan_from_overrides(overrides)
@@ -40,13 +43,9 @@ def fan_out(job: str, plan: Plan) -> int:
     shared.write_text(expect.to_json())
     # the run dir's mount too: .doctor/ sits beside the runs, under output_root
     container = container_args(cfg.cluster, run_dir=shared.parent)
-    nodes = job_nodes(job)
     python = cfg.cluster.python or sys.executable
-    argv = [
-        "srun", f"--jobid={job}", "--overlap", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
-        "--kill-on-bad-exit=0", *container,
-        python, "-m", "hpcrl.cli", "doctor", "--expect", expect.to_json(),
-    ]  # fmt: skip
+    command = [python, "-m", "hpcrl.cli", "doctor", "--expect", expect.to_json()]
+    argv = doctor_srun(job, job_components(job), container, command)
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     finally:
@@ -62,15 +61,29 @@ def fan_out(job: str, plan: Plan) -> int:
     return 0 if done.returncode == 0 else 1
 
 
-def job_nodes(job: str) -> int:
-    """How many nodes the running job holds (srun from outside the allocation would start one task)."""
+def doctor_srun(job: str, parts: list[int], container: list[str], command: list[str]) -> list[str]:
+    """srun's command line for one ``command`` task on every node of ``job``, whose components hold
+    ``parts`` nodes each (one: a homogeneous job): each component its own counts, ':' between them, so
+    srun from outside the allocation starts a task on each node of each (else one task in the first)."""
+    argv = ["srun", f"--jobid={job}", "--overlap", "--kill-on-bad-exit=0", *container]
+    for i, nodes in enumerate(parts):
+        argv += [":"] if i else []
+        argv += [f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", *command]
+    return argv
+
+
+def job_components(job: str) -> list[int]:
+    """The nodes of each component of the running ``job`` in component order (a heterogeneous job's
+    are ``JOB+0``, ``JOB+1`` ...; a homogeneous job has one)."""
     from hpcrl.config.slurminfo import run_slurm
     from hpcrl.errors import HpcrlError
 
-    fields = run_slurm(["squeue", "-h", "-j", job, "-o", "%D %T"]).split()
-    if len(fields) < 2 or fields[1] != "RUNNING":
-        state = fields[1] if len(fields) > 1 else "not in squeue"
+    rows = [line.split() for line in run_slurm(["squeue", "-h", "-j", job, "-o", "%i %D %T"]).splitlines()]
+    rows = sorted((r for r in rows if len(r) == 3), key=lambda r: int(r[0].partition("+")[2] or 0))
+    states = {r[2] for r in rows}
+    if states != {"RUNNING"}:
+        state = ", ".join(sorted(states)) or "not in squeue"
         raise HpcrlError(
             f"hpcrl doctor --job {job}: the job is not running ({state}); pass a running job or allocation"
         )
-    return int(fields[0])
+    return [int(r[1]) for r in rows]

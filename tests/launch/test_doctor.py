@@ -13,6 +13,7 @@ import pytest
 from hpcrl.launch.doctor import (
     Expect,
     check_disk,
+    check_gpus,
     check_imex,
     check_nccl,
     check_paths,
@@ -193,3 +194,49 @@ def test_submit_checks_the_checkpoints_room_where_the_filesystem_is_visible(tmp_
         assert len(warned) == 2 and warned[1].startswith("checkpoint.keep_top_k=3 keeps 4 checkpoints")
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+HET_JOB = (
+    "+experiment=grpo-gemma3-1b-it-2n4g-1n8g-fsdp2-hetjob",
+    *SITE,
+    "+rewards.judge.model=qwen3_8b",
+    "+rewards.judge.nodes=1",
+    "+rewards.judge.engines=2",
+    "+rewards.judge.parse=yes_no",
+    "+cluster.judge_node.gpus_per_node=2",
+    "+env.name=calculator",
+    "+env.nodes=1",
+    "+cluster.env_node.cpus_per_node=8",
+)
+"""Five nodes of four kinds: two 4-GPU rollout nodes, an 8-GPU training node, a 2-GPU judge node and an
+environment node without GPUs."""
+
+
+def test_doctor_job_checks_each_node_as_its_own_role(monkeypatch, capsys):
+    """``hpcrl doctor --job`` sends every node the same expectations; each node's task checks them as its
+    node of the plan (``SLURM_NODEID``, global over a heterogeneous job's components): its own GPUs, none
+    on an environment node. Here (no GPUs) a GPU node fails naming its own count, the env node passes."""
+    from hpcrl.tools.doctor_run import doctor_command
+
+    p = plan(*HET_JOB)
+    assert p.node_roles() == ["rollout", "rollout", "train", "judge", "env"]
+    sent = dataclasses.replace(expect_from_plan(p), ports=[], paths={}, disk_gb=0.0).to_json()
+    gpus, codes = [], []
+    for node in range(p.job_nodes):
+        monkeypatch.setenv("SLURM_NODEID", str(node))
+        codes.append(doctor_command([], job=None, here=False, expect_json=sent))
+        lines = capsys.readouterr().out.splitlines()
+        gpus += [line.split(None, 3)[3] for line in lines if line.split()[2] == "gpus"]
+    assert [g.split("; fix: ")[0] for g in gpus] == [
+        "0 GPUs, plan wants 4",
+        "0 GPUs, plan wants 4",
+        "0 GPUs, plan wants 8",
+        "0 GPUs, plan wants 2",
+        "0 GPUs; the plan runs on CPU",  # the environment node
+    ]
+    assert codes[:4] == [1, 1, 1, 1]
+    # a node with the GPUs of its kind passes, another count fails
+    expect = Expect.from_json(sent)
+    assert check_gpus(expect.on_node(0), found=4).ok and not check_gpus(expect.on_node(0), found=8).ok
+    assert check_gpus(expect.on_node(2), found=8).ok and check_gpus(expect.on_node(3), found=2).ok
+    assert expect.on_node(7).gpus_per_node == 8  # a node past the plan's: a training node's count

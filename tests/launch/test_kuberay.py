@@ -122,6 +122,26 @@ def test_each_role_is_a_worker_group_with_its_ray_resources():
         assert set(actors.role_resources(role, 1)) <= declared, role
 
 
+@pytest.mark.parametrize(
+    ("key", "role"),
+    [
+        ("rollout_node", ["layout.rollout_nodes=1"]),
+        ("judge_node", ["+rewards.judge.model=qwen3_8b", "+rewards.judge.nodes=1"]),
+        ("env_node", ["+env.name=calculator", "+env.nodes=1"]),
+    ],
+)
+def test_node_kinds_of_their_own_are_slurms_and_refused_on_kuberay(key, role):
+    """A role's nodes of another kind (partition, GPUs ...) make a Slurm heterogeneous job; on KubeRay a
+    role is its worker group of the cluster's nodes, so those keys mean nothing there: one line each."""
+    with pytest.raises(ConfigError) as err:
+        _plan(*role, f"+cluster.{key}.partition=other")
+    assert str(err.value) == (
+        f"cluster.{key} describes a Slurm heterogeneous job; cluster 'gke_a4' is kuberay: remove cluster.{key}"
+    )
+    groups = rayjob(_plan(*role), Path("/data/runs/r"))["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert groups[-1]["rayStartParams"]["num-gpus"] == ("0" if key == "env_node" else "8")
+
+
 def test_environment_nodes_are_a_worker_group_without_gpus():
     """``env.nodes`` (issue 38 item 4) on KubeRay: a worker group advertising ``hpcrl_env`` (what the
     environment actor asks for) whose pods ask for no GPU and give Ray none."""

@@ -367,9 +367,17 @@ def _break_node2(undo: contextlib.ExitStack, conf: str, tmp_path: Path) -> None:
         undo.callback(subprocess.run, [*link, "del", "ib0"], check=True)
 
 
-def _hold_three_nodes(undo: contextlib.ExitStack) -> str:
-    sbatch = ["sbatch", "--parsable", "-N", "3", "-p", "debug", "-t", "5", "-o", "/dev/null"]
-    job = subprocess.run([*sbatch, "--wrap", "sleep 300"], capture_output=True, text=True, check=True)
+def _hold_three_nodes(undo: contextlib.ExitStack, components: bool = False) -> str:
+    """Three nodes held by a sleeping job; ``components``: a heterogeneous job of a component a node,
+    hpcrl-node1, 2 and 3 in component order (node ids 0, 1 and 2 of a step over all three)."""
+    each = ["-p", "debug", "-t", "5", "-o", "/dev/null"]
+    shape = [*each, "-N", "3"]
+    if components:
+        shape = [*each, "-N", "1", "-w", "hpcrl-node1"]
+        shape += [arg for node in (2, 3) for arg in (":", *each, "-N", "1", "-w", f"hpcrl-node{node}")]
+    job = subprocess.run(
+        ["sbatch", "--parsable", *shape, "--wrap", "sleep 300"], capture_output=True, text=True, check=True
+    )
     held = job.stdout.strip()
     undo.callback(subprocess.run, ["scancel", held], check=False)
     deadline = time.monotonic() + 60
@@ -397,10 +405,12 @@ def test_doctor_names_the_node_that_fails_each_check_and_the_job_ends_before_ray
     (disk), a copy of torch's metadata with another version is bound over the real one (versions), a
     process holds Ray's GCS port (ports), and only nodes 1 and 3 have an interface matching
     NCCL_SOCKET_IFNAME=ib (a bridge `ib0`; nccl). GPUs and IMEX are FAKES (no GPUs, no IMEX driver
-    here): a second run plans on two "H200"s with IMEX channel 0, and nodes 1 and 3 alone get a fake
-    `nvidia-smi` listing two GPUs on PATH and a directory holding a plain file `channel0` bound at the
-    IMEX path. `hpcrl doctor --job` fails node2's line of each check, with the fix, and passes the
-    others; then a submitted job ends at its first step (the doctor) naming node2, before Ray."""
+    here): a second run, on a heterogeneous job of a component a node (issue 38), plans a 2-GPU rollout
+    node, a 4-GPU training node and a 2-GPU judge node, H200s with IMEX channel 0, and nodes 1 and 3 alone
+    get a fake `nvidia-smi` listing two GPUs on PATH and a directory holding a plain file `channel0` bound
+    at the IMEX path. `hpcrl doctor --job` fails node2's line of each check, with the fix, and passes the
+    others (each node checked as its own role's); then a submitted job ends at its first step (the
+    doctor) naming node2, before Ray."""
     for folder in ("out", "ckpt", "data", "bin", "fake_bin", "fake_imex"):
         (tmp_path / folder).mkdir()
     out, ckpt, source = tmp_path / "out", tmp_path / "ckpt", tmp_path / "data" / "train.jsonl"
@@ -414,6 +424,8 @@ def test_doctor_names_the_node_that_fails_each_check_and_the_job_ends_before_ray
     with contextlib.ExitStack() as undo:
         _break_node2(undo, slurm_cluster, tmp_path)
         held = _hold_three_nodes(undo)
+        # beside it (a core of each node), a heterogeneous job (issue 38) of a component a node
+        het = _hold_three_nodes(undo, components=True)
         doctor = ["doctor", "--job", held, "cluster=slurmtest", f"run.output_root={out}"]
         cpu = run_cli(
             *doctor,
@@ -422,17 +434,25 @@ def test_doctor_names_the_node_that_fails_each_check_and_the_job_ends_before_ray
             f"checkpoint.dir={ckpt}",
             "+cluster.env.NCCL_SOCKET_IFNAME=ib",
         )
-        gpu = run_cli(
-            *doctor,
-            "cluster.gpu=H200",
-            "cluster.gpus_per_node=2",
-            "cluster.imex.enabled=true",
-            "cluster.imex.channel=0",
-        )
         # the container image: no pyxis here, so srun refuses the image flag before any check runs, as it
         # ends when an image does not start; doctor says so in one line naming the job and the fix
         image = run_cli(*doctor, f"cluster.container.image={tmp_path / 'missing.sqsh'}")
-        subprocess.run(["scancel", held], check=False)
+        # on the heterogeneous job, a GPU plan of a 2-GPU rollout node, a 4-GPU training node and a 2-GPU
+        # judge node: srun reaches every component and each node checks its own role's GPUs
+        gpu = run_cli(
+            "doctor",
+            "--job",
+            het,
+            "+experiment=grpo-tiny-3n1g-fsdp-judge-hetjob",
+            f"run.output_root={out}",
+            "cluster.gpu=H200",
+            "cluster.gpus_per_node=4",
+            "cluster.rollout_node.gpus_per_node=2",
+            "cluster.judge_node.gpus_per_node=2",
+            "cluster.imex.enabled=true",
+            "cluster.imex.channel=0",
+        )
+        subprocess.run(["scancel", held, het], check=False)  # the nodes for the job submitted below
         assert cpu.returncode == 1, cpu.stdout + cpu.stderr
         checks = [line.split()[2] for line in cpu.stdout.splitlines()]
         assert checks == 3 * ["gpus", "nccl", "versions", "paths", "disk", "ports", "shared"], cpu.stdout
@@ -459,13 +479,14 @@ def test_doctor_names_the_node_that_fails_each_check_and_the_job_ends_before_ray
         _assert_only_node2_fails(
             gpu.stdout,
             {
-                "gpus": ("0 GPUs, plan wants 2; fix: ask Slurm for them",),
+                "gpus": ("0 GPUs, plan wants 4; fix: ask Slurm for them",),  # the training node
                 "imex": (
                     f"{IMEX_DIR}/channel0: missing or not writable; fix: the job needs an IMEX channel",
                 ),
             },
         )
-        assert "pass  hpcrl-node3  gpus      2 GPUs, plan wants 2" in gpu.stdout
+        for node in (1, 3):  # the rollout and judge nodes: their kinds' own GPUs, not cluster.gpus_per_node
+            assert f"pass  hpcrl-node{node}  gpus      2 GPUs, plan wants 2" in gpu.stdout, gpu.stdout
         assert image.returncode == 1 and image.stdout.count("FAIL") == 1, image.stdout + image.stderr
         start = image.stdout.strip().splitlines()[-1]
         assert start.startswith(f"FAIL  job {held}  start     srun ended with code "), start
