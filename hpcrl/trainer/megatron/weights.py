@@ -62,6 +62,7 @@ COLUMN = (
     "linear_fc1.weight",
     "word_embeddings.weight",
     "output_layer.weight",
+    "eh_proj.weight",  # an MTP depth's input projection (megatron/mtp.py), column-parallel as Megatron's
 )
 ROW = ("linear_proj.weight", "linear_fc2.weight", "mixer.out_proj.weight")
 
