@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 import torch
 
-from hpcrl.trainer.megatron.weights import Shape, shard, unshard
+from hpcrl.trainer.megatron.weights import Shape, relocate, shard, unshard
 from hpcrl.trainer.megatron.weights_hybrid import MTP_PREFIX, QKV, partitions, to_hf, to_megatron
 from tests.conftest import TorchrunCase, register_torchrun_case
 from tests.harness.mamba_mixer_check import OVERRIDES as MIXER_OVERRIDES
@@ -132,9 +132,9 @@ MTP = ("trainer.mtp_loss_scale=0.5", "trainer.mtp_detach=false")
 hidden states, the embedding and the vocab-parallel head too)."""
 MTP_RUNS = {
     (tp, ep): _parity_case(f"mtp-tp{tp}ep{ep}", tp, 1, packing=MTP, checkpoint=MTP_CHECKPOINT, ep=ep)
-    for tp, ep in ((1, 1), (2, 1))
+    for tp, ep in ((1, 1), (2, 1), (1, 2))
 }
-"""The MTP layers at TP=1 and TP=2 (sequence parallel), on the checkpoint with them."""
+"""The MTP layers at TP=1, TP=2 (sequence parallel) and EP=2 (over DP=2), on the checkpoint with them."""
 MIXER = register_torchrun_case(
     TorchrunCase(
         "nemotron_h-mixer",
@@ -243,6 +243,8 @@ def test_carried_mtp_layers_map_as_the_decoders_layers_of_their_kind(tmp_path):
     # experts take global indices as the decoder's do (no pipeline offset: the block numbers its own)
     eh = meg["mtp_block.layers.0.eh_proj.weight"]
     assert torch.equal(shard("mtp_block.layers.0.eh_proj.weight", eh, 2, 1), eh.chunk(2)[1])
+    local = "mtp_block.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"
+    assert relocate(local, 4, 4) == local.replace("experts.3.", "experts.7.")
 
 
 def _logp(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -411,8 +413,12 @@ def test_mtp_layers_under_tensor_and_expert_parallel_step_as_at_tp1(torchrun_cas
     }
     base, plain = runs[1, 1], torchrun_cases.result(BASE.id)
     assert base["metrics"]["mtp_loss"] > 1.0
-    mtp_grads = [k for k in base["grads"] if k.startswith("mtp.")]
-    assert len(mtp_grads) == len(carried) and all(base["grads"][k].abs().max() > 0 for k in mtp_grads)
+    mtp_grads = {k: g for k, g in base["grads"].items() if k.startswith("mtp.")}
+    assert mtp_grads.keys() == carried.keys()
+    # every MTP weight learns but the experts no token went to; tokens reach both EP ranks' experts
+    moved = {k for k, g in mtp_grads.items() if g.abs().max() > 0}
+    assert {k for k in mtp_grads if ".experts." not in k} <= moved
+    assert {int(k.split(".experts.")[1].split(".")[0]) // 4 for k in moved if ".experts." in k} == {0, 1}
     # the same decoder as the plain parity run's: its MTP loss reached the head and the decoder
     assert torch.equal(base["logp"], plain["logp"])
     for name in ("lm_head.weight", "backbone.layers.7.mixer.in_proj.weight"):
