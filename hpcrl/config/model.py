@@ -145,7 +145,7 @@ class ModelConfig:
     mtp_layers: int = 0
     """Multi-token-prediction blocks the checkpoint ships (HF ``num_nextn_predict_layers``), each one
     ``hybrid.mtp_pattern`` stack plus ``eh_proj`` [h, 2h], ``enorm``, ``hnorm``, ``final_layernorm``.
-    Counted (``ParamCounts.mtp``); trained only with ``trainer.mtp_loss_scale`` (fsdp), which the
+    Counted (``ParamCounts.mtp``); trained only with ``trainer.mtp_loss_scale`` (both backends), which the
     recipes leave unset (Megatron's ``mtp_num_layers 0``)."""
 
     def check(self) -> None:

@@ -261,10 +261,10 @@ def _megatron(trainer: TrainerConfig) -> MegatronTrainerConfig:
 
 
 def _megatron_mtp_gap(t: MegatronTrainerConfig) -> str:
-    """megatron/mtp.py runs MTP layers on the final hidden states (the chunked head's input: TP=1), the
-    embedding at hand (PP=1), on whole unpacked rows (CP=1), unreplayed, every expert on each rank (EP=1)."""
-    needs = {"tp": (t.tp, 1), "fused_logprob": (t.fused_logprob, True), "pp": (t.pp, 1), "cp": (t.cp, 1)}
-    needs |= {"ep": (t.ep, 1), "packing": (t.packing, False), "router_replay": (t.router_replay, False)}
+    """MTP layers run under TP/SP and EP as the decoder's; not yet under PP (no embedding on the last
+    stage), CP (rolled tokens cross CP chunks), packing or router replay: docs/backends.md says why."""
+    needs = {"pp": (t.pp, 1), "cp": (t.cp, 1), "packing": (t.packing, False)}
+    needs["router_replay"] = (t.router_replay, False)
     key = next((k for k, (have, want) in needs.items() if have != want), "")
     have, want = (str(v).lower() for v in needs.get(key, ("", "")))
     return key and (

@@ -14,7 +14,9 @@ block's layers and ``final_layernorm``, then the model's head, predicts ``x[t+k+
 model's last hidden state (after ``norm_f``) for depth 0, the previous depth's output after that
 (Megatron's ``MultiTokenPredictionBlock``; vLLM drafts the same way). Its loss (``nll``, which the
 megatron backend's layers share: megatron/mtp.py) is the mean negative log-likelihood over the loss
-tokens among those targets, averaged over the depths.
+tokens among those targets, averaged over the depths. Each depth runs on the whole width with the
+tokens rolled by its offset, as Megatron's MTP does (a sequence-parallel split of the width stays
+even): the rolled-in tail sits after every loss token, and the layers being causal it changes none.
 """
 
 from __future__ import annotations
@@ -79,7 +81,10 @@ class MTPLayers(nn.Module):
         embed: Callable[[torch.Tensor], torch.Tensor],
         head: torch.Tensor,
     ) -> torch.Tensor:
-        return nll(self.depth, self.depths, hidden, ids, loss_mask, embed, head)
+        def logp(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return chunked_logprob(out, head, targets)[0]
+
+        return nll(self.depth, self.depths, hidden, ids, loss_mask, embed, logp)
 
 
 def nll(
@@ -89,17 +94,20 @@ def nll(
     ids: torch.Tensor,
     loss_mask: torch.Tensor,
     embed: Callable[[torch.Tensor], torch.Tensor],
-    head: torch.Tensor,
+    logp: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """The mean over depths of each depth's mean negative log-likelihood on its loss tokens (both
-    backends' MTP layers: ``depth(d, hidden, embedded)``). ``hidden`` [B, T, h] (after ``norm_f``),
-    ``ids`` [B, T], ``loss_mask`` [B, T-1] (at target ``ids[:, 1:]``), ``head`` the output embedding [V, h]."""
-    total = hidden.new_zeros((), dtype=torch.float32)
+    backends' MTP layers: ``depth(d, hidden, embedded)``, ``embed(ids)``, ``logp(out, targets)`` ->
+    log p(target) [B, T], in whatever layout the backend's layers hold a row: fsdp [B, T, h], megatron
+    [T, B, h]). ``hidden``: the last hidden state (after ``norm_f``), ``ids`` [B, T], ``loss_mask``
+    [B, T-1] (at target ``ids[:, 1:]``)."""
+    width, total = ids.shape[1], hidden.new_zeros((), dtype=torch.float32)
     for d in range(depths):
-        hidden = depth(d, hidden[:, :-1], embed(ids[:, d + 1 :]))
-        targets, mask = ids[:, d + 2 :], loss_mask[:, d + 1 :].to(torch.float32)
-        logp, _ = chunked_logprob(hidden[:, :-1], head, targets)
-        total = total - (logp * mask).sum() / mask.sum().clamp(min=1)
+        # position t: the previous depth's output there and token t+d+1, predicting token t+d+2
+        hidden = depth(d, hidden, embed(ids.roll(-(d + 1), 1)))
+        mask = loss_mask[:, d + 1 :].to(torch.float32)
+        mask = torch.nn.functional.pad(mask, (0, width - mask.shape[1]))  # the rolled-in tail: none
+        total = total - (logp(hidden, ids.roll(-(d + 2), 1)) * mask).sum() / mask.sum().clamp(min=1)
     return total / depths
 
 

@@ -68,8 +68,10 @@ def run_case(case: dict[str, Any], rank: int, world: int, master: str, out: Path
 
 def parity_step(trainer: Any, backend: str, world: int, out: Path) -> dict[str, Any]:
     """tests/harness/megatron_parity.py's run of one layout (no resume, no second step): one step on the
-    parity batch with a reference pass; rank 0's copy of the full gradients and weights."""
+    parity batch with a reference pass; rank 0's copy of the full gradients and weights. A model with
+    MTP layers also records them as loaded and as the refit streams them (before the step)."""
     batch = parity_batch()
+    mtp = mtp_sent(trainer) if backend == "megatron" and trainer.mtp is not None else {}
     with counting_masks() as masks:
         ref = trainer.logprobs(
             batch, reference=True
@@ -110,7 +112,23 @@ def parity_step(trainer: Any, backend: str, world: int, out: Path) -> dict[str, 
         "state_restored": [r for _, r in per_rank],
         "layout": layout,
         "weights": {k: v.cpu() for k, v in weights.items()},
+        **mtp,
     }
+
+
+def mtp_sent(trainer: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """The MTP layers' weights (``mtp.*``) as ``export_weights`` gathers them and as the refit streams
+    them (every sender's on rank 0), fp32."""
+    from hpcrl.trainer.base import CollectSink
+    from hpcrl.trainer.megatron.placement import gather_to_rank0
+
+    loaded = {k: v.clone() for k, v in trainer.export_weights().items() if k.startswith("mtp.")}
+    sink = CollectSink()
+    trainer.stream_weights(sink, torch.float32)
+    streamed: dict[str, torch.Tensor] = {}
+    for part in gather_to_rank0({k: v for k, v in sink.weights.items() if k.startswith("mtp.")}):
+        streamed |= part
+    return {"mtp_loaded": loaded, "mtp_streamed": streamed}
 
 
 def ran_layout(trainer: Any, world: int) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 import torch
 
-from hpcrl.trainer.megatron.weights import Shape, shard, unshard
+from hpcrl.trainer.megatron.weights import Shape, relocate, shard, unshard
 from hpcrl.trainer.megatron.weights_hybrid import MTP_PREFIX, QKV, partitions, to_hf, to_megatron
 from tests.conftest import TorchrunCase, register_torchrun_case
 from tests.harness.mamba_mixer_check import OVERRIDES as MIXER_OVERRIDES
@@ -65,12 +65,34 @@ def _save_model(out: Path) -> None:
     nemotron_h_model().save_pretrained(out)
 
 
+MTP_CHECKPOINT = "nemotron_h_parity_mtp"
+
+
+def _save_mtp_model(out: Path) -> None:
+    """The parity model (the same decoder) with one MTP block of Super's kinds (attention, LatentMoE),
+    saved under the checkpoint's ``mtp.*`` names (hpcrl/trainer/mtp.py's module, as the tiny model's)."""
+    from hpcrl.trainer.mtp import attach
+
+    model = nemotron_h_model(num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E")
+    attach(model, 1)
+    model.mtp.apply(model._init_weights)
+    with torch.no_grad():  # a correction bias that changes which of the block's experts win
+        model.mtp.layers[1].mixer.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.1)
+    model.save_pretrained(out)
+
+
 def _parity_case(
-    name: str, tp: int, pp: int, backend: str = "megatron", packing: tuple[str, ...] = (), **kw: int
+    name: str,
+    tp: int,
+    pp: int,
+    backend: str = "megatron",
+    packing: tuple[str, ...] = (),
+    checkpoint: str = CHECKPOINT,
+    **kw: int,
 ) -> TorchrunCase:
     """tests/harness/megatron_parity.py's run of a layout (its overrides; cp and ep as test_megatron's
-    ``_torchrun`` passes them, ``packing``'s after them) as a case of the session's torchrun of its
-    world size."""
+    ``_torchrun`` passes them, ``packing``'s after them: any further overrides) on ``checkpoint`` as a
+    case of the session's torchrun of its world size."""
     cp, ep = kw.get("cp", 1), kw.get("ep")
     extra = (f"trainer.cp={cp}", *([f"trainer.ep={ep}"] if ep else [])) if backend == "megatron" else ()
     extra = (*extra, *packing)
@@ -84,8 +106,8 @@ def _parity_case(
             world,
             backend,
             cfg,
-            CHECKPOINT,
-            _save_model,
+            checkpoint,
+            _save_mtp_model if checkpoint == MTP_CHECKPOINT else _save_model,
             "parity",
             False,
         )
@@ -105,6 +127,14 @@ PACKED = {
     for tp, pp, ep, cp in ((1, 1, 1, 1), *LAYOUTS)
 }
 """Every layout the padded parity runs (TP=1 too), packed."""
+MTP = ("trainer.mtp_loss_scale=0.5", "trainer.mtp_detach=false")
+"""The MTP block trained, its loss reaching the decoder (the gradient through the sequence-parallel
+hidden states, the embedding and the vocab-parallel head too)."""
+MTP_RUNS = {
+    (tp, ep): _parity_case(f"mtp-tp{tp}ep{ep}", tp, 1, packing=MTP, checkpoint=MTP_CHECKPOINT, ep=ep)
+    for tp, ep in ((1, 1), (2, 1), (1, 2))
+}
+"""The MTP layers at TP=1, TP=2 (sequence parallel) and EP=2 (over DP=2), on the checkpoint with them."""
 MIXER = register_torchrun_case(
     TorchrunCase(
         "nemotron_h-mixer",
@@ -182,7 +212,8 @@ def test_hf_to_megatron_to_hf_is_bit_identical_through_tensor_parallel(tmp_path,
 
 def test_carried_mtp_layers_map_as_the_decoders_layers_of_their_kind(tmp_path):
     """With ``Shape.mtp`` (``trainer.mtp_loss_scale``) an MTP block (attention, LatentMoE: Super's) maps
-    to ``mtp_block.layers.<i>`` by its layers' kinds, the depth's own weights as they are, and back."""
+    to ``mtp_block.layers.<i>`` by its layers' kinds, the depth's own weights as they are, and back;
+    placed under TP and EP as the decoder's layers are."""
     from dataclasses import replace
 
     hf = _checkpoint(tmp_path)
@@ -208,6 +239,12 @@ def test_carried_mtp_layers_map_as_the_decoders_layers_of_their_kind(tmp_path):
     )
     back = to_hf(meg, shape, tied=False)
     assert back.keys() == block.keys() and all(torch.equal(back[k], block[k]) for k in block)
+    # under TP eh_proj is cut by rows (column-parallel, as Megatron's MTP layer); under EP the block's
+    # experts take global indices as the decoder's do (no pipeline offset: the block numbers its own)
+    eh = meg["mtp_block.layers.0.eh_proj.weight"]
+    assert torch.equal(shard("mtp_block.layers.0.eh_proj.weight", eh, 2, 1), eh.chunk(2)[1])
+    local = "mtp_block.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"
+    assert relocate(local, 4, 4) == local.replace("experts.3.", "experts.7.")
 
 
 def _logp(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -355,6 +392,65 @@ def test_nemotron_h_matches_fsdp_and_under_parallel_layouts(torchrun_cases):
         assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
         _assert_same_step(run, base, mask, where)
         assert all(run["state_restored"]), where
+
+
+@pytest.mark.slow
+def test_mtp_layers_under_tensor_and_expert_parallel_step_as_at_tp1(torchrun_cases):
+    """The MTP block (attention, LatentMoE) under TP=2 (sequence parallel: eh_proj column-parallel, the
+    loss on vocab-parallel logits) and EP=2 (its experts on the decoder's expert ranks): loaded and
+    streamed bit for bit as the checkpoint holds it, and one step as TP=1's: MTP loss, log-probs, every
+    gradient (the MTP layers' and, the loss not detached, the decoder's), the updated weights; the
+    checkpoints export them under their names."""
+    from safetensors.torch import load_file
+
+    mask = parity_batch().loss_mask.bool()
+    runs = {key: torchrun_cases.result(case.id) for key, case in MTP_RUNS.items()}
+    assert not [(k, r["error"]) for k, r in runs.items() if "error" in r]
+    source = torchrun_cases.checkpoint(MTP_CHECKPOINT)
+    on_disk = load_file(source / "model.safetensors")
+    carried = {
+        k: v for k, v in on_disk.items() if k.startswith("mtp.") and "e_score_correction_bias" not in k
+    }
+    base, plain = runs[1, 1], torchrun_cases.result(BASE.id)
+    assert base["metrics"]["mtp_loss"] > 1.0
+    mtp_grads = {k: g for k, g in base["grads"].items() if k.startswith("mtp.")}
+    assert mtp_grads.keys() == carried.keys()
+    # every MTP weight learns but the experts no token went to; tokens reach both EP ranks' experts
+    moved = {k for k, g in mtp_grads.items() if g.abs().max() > 0}
+    assert {k for k in mtp_grads if ".experts." not in k} <= moved
+    assert {int(k.split(".experts.")[1].split(".")[0]) // 4 for k in moved if ".experts." in k} == {0, 1}
+    # the same decoder as the plain parity run's: its MTP loss reached the head and the decoder
+    assert torch.equal(base["logp"], plain["logp"])
+    for name in ("lm_head.weight", "backbone.layers.7.mixer.in_proj.weight"):
+        assert not torch.allclose(base["grads"][name], plain["grads"][name], atol=1e-5), name
+    for (tp, ep), run in runs.items():
+        where = f"MTP TP={tp} EP={ep}"
+        assert run["mtp_loaded"].keys() == carried.keys(), where
+        assert all(torch.equal(run["mtp_loaded"][k], v) for k, v in carried.items()), where
+        assert run["mtp_streamed"].keys() == carried.keys(), where
+        assert all(torch.equal(run["mtp_streamed"][k], v) for k, v in carried.items()), where
+        assert run["layout"]["sequence_parallel"] == (tp > 1), where
+        assert run["metrics"]["mtp_loss"] == pytest.approx(base["metrics"]["mtp_loss"], rel=1e-5), where
+        _assert_same_step(run, base, mask, where)
+        assert all(run["state_restored"]), where
+        ckpt = next(torchrun_cases.root.glob(f"run*/{MTP_RUNS[tp, ep].id}.ckpt"))
+        exported = _exported(ckpt, source)
+        assert exported.keys() == on_disk.keys(), where  # the frozen biases from the source
+        assert all(torch.equal(exported[k], v) for k, v in run["weights"].items()), where
+
+
+def _exported(ckpt: Path, source: Path) -> dict[str, torch.Tensor]:
+    """``hpcrl export`` of a megatron parity run's checkpoint, fp32, every tensor by its name
+    (transformers would drop the MTP block)."""
+    from safetensors.torch import load_file
+
+    from hpcrl.tools.export import write_export
+
+    out = ckpt.with_suffix(".hf")
+    write_export(
+        ckpt, {"backend": "megatron", "source": str(source)}, source, out, "fp32", log=lambda _: None
+    )
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 @pytest.mark.slow

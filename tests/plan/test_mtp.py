@@ -40,12 +40,19 @@ def test_each_mtp_refusal_names_the_key_and_the_fix():
     )
     megatron = (*WITH_MTP, "trainer=megatron", "trainer.mtp_loss_scale=0.3")
     assert plan(*megatron).cfg.trainer.mtp_loss_scale == 0.3
-    for key, fix in (
-        ("trainer.tp=2", "trainer.tp=1"),
-        ("trainer.fused_logprob=false", "trainer.fused_logprob=true"),
+    # the MTP layers shard as the decoder's under TP (SP) and EP, and read either log-prob head
+    gpus = ("cluster=h100", *SITE)
+    for layout, (tp, ep) in (
+        ("trainer.tp=2", (2, 1)),
+        ("trainer.ep=2", (1, 2)),
+        ("trainer.tp=2 trainer.ep=2", (2, 2)),
+    ):
+        p = plan(*megatron, *layout.split(), *gpus)
+        assert p.cfg.trainer.mtp_loss_scale == 0.3 and (p.topology.train.tp, p.topology.train.ep) == (tp, ep)
+    assert plan(*megatron, "trainer.fused_logprob=false").cfg.trainer.mtp_loss_scale == 0.3
+    for key, fix in (  # one line each, as before
         ("trainer.pp=7", "trainer.pp=1"),  # 7: divides the tiny model's layers
         ("trainer.cp=2", "trainer.cp=1"),
-        ("trainer.ep=2", "trainer.ep=1"),
         ("trainer.packing=true", "trainer.packing=false"),
         ("trainer.router_replay=true", "trainer.router_replay=false"),
     ):

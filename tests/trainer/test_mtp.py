@@ -175,14 +175,17 @@ def test_megatron_loads_streams_and_exports_the_mtp_layers_under_their_names(mtp
 @pytest.mark.parametrize("detach", [True, False])
 def test_megatron_mtp_loss_and_gradients_equal_fsdps(mtp_dir, detach, tmp_path):
     """One step on the same weights and batch: the megatron backend's MTP loss, policy loss, gradient
-    norm and the gradients of the MTP layers, the head and a router equal the fsdp backend's; the
-    trained MTP layers come back from a megatron checkpoint."""
+    norm and the gradients of the MTP layers, the head and a router equal the fsdp backend's, through
+    either log-prob head; the trained MTP layers come back from a megatron checkpoint."""
     from hpcrl.trainer.megatron import MegatronTrainer
     from tests.harness.megatron_parity import stepped_grads
 
     keys = ("trainer.mtp_loss_scale=0.5", f"trainer.mtp_detach={detach}", "algo.kl_coef=0")
     fsdp = FSDPTrainer(mtp_dir, plan(*MTP, *keys).cfg, master=MASTER)
-    meg = MegatronTrainer(mtp_dir, plan(*MEGATRON, *keys).cfg, master=MASTER)
+    # not detached: through the output layer's logits and the vocab-parallel loss, not the chunked head
+    head = () if detach else ("trainer.fused_logprob=false",)
+    meg = MegatronTrainer(mtp_dir, plan(*MEGATRON, *keys, *head).cfg, master=MASTER)
+    assert meg.mtp is not None and meg.mtp.chunked == detach
     grads = {"fsdp": stepped_grads(fsdp, "fsdp"), "megatron": stepped_grads(meg, "megatron")}
     m_fsdp, m_meg = fsdp.train_step(batch()), meg.train_step(batch())
     for key in ("mtp_loss", "policy_loss", "grad_norm"):

@@ -7,12 +7,18 @@ block's pattern (``mtp_layers_block_type``), each a layer of the decoder's own k
 same specs (families' ``stack_layers``: Mamba, attention, MoE, MLP), numbered after the decoder's; a
 depth's first layer also holds ``enorm``, ``hnorm`` and ``eh_proj`` [h, 2h], its last
 ``final_layernorm``. Named so, the checkpoint's ``mtp.layers.<i>.*`` load, export and refit through
-weights_hybrid.py by the same rules as the decoder's layers.
+weights_hybrid.py by the same rules as the decoder's layers: under tensor parallelism their
+projections are cut as the decoder's, ``eh_proj`` column-parallel (as Megatron's own MTP layer), and
+under expert parallelism their experts go to the ranks the decoder's go to (weights.relocate).
 
-The loss runs beside the policy loss on the last stage's output: at TP=1 the model returns its final
-hidden states (model.HiddenOutput), which are depth 0's input; the token embedding and the output
-head are the model's. Built at TP = PP = CP = 1 without packing (the plan refuses the rest:
-plan/mtp.py).
+The loss runs beside the policy loss on the last stage's output. Its input is the decoder's final
+hidden states as the output layer takes them ([s, b, h]; [s/tp, b, h] under sequence parallelism),
+kept by a hook on the output layer; the token embedding and the output head are the model's: the
+chunked head at TP=1 (trainer/logprob_head.py), else the vocab-parallel one the policy loss uses. Each
+depth runs on the whole width with the tokens rolled by its offset (as Megatron's MTP does), so a
+sequence-parallel split stays even: the rolled-in tail sits after every loss token and, all layers
+being causal, changes none of them (the fsdp backend slices instead: the same numbers). Built
+without PP, CP, packing or router replay (the plan refuses them: backends.py's ``_megatron_mtp_gap``).
 
 Imports Megatron-core: imported only where a Megatron model is built.
 """
@@ -21,12 +27,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
+from megatron.core import tensor_parallel as tpar
 from megatron.core.transformer.module import MegatronModule
 
 from hpcrl.trainer import mtp as shared
+from hpcrl.trainer.logprob_head import chunked_logprob
 from hpcrl.trainer.megatron.norms import SPNorm
 from hpcrl.trainer.megatron.spec_utils import build
 
@@ -38,7 +47,7 @@ class MTPBlock(MegatronModule):
         """``kinds``: one symbol a layer over every depth (``Shape.mtp``); ``groups``: the model's
         process groups (its ``pg_collection``)."""
         super().__init__(config)
-        self.depths, self.width = depths, len(kinds) // depths
+        self.depths, self.width, self.tp_group = depths, len(kinds) // depths, groups.tp
         first = config.num_layers  # numbered after the decoder's layers, as vLLM numbers them
         self.layers = torch.nn.ModuleList(
             _layer(layers, kind, config, first + i + 1, groups) for i, kind in enumerate(kinds)
@@ -47,22 +56,29 @@ class MTPBlock(MegatronModule):
         for d in range(depths):
             start, end = self.layers[d * self.width], self.layers[(d + 1) * self.width - 1]
             start.enorm, start.hnorm = SPNorm(config, h), SPNorm(config, h)
-            start.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+            start.eh_proj = tpar.ColumnParallelLinear(
+                2 * h, h, config=config, init_method=config.init_method, bias=False, tp_group=groups.tp
+            )
             end.final_layernorm = SPNorm(config, h)
 
     def depth(self, d: int, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        """Depth ``d``'s output [b, s, h] at each position of ``hidden`` [b, s, h] (aligned with
-        ``embedded``: the next tokens'); the layers run sequence-first, as in the decoder."""
+        """Depth ``d``'s output at each position of ``hidden`` (aligned with ``embedded``: the next
+        tokens'), all three [s, b, h] as the decoder's layers take them ([s/tp, b, h] under sequence
+        parallelism)."""
         layers = self.layers[d * self.width : (d + 1) * self.width]
         start: Any = layers[0]
-        x = start.eh_proj(torch.cat([start.enorm(embedded), start.hnorm(hidden)], dim=-1))
-        x = x.transpose(0, 1).contiguous()
+        # column parallel, as Megatron's MTP layer: [s, b, h/tp] (the sequence gathered under SP),
+        # then every rank's columns, then this rank's part of the sequence again
+        x, _ = start.eh_proj(torch.cat([start.enorm(embedded), start.hnorm(hidden)], dim=-1))
+        x = tpar.gather_from_tensor_model_parallel_region(x, group=self.tp_group)
+        if self.config.sequence_parallel:
+            x = tpar.scatter_to_sequence_parallel_region(x, group=self.tp_group)
         for layer in layers:
             # no mask: causal, and right padding sits after every real token (as the decoder runs)
             out = layer(hidden_states=x, attention_mask=None)
             x = out[0] if isinstance(out, tuple) else out  # TransformerLayer: (hidden, context)
         end: Any = layers[-1]
-        return end.final_layernorm(x).transpose(0, 1)
+        return end.final_layernorm(x)
 
 
 def _layer(layers: dict[str, Any], kind: str, config: Any, number: int, groups: Any) -> Any:
@@ -80,32 +96,54 @@ class MTPLoss:
     """The MTP layers' loss on a micro-batch, added to the policy loss as the fsdp backend adds it
     (trainer/mtp.py's ``MTPLoss.add``): times the scale, each micro-batch an equal share."""
 
-    def __init__(self, model: Any, scale: float, detach: bool, tied: bool, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model: Any, scale: float, detach: bool, tied: bool, dtype: torch.dtype, chunked: bool
+    ) -> None:
+        """``chunked``: the model's output layer is the chunked head's stand-in (model.HiddenOutput)."""
         self.model, self.scale, self.detach, self.tied, self.dtype = model, scale, detach, tied, dtype
+        self.chunked = chunked
+        self.hidden: torch.Tensor | None = None
+        model.output_layer.register_forward_pre_hook(self._keep)
 
-    def value(self, hidden: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        """The mean over depths of each depth's mean NLL on its loss tokens; ``hidden`` [b, s, h] the
-        model's final hidden states (after the final norm)."""
+    def _keep(self, _module: Any, args: tuple[Any, ...]) -> None:
+        """The final hidden states of a training forward (log-prob passes need no MTP)."""
+        self.hidden = args[0] if torch.is_grad_enabled() else None
+
+    def value(self, ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """The mean over depths of each depth's mean NLL on its loss tokens (trainer/mtp.py's ``nll``)
+        on the micro-batch the model just ran: ``ids`` [b, s], ``loss_mask`` [b, s-1] (at ``ids[:, 1:]``)."""
+        hidden, self.hidden = self.hidden, None
+        assert hidden is not None, "the MTP loss needs the training forward's final hidden states"
         model, hidden = self.model, hidden.to(self.dtype)  # as the log-prob head casts it
-        embedding = model.embedding.word_embeddings
         head = model.shared_embedding_or_output_weight() if self.tied else model.output_layer.weight
-        embed: Callable[[torch.Tensor], torch.Tensor] = embedding
+        embed: Callable[[torch.Tensor], torch.Tensor] = self._embed
         if self.detach:  # the loss reaches the MTP layers only, not the decoder, embedding or head
             hidden, head = hidden.detach(), head.detach()
-            embed = lambda tokens: embedding(tokens).detach()  # noqa: E731
+            embed = lambda tokens: self._embed(tokens).detach()  # noqa: E731
         # the loss runs outside the schedule's autocast: the layers run under it as the decoder's did
         mixed = self.dtype != torch.float32
         cast = torch.autocast(hidden.device.type, dtype=self.dtype) if mixed else nullcontext()
         with torch.set_grad_enabled(self.scale > 0 and torch.is_grad_enabled()), cast:
+            block = model.mtp_block
             return shared.nll(
-                model.mtp_block.depth,
-                model.mtp_block.depths,
-                hidden,
-                ids,
-                loss_mask,
-                embed,
-                head.to(hidden.dtype),
+                block.depth, block.depths, hidden, ids, loss_mask, embed, partial(self._logp, head)
             )
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The model's token embedding of ``ids`` [b, s] as its decoder takes it: [s(/tp), b, h]."""
+        return self.model.embedding(input_ids=ids, position_ids=None)
+
+    def _logp(self, head: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """log p(target) [b, s] of the output head at ``hidden`` [s(/tp), b, h], as the policy loss
+        reads it: in chunks at TP=1, else from vocab-parallel logits through the model's output layer
+        (which gathers the sequence under sequence parallelism)."""
+        targets = targets.t().contiguous()  # [s, b], as the layers hold the sequence
+        if self.chunked:
+            logp, _ = chunked_logprob(hidden.to(self.dtype), head.to(self.dtype), targets)
+            return logp.t()
+        logits, _ = self.model.output_layer(hidden, weight=head)
+        self.hidden = None  # its hook kept the MTP layers' output: not a forward of the model's
+        return -tpar.vocab_parallel_cross_entropy(logits.float(), targets).t()
 
     def add(
         self, loss: torch.Tensor, metrics: dict[str, Any], value: torch.Tensor, micro_batches: int

@@ -164,12 +164,13 @@ class MegatronTrainer:
         t = self.cfg.trainer
         if t.mtp_loss_scale is None:
             return None
-        if not (self.pipeline.chunked_head and self.shape.pattern):  # the plan refused it (plan/mtp.py)
-            raise ValueError("trainer=megatron carries MTP layers of a hybrid model at trainer.tp=1 only")
+        if not self.shape.pattern:  # the plan refused it (plan/mtp.py)
+            raise ValueError("trainer=megatron carries the MTP layers of a hybrid model (Nemotron-H) only")
         kinds = shared_mtp.kinds_of(hf)
         mtp.attach(self.model, config, self.arch.stack_layers(hf, config), kinds, shared_mtp.depths_of(hf))
         self.shape = replace(self.shape, mtp=kinds)
-        return mtp.MTPLoss(self.model, t.mtp_loss_scale, t.mtp_detach, self.tied, dtype)
+        scale, chunked = t.mtp_loss_scale, self.pipeline.chunked_head
+        return mtp.MTPLoss(self.model, scale, t.mtp_detach, self.tied, dtype, chunked)
 
     def _make_optimizer(self) -> ShardedAdamW:
         """AdamW; with ``trainer.distributed_optimizer`` its state (m, v) is sharded as Megatron's
@@ -307,9 +308,9 @@ class MegatronTrainer:
             logp, entropy = self.pipeline.token_stats(self.model, out, mb.data)
             w = mb.data.loss_mask.shape[1]
             value, metrics = loss_fn(i, mb, logp[:, :w], entropy[:, :w])
-            if self.mtp is not None:  # on the final hidden states (TP=1: the chunked head's input)
+            if self.mtp is not None:  # on the final hidden states the output layer took
                 ids = mb.data.input_ids.to(self.device)
-                extra = self.mtp.value(out, ids, mb.data.loss_mask.to(self.device))
+                extra = self.mtp.value(ids, mb.data.loss_mask.to(self.device))
                 value = self.mtp.add(value, metrics, extra, k)
             # the schedule divides by the number of micro-batches; the token share is the real weight
             return value * k, metrics

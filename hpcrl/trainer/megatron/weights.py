@@ -62,6 +62,7 @@ COLUMN = (
     "linear_fc1.weight",
     "word_embeddings.weight",
     "output_layer.weight",
+    "eh_proj.weight",  # an MTP depth's input projection (megatron/mtp.py), column-parallel as Megatron's
 )
 ROW = ("linear_proj.weight", "linear_fc2.weight", "mixer.out_proj.weight")
 
@@ -357,13 +358,16 @@ def unshard(name: str, parts: list[torch.Tensor], sizes: tuple[int, ...] | None 
 
 def relocate(name: str, offset: int, expert_offset: int = 0) -> str:
     """A pipeline stage's local layer name -> the model's global one (``decoder.layers.<i + offset>``);
-    an expert-parallel rank's local expert -> its global index (``local_experts.<j + expert_offset>``)."""
-    m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
+    an expert-parallel rank's local expert -> its global index (``local_experts.<j + expert_offset>``),
+    in the decoder's layers and the MTP layers' (``mtp_block.layers.<i>``: on the last stage, numbered
+    on their own)."""
+    m = re.match(r"^(decoder|mtp_block)\.layers\.(\d+)\.(.+)$", name)
     if m is None:
         return name
     rest = re.sub(
         r"^(mlp\.(?:moe\.)?experts\.local_experts\.)(\d+)",
         lambda e: f"{e.group(1)}{int(e.group(2)) + expert_offset}",
-        m.group(2),
+        m.group(3),
     )
-    return f"decoder.layers.{int(m.group(1)) + offset}.{rest}"
+    layer = int(m.group(2)) + (offset if m.group(1) == "decoder" else 0)
+    return f"{m.group(1)}.layers.{layer}.{rest}"
