@@ -13,8 +13,8 @@ so the unpacked forwards of the same model are unchanged.
 
 Sliding-window layers (Gemma 3's local layers) attend the same way, each query to the last ``window``
 keys of its own sequence: ``varlen_attn``'s ``window_size`` where this torch's kernel takes one, else
-SDPA per sequence under that sequence's own [s, s] window mask (quadratic in the sequence, never in
-the row). Megatron under context parallel (``trainer.cp`` > 1) still reads a packed row's [L, L] block
+SDPA per sequence, a long one in blocks of ``window`` queries under their own window masks (linear in
+the sequence, never quadratic in the row). Megatron under context parallel (``trainer.cp`` > 1) still reads a packed row's [L, L] block
 mask: each CP rank holds two chunks of the row, not whole sequences.
 """
 
@@ -144,19 +144,33 @@ def _per_sequence(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any, lengths: list[int], window: int | None
 ) -> torch.Tensor:
     """SDPA causal over each sequence alone: no [L, L] tensor, a kernel launch a sequence; a sequence
-    longer than ``window`` under its own [s, s] window mask (one within it is causal: the same keys)."""
+    longer than ``window`` in blocks of ``window`` queries (one within it is causal: the same keys)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # the grouped heads repeated per sequence, as transformers' repeat_kv orders them
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     parts = []
     for qs, ks, vs in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True):
-        n = qs.shape[2]
-        if window is None or n <= window:
+        if window is None or qs.shape[2] <= window:
             parts.append(sdpa(qs, ks, vs, is_causal=True, scale=scale))
         else:
-            parts.append(sdpa(qs, ks, vs, attn_mask=window_mask(n, window, qs.device), scale=scale))
+            parts.extend(_window_blocks(qs, ks, vs, scale, window))
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
+
+
+def _window_blocks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any, window: int
+) -> list[torch.Tensor]:
+    """One sequence's sliding-window attention, ``window`` queries at a time against the keys their
+    windows reach (at most 2 x window - 1): [window, < 2 x window] masks, not one [s, s]: the scores
+    outside every window are never computed."""
+    n, out = q.shape[2], []
+    for a in range(0, n, window):
+        b, first = min(a + window, n), max(0, a - window + 1)
+        reach = window_mask(b - a, window, q.device, first_query=a, first_key=first, keys=b - first)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        out.append(sdpa(q[:, :, a:b], k[:, :, first:b], v[:, :, first:b], attn_mask=reach, scale=scale))
+    return out
 
 
 _SIGNATURE: list[Any] = []
