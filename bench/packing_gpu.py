@@ -237,11 +237,13 @@ def table(shapes: dict) -> str:
     return "\n".join(lines)
 
 
-def check_kernel() -> dict:
+def check_kernel(window: int | None = None) -> dict:
     """The packed attention (hpcrl/trainer/varlen.py, both backends') against SDPA under the dense
     block-causal mask, in this torch on this device: which path ran (``varlen_attn`` needs CUDA and half
     precision), the largest difference of outputs and of input gradients (bf16: ~1e-2 is agreement, a
-    leak across sequences is ~1), and each one's forward + backward time (the fastest of 5)."""
+    leak across sequences is ~1), and each one's forward + backward time (the fastest of 5). ``window``:
+    a sliding-window layer's (Gemma 3 1B: 512 keys), the dense mask windowed too (transformers' mask)."""
+    from hpcrl.trainer.context_parallel import window_mask
     from hpcrl.trainer.packing import Packed
     from hpcrl.trainer.varlen import _varlen, packed_attention, packed_sdpa
 
@@ -255,9 +257,11 @@ def check_kernel() -> dict:
     positions = torch.cat([torch.arange(m) for m in lengths])[None].to(device)
     layer = argparse.Namespace(num_key_value_groups=heads // kv, is_causal=True, training=True)
     with packed_attention(positions):
-        out, _ = packed_sdpa(layer, q, k, v, None, scaling=dim**-0.5)
+        out, _ = packed_sdpa(layer, q, k, v, None, scaling=dim**-0.5, sliding_window=window)
     got = torch.autograd.grad(out.float().square().sum(), (q, k, v))
     allowed = ~Packed(positions, positions, positions, [], []).attention_mask()[0]
+    if window is not None:
+        allowed = allowed & window_mask(n, window, allowed.device)
     rk, rv = (t.repeat_interleave(heads // kv, 1) for t in (k, v))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     want_out = sdpa(q, rk, rv, attn_mask=allowed).transpose(1, 2)
@@ -266,14 +270,18 @@ def check_kernel() -> dict:
 
     def packed() -> None:
         with packed_attention(positions):
-            torch.autograd.grad(packed_sdpa(layer, q, k, v, None, scaling=dim**-0.5)[0].sum(), (q, k, v))
+            attn = packed_sdpa(layer, q, k, v, None, scaling=dim**-0.5, sliding_window=window)[0]
+            torch.autograd.grad(attn.sum(), (q, k, v))
 
     def masked() -> None:
         torch.autograd.grad(sdpa(q, rk, rv, attn_mask=allowed).sum(), (q, k, v))
 
     result = {
         "varlen_attn": None if sig is None else str(sig),
-        "path": "varlen_attn" if GPU and sig is not None else "sdpa per sequence",
+        "window": window,
+        "path": "varlen_attn"
+        if GPU and sig is not None and (window is None or "window_size" in sig.parameters)
+        else "sdpa per sequence",
         "out_max_diff": float((out - want_out).detach().abs().max()),
         "grad_max_diff": max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True)),
         "tokens": n,
@@ -315,6 +323,9 @@ def main() -> int:
     p.add_argument("--profile", action="store_true", help="one more step of each row under torch.profiler")
     p.add_argument("--set", action="append", default=[], help="extra overrides for every row")
     p.add_argument("--check-kernel", action="store_true", help="first: the packed attention against the mask")
+    p.add_argument(
+        "--kernel-window", type=int, help="--check-kernel on a sliding-window layer of this many keys"
+    )
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     models = args.model.split(",")
@@ -324,7 +335,7 @@ def main() -> int:
         "args": vars(args) | {"model_dir": None, "out": None},
     }
     if args.check_kernel:
-        out["kernel_check"] = check_kernel()
+        out["kernel_check"] = check_kernel(args.kernel_window)
     shapes = {m: shape_rows(args, m) for m in models}
     # one model: its rows at the top level, as the session 21-23 tasks read them (train135's best)
     out |= shapes[models[0]] if len(models) == 1 else {"shapes": shapes}

@@ -6,9 +6,10 @@ long-tailed completion lengths (DAPO: most answers short, a few up to the limit)
 padding. Packed, a micro-batch holds whole sequences whose real tokens sum to at most the budget,
 chosen first-fit-decreasing, and runs as one row: positions restart at 0 for each sequence, and
 attention stays inside each sequence by the sequences' bounds, no [L, L] mask (``varlen.py``, both
-backends; the dense ``attention_mask`` only where a layer still needs it: sliding windows, megatron's
-context parallel), and Mamba layers convolve and scan each sequence from zeros (``ssd.py``). Which rows
-share a micro-batch changes no number: the step weighs each micro-batch by its share of the loss units.
+backends, sliding windows included; the dense ``attention_mask`` only where a layer still needs it:
+megatron's context parallel), and Mamba layers convolve and scan each sequence from zeros
+(``ssd.py``). Which rows share a micro-batch changes no number: the step weighs each micro-batch by
+its share of the loss units.
 """
 
 from __future__ import annotations

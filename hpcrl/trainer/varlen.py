@@ -10,6 +10,12 @@ answers None) and gives each layer's attention the sequences' bounds: on CUDA in
 torch's ``varlen_attn`` (flash attention over cumulative sequence lengths), elsewhere SDPA per
 sequence (causal, no mask). Outside the block the registered function is transformers' own SDPA,
 so the unpacked forwards of the same model are unchanged.
+
+Sliding-window layers (Gemma 3's local layers) attend the same way, each query to the last ``window``
+keys of its own sequence: ``varlen_attn``'s ``window_size`` where this torch's kernel takes one, else
+SDPA per sequence, a long one in blocks of ``window`` queries under their own window masks (linear in
+the sequence, never quadratic in the row). Megatron under context parallel (``trainer.cp`` > 1) still reads a packed row's [L, L] block
+mask: each CP rank holds two chunks of the row, not whole sequences.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+
+from hpcrl.trainer.context_parallel import window_mask
 
 NAME = "hpcrl_packed"
 
@@ -51,8 +59,8 @@ _ROW: dict[str, RowBounds] = {}
 
 def use_packed_attention(model: Any) -> bool:
     """Switch ``model``'s text attention from ``sdpa`` to this module's (idempotent); False where the
-    model runs another implementation (eager, flex) or has sliding-window layers (Gemma 3): transformers'
-    own mask stays for those."""
+    model runs another implementation (eager, flex) or attends both ways (``use_bidirectional_attention``):
+    transformers' own mask stays for those."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -60,8 +68,7 @@ def use_packed_attention(model: Any) -> bool:
     AttentionMaskInterface.register(NAME, _mask)
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    sliding = "sliding_attention" in (getattr(text, "layer_types", None) or ())
-    if text._attn_implementation == "sdpa" and not sliding:
+    if text._attn_implementation == "sdpa" and not getattr(text, "use_bidirectional_attention", False):
         text._attn_implementation = NAME
     return text._attn_implementation == NAME
 
@@ -92,49 +99,78 @@ def _mask(**kwargs: Any) -> torch.Tensor | None:
 def packed_sdpa(
     module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
 ) -> tuple[torch.Tensor, None]:
-    """The attention function: [1, H, L, D] in, [1, L, H, D] out (transformers' layout)."""
+    """The attention function: [1, H, L, D] in, [1, L, H, D] out (transformers' layout); a layer's
+    ``sliding_window`` (keys a query reads, itself included, as transformers' mask counts them) bounds it."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if not _ROW:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if getattr(module, "sliding_window", None) is not None:
-        raise ValueError("trainer.packing: sliding-window layers have no packed attention yet")
-    return attend_packed(query, key, value, kwargs.get("scaling"), _ROW["row"]), None
+    window = kwargs.get("sliding_window")
+    return attend_packed(query, key, value, kwargs.get("scaling"), _ROW["row"], window), None
 
 
 def attend_packed(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, row: RowBounds
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None,
+    row: RowBounds,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention inside each sequence of a packed row: [1, H, L, D] queries, [1, H_kv, L, D]
-    keys and values in, [1, L, H, D] out. On CUDA in half precision torch's ``varlen_attn``, else
-    SDPA per sequence; no [L, L] tensor either way. Padding past the last sequence attends nowhere:
-    its output is 0 (no position reads it, and a finite value keeps every gradient finite)."""
+    keys and values in, [1, L, H, D] out; ``window``: a sliding-window layer's keys a query reads,
+    itself included (query i reads keys i - window + 1 .. i of its sequence). On CUDA in half precision
+    torch's ``varlen_attn``, else SDPA per sequence; no [L, L] tensor either way. Padding past the last
+    sequence attends nowhere: its output is 0 (no position reads it, and a finite value keeps every
+    gradient finite)."""
     real = sum(row.lengths)
     if real < q.shape[2]:
-        out = attend_packed(q[:, :, :real], k[:, :, :real], v[:, :, :real], scale, row)
+        out = attend_packed(q[:, :, :real], k[:, :, :real], v[:, :, :real], scale, row, window)
         return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, q.shape[2] - real))
+    if window is not None and window >= row.longest:  # every sequence inside its window: causal
+        window = None
     sig = _varlen() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
-    # a torch whose kernel takes no scale runs the default one only
-    if sig is not None and (
-        "scale" in sig.parameters or scale is None or abs(scale * q.shape[-1] ** 0.5 - 1) < 1e-6
+    # a torch whose kernel takes no scale runs the default one only; one without windows, causal only
+    if (
+        sig is not None
+        and ("scale" in sig.parameters or scale is None or abs(scale * q.shape[-1] ** 0.5 - 1) < 1e-6)
+        and (window is None or "window_size" in sig.parameters)
     ):
-        return _flash(q, k, v, scale, row)
-    return _per_sequence(q, k, v, scale, row.lengths)
+        return _flash(q, k, v, scale, row, window)
+    return _per_sequence(q, k, v, scale, row.lengths, window)
 
 
 def _per_sequence(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any, lengths: list[int]
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any, lengths: list[int], window: int | None
 ) -> torch.Tensor:
-    """SDPA causal over each sequence alone: no [L, L] tensor, a kernel launch a sequence."""
+    """SDPA causal over each sequence alone: no [L, L] tensor, a kernel launch a sequence; a sequence
+    longer than ``window`` in blocks of ``window`` queries (one within it is causal: the same keys)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # the grouped heads repeated per sequence, as transformers' repeat_kv orders them
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    parts = [
-        sdpa(qs, ks, vs, is_causal=True, scale=scale)
-        for qs, ks, vs in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True)
-    ]
+    parts = []
+    for qs, ks, vs in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2), strict=True):
+        if window is None or qs.shape[2] <= window:
+            parts.append(sdpa(qs, ks, vs, is_causal=True, scale=scale))
+        else:
+            parts.extend(_window_blocks(qs, ks, vs, scale, window))
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
+
+
+def _window_blocks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any, window: int
+) -> list[torch.Tensor]:
+    """One sequence's sliding-window attention, ``window`` queries at a time against the keys their
+    windows reach (at most 2 x window - 1): [window, < 2 x window] masks, not one [s, s]: the scores
+    outside every window are never computed."""
+    n, out = q.shape[2], []
+    for a in range(0, n, window):
+        b, first = min(a + window, n), max(0, a - window + 1)
+        reach = window_mask(b - a, window, q.device, first_query=a, first_key=first, keys=b - first)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        out.append(sdpa(q[:, :, a:b], k[:, :, first:b], v[:, :, first:b], attn_mask=reach, scale=scale))
+    return out
 
 
 _SIGNATURE: list[Any] = []
@@ -153,14 +189,19 @@ def _varlen() -> inspect.Signature | None:
     return _SIGNATURE[0]
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any, row: RowBounds) -> torch.Tensor:
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Any, row: RowBounds, window: int | None
+) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
     params = _varlen().parameters  # type: ignore[union-attr]
     groups = q.shape[1] // k.shape[1]
     # [1, H, L, D] -> [L, H, D], the packed layout the kernel takes
     q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
-    extra: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    # torch 2.9-2.10: causal by a flag (and no window: attend_packed asks for none there)
+    extra: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {}
+    if window is not None or not extra:  # keys left of the query (flash attention's count); -1: all
+        extra["window_size"] = (-1 if window is None else window - 1, 0)
     if groups > 1 and "enable_gqa" in params:
         extra["enable_gqa"] = True
     elif groups > 1:

@@ -101,8 +101,9 @@ def test_gemma3_matches_fsdp_and_under_tensor_and_pipeline_parallel(gemma3_dirs,
     built by Megatron gives the Hugging Face model's step (fsdp backend); TP=2 with sequence parallel
     (the post norms' partial grads summed over TP) and PP=2 (sliding layers on stage 0, the global one on
     stage 1) and CP=2 (windows across the CP chunks) give the one-rank step; the VLM's text decoder
-    trains the same under its own names. Packed (``trainer.packing``, bins of 16 tokens) too: the
-    sliding layers read the row's block mask, the global one the sequences' bounds."""
+    trains the same under its own names. Packed (``trainer.packing``, bins of 16 tokens) too: every
+    layer reads the sequences' bounds, the sliding ones each query's window inside its sequence, and no
+    [L, L] mask is built."""
     from transformers import AutoModelForCausalLM
 
     from hpcrl.trainer.fsdp import checkpoint_names
@@ -144,7 +145,7 @@ def test_gemma3_matches_fsdp_and_under_tensor_and_pipeline_parallel(gemma3_dirs,
         assert all(run["state_restored"]), where
     packing = ("trainer.packing=true", "trainer.micro_batch_tokens=16")
     run = _torchrun(gemma3_dirs["text"], tmp_path / "packed.pt", 1, 1, port=29769, extra=packing)
-    assert run["layout"]["packed_masks"] > 0  # the sliding layers' (the global one reads the bounds)
+    assert run["layout"]["packed_masks"] == 0  # sliding layers too attend by the bounds
     _assert_same_step(run, text, mask, "gemma3 packed")
 
 

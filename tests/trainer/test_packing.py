@@ -113,21 +113,26 @@ def test_packed_attention_is_the_block_causal_masked_attention():
     assert (whole - want_out).abs().max() > 0.1
     from transformers import Gemma3TextConfig
 
-    gemma = Gemma3TextConfig(num_hidden_layers=6)  # sliding-window layers: transformers' mask stays
+    gemma = Gemma3TextConfig(num_hidden_layers=6)  # sliding-window layers pack too (their own windows)
     gemma._attn_implementation = "sdpa"
-    assert not use_packed_attention(SimpleNamespace(config=gemma))
-    assert gemma._attn_implementation == "sdpa"
+    assert use_packed_attention(SimpleNamespace(config=gemma))
+    both_ways = Gemma3TextConfig(num_hidden_layers=6, use_bidirectional_attention=True)
+    both_ways._attn_implementation = "sdpa"  # attention both ways: transformers' mask stays
+    assert not use_packed_attention(SimpleNamespace(config=both_ways))
+    assert both_ways._attn_implementation == "sdpa"
 
 
 def test_megatron_attention_of_a_packed_row_reads_its_bounds_not_a_mask():
     """megatron's ``SDPAttention`` given a packed row's ``packed_seq_params`` (the pipeline's
     ``seq_params``: sequences of 5, 1, 12 and 7 tokens, then 3 of padding) and no mask: the outputs and
     input gradients of the same layer under the row's dense block mask at every real token, grouped
-    heads (the mutation: one causal sequence over the whole row); the padding attends nowhere (0). A
-    sliding-window layer or context parallel still needs the mask and says so; the params keep the real
-    tokens' end for the Mamba mixers and the width for RoPE."""
+    heads (the mutation: one causal sequence over the whole row); the padding attends nowhere (0); a
+    sliding-window layer (4 keys) the same under the block mask and its window. Context parallel still
+    needs the mask and says so, and a mask nothing reads is refused; the params keep the real tokens'
+    end for the Mamba mixers and the width for RoPE."""
     from types import SimpleNamespace
 
+    from hpcrl.trainer.context_parallel import sdpa, window_mask
     from hpcrl.trainer.megatron.attention import SDPAttention
     from hpcrl.trainer.megatron.pipeline import seq_params
 
@@ -141,26 +146,31 @@ def test_megatron_attention_of_a_packed_row_reads_its_bounds_not_a_mask():
     config = SimpleNamespace(
         attention_dropout=0.0, context_parallel_size=1, window_size=None, window_attn_skip_freq=None
     )
-    layer = SDPAttention(config, layer_number=1, attn_mask_type=None, softmax_scale=0.3)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(width, 1, h, dim, generator=gen).requires_grad_() for h in (heads, kv, kv))
 
-    def run(**kw):  # the real tokens' outputs, and the input gradients of a loss on them
-        out = layer(q, k, v, kw.pop("attention_mask", None), **kw)
-        return out, torch.autograd.grad(out[:25].square().sum(), (q, k, v))
+    def grads(out):  # the input gradients of a loss on the real tokens' outputs
+        return torch.autograd.grad(out[:25].square().sum(), (q, k, v))
 
-    out, grads = run(packed_seq_params=params)
-    want, want_grads = run(attention_mask=packed.attention_mask())
-    assert out.shape == (width, 1, heads * dim) and torch.allclose(out[:25], want[:25], atol=1e-5)
-    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(grads, want_grads, strict=True))
-    assert not out[25:].any()
-    assert (run()[0][:25] - want[:25]).abs().max() > 0.1
-    for field, value in (("window_size", (3, 0)), ("context_parallel_size", 2)):
-        other = SDPAttention(
-            SimpleNamespace(**{**vars(config), field: value}), layer_number=1, attn_mask_type=None
-        )
-        with pytest.raises(ValueError, match="needs its mask"):
-            other(q, k, v, None, packed_seq_params=params)
+    allowed = ~packed.attention_mask()[0, 0]
+    for window in (None, 4):
+        cfg = SimpleNamespace(**{**vars(config), "window_size": window and (window - 1, 0)})
+        layer = SDPAttention(cfg, layer_number=1, attn_mask_type=None, softmax_scale=0.3)
+        out = layer(q, k, v, None, packed_seq_params=params)
+        reach = allowed if window is None else allowed & window_mask(width, window, q.device)
+        want = sdpa(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), reach, scale=0.3).permute(2, 0, 1, 3)
+        want = want.flatten(2)
+        assert out.shape == (width, 1, heads * dim) and torch.allclose(out[:25], want[:25], atol=1e-5)
+        assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(grads(out), grads(want), strict=True))
+        assert not out[25:].any()
+        assert (layer(q, k, v, None)[:25] - want[:25]).abs().max() > 0.1, window
+    other = SDPAttention(
+        SimpleNamespace(**{**vars(config), "context_parallel_size": 2}), layer_number=1, attn_mask_type=None
+    )
+    with pytest.raises(ValueError, match="needs its mask"):
+        other(q, k, v, None, packed_seq_params=params)
+    with pytest.raises(ValueError, match="a mask is read under context parallel only"):
+        layer(q, k, v, packed.attention_mask())
 
 
 def test_the_plan_counts_the_budget_and_refuses_what_cannot_pack():

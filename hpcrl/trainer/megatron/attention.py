@@ -6,8 +6,10 @@ causal, GQA without repeating K/V, sliding windows by Megatron's ``window_size``
 on GPUs, a boolean mask on CPUs), context parallel (keys and values gathered over the CP group:
 ``cp_gather``), and packed rows (``trainer.packing``): each sequence attends alone over the bounds in
 ``packed_seq_params`` (``varlen.attend_packed``: ``varlen_attn`` on GPUs in half precision, SDPA per
-sequence elsewhere), no [L, L] mask; only sliding-window layers and context parallel still read the
-row's block mask (the pipeline builds it for them alone). Family-free: every family's layers take it.
+sequence elsewhere), on sliding-window layers too (each query's window inside its own sequence), no
+[L, L] mask; only context parallel still reads the row's block mask (the pipeline builds it then
+alone: a CP rank holds chunks of the row, not whole sequences). Family-free: every family's layers
+take it.
 """
 
 from __future__ import annotations
@@ -59,30 +61,25 @@ class SDPAttention(torch.nn.Module):
         if attention_bias is not None:
             raise ValueError("SDPAttention: attention bias needs Transformer Engine")
         cp = self.config.context_parallel_size > 1
-        if packed_seq_params is not None and attention_mask is None and (self.window is not None or cp):
-            raise ValueError(
-                "SDPAttention: a packed row on a sliding-window layer or under CP needs its mask"
-            )
+        if packed_seq_params is not None and attention_mask is None and cp:
+            raise ValueError("SDPAttention: a packed row under context parallel needs its mask")
+        if attention_mask is not None and not cp:  # only CP's attention reads one: never drop it silently
+            raise ValueError("SDPAttention: a mask is read under context parallel only")
         # Megatron hands [s, b, heads, dim]; SDPA wants [b, heads, s, dim].
         s, b = query.shape[0], query.shape[1]
         if cp:
             out = self._context_parallel(query, key, value, attention_mask)
-        elif packed_seq_params is not None and self.window is None:  # each packed sequence alone, no mask
+        elif packed_seq_params is not None:  # each packed sequence alone (its own windows), no mask
             return self._packed(query, key, value, packed_seq_params.hpcrl_row)
         else:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            out = self._local(q, k, v, attention_mask)
+            out = self._local(q, k, v)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    def _local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
-        """Right-padded rows (the causal mask alone is exact for every real token) or a packed row's
-        block mask (``mask``: True where a key is out of reach), a sliding window on top."""
+    def _local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Right-padded rows (the causal mask alone is exact for every real token), a sliding window on
+        top."""
         s = q.shape[2]
-        if mask is not None:
-            allowed = ~mask
-            if self.window is not None:
-                allowed = allowed & window_mask(s, self.window, q.device)
-            return self._sdpa(q, k, v, causal=allowed)
         if self.window is None or s <= self.window:  # a window longer than the sequence is causal
             return self._sdpa(q, k, v, causal=True)
         if q.is_cuda and WINDOW_KERNEL == "flex":
@@ -99,7 +96,7 @@ class SDPAttention(torch.nn.Module):
         if self.training and self.dropout:
             raise ValueError("SDPAttention: packed rows run without attention dropout")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        out = attend_packed(q, k, v, self.scale, row)  # [1, s, heads, dim]
+        out = attend_packed(q, k, v, self.scale, row, self.window)  # [1, s, heads, dim]
         return out.transpose(0, 1).flatten(2)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: Any) -> torch.Tensor:

@@ -51,9 +51,9 @@ class Pipeline:
     replay: RouteReplay | None = None
     """``trainer.router_replay``: where each forward's routes go (``megatron/router_replay.py``)."""
     mask: bool = False
-    """Packed rows also pass their [L, L] block mask: a layer reads it (sliding-window layers, context
-    parallel). Every packed row passes its sequences' bounds (``packed_seq_params``): attention stays
-    inside each sequence by them, Mamba layers restart their conv and scan at each."""
+    """Packed rows also pass their [L, L] block mask: attention under context parallel reads it. Every
+    packed row passes its sequences' bounds (``packed_seq_params``): attention stays inside each
+    sequence by them (sliding windows included), Mamba layers restart their conv and scan at each."""
 
     def micro_batches(self, batch: TrainBatch, size: int) -> list[TrainBatch]:
         """Equal micro-batches of ``size`` rows (fewer for a smaller batch), width a multiple of TP and
