@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -59,7 +61,15 @@ class NoWeights(Refit):
 def main() -> None:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    scratch = tempfile.mkdtemp(prefix="hpcrl-")  # short: Ray's socket names have a length limit
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level="ERROR",
+        log_to_driver=False,
+        _temp_dir=scratch,
+        _node_ip_address="127.0.0.1",
+    )
     actor = ray.remote(num_cpus=0)(Sleeper)
     # engine 0 hangs going to sleep; rebuilt, it goes to sleep (the rebuild puts it to sleep as the
     # others are), and hangs the next time
@@ -95,6 +105,7 @@ def main() -> None:
     out["second_s"] = time.monotonic() - start
     print(json.dumps(out))
     ray.shutdown()
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":
