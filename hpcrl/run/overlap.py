@@ -66,7 +66,8 @@ class Pipeline:
     def take(self, step: int, timer: loop.Timer) -> Rollouts:
         """Batch ``step``, with how stale it is and how long it took to make (in the background)."""
         with timer("rollout"):  # the part of generation the trainers wait for
-            got = self.batches.pop(step).result()
+            got = self.batches[step].result()
+        del self.batches[step]  # only once made: a batch whose engines failed stays, for ``buffered``
         more = {**staleness_metrics(got.scored.groups, step - 1), "time/generate": got.seconds}
         return dataclasses.replace(got, metrics={**got.metrics, **more})
 
@@ -115,15 +116,19 @@ class Buffered:
     """The prompt stream's position before the first dropped batch took its prompts: the resume makes
     it again from them. None: none was dropped (the stream's position now)."""
     dropped: list[int]
-    """The steps whose batch was begun and is not kept: the failing engines left it incomplete."""
+    """The steps whose batch was begun and is not kept: the first one the failing engines left
+    incomplete, any after it (begun later) with it, as the resume's pipeline has no gaps."""
 
     def said(self) -> str:
         """The stop line's part: which batches the checkpoint keeps, which were dropped."""
         out = f" with the {_batches([r.step for r in self.rollouts])} generated" if self.rollouts else ""
-        if self.dropped:
-            lost = _batches(self.dropped)
+        if self.dropped:  # the first is the one the engines failed in; any after it began later
+            first, *after = self.dropped
+            also = f", and the {_batches(after)} after it," if after else ","
+            again = "them" if after else "it"
             out += (
-                f" (the {lost}, left incomplete by the failing engines, dropped: the resume makes it again)"
+                f" (the batch for step {first}, left incomplete by the failing engines{also} dropped: the "
+                f"resume makes {again} again)"
             )
         return out
 

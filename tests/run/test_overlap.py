@@ -364,3 +364,32 @@ def test_a_batch_the_failing_engines_left_incomplete_is_dropped_and_made_again_f
     assert resumed.prompts[0] == cut.prompts[3]  # the dropped batch's prompts, made again
     assert cut.prompts[:3] + resumed.prompts == whole.prompts
     assert versions_trained(cut) + versions_trained(resumed) == [0, 0, 0, 2, 2]
+
+
+def test_with_inflight_updates_a_failed_batch_is_found_when_its_step_takes_it_and_dropped_with_the_next(
+    tmp_path: Path,
+) -> None:
+    """In-flight updates: the loop waits for a batch only when its step takes it. Batch 4 fails half made;
+    batch 5, begun after it, is made; step 4 finds batch 4 failed. The checkpoint of step 3 keeps no
+    batch (a resume's pipeline has no gaps) and the stream's position before batch 4's prompts: the
+    resume makes both again from them."""
+    extra = (
+        "algo.max_steps=5",
+        "checkpoint.period=10",
+        "algo.val_period=100",
+        "rollout.inflight_update=true",
+    )
+    cfg = lagged(2, *extra)
+    whole = FailingEngines(["mixed"] * 5)
+    run(cfg, whole, tmp_path / "whole")
+    cut = FailingEngines(["mixed"] * 5, generation=4)
+    line, state, resumed = stop_and_resume(cfg, cut, tmp_path / "cut")
+    assert line == (
+        f"{FailingEngines.LINE}: stopped after saving step 3 (the batch for step 4, left incomplete by the "
+        "failing engines, and the batch for step 5 after it, dropped: the resume makes them again); submit "
+        "again to resume"
+    )
+    assert state["step"] == 3 and state["rollouts"] == []
+    assert len(cut.prompts) == 5 and len(resumed.prompts) == 2  # batches 4 and 5 made again
+    assert cut.prompts[:3] + resumed.prompts == whole.prompts
+    assert resumed.gen_versions == [3, 3]
