@@ -271,9 +271,9 @@ class FailingEngines(VersionedActors):
         "rollout engine 0 on node1 failed (died: ActorDiedError): 2 engine failures in this run, more than x"
     )
 
-    def __init__(self, script: list[str], refit: int = 0, generation: int = 0) -> None:
+    def __init__(self, script: list[str], refit: int = 0, generation: int = 0, ahead: int = 0) -> None:
         super().__init__(script)
-        self.refit, self.generation = refit, generation
+        self.refit, self.generation, self.ahead, self.total = refit, generation, ahead, len(script)
 
     def generate_stream(self, prompts: list[list[int]], settings: SamplingSettings) -> Any:
         for n, part in enumerate(super().generate_stream(prompts, settings)):
@@ -282,7 +282,14 @@ class FailingEngines(VersionedActors):
             yield part
 
     def train_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
-        return FakeActors.train_step(self, batch)
+        """``ahead``: train step s ends once batch s + ``ahead`` was made (a failed one too), so which
+        batches were begun when the loop finds a failure does not depend on the threads' timing."""
+        out = FakeActors.train_step(self, batch)
+        if self.ahead and self.steps + self.ahead <= self.total:
+            with self.lock:
+                made = self.generated.setdefault(self.steps + self.ahead, threading.Event())
+            made.wait(timeout=5.0)
+        return out
 
     def sync_weights(self, version: int) -> dict[str, float]:
         if version == self.refit:
@@ -382,7 +389,7 @@ def test_with_inflight_updates_a_failed_batch_is_found_when_its_step_takes_it_an
     cfg = lagged(2, *extra)
     whole = FailingEngines(["mixed"] * 5)
     run(cfg, whole, tmp_path / "whole")
-    cut = FailingEngines(["mixed"] * 5, generation=4)
+    cut = FailingEngines(["mixed"] * 5, generation=4, ahead=2)  # batch 5 begun before step 4 takes 4
     line, state, resumed = stop_and_resume(cfg, cut, tmp_path / "cut")
     assert line == (
         f"{FailingEngines.LINE}: stopped after saving step 3 (the batch for step 4, left incomplete by the "
