@@ -22,10 +22,18 @@ from hpcrl.run.rundir import atomic_write_text, new_run_dir, write_resolved_conf
 
 
 def submit(
-    plan: Plan, hold_s: float = 0.0, smoke: bool = False, *, debug: bool = False, suffix: str = ""
+    plan: Plan,
+    hold_s: float = 0.0,
+    smoke: bool = False,
+    *,
+    debug: bool = False,
+    suffix: str = "",
+    asked: bool = False,
 ) -> Submitted:
     """``debug``: a held session (placement check, then Ray stays up until the time limit or cancel).
-    ``suffix``: appended to the run directory's name (sweep points submitted in the same second)."""
+    ``suffix``: appended to the run directory's name (sweep points submitted in the same second).
+    ``asked``: Slurm's ``sbatch --test-only`` was asked of this plan already (a sweep asks every point
+    before the first goes out): not again."""
     cfg = plan.cfg
     if cfg.cluster.scheduler is Scheduler.kuberay:
         from hpcrl.launch import kube_jobs
@@ -45,7 +53,8 @@ def submit(
     atomic_write_text(run_dir / "sbatch.sh", render_sbatch(plan, run_dir))
     if not (smoke or debug) and (line := kill_wait_warning(plan, kill_wait_s())):
         print(f"hpcrl: warning: {line}", file=sys.stderr)
-    require_accepted(plan, run_dir / "sbatch.sh")  # Slurm's refusal as one line, before anything is queued
+    if not asked:  # Slurm's refusal as one line, before anything is queued
+        require_accepted(plan, run_dir / "sbatch.sh")
     task = NodeTask(
         str(run_dir),
         plan.node_roles(),

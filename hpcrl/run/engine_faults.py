@@ -38,6 +38,10 @@ POLL_S = 1.0
 class EngineFailed(HpcrlError):
     """Rollout engines failed more often than ``rollout.max_engine_restarts`` allows."""
 
+    buffered: Any = None
+    """``algo.max_staleness`` > 0: the generated batches the stop's save keeps (run/overlap.py's
+    ``Buffered``, set as the overlapped loop ends); None: the on-policy loop holds none."""
+
 
 @dataclass
 class EngineFaults:
@@ -197,14 +201,22 @@ class _Dispatch:
 
 def save_and_stop(run: Any, version: int, failed: EngineFailed) -> EngineFailed:
     """Past the bound: checkpoint what the trainers hold (policy ``version``, unless a checkpoint of
-    it is there already) and the error to stop with, in one line. ``run``: the loop's ``Run``."""
+    it is there already), with the complete batches generated for the next steps (``failed.buffered``,
+    as a preemption's save keeps them), and the error to stop with, in one line. ``run``: the loop's
+    ``Run``."""
     from hpcrl.run.loop import run_state
 
     ckpt, latest = run.ckpt, run.ckpt.latest()
     if not run.cfg.checkpoint.enabled or version == 0:
         return EngineFailed(f"{failed}: stopped (no checkpoint: nothing to save)")
-    if latest is None or latest.step < version:
-        ckpt.save(version, run.actors, run_state(run.stream, version), {}, async_save=False)
-    else:
-        ckpt.settle(run.actors)
-    return EngineFailed(f"{failed}: stopped after saving step {version}; submit again to resume")
+    if latest is not None and latest.step >= version:
+        ckpt.settle(run.actors)  # that checkpoint kept its own batches when it was saved
+        return EngineFailed(f"{failed}: stopped after saving step {version}; submit again to resume")
+    state, kept = run_state(run.stream, version), ""
+    if (buffered := failed.buffered) is not None:
+        state["rollouts"] = buffered.rollouts
+        if buffered.stream is not None:  # a dropped batch's prompts: the resume takes them again
+            state["stream"] = buffered.stream
+        kept = buffered.said()
+    ckpt.save(version, run.actors, state, {}, async_save=False)
+    return EngineFailed(f"{failed}: stopped after saving step {version}{kept}; submit again to resume")

@@ -159,27 +159,35 @@ class Fleet:
         for e, w in zip(down, where, strict=True):
             self.placement[rollout[e]] = w
             self.faults.down.pop(e)
-        if self.asleep:  # as the others are: the refit wakes them together
-            ray.get([self.engines[e].sleep.remote() for e in down])
         self.refit.layout = None
+        if self.asleep:  # as the others are: the refit wakes them together (one that hangs: lost again)
+            self._bounded({e: self.engines[e].sleep.remote() for e in down}, " going to sleep", "its sleep")
 
     def _find_dead(self, during: str = "") -> None:
         """Engines that died between two generations (no groups lost), or that answer no ping within
         ``rollout.hang_timeout_s`` (hung: a stopped process, a wedged driver): a refit into one would
         fail, or wait for ever."""
+        pings = {e: a.where.remote() for e, a in enumerate(self.engines) if e not in self.faults.down}
+        self._bounded(pings, during, "a ping")
+
+    def _bounded(self, calls: dict[int, Any], during: str, what: str) -> None:
+        """Wait for every engine's call in ``calls`` (engine -> its object ref) at most
+        ``rollout.hang_timeout_s``: an engine's call has no timeout of its own, and one that never
+        answers would hold the run for ever. One that does not answer is marked lost (hung ``during``)
+        and killed, one whose actor died marked lost; past ``rollout.max_engine_restarts``:
+        ``EngineFailed``."""
         import ray
 
-        pings = {e: a.where.remote() for e, a in enumerate(self.engines) if e not in self.faults.down}
-        if not pings:
+        if not calls:
             return
         limit = self.faults.hang_timeout_s
-        _, late = ray.wait(list(pings.values()), num_returns=len(pings), timeout=limit)
-        for e, ping in pings.items():
-            if ping in late:
-                self._lose(e, f"hung{during}: no answer to a ping in rollout.hang_timeout_s={limit:g} s")
+        _, late = ray.wait(list(calls.values()), num_returns=len(calls), timeout=limit)
+        for e, ref in calls.items():
+            if ref in late:
+                self._lose(e, f"hung{during}: no answer to {what} in rollout.hang_timeout_s={limit:g} s")
                 continue
             try:
-                ray.get(ping)
+                ray.get(ref)
             except ray.exceptions.RayActorError as exc:
                 self.faults.lost(e, self._kill(e), (f"died{during}: " if during else "") + cause_of(exc), 0)
 
@@ -200,7 +208,7 @@ class Fleet:
         dies (its group is closed, sync/broadcast.py) and is formed again with the new engine."""
         while True:
             self._find_dead()
-            if self.faults.down:
+            while self.faults.down:  # a rebuilt engine that hangs going to sleep is lost again
                 self._rebuild(sorted(self.faults.down))
             try:
                 return self._watched(refit)
@@ -296,11 +304,13 @@ class Fleet:
         return dict(results[0])
 
     def sleep_engines(self) -> None:
-        """``rollout.sleep``: the engines release their KV cache and weights while the trainer trains."""
-        import ray
-
+        """``rollout.sleep``: the engines release their KV cache and weights while the trainer trains.
+        One that does not go to sleep within ``rollout.hang_timeout_s`` is lost ("hung going to
+        sleep"), killed, and rebuilt before the next refit (one restart); past the bound
+        ``EngineFailed``: the run saves and stops."""
         if self.sleep and not self.asleep:
-            ray.get([e.sleep.remote() for i, e in enumerate(self.engines) if i not in self.faults.down])
+            going = {i: e.sleep.remote() for i, e in enumerate(self.engines) if i not in self.faults.down}
+            self._bounded(going, " going to sleep", "its sleep")
             self.asleep = True
 
     def sync_weights(self, version: int) -> dict[str, float]:

@@ -23,11 +23,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from hpcrl.rollout.backends import inflight_updates
 from hpcrl.rollout.base import Completion
 from hpcrl.run import loop
+from hpcrl.run.engine_faults import EngineFailed
 from hpcrl.run.loop import Rollouts  # here too: checkpoints written before it moved to loop.py name it here
 
 
@@ -40,11 +42,14 @@ class Pipeline:
         self.run = run
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="hpcrl-rollout")
         self.batches: dict[int, Future[Rollouts]] = {}
+        self.begun: dict[int, dict[str, int]] = {}
+        """The prompt stream's position as each batch began taking its prompts (by step)."""
 
     def start(self, step: int) -> None:
         self.batches[step] = self.pool.submit(self._make, step)
 
     def _make(self, step: int) -> Rollouts:
+        self.begun[step] = self.run.stream.state()  # one producer: the batches take prompts in step order
         t0 = time.perf_counter()
         scored, shaped, metrics = loop.collect(self.run, step)  # the engines stamp each completion's versions
         return Rollouts(step, scored, shaped, metrics, time.perf_counter() - t0)
@@ -61,7 +66,8 @@ class Pipeline:
     def take(self, step: int, timer: loop.Timer) -> Rollouts:
         """Batch ``step``, with how stale it is and how long it took to make (in the background)."""
         with timer("rollout"):  # the part of generation the trainers wait for
-            got = self.batches.pop(step).result()
+            got = self.batches[step].result()
+        del self.batches[step]  # only once made: a batch whose engines failed stays, for ``buffered``
         more = {**staleness_metrics(got.scored.groups, step - 1), "time/generate": got.seconds}
         return dataclasses.replace(got, metrics={**got.metrics, **more})
 
@@ -83,6 +89,54 @@ class Pipeline:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def buffered(self) -> Buffered:
+        """After ``close``: what a stop at ``rollout.max_engine_restarts`` keeps (the batches not yet
+        trained that are complete, in step order up to the first that is not: a resume fills the
+        pipeline from the last one kept), and the stream's position before the first one begun and
+        not kept took its prompts."""
+        kept: list[Rollouts] = []
+        for s in sorted(self.batches):
+            made = self.batches[s]
+            if made.cancelled() or made.exception() is not None:
+                break
+            kept.append(made.result())
+        after = kept[-1].step if kept else min(self.batches, default=0) - 1
+        dropped = [s for s in sorted(self.batches) if s > after and s in self.begun]
+        return Buffered(kept, self.begun[dropped[0]] if dropped else None, dropped)
+
+
+@dataclass(frozen=True)
+class Buffered:
+    """The generated batches a stop at ``rollout.max_engine_restarts`` saves (``engine_faults.save_and_stop``)."""
+
+    rollouts: list[Rollouts]
+    """Complete: trained on after the resume, at the version that made them, as after a preemption."""
+    stream: dict[str, int] | None
+    """The prompt stream's position before the first dropped batch took its prompts: the resume makes
+    it again from them. None: none was dropped (the stream's position now)."""
+    dropped: list[int]
+    """The steps whose batch was begun and is not kept: the first one the failing engines left
+    incomplete, any after it (begun later) with it, as the resume's pipeline has no gaps."""
+
+    def said(self) -> str:
+        """The stop line's part: which batches the checkpoint keeps, which were dropped."""
+        out = f" with the {_batches([r.step for r in self.rollouts])} generated" if self.rollouts else ""
+        if self.dropped:  # the first is the one the engines failed in; any after it began later
+            first, *after = self.dropped
+            also = f", and the {_batches(after)} after it," if after else ","
+            again = "them" if after else "it"
+            out += (
+                f" (the batch for step {first}, left incomplete by the failing engines{also} dropped: the "
+                f"resume makes {again} again)"
+            )
+        return out
+
+
+def _batches(steps: list[int]) -> str:
+    """``batch for step 7``, ``batches for steps 7, 8``: the stop line's words."""
+    many = len(steps) > 1
+    return f"batch{'es' if many else ''} for step{'s' if many else ''} {', '.join(map(str, steps))}"
 
 
 def staleness_metrics(groups: list[list[Completion]], trainer_version: int) -> dict[str, float]:
@@ -136,6 +190,10 @@ def train_overlapped(
                 pipe.start(step + 1 + lag)  # this step's weights; after the save: its prompts are not in it
             last = {**last, **metrics}
             loop.report(run, step, metrics, stop)
+    except EngineFailed as failed:  # past rollout.max_engine_restarts: the driver saves and stops
+        pipe.close()  # the batch being made ends first: complete, or failed with the engines
+        failed.buffered = pipe.buffered()
+        raise
     finally:
         pipe.close()
     return last

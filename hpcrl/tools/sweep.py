@@ -48,11 +48,13 @@ def varying(points: list[list[str]]) -> list[int]:
 
 
 def checked_plan(point: list[str]) -> Plan:
-    """One point's plan with every check ``hpcrl submit`` makes before a job goes out."""
+    """One point's plan with every check ``hpcrl submit`` makes before a job goes out, Slurm's own
+    (``sbatch --test-only``, one a point) included: a point Slurm refuses is named before any is
+    submitted or written (``submit_sweep`` does not ask again)."""
     from hpcrl.launch.gate import require_submittable
 
     plan = plan_from_overrides(point)
-    require_submittable(plan)
+    require_submittable(plan, ask_slurm=True)
     return plan
 
 
@@ -140,7 +142,7 @@ def submit_sweep(points: list[Point], into: Path | None = None) -> tuple[Path, l
         if (p.index, tuple(p.overrides)) in held:
             continue
         try:
-            done = submit(p.plan, suffix=f"p{p.index}")
+            done = submit(p.plan, suffix=f"p{p.index}", asked=True)  # plan_points asked Slurm
         except HpcrlError as exc:
             raise HpcrlError(
                 f"sweep stopped at point {p.index} ({' '.join(p.overrides)}): {exc}; {len(rows)} job(s) went "

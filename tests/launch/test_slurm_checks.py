@@ -1,10 +1,12 @@
 """Before a job is queued (issue 37): Slurm's own answer to the written script (``sbatch --test-only``),
-asked by ``hpcrl plan`` and ``render`` too, and its ``KillWait`` against one save of the run. On the test cluster (KillWait 5 s; any save takes
+asked by ``hpcrl plan`` and ``render`` too, and of every point of a sweep (``submit -m``, ``render -m``),
+and its ``KillWait`` against one save of the run. On the test cluster (KillWait 5 s; any save takes
 longer: plan/savetime.py's fixed overhead alone is 15 s) the submissions take seconds; the tests are
 marked slow for the cluster's start (a session fixture), as the other Slurm tests are."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -74,7 +76,7 @@ def _queued(name: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_job_slurm_would_refuse_is_one_line_and_never_queued(slurm_cluster, tmp_path):
+def test_a_job_slurm_would_refuse_is_one_line_and_never_queued(slurm_cluster, tmp_path, monkeypatch):
     assert kill_wait_s() == 5
     # plan and render ask Slurm first: the same line, and render writes no file
     said = (
@@ -107,7 +109,44 @@ def test_a_job_slurm_would_refuse_is_one_line_and_never_queued(slurm_cluster, tm
     assert "cluster.cpus_per_node" in big.stderr
     planned = run_cli("plan", *TINY, "cluster.cpus_per_node=64")
     assert planned.returncode == 2 and "(sbatch --test-only: Requested node configuration" in planned.stderr
+    _sweeps_ask_every_point(tmp_path, monkeypatch)
     assert _queued("gate") == []
+
+
+def _sweeps_ask_every_point(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``submit -m`` and ``render -m`` ask Slurm of every point, once each, before any is submitted: a
+    refused point is named, and submit -m writes nothing (render -m writes the points that pass). sbatch
+    is the real one behind a wrapper that notes each call."""
+    calls, bin_dir = tmp_path / "sbatch-calls", tmp_path / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "sbatch"
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexec {shutil.which("sbatch")} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    root = tmp_path / "sweep"
+    sweep = ["-m", *TINY, f"run.output_root={root}", "run.name=gate", "cluster.slurm.partition=debug,nope"]
+    refused = run_cli("submit", *sweep)
+    assert refused.returncode == 2, refused.stderr
+    (line,) = [x for x in refused.stderr.splitlines() if x.startswith("hpcrl: error:")]
+    assert line == (
+        "hpcrl: error: sweep point 1 (cluster.slurm.partition=nope): Slurm would refuse this job (sbatch "
+        "--test-only: Invalid partition name specified); change cluster.slurm.partition (now 'nope'); "
+        "nothing was written; nothing was submitted"
+    )
+    asked = calls.read_text().splitlines()
+    assert len(asked) == 2 and all(a.startswith("--test-only ") for a in asked), asked  # one a point
+    assert not root.exists()
+    shown = run_cli("render", *sweep)
+    assert shown.returncode == 1, shown.stderr
+    rows = shown.stdout.splitlines()
+    assert (
+        " fits (" in rows[1]
+        and "refused: Slurm would refuse this job (sbatch --test-only: Invalid" in rows[2]
+    )
+    assert "1 of 2 point(s) would be refused" in rows[-1]
+    (preview,) = (root / "sweeps").iterdir()
+    assert [p.name for p in preview.iterdir()] == ["p0"]
+    assert len(calls.read_text().splitlines()) == 4
 
 
 @pytest.mark.slow

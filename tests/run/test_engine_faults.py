@@ -115,3 +115,38 @@ def test_when_every_engine_is_lost_all_come_back_at_once_and_share_what_is_left(
     assert {got[i].text for i in range(2, 8)} == {"engine0", "engine1"}
     assert {got[i].versions for i in range(2, 8)} == {(1, 1)}
     assert faults.metrics() == {"faults/engine_restarts": 2.0, "faults/lost_groups": 6.0}
+
+
+def test_an_engine_that_never_goes_to_sleep_is_lost_rebuilt_before_the_refit_and_bounded():
+    """``Fleet.sleep_engines`` on local Ray (tests/harness/sleep_hang.py: real actors, a stand-in for the
+    engine whose ``sleep`` never returns): the wait is bounded by ``rollout.hang_timeout_s`` (1 s), the
+    hung engine is marked lost and killed, the next refit rebuilds it (asleep, as the others) and
+    counts the restart; when it hangs again, one past ``rollout.max_engine_restarts=1``, the fleet
+    raises ``EngineFailed`` (the driver saves and stops) after the same bound."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests/harness/sleep_hang.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    cause = "hung going to sleep: no answer to its sleep in rollout.hang_timeout_s=1 s"
+    assert out["down"] == {"0": cause} and out["asleep"] and out["hung_killed"]
+    assert 1.0 <= out["first_s"] < 10.0  # the bound, not for ever
+    assert out["refit"]["faults/engine_restarts"] == 1.0 and out["rebuilt"] and out["rebuilt_slept"] == 1
+    assert out["after_refit"] == {"asleep": False, "version": 1}
+    assert out["stopped"] == (
+        f"rollout engine 0 on localhost failed ({cause}): 2 engine failures in this run, more than "
+        "rollout.max_engine_restarts=1"
+    )
+    assert 1.0 <= out["second_s"] < 10.0

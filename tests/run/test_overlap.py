@@ -21,9 +21,10 @@ from hpcrl.data.loader import PromptStream
 from hpcrl.errors import ConfigError
 from hpcrl.rollout.base import Completion, SamplingSettings
 from hpcrl.run.checkpoint import CheckpointManager, load_loop_state
+from hpcrl.run.engine_faults import EngineFailed
 from hpcrl.run.preempt import REQUEST, Preempted
 from hpcrl.trainer.batch import TrainBatch
-from tests.run.test_loop import EXAMPLES, FakeActors, FakeScorer, config, encoded, run
+from tests.run.test_loop import EXAMPLES, FakeActors, FakeScorer, Recorder, config, encoded, run
 
 
 class VersionedActors(FakeActors):
@@ -259,3 +260,143 @@ def test_resume_with_a_lower_lag_drops_batches_older_than_the_new_limit():
     assert resumable(saved, 3, 1) == []
     assert [r.step for r in resumable([batch(4, (2, 2))], 3, 1)] == [4]  # made after step 2: 1 behind
     assert resumable([batch(4, (1, 2), (2, 2))], 3, 1) == []  # its oldest token is 2 behind
+
+
+class FailingEngines(VersionedActors):
+    """VersionedActors (a train step does not wait for the next batch) whose engines fail past
+    ``rollout.max_engine_restarts`` (``EngineFailed``, as the fleet raises it): in the refit to
+    ``refit``, or in the ``generation``-th training batch after its first hand-over."""
+
+    LINE = (
+        "rollout engine 0 on node1 failed (died: ActorDiedError): 2 engine failures in this run, more than x"
+    )
+
+    def __init__(self, script: list[str], refit: int = 0, generation: int = 0, ahead: int = 0) -> None:
+        super().__init__(script)
+        self.refit, self.generation, self.ahead, self.total = refit, generation, ahead, len(script)
+
+    def generate_stream(self, prompts: list[list[int]], settings: SamplingSettings) -> Any:
+        for n, part in enumerate(super().generate_stream(prompts, settings)):
+            if n == 1 and settings.temperature > 0 and len(self.gen_versions) == self.generation:
+                raise EngineFailed(self.LINE)
+            yield part
+
+    def train_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
+        """``ahead``: train step s ends once batch s + ``ahead`` was made (a failed one too), so which
+        batches were begun when the loop finds a failure does not depend on the threads' timing."""
+        out = FakeActors.train_step(self, batch)
+        if self.ahead and self.steps + self.ahead <= self.total:
+            with self.lock:
+                made = self.generated.setdefault(self.steps + self.ahead, threading.Event())
+            made.wait(timeout=5.0)
+        return out
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        if version == self.refit:
+            raise EngineFailed(self.LINE)
+        return super().sync_weights(version)
+
+
+def stop_and_resume(cfg: Any, cut: FailingEngines, where: Path) -> tuple[str, dict[str, Any], FailingEngines]:
+    """The overlapped loop until ``cut``'s engines fail, the driver's save and stop line
+    (``engine_faults.save_and_stop``), then the resume from that checkpoint as the driver makes it
+    (stream position, kept batches, the trainers' and engines' version)."""
+    from hpcrl.run.engine_faults import save_and_stop
+    from hpcrl.run.loop import Run
+    from hpcrl.run.overlap import resumable, train_overlapped
+
+    def loop_run(actors: FakeActors) -> Run:
+        stream = PromptStream(EXAMPLES, seed=cfg.run.seed)
+        ckpt = CheckpointManager(where / "ckpt", 5, "val/accuracy", True)
+        return Run(cfg, actors, FakeScorer(), encoded, 0, stream, [], ckpt, Recorder(), lambda _m: None)
+
+    first = loop_run(cut)
+    with pytest.raises(EngineFailed) as failed:
+        train_overlapped(first)
+    line = str(save_and_stop(first, cut.steps, failed.value))
+    state = load_loop_state(first.ckpt.latest())
+    resumed = FailingEngines(["mixed"] * 4)
+    resumed.steps = resumed.engine_version = state["step"]  # the ranks' load and the resume's weight sync
+    again = loop_run(resumed)
+    again.stream.restore(state["stream"])
+    kept = resumable(state["rollouts"], state["step"], cfg.algo.max_staleness)
+    train_overlapped(again, start_step=state["step"], restored=kept)
+    return line, state, resumed
+
+
+def test_a_stop_at_the_restart_bound_keeps_the_generated_batch_and_resume_trains_what_the_whole_run_did(
+    tmp_path: Path,
+) -> None:
+    """The refit to step 2's weights fails past the bound; batch 3 (step 1's weights) is complete: the
+    checkpoint of step 2 keeps it, as a preemption's would, and the resume trains it, then batch 4 from
+    step 2's weights: every batch as in the unbroken run."""
+    cfg = lagged(1, "algo.max_steps=4", "checkpoint.period=10")
+    whole = FailingEngines(["mixed"] * 4)
+    run(cfg, whole, tmp_path / "whole")
+    cut = FailingEngines(["mixed"] * 4, refit=2)
+    line, state, resumed = stop_and_resume(cfg, cut, tmp_path / "cut")
+    assert line == (
+        f"{FailingEngines.LINE}: stopped after saving step 2 with the batch for step 3 generated; submit "
+        "again to resume"
+    )
+    assert state["step"] == 2
+    assert [(r.step, {c.versions for g in r.scored.groups for c in g}) for r in state["rollouts"]] == [
+        (3, {(1, 1)})
+    ]
+    assert resumed.gen_versions == [2]  # batch 4 only, from step 2's weights
+    assert cut.prompts + resumed.prompts == whole.prompts
+    for a, b in zip(cut.batches + resumed.batches, whole.batches, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.rollout_logp, b.rollout_logp)
+
+
+def test_a_batch_the_failing_engines_left_incomplete_is_dropped_and_made_again_from_its_prompts(
+    tmp_path: Path,
+) -> None:
+    """Lag 2: batch 4 (step 1's weights) fails half made while step 2 trains; batch 3 is complete. The
+    checkpoint of step 2 keeps batch 3 and the stream's position before batch 4's prompts, the stop
+    line says so, and the resume makes batch 4 again from the same prompts, with step 2's weights."""
+    cfg = lagged(2, "algo.max_steps=5", "checkpoint.period=10")
+    whole = FailingEngines(["mixed"] * 5)
+    run(cfg, whole, tmp_path / "whole")
+    cut = FailingEngines(["mixed"] * 5, generation=4)
+    line, state, resumed = stop_and_resume(cfg, cut, tmp_path / "cut")
+    assert line == (
+        f"{FailingEngines.LINE}: stopped after saving step 2 with the batch for step 3 generated (the batch "
+        "for step 4, left incomplete by the failing engines, dropped: the resume makes it again); submit "
+        "again to resume"
+    )
+    assert [r.step for r in state["rollouts"]] == [3]
+    assert cut.gen_versions == [0, 0, 0, 1]
+    assert resumed.gen_versions == [2, 2]  # batches 4 and 5
+    assert resumed.prompts[0] == cut.prompts[3]  # the dropped batch's prompts, made again
+    assert cut.prompts[:3] + resumed.prompts == whole.prompts
+    assert versions_trained(cut) + versions_trained(resumed) == [0, 0, 0, 2, 2]
+
+
+def test_with_inflight_updates_a_failed_batch_is_found_when_its_step_takes_it_and_dropped_with_the_next(
+    tmp_path: Path,
+) -> None:
+    """In-flight updates: the loop waits for a batch only when its step takes it. Batch 4 fails half made;
+    batch 5, begun after it, is made; step 4 finds batch 4 failed. The checkpoint of step 3 keeps no
+    batch (a resume's pipeline has no gaps) and the stream's position before batch 4's prompts: the
+    resume makes both again from them."""
+    extra = (
+        "algo.max_steps=5",
+        "checkpoint.period=10",
+        "algo.val_period=100",
+        "rollout.inflight_update=true",
+    )
+    cfg = lagged(2, *extra)
+    whole = FailingEngines(["mixed"] * 5)
+    run(cfg, whole, tmp_path / "whole")
+    cut = FailingEngines(["mixed"] * 5, generation=4, ahead=2)  # batch 5 begun before step 4 takes 4
+    line, state, resumed = stop_and_resume(cfg, cut, tmp_path / "cut")
+    assert line == (
+        f"{FailingEngines.LINE}: stopped after saving step 3 (the batch for step 4, left incomplete by the "
+        "failing engines, and the batch for step 5 after it, dropped: the resume makes them again); submit "
+        "again to resume"
+    )
+    assert state["step"] == 3 and state["rollouts"] == []
+    assert len(cut.prompts) == 5 and len(resumed.prompts) == 2  # batches 4 and 5 made again
+    assert cut.prompts[:3] + resumed.prompts == whole.prompts
+    assert resumed.gen_versions == [3, 3]

@@ -46,7 +46,8 @@ def test_a_sweep_stopped_half_way_says_how_to_resume_and_into_submits_only_the_r
 
     sent: list[str] = []
 
-    def stand_in(plan, *, suffix):  # type: ignore[no-untyped-def]
+    def stand_in(plan, *, suffix, asked):  # type: ignore[no-untyped-def]
+        assert asked  # plan_points asked Slurm of every point
         if suffix == "p1" and "p1" not in sent and len(sent) == 1:
             sent.append("refused")
             raise HpcrlError("sbatch: error: Socket timed out on send/recv operation")
