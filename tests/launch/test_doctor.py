@@ -237,6 +237,8 @@ def test_doctor_job_checks_each_node_as_its_own_role(monkeypatch, capsys):
     assert codes[:4] == [1, 1, 1, 1]
     # a node with the GPUs of its kind passes, another count fails
     expect = Expect.from_json(sent)
-    assert check_gpus(expect.on_node(0), found=4).ok and not check_gpus(expect.on_node(0), found=8).ok
-    assert check_gpus(expect.on_node(2), found=8).ok and check_gpus(expect.on_node(3), found=2).ok
+    assert check_gpus(expect.on_node(0), found=4).ok
+    assert not check_gpus(expect.on_node(0), found=8).ok
+    assert check_gpus(expect.on_node(2), found=8).ok
+    assert check_gpus(expect.on_node(3), found=2).ok
     assert expect.on_node(7).gpus_per_node == 8  # a node past the plan's: a training node's count

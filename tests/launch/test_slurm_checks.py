@@ -134,15 +134,14 @@ def _sweeps_ask_every_point(tmp_path, monkeypatch) -> None:  # type: ignore[no-u
         "nothing was written; nothing was submitted"
     )
     asked = calls.read_text().splitlines()
-    assert len(asked) == 2 and all(a.startswith("--test-only ") for a in asked), asked  # one a point
+    assert len(asked) == 2, asked
+    assert all(a.startswith("--test-only ") for a in asked), asked  # one a point
     assert not root.exists()
     shown = run_cli("render", *sweep)
     assert shown.returncode == 1, shown.stderr
     rows = shown.stdout.splitlines()
-    assert (
-        " fits (" in rows[1]
-        and "refused: Slurm would refuse this job (sbatch --test-only: Invalid" in rows[2]
-    )
+    assert " fits (" in rows[1]
+    assert "refused: Slurm would refuse this job (sbatch --test-only: Invalid" in rows[2]
     assert "1 of 2 point(s) would be refused" in rows[-1]
     (preview,) = (root / "sweeps").iterdir()
     assert [p.name for p in preview.iterdir()] == ["p0"]

@@ -30,7 +30,8 @@ def test_rollout_nodes_of_another_gpu_name_it_and_its_memory():
     assert "fits: peak 19 GB of 80 GB per training GPU" in text
     # the same split on one kind of node: one capacity, as before
     same = plan_text(*HET, "cluster.rollout_node=null")
-    assert "Memory per GPU (GB of 80)" in same and "fits: peak 19 GB of 80 GB per GPU\n" in same
+    assert "Memory per GPU (GB of 80)" in same
+    assert "fits: peak 19 GB of 80 GB per GPU\n" in same
     assert "rollout H100" not in same
     # rollout nodes known by their memory alone (no cluster.rollout_node.gpu): no model is made up
     unnamed = plan_text(*HET, "cluster.rollout_node.gpu=null", "cluster.rollout_node.gpu_memory_gb=141")
@@ -45,7 +46,8 @@ def test_judge_nodes_of_another_gpu_are_in_the_table():
     )
     p = plan(*HET, *JUDGE, *own)
     judge = p.judge
-    assert judge is not None and judge.budget_gb == pytest.approx(judge.settings.gpu_memory_utilization * 46)
+    assert judge is not None
+    assert judge.budget_gb == pytest.approx(judge.settings.gpu_memory_utilization * 46)
     text = plan_text(*HET, *JUDGE, *own)
     title = "Memory per GPU (GB; train H100 of 80, rollout L40S of 46, judge L40S of 46)"
     assert title in " ".join(text.split())  # rich wraps a title at its table's width
@@ -73,6 +75,5 @@ def test_another_gpu_without_its_memory_is_one_line(key, overrides):
 
 def test_the_training_nodes_gpu_model_needs_no_memory_of_its_own():
     p = plan(*HET, *JUDGE, "+cluster.judge_node.gpu=h100")
-    assert p.judge is not None and p.judge.budget_gb == pytest.approx(
-        p.judge.settings.gpu_memory_utilization * 80
-    )
+    assert p.judge is not None
+    assert p.judge.budget_gb == pytest.approx(p.judge.settings.gpu_memory_utilization * 80)

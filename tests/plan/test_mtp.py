@@ -48,7 +48,8 @@ def test_each_mtp_refusal_names_the_key_and_the_fix():
         ("trainer.tp=2 trainer.ep=2", (2, 2)),
     ):
         p = plan(*megatron, *layout.split(), *gpus)
-        assert p.cfg.trainer.mtp_loss_scale == 0.3 and (p.topology.train.tp, p.topology.train.ep) == (tp, ep)
+        assert p.cfg.trainer.mtp_loss_scale == 0.3
+        assert (p.topology.train.tp, p.topology.train.ep) == (tp, ep)
     assert plan(*megatron, "trainer.fused_logprob=false").cfg.trainer.mtp_loss_scale == 0.3
     for key, fix in (  # one line each, as before
         ("trainer.pp=7", "trainer.pp=1"),  # 7: divides the tiny model's layers

@@ -143,7 +143,8 @@ def test_two_engines_off_policy_engine_faults_then_a_killed_trainer_rank_and_the
     # step 5 trained batch 5 with its own weights' version: one step stale, as in an unbroken run
     assert [r["async/staleness"] for r in rows] == [0.0] + [1.0] * 4
     (line,) = [x for x in resumed.stderr.splitlines() if x.startswith("hpcrl: error:")]
-    assert "rollout engine 0 on " in line and "(died in a refit: " in line, line
+    assert "rollout engine 0 on " in line, line
+    assert "(died in a refit: " in line, line
     assert line.endswith(
         f"more than {bound}: stopped after saving step 6 with the batch for step 7 generated; submit again "
         "to resume"

@@ -346,7 +346,8 @@ def test_a_stop_at_the_restart_bound_keeps_the_generated_batch_and_resume_trains
     assert resumed.gen_versions == [2]  # batch 4 only, from step 2's weights
     assert cut.prompts + resumed.prompts == whole.prompts
     for a, b in zip(cut.batches + resumed.batches, whole.batches, strict=True):
-        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.rollout_logp, b.rollout_logp)
+        assert torch.equal(a.input_ids, b.input_ids)
+        assert torch.equal(a.rollout_logp, b.rollout_logp)
 
 
 def test_a_batch_the_failing_engines_left_incomplete_is_dropped_and_made_again_from_its_prompts(
@@ -396,7 +397,9 @@ def test_with_inflight_updates_a_failed_batch_is_found_when_its_step_takes_it_an
         "failing engines, and the batch for step 5 after it, dropped: the resume makes them again); submit "
         "again to resume"
     )
-    assert state["step"] == 3 and state["rollouts"] == []
-    assert len(cut.prompts) == 5 and len(resumed.prompts) == 2  # batches 4 and 5 made again
+    assert state["step"] == 3
+    assert state["rollouts"] == []
+    assert len(cut.prompts) == 5
+    assert len(resumed.prompts) == 2  # batches 4 and 5 made again
     assert cut.prompts[:3] + resumed.prompts == whole.prompts
     assert resumed.gen_versions == [3, 3]

@@ -185,7 +185,8 @@ def test_megatron_mtp_loss_and_gradients_equal_fsdps(mtp_dir, detach, tmp_path):
     # not detached: through the output layer's logits and the vocab-parallel loss, not the chunked head
     head = () if detach else ("trainer.fused_logprob=false",)
     meg = MegatronTrainer(mtp_dir, plan(*MEGATRON, *keys, *head).cfg, master=MASTER)
-    assert meg.mtp is not None and meg.mtp.chunked == detach
+    assert meg.mtp is not None
+    assert meg.mtp.chunked == detach
     grads = {"fsdp": stepped_grads(fsdp, "fsdp"), "megatron": stepped_grads(meg, "megatron")}
     m_fsdp, m_meg = fsdp.train_step(batch()), meg.train_step(batch())
     for key in ("mtp_loss", "policy_loss", "grad_norm"):

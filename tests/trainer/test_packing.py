@@ -160,7 +160,8 @@ def test_megatron_attention_of_a_packed_row_reads_its_bounds_not_a_mask():
         reach = allowed if window is None else allowed & window_mask(width, window, q.device)
         want = sdpa(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), reach, scale=0.3).permute(2, 0, 1, 3)
         want = want.flatten(2)
-        assert out.shape == (width, 1, heads * dim) and torch.allclose(out[:25], want[:25], atol=1e-5)
+        assert out.shape == (width, 1, heads * dim)
+        assert torch.allclose(out[:25], want[:25], atol=1e-5)
         assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(grads(out), grads(want), strict=True))
         assert not out[25:].any()
         assert (layer(q, k, v, None)[:25] - want[:25]).abs().max() > 0.1, window
