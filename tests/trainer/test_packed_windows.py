@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hpcrl.trainer.varlen import RowBounds, attend_packed
-from tests.trainer.test_packing import batch
+from tests.trainer.test_packing import batch, packed_equals_padded
 
 LENGTHS, WINDOW, HEADS, KV, DIM, PAD = [3, 9, 1, 14, 5, 6], 5, 6, 2, 8, 4
 """Sequences shorter than the window, as long, and longer (one by far), 3 query heads a KV head, and
@@ -96,32 +96,11 @@ def test_packed_gemma3_forward_and_gradients_equal_the_padded_ones(monkeypatch):
     on the fsdp backend's packed forward: the padded forward's log-probs, entropy and gradients at every
     target, sequences of 3 to 11 tokens, and no mask built on the way (transformers' SDPA mask function
     refuses while packed; the unpacked forward still calls it)."""
-    import transformers.masking_utils as masking
-
-    from hpcrl.trainer.forward import packed_logprobs, token_logprobs
-    from hpcrl.trainer.varlen import NAME
+    from hpcrl.trainer.forward import token_logprobs
     from tests.megatron.common import gemma3_model
 
     model = gemma3_model().eval()
     b = batch([4, 9, 3, 6, 1], [5, 2, 8, 4, 2])
-    targets = b.loss_mask.bool()
-
-    def grads(forward):
-        model.zero_grad()
-        logp, entropy = forward(model, b)
-        (logp * b.loss_mask).sum().backward()
-        return logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]
-
-    padded = grads(token_logprobs)
-
-    def no_mask(**kwargs):
-        raise AssertionError("a packed forward built an attention mask")
-
-    monkeypatch.setattr(masking, "sdpa_mask", no_mask)
-    packed = grads(packed_logprobs)
-    assert model.config._attn_implementation == NAME
-    for got, want in zip(packed[:2], padded[:2], strict=True):
-        assert torch.allclose(got[targets], want[targets], atol=1e-5)
-    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(packed[2], padded[2], strict=True))
+    packed_equals_padded(model, b, monkeypatch)
     with pytest.raises(AssertionError, match="built an attention mask"):
         token_logprobs(model, b, right_padded=False)

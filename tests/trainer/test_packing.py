@@ -49,10 +49,7 @@ def test_packed_forward_and_gradients_equal_the_padded_ones_on_a_real_model(tiny
     """Attention stays inside each packed sequence (a leak across a restart would change the later
     sequences' log-probs by far more than the tolerance), the gradients are the padded step's, and no
     [L, L] mask is built on the way (transformers' SDPA mask function is refused while packed)."""
-    import transformers.masking_utils as masking
-
     from hpcrl.trainer.hf_load import meta_model
-    from hpcrl.trainer.varlen import NAME
 
     model = meta_model(tiny_dir).to_empty(device="cpu")
     torch.manual_seed(0)
@@ -60,26 +57,11 @@ def test_packed_forward_and_gradients_equal_the_padded_ones_on_a_real_model(tiny
         torch.nn.init.normal_(p, std=0.2)
     model.eval()
     b = batch([4, 9, 3, 6], [5, 2, 8, 4])
-    targets, pad = b.loss_mask.bool(), ~b.attention_mask[:, 1:].bool()
+    pad = ~b.attention_mask[:, 1:].bool()
 
-    def grads(forward):
-        model.zero_grad()
-        logp, entropy = forward(model, b)
-        (logp * b.loss_mask).sum().backward()
-        return logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]
-
-    padded = grads(token_logprobs)
-
-    def no_mask(**kwargs):
-        raise AssertionError("a packed forward built an attention mask")
-
-    monkeypatch.setattr(masking, "sdpa_mask", no_mask)
-    packed = grads(packed_logprobs)
-    assert model.config._attn_implementation == NAME
-    for got, want in zip(packed[:2], padded[:2], strict=True):
-        assert torch.allclose(got[targets], want[targets], atol=1e-5)
+    packed = packed_equals_padded(model, b, monkeypatch)
+    for got in packed[:2]:
         assert not got[pad].any()
-    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(packed[2], padded[2], strict=True))
     with pytest.raises(AssertionError, match="built an attention mask"):  # unpacked forwards still mask
         token_logprobs(model, b, right_padded=False)
 
@@ -268,3 +250,33 @@ def test_packed_nemotron_h_forward_equals_the_padded_forward():
     for got, want in zip(packed, padded, strict=True):
         assert torch.allclose(got[targets], want[targets], atol=1e-5)
     assert (carried[0][targets] - padded[0][targets]).abs().max() > 1e-2
+
+
+def packed_equals_padded(model, b, monkeypatch):
+    """The packed forward's log-probs and entropy at every target, and its gradients, are the padded
+    forward's, and no [L, L] mask is built on the way (transformers' SDPA mask function refuses while
+    packed); returns the packed (log-probs, entropy, gradients)."""
+    import transformers.masking_utils as masking
+
+    from hpcrl.trainer.varlen import NAME
+
+    targets = b.loss_mask.bool()
+
+    def grads(forward):
+        model.zero_grad()
+        logp, entropy = forward(model, b)
+        (logp * b.loss_mask).sum().backward()
+        return logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]
+
+    padded = grads(token_logprobs)
+
+    def no_mask(**kwargs):
+        raise AssertionError("a packed forward built an attention mask")
+
+    monkeypatch.setattr(masking, "sdpa_mask", no_mask)
+    packed = grads(packed_logprobs)
+    assert model.config._attn_implementation == NAME
+    for got, want in zip(packed[:2], padded[:2], strict=True):
+        assert torch.allclose(got[targets], want[targets], atol=1e-5)
+    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(packed[2], padded[2], strict=True))
+    return packed
