@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 import itertools
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -84,6 +84,27 @@ def packed_attention(positions: torch.Tensor) -> Iterator[None]:
         yield
     finally:
         _ROW.clear()
+
+
+def recompute_context() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+    """``torch.utils.checkpoint``'s ``context_fn`` (``trainer.activation_checkpointing``): a layer run
+    again in the backward attends inside the sequences its forward did. The row's bounds are known only
+    inside ``packed_attention``, which has ended by the backward: without them the recompute took the
+    unpacked path and saved other tensors (``CheckpointError``)."""
+    return nullcontext(), _within(_ROW.get("row"))
+
+
+@contextmanager
+def _within(row: RowBounds | None) -> Iterator[None]:
+    saved = dict(_ROW)
+    _ROW.clear()
+    if row is not None:
+        _ROW["row"] = row
+    try:
+        yield
+    finally:
+        _ROW.clear()
+        _ROW.update(saved)
 
 
 def _mask(**kwargs: Any) -> torch.Tensor | None:

@@ -104,3 +104,35 @@ def test_packed_gemma3_forward_and_gradients_equal_the_padded_ones(monkeypatch):
     packed_equals_padded(model, b, monkeypatch)
     with pytest.raises(AssertionError, match="built an attention mask"):
         token_logprobs(model, b, right_padded=False)
+
+
+@pytest.mark.parametrize("context", [True, False])
+def test_a_packed_row_recomputed_in_the_backward_attends_as_its_forward(context):
+    """fsdp's ``trainer.activation_checkpointing`` runs each decoder layer again in the backward, after
+    the packed forward has ended: with ``varlen.recompute_context`` (what the fsdp trainer passes) the
+    gradients equal the forward kept whole; without it the recompute left the packed row (fails)."""
+    from torch.utils.checkpoint import CheckpointError
+
+    from hpcrl.trainer.forward import packed_logprobs
+    from hpcrl.trainer.varlen import recompute_context
+    from tests.megatron.common import gemma3_model
+
+    torch.manual_seed(0)
+    model = gemma3_model().train()  # checkpointing runs in training mode only; the tiny config has no dropout
+    b = batch([4, 9, 3, 6, 1], [5, 2, 8, 4, 2])
+
+    def grads():
+        model.zero_grad()
+        logp, _ = packed_logprobs(model, b)
+        (logp * b.loss_mask).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    kept = grads()
+    kwargs = {"use_reentrant": False, **({"context_fn": recompute_context} if context else {})}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if not context:
+        with pytest.raises(CheckpointError):
+            grads()
+        return
+    again = grads()
+    assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(again, kept, strict=True))

@@ -34,6 +34,7 @@ from hpcrl.trainer.process_group import collective_backend, init_process_group
 from hpcrl.trainer.router_replay import install as install_route_replay
 from hpcrl.trainer.shards import ShardWriter
 from hpcrl.trainer.step import LossFn, Metrics, StepBatch, TrainStep, set_lr
+from hpcrl.trainer.varlen import recompute_context
 
 
 class FSDPTrainer:
@@ -106,7 +107,9 @@ class FSDPTrainer:
         if self.cfg.trainer.activation_checkpointing:
             # each decoder layer's forward runs again in the backward instead of keeping its
             # activations; non-reentrant: FSDP's hooks run again too (torchtitan, NeMo RL's DTensor path)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # context_fn: a packed row's bounds for the recompute too (trainer/varlen.py)
+            kwargs = {"use_reentrant": False, "context_fn": recompute_context}
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return model
 
     def _context_parallel(self, model: Any, world: int) -> CPGroup:
