@@ -40,14 +40,15 @@ def require_submittable(plan: Plan, run_dir: Path | None = None, *, ask_slurm: b
         )
     check_wandb_login(logger)
     check_inputs(plan.cfg)
+    where = run_dir or new_run_dir(plan.cfg)  # once: the name is the time, which may tick between two asks
     if plan.cfg.cluster.scheduler is Scheduler.slurm:
-        check_mounts(plan, (run_dir or new_run_dir(plan.cfg)).resolve())
+        check_mounts(plan, where.resolve())
         if ask_slurm:
-            require_accepted_text(plan, run_dir or new_run_dir(plan.cfg))
+            require_accepted_text(plan, where)
     if plan.cfg.cluster.scheduler is Scheduler.kuberay:
         from hpcrl.launch.kuberay import check_kube, pods_run_dir
 
-        check_kube(plan, pods_run_dir(plan, run_dir or new_run_dir(plan.cfg)))  # image, run dir on a volume
+        check_kube(plan, pods_run_dir(plan, where))  # image, run dir on a volume
     # last: a cluster's run is only warned of, after every refusal
     check_room(plan, run_dir, warn=lambda line: print(f"hpcrl: warning: {line}", file=sys.stderr))
 

@@ -82,7 +82,7 @@ class RoleGpu:
         return f"{self.role} {self.gpu + ' ' if self.gpu else ''}of {self.memory_gb:.0f}"
 
 
-def role_gpus(plan: Plan) -> list[RoleGpu]:
+def gpu_roles(plan: Plan) -> list[RoleGpu]:
     """Each GPU role's GPU model and memory: the training nodes' (the engines' too when colocated), the
     dedicated rollout nodes' (``cluster.rollout_node``), the judge nodes' (``cluster.judge_node``)."""
     cluster = plan.cfg.cluster
@@ -97,3 +97,9 @@ def role_gpus(plan: Plan) -> list[RoleGpu]:
         gpu = judge.gpu_label(cluster.gpu) if judge is not None else cluster.gpu
         kinds.append(RoleGpu("judge", gpu, judge_memory_gb(plan.cfg)))
     return kinds
+
+
+def one_gpu_kind(plan: Plan) -> bool:
+    """Whether every GPU role's nodes hold the same GPU (model and memory): ``hpcrl plan`` then speaks of
+    "the GPU", else of each role's."""
+    return len({(k.gpu, k.memory_gb) for k in gpu_roles(plan)}) == 1

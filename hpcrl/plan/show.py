@@ -13,7 +13,7 @@ from rich.text import Text
 from hpcrl.config.defaults import default_recipes
 from hpcrl.config.schema import RunConfig
 from hpcrl.data.config import is_procedural
-from hpcrl.plan.components import components, node_gpus, role_gpus
+from hpcrl.plan.components import components, gpu_roles, node_gpus, one_gpu_kind
 from hpcrl.plan.planner import Plan, ShippedLayout, shipped_layouts
 from hpcrl.plan.savetime import save_time
 from hpcrl.trainer.backends import trainer_spec
@@ -246,10 +246,9 @@ def _memory(plan: Plan) -> Table:
 def memory_title(plan: Plan) -> str:
     """The memory table's title: the GPU memory its figures are of, each role's where the roles' GPUs
     differ (rollout or judge nodes of another kind: ``cluster.rollout_node``, ``judge_node``)."""
-    kinds = role_gpus(plan)
-    if len({(k.gpu, k.memory_gb) for k in kinds}) == 1:
+    if one_gpu_kind(plan):
         return f"Memory per GPU (GB of {plan.memory.capacity:.0f})"
-    return f"Memory per GPU (GB; {', '.join(k.label() for k in kinds)})"
+    return f"Memory per GPU (GB; {', '.join(k.label() for k in gpu_roles(plan))})"
 
 
 def _colocated_rows(plan: Plan) -> list[tuple[str, float]]:
@@ -271,7 +270,7 @@ def _verdict(plan: Plan, console: Console) -> None:
     for warning in plan.nvlink.warnings:
         console.print(f"[yellow]NVLink[/]: {warning}")
     if plan.fits:
-        each = "per GPU" if len({k.memory_gb for k in role_gpus(plan)}) == 1 else "per training GPU"
+        each = "per GPU" if len({k.memory_gb for k in gpu_roles(plan)}) == 1 else "per training GPU"
         console.print(f"[green]fits[/]: peak {mem.train_gpu_peak:.0f} GB of {mem.capacity:.0f} GB {each}")
         return
     for problem in mem.problems:
