@@ -154,14 +154,12 @@ def attend_chunks(
     cp: int,
     window: int | None,
     sdpa: Attend,
-    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """CP rank ``rank``'s attention, [b, heads, 2c, d]: its queries (chunks ``rank`` and
     ``2cp-1-rank``, c positions each) against the whole sequence's keys and values ([b, kv_heads, 2cp x
     c, d], in sequence order). Each chunk reads the keys up to its own end, causal within its own
     chunk; a sliding-window layer (a query sees keys q - window < k <= q) only the keys its window
-    reaches, masked by true position. ``allowed``: a packed row's [2cp x c, 2cp x c] block-causal
-    mask (True: may read; ``Packed.attention_mask`` negated), whose rows replace the causal one."""
+    reaches, masked by true position. A packed row's sequences: ``varlen.attend_packed_chunks``."""
     from torch.nn.attention.bias import causal_lower_right
 
     chunk = query.shape[2] // 2
@@ -179,9 +177,6 @@ def attend_chunks(
             )
         else:
             causal = True if g == 0 else causal_lower_right(chunk, seen)
-        if allowed is not None:  # the packed row's sequences: causal inside each, none across
-            rows = allowed[g * chunk : (g + 1) * chunk, first:seen]
-            causal = rows if reach is None else rows & causal
         outs.append(sdpa(q, k, v, causal))
     return torch.cat(outs, dim=2)
 

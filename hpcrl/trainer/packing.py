@@ -6,8 +6,8 @@ long-tailed completion lengths (DAPO: most answers short, a few up to the limit)
 padding. Packed, a micro-batch holds whole sequences whose real tokens sum to at most the budget,
 chosen first-fit-decreasing, and runs as one row: positions restart at 0 for each sequence, and
 attention stays inside each sequence by the sequences' bounds, no [L, L] mask (``varlen.py``, both
-backends, sliding windows included; the dense ``attention_mask`` only where a layer still needs it:
-megatron's context parallel), and Mamba layers convolve and scan each sequence from zeros
+backends, sliding windows and megatron's context parallel included; the dense ``attention_mask`` is the
+definition the tests check them against), and Mamba layers convolve and scan each sequence from zeros
 (``ssd.py``). Which rows share a micro-batch changes no number: the step weighs each micro-batch by
 its share of the loss units.
 """
@@ -88,7 +88,8 @@ class Packed:
 
     def attention_mask(self) -> torch.Tensor:
         """[1, 1, L, L], True where a query may NOT read a key (Megatron's convention): a key of another
-        sequence, or a later one. The padding tail is one more sequence."""
+        sequence, or a later one. The padding tail is one more sequence. No training path builds it (the
+        attention reads the bounds): the reference the tests hold the attention to, and count."""
         starts = (self.positions[0] == 0).long()
         doc = starts.cumsum(0)
         n = doc.shape[0]

@@ -14,8 +14,11 @@ so the unpacked forwards of the same model are unchanged.
 Sliding-window layers (Gemma 3's local layers) attend the same way, each query to the last ``window``
 keys of its own sequence: ``varlen_attn``'s ``window_size`` where this torch's kernel takes one, else
 SDPA per sequence, a long one in blocks of ``window`` queries under their own window masks (linear in
-the sequence, never quadratic in the row). Megatron under context parallel (``trainer.cp`` > 1) still reads a packed row's [L, L] block
-mask: each CP rank holds two chunks of the row, not whole sequences.
+the sequence, never quadratic in the row).
+
+Under context parallel (megatron, ``trainer.cp`` > 1) each CP rank holds two of the row's 2·cp chunks,
+not whole sequences: ``attend_packed_chunks`` runs each chunk's part of each sequence against that
+sequence's gathered keys up to it (causal lower-right, or its window), again no [L, L] tensor.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any, cast
 
 import torch
 
-from hpcrl.trainer.context_parallel import window_mask
+from hpcrl.trainer.context_parallel import Attend, window_mask
 
 NAME = "hpcrl_packed"
 
@@ -192,6 +195,47 @@ def _window_blocks(
         sdpa = torch.nn.functional.scaled_dot_product_attention
         out.append(sdpa(q[:, :, a:b], k[:, :, first:b], v[:, :, first:b], attn_mask=reach, scale=scale))
     return out
+
+
+def attend_packed_chunks(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rank: int,
+    cp: int,
+    window: int | None,
+    row: RowBounds,
+    sdpa: Attend,
+) -> torch.Tensor:
+    """CP rank ``rank``'s attention over a packed row, [1, heads, 2c, d]: its queries (the row's chunks
+    ``rank`` and ``2cp-1-rank``, c positions each) against the whole row's keys and values ([1,
+    kv_heads, 2cp x c, d], in row order; ``row``: its sequences in row positions). Each query reads the
+    keys of its own sequence up to itself (``window``: the last ``window`` of them): one ``sdpa`` call
+    per piece of a sequence inside a chunk, causal lower-right against the sequence's keys up to the
+    piece's end (flash on GPUs, no mask tensor), or, where the window cuts, under a [piece, < piece +
+    window] mask. Nothing [L, L]. Padding past the last sequence attends nowhere: 0, as ``attend_packed``."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    chunk, real = query.shape[2] // 2, sum(row.lengths)
+    bounds = list(itertools.pairwise(itertools.accumulate(row.lengths, initial=0)))
+    outs = []
+    for j, g in enumerate((rank, 2 * cp - 1 - rank)):  # this rank's two chunks, by global index
+        lo, hi = g * chunk, (g + 1) * chunk
+        for start, end in bounds:
+            a, b = max(lo, start), min(hi, end)  # the sequence's queries inside this chunk
+            if a >= b:
+                continue
+            q = query[:, :, j * chunk + a - lo : j * chunk + b - lo]
+            first = start if window is None else max(start, a - window + 1)
+            causal: Any
+            if window is not None and b - window > start:  # the window cuts some query's keys
+                causal = window_mask(b - a, window, q.device, first_query=a, first_key=first, keys=b - first)
+            else:
+                causal = True if a == first else causal_lower_right(b - a, b - first)
+            outs.append(sdpa(q, keys[:, :, first:b], values[:, :, first:b], causal))
+        if hi > max(lo, real):  # the padding tail of the row in this chunk
+            outs.append(query.new_zeros(*query.shape[:2], hi - max(lo, real), query.shape[3]))
+    return torch.cat(outs, dim=2)
 
 
 _SIGNATURE: list[Any] = []

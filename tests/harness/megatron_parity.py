@@ -151,7 +151,7 @@ def expert_layout(trainer: Any) -> dict[str, Any]:
 @contextmanager
 def counting_masks() -> Iterator[dict[str, int]]:
     """Within: how many packed rows' dense [L, L] block masks were built (``Packed.attention_mask``);
-    megatron builds them only under context parallel."""
+    megatron builds none (its attention reads the bounds, under context parallel too)."""
     from hpcrl.trainer.packing import Packed
 
     seen = {"masks": 0}

@@ -459,9 +459,10 @@ def test_packed_rows_step_as_the_padded_ones(torchrun_cases):
     (``packed_seq_params``), whose conv and scan restart at every sequence, under every layout the
     padded runs take: TP=2 (sequence parallel: the mixer gathers the whole row), PP=2 (every stage
     gets the bounds), EP=2, TP=2 x EP=2, CP=2 (the row split in 2·CP chunks as a sequence is:
-    attention reads its block mask's rows, the mixer scans the whole row again) and TP=2 x CP=2: the
-    padded TP=1 step's log-probs (the reference's passes packed too), metrics, gradients and weights.
-    Without CP the attention layers read the same bounds and no [L, L] mask is built."""
+    attention runs each chunk's piece of each sequence against its gathered keys, the mixer scans the
+    whole row again) and TP=2 x CP=2: the padded TP=1 step's log-probs (the reference's passes packed
+    too), metrics, gradients and weights. Every layout's attention reads the bounds: no [L, L] mask is
+    built, under CP neither."""
     mask = parity_batch().loss_mask.bool()
     base = torchrun_cases.result(BASE.id)
     for (tp, pp, ep, cp), case in PACKED.items():
@@ -469,5 +470,5 @@ def test_packed_rows_step_as_the_padded_ones(torchrun_cases):
         run = torchrun_cases.result(case.id)
         assert "error" not in run, run["error"]
         assert run["layout"]["cp"] == cp and run["layout"]["sequence_parallel"] == (tp > 1), where
-        assert (run["layout"]["packed_masks"] > 0) == (cp > 1), where
+        assert run["layout"]["packed_masks"] == 0, where
         _assert_same_step(run, base, mask, where)

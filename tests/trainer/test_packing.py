@@ -109,9 +109,9 @@ def test_megatron_attention_of_a_packed_row_reads_its_bounds_not_a_mask():
     ``seq_params``: sequences of 5, 1, 12 and 7 tokens, then 3 of padding) and no mask: the outputs and
     input gradients of the same layer under the row's dense block mask at every real token, grouped
     heads (the mutation: one causal sequence over the whole row); the padding attends nowhere (0); a
-    sliding-window layer (4 keys) the same under the block mask and its window. Context parallel still
-    needs the mask and says so, and a mask nothing reads is refused; the params keep the real tokens'
-    end for the Mamba mixers and the width for RoPE."""
+    sliding-window layer (4 keys) the same under the block mask and its window. A mask is refused (no
+    path reads one; context parallel's packed rows: tests/trainer/test_packed_cp.py); the params keep
+    the real tokens' end for the Mamba mixers and the width for RoPE."""
     from types import SimpleNamespace
 
     from hpcrl.trainer.context_parallel import sdpa, window_mask
@@ -147,13 +147,8 @@ def test_megatron_attention_of_a_packed_row_reads_its_bounds_not_a_mask():
         assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(grads(out), grads(want), strict=True))
         assert not out[25:].any()
         assert (layer(q, k, v, None)[:25] - want[:25]).abs().max() > 0.1, window
-    other = SDPAttention(
-        SimpleNamespace(**{**vars(config), "context_parallel_size": 2}), layer_number=1, attn_mask_type=None
-    )
-    with pytest.raises(ValueError, match="needs its mask"):
-        other(q, k, v, None, packed_seq_params=params)
-    with pytest.raises(ValueError, match="a mask is read under context parallel only"):
-        layer(q, k, v, packed.attention_mask())
+    with pytest.raises(ValueError, match="SDPAttention reads no mask"):
+        layer(q, k, v, packed.attention_mask(), packed_seq_params=params)
 
 
 def test_the_plan_counts_the_budget_and_refuses_what_cannot_pack():

@@ -7,9 +7,9 @@ on GPUs, a boolean mask on CPUs), context parallel (keys and values gathered ove
 ``cp_gather``), and packed rows (``trainer.packing``): each sequence attends alone over the bounds in
 ``packed_seq_params`` (``varlen.attend_packed``: ``varlen_attn`` on GPUs in half precision, SDPA per
 sequence elsewhere), on sliding-window layers too (each query's window inside its own sequence), no
-[L, L] mask; only context parallel still reads the row's block mask (the pipeline builds it then
-alone: a CP rank holds chunks of the row, not whole sequences). Family-free: every family's layers
-take it.
+[L, L] mask; under context parallel too, where a CP rank holds chunks of the row, not whole sequences
+(``varlen.attend_packed_chunks``: each chunk's piece of each sequence against that sequence's gathered
+keys). No mask is read anywhere. Family-free: every family's layers take it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from hpcrl.trainer.context_parallel import attend_chunks, chunk_order, sdpa, window_mask
-from hpcrl.trainer.varlen import RowBounds, attend_packed
+from hpcrl.trainer.varlen import RowBounds, attend_packed, attend_packed_chunks
 
 
 class SDPAttention(torch.nn.Module):
@@ -60,17 +60,15 @@ class SDPAttention(torch.nn.Module):
     ) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError("SDPAttention: attention bias needs Transformer Engine")
-        cp = self.config.context_parallel_size > 1
-        if packed_seq_params is not None and attention_mask is None and cp:
-            raise ValueError("SDPAttention: a packed row under context parallel needs its mask")
-        if attention_mask is not None and not cp:  # only CP's attention reads one: never drop it silently
-            raise ValueError("SDPAttention: a mask is read under context parallel only")
+        if attention_mask is not None:  # never drop a mask silently: packed rows pass their bounds
+            raise ValueError("SDPAttention reads no mask: a packed row passes its packed_seq_params")
+        row = None if packed_seq_params is None else packed_seq_params.hpcrl_row
         # Megatron hands [s, b, heads, dim]; SDPA wants [b, heads, s, dim].
         s, b = query.shape[0], query.shape[1]
-        if cp:
-            out = self._context_parallel(query, key, value, attention_mask)
-        elif packed_seq_params is not None:  # each packed sequence alone (its own windows), no mask
-            return self._packed(query, key, value, packed_seq_params.hpcrl_row)
+        if self.config.context_parallel_size > 1:
+            out = self._context_parallel(query, key, value, row)
+        elif row is not None:  # each packed sequence alone (its own windows), no mask
+            return self._packed(query, key, value, row)
         else:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             out = self._local(q, k, v)
@@ -106,17 +104,19 @@ class SDPAttention(torch.nn.Module):
     # in Megatron's autograd function) came out wrong on 2 H200s (grad norm 4.46 instead of 6.16).
     @torch.compiler.disable
     def _context_parallel(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, row: RowBounds | None
     ) -> torch.Tensor:
-        """``mask``: a packed row's (the whole row's, in sequence order), else None: causal."""
+        """``row``: a packed row's sequences (row positions), each attended alone; None: causal."""
         from megatron.core import parallel_state as ps
 
         group = ps.get_context_parallel_group()
         # every rank's queries read these keys/values: their gradients are summed back to the owner
         k_all, v_all = (cp_gather(t, group, sum_grads=True).permute(1, 2, 0, 3) for t in (key, value))
         q = query.permute(1, 2, 0, 3)
-        allowed = None if mask is None else ~mask[0, 0]
-        return attend_chunks(q, k_all, v_all, group.rank(), group.size(), self.window, self._sdpa, allowed)
+        rank, cp = group.rank(), group.size()
+        if row is not None:
+            return attend_packed_chunks(q, k_all, v_all, rank, cp, self.window, row, self._sdpa)
+        return attend_chunks(q, k_all, v_all, rank, cp, self.window, self._sdpa)
 
 
 def sliding_window(config: Any, layer_number: int) -> int | None:

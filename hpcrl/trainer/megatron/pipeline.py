@@ -49,11 +49,11 @@ class Pipeline:
     budget, rounded up to a multiple of TP and of 2·CP: context parallel splits the row as it splits a
     sequence); None: rows as they are."""
     replay: RouteReplay | None = None
-    """``trainer.router_replay``: where each forward's routes go (``megatron/router_replay.py``)."""
-    mask: bool = False
-    """Packed rows also pass their [L, L] block mask: attention under context parallel reads it. Every
-    packed row passes its sequences' bounds (``packed_seq_params``): attention stays inside each
-    sequence by them (sliding windows included), Mamba layers restart their conv and scan at each."""
+    """``trainer.router_replay``: where each forward's routes go (``megatron/router_replay.py``).
+
+    Packed rows pass their sequences' bounds (``packed_seq_params``), no mask: attention stays inside
+    each sequence by them (sliding windows and context parallel included), Mamba layers restart their
+    conv and scan at each."""
 
     def micro_batches(self, batch: TrainBatch, size: int) -> list[TrainBatch]:
         """Equal micro-batches of ``size`` rows (fewer for a smaller batch), width a multiple of TP and
@@ -77,20 +77,19 @@ class Pipeline:
 
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
             i, mb = next(data_iterator)
-            ids, mask, routes = mb.data.input_ids.to(self.device), None, mb.data.routes
+            ids, routes = mb.data.input_ids.to(self.device), mb.data.routes
             pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
             bounds = {}
             if self.pack_width is not None:  # positions restart per sequence (GPTModel's RoPE reads the
                 packed = self.packed(mb.data)  # length only: relative, so an offset changes no score)
                 ids, pos, bounds = packed.ids, packed.positions, {"packed_seq_params": seq_params(packed)}
-                mask = packed.attention_mask() if self.mask else None
                 routes = None if routes is None else packed.gather(routes.to(self.device))
             if self.replay is not None:
                 self.replay.routes = (
                     None if routes is None else local_routes(routes, self.par.tp, self.cp_split)
                 )
             out = model(
-                input_ids=self.cp_split(ids), position_ids=self.cp_split(pos), attention_mask=mask, **bounds
+                input_ids=self.cp_split(ids), position_ids=self.cp_split(pos), attention_mask=None, **bounds
             )
             return out, partial(loss, i, mb)
 

@@ -118,10 +118,8 @@ class MegatronTrainer:
         unit = self.par.tp * (2 * self.par.cp if self.par.cp > 1 else 1)
         width = None if budget is None else -(-budget // unit) * unit
         replay = RouteReplay() if t.router_replay else None
-        # the [L, L] block mask of a packed row, only for the attention that still reads it (under CP)
-        mask = self.par.cp > 1
         self.pipeline = Pipeline(
-            self.par, self.device, chunked, self.tied, compute_dtype, softcap, width, replay, mask
+            self.par, self.device, chunked, self.tied, compute_dtype, softcap, width, replay
         )
         build = partial(
             build_model,
