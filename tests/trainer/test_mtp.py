@@ -256,12 +256,17 @@ def test_packed_mtp_loss_and_gradients_are_the_padded_rows():
         return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     def padded():
-        hidden = model.model(input_ids=b.input_ids).last_hidden_state
+        hidden = model.model(input_ids=b.input_ids, use_cache=False).last_hidden_state
         return model.mtp.nll(hidden, b.input_ids, full, embed, head)
 
     def packed_row(scored_whole: bool = False):
         with packed_attention(packed.positions):
-            inputs = {"input_ids": packed.ids, "position_ids": packed.positions, "seq_idx": seq}
+            inputs = {
+                "input_ids": packed.ids,
+                "position_ids": packed.positions,
+                "seq_idx": seq,
+                "use_cache": False,
+            }
             hidden = model.model(**inputs).last_hidden_state
             if not scored_whole:
                 return model.mtp.nll(hidden, packed.ids, packed.loss_mask(full), embed, head, seq)
