@@ -72,6 +72,16 @@ class Packed:
             parts.append(values.new_full((grow, *values.shape[2:]), fill))
         return torch.cat(parts)[None]
 
+    def loss_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """The rows' loss mask ``mask`` [rows, T-1] (at target ``input_ids[:, 1:]``) for the packed row:
+        [1, L-1] at target ``ids[:, 1:]``; 0 where that target opens the next sequence (a sequence's
+        last position predicts nothing) and over the padding (the MTP loss's mask: trainer/mtp.py)."""
+        parts = [
+            torch.nn.functional.pad(row[: n - 1], (0, 1)) for row, n in zip(mask, self.lengths, strict=True)
+        ]
+        grow = self.ids.shape[1] - sum(self.lengths)
+        return torch.cat([*parts, mask.new_zeros(grow)])[None, :-1]
+
     def padded(self, width: int) -> Packed:
         """The row padded to ``width`` tokens (a pipeline schedule passes one shape): the padding is a
         sequence of its own, whose targets count nowhere."""

@@ -135,6 +135,15 @@ MTP_RUNS = {
     for tp, ep in ((1, 1), (2, 1), (1, 2))
 }
 """The MTP layers at TP=1, TP=2 (sequence parallel) and EP=2 (over DP=2), on the checkpoint with them."""
+MTP_PACKED = _parity_case(
+    "mtp-packed-tp2ep1",
+    2,
+    1,
+    packing=(*MTP, "trainer.packing=true", "trainer.micro_batch_tokens=16"),
+    checkpoint=MTP_CHECKPOINT,
+)
+"""Packed at TP=2 (sequence parallel): bins [0, 1], [2, 3], [4, 5], [6], the padded runs' micro-batches
+of 2, so the MTP loss (a mean per micro-batch) is the padded TP=1 step's too."""
 MIXER = register_torchrun_case(
     TorchrunCase(
         "nemotron_h-mixer",
@@ -400,7 +409,7 @@ def test_mtp_layers_under_tensor_and_expert_parallel_step_as_at_tp1(torchrun_cas
     loss on vocab-parallel logits) and EP=2 (its experts on the decoder's expert ranks): loaded and
     streamed bit for bit as the checkpoint holds it, and one step as TP=1's: MTP loss, log-probs, every
     gradient (the MTP layers' and, the loss not detached, the decoder's), the updated weights; the
-    checkpoints export them under their names."""
+    checkpoints export them under their names. Packed at TP=2 too: the padded TP=1 step."""
     from safetensors.torch import load_file
 
     mask = parity_batch().loss_mask.bool()
@@ -437,6 +446,12 @@ def test_mtp_layers_under_tensor_and_expert_parallel_step_as_at_tp1(torchrun_cas
         exported = _exported(ckpt, source)
         assert exported.keys() == on_disk.keys(), where  # the frozen biases from the source
         assert all(torch.equal(exported[k], v) for k, v in run["weights"].items()), where
+    # packed rows: each depth's targets and its layers inside each sequence, as the padded rows
+    packed = torchrun_cases.result(MTP_PACKED.id)
+    assert "error" not in packed, packed.get("error")
+    assert packed["layout"]["sequence_parallel"]
+    assert packed["metrics"]["mtp_loss"] == pytest.approx(base["metrics"]["mtp_loss"], rel=1e-5)
+    _assert_same_step(packed, base, mask, "MTP packed TP=2")
 
 
 def _exported(ckpt: Path, source: Path) -> dict[str, torch.Tensor]:

@@ -51,10 +51,10 @@ def test_each_mtp_refusal_names_the_key_and_the_fix():
         assert p.cfg.trainer.mtp_loss_scale == 0.3
         assert (p.topology.train.tp, p.topology.train.ep) == (tp, ep)
     assert plan(*megatron, "trainer.fused_logprob=false").cfg.trainer.mtp_loss_scale == 0.3
+    assert plan(*megatron, "trainer.packing=true").cfg.trainer.packing  # each depth inside its sequence
     for key, fix in (  # one line each, as before
         ("trainer.pp=7", "trainer.pp=1"),  # 7: divides the tiny model's layers
         ("trainer.cp=2", "trainer.cp=1"),
-        ("trainer.packing=true", "trainer.packing=false"),
         ("trainer.router_replay=true", "trainer.router_replay=false"),
     ):
         expected = (

@@ -221,3 +221,89 @@ def per_expert(grads: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         int(k[len(stem) + 1 :].split(".")[0]) for k in grads if k.startswith(f"{stem}.") and proj in k
     )
     return torch.stack([grads[f"{stem}.{e}.{proj}.weight"] for e in experts])
+
+
+def test_packed_mtp_loss_and_gradients_are_the_padded_rows():
+    """Two MTP depths of a Mamba, an attention and a MoE layer on four sequences packed into one row:
+    the loss on every target (a full loss mask: the next sequence's first targets count too) and every
+    gradient (the decoder's included) are the padded rows'. Scored over the whole row, a depth's rolled
+    targets cross into the next sequence (the mutation)."""
+    from functools import partial
+
+    from hpcrl.run.tiny_model import build_model
+    from hpcrl.trainer import mtp
+    from hpcrl.trainer.fsdp.segments import reset_at_sequence_starts, use_kernels
+    from hpcrl.trainer.logprob_head import chunked_logprob
+    from hpcrl.trainer.packing import Packed
+    from hpcrl.trainer.ssd import seq_index
+    from hpcrl.trainer.varlen import packed_attention, use_packed_attention
+    from tests.trainer.test_packing import batch as rows
+
+    reset_at_sequence_starts(use_kernels("auto", "cpu"))  # the torch Mamba path restarts by seq_idx
+    tiny = compose(MTP[0], "model.mtp_layers=2", "model.hybrid.mtp_pattern=M*E").model
+    model = build_model(tiny, seed=0).eval()
+    b = rows([4, 9, 3, 6], [5, 2, 8, 4])
+    full = b.attention_mask[:, 1:].float()  # every real target
+    embed, head = model.get_input_embeddings(), model.lm_head.weight
+    packed = Packed.of(b.input_ids, b.attention_mask)
+    seq = seq_index(packed.positions)
+    assert use_packed_attention(model)
+
+    def step(loss_of):
+        model.zero_grad()
+        loss = loss_of()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    def padded():
+        hidden = model.model(input_ids=b.input_ids, use_cache=False).last_hidden_state
+        return model.mtp.nll(hidden, b.input_ids, full, embed, head)
+
+    def packed_row(scored_whole: bool = False):
+        with packed_attention(packed.positions):
+            inputs = {
+                "input_ids": packed.ids,
+                "position_ids": packed.positions,
+                "seq_idx": seq,
+                "use_cache": False,
+            }
+            hidden = model.model(**inputs).last_hidden_state
+            if not scored_whole:
+                return model.mtp.nll(hidden, packed.ids, packed.loss_mask(full), embed, head, seq)
+            depth = partial(model.mtp.depth, seq_idx=seq)  # the layers per sequence, the targets not
+            logp = lambda out, targets: chunked_logprob(out, head, targets)[0]  # noqa: E731
+            return mtp.nll(depth, 2, hidden, packed.ids, packed.loss_mask(full), embed, logp)
+
+    want, want_grads = step(padded)
+    got, got_grads = step(packed_row)
+    assert len(got_grads) == len(want_grads) > 20
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    crossing, _ = step(partial(packed_row, scored_whole=True))
+    assert (crossing - want).abs() > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_packed_mtp_step_equals_the_padded_step(mtp_dir, backend):
+    """One step with the MTP loss reaching the decoder (not detached), packed (a budget of 24 tokens:
+    rows 0-2 in one row, row 3 in another) and padded in the same micro-batches (3 rows): the MTP loss,
+    policy loss, gradient norm and every gradient are equal."""
+    from hpcrl.trainer.megatron import MegatronTrainer
+    from tests.harness.megatron_parity import stepped_grads
+
+    preset, make = (MTP, FSDPTrainer) if backend == "fsdp" else (MEGATRON, MegatronTrainer)
+    keys = ("trainer.mtp_loss_scale=0.5", "trainer.mtp_detach=false", "algo.kl_coef=0")
+    padded = make(mtp_dir, plan(*preset, *keys, "trainer.micro_batch_size=3").cfg, master=MASTER)
+    packing = ("trainer.packing=true", "trainer.micro_batch_tokens=24")
+    packed = make(mtp_dir, plan(*preset, *keys, *packing).cfg, master=MASTER)
+    assert [g.tolist() for g in packed.step.cut(batch().attention_mask.sum(dim=1))] == [[0, 1, 2], [3]]
+    grads = {"padded": stepped_grads(padded, backend), "packed": stepped_grads(packed, backend)}
+    m_padded, m_packed = padded.train_step(batch()), packed.train_step(batch())
+    for key in ("mtp_loss", "policy_loss", "grad_norm"):
+        assert m_packed[key] == pytest.approx(m_padded[key], rel=1e-5), key
+    assert m_packed["mtp_loss"] > 1.0
+    assert grads["packed"].keys() == grads["padded"].keys()
+    assert any(k.startswith("mtp.") for k in grads["packed"])
+    for name, want in grads["padded"].items():
+        torch.testing.assert_close(grads["packed"][name], want, rtol=1e-4, atol=1e-6, msg=name)

@@ -30,6 +30,7 @@ from hpcrl.trainer.fsdp.optim import StateStore, make_optimizer
 from hpcrl.trainer.fsdp.segments import reset_at_sequence_starts, use_kernels
 from hpcrl.trainer.hf_load import load_sharded, meta_model
 from hpcrl.trainer.logprob_head import install_logprob_head
+from hpcrl.trainer.packing import Packed
 from hpcrl.trainer.process_group import collective_backend, init_process_group
 from hpcrl.trainer.router_replay import install as install_route_replay
 from hpcrl.trainer.shards import ShardWriter
@@ -168,6 +169,10 @@ class FSDPTrainer:
             raise ValueError("trainer.packing packs right-padded batches only (what build_batch makes)")
         return packed_logprobs(model, batch, self.recurrent)
 
+    def _packed_row(self, batch: TrainBatch) -> Packed | None:
+        """The packed row ``_forward`` runs ``batch`` as; None where the step does not pack."""
+        return None if self.step.pack_tokens is None else Packed.of(batch.input_ids, batch.attention_mask)
+
     def train_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
         set_lr(self.optimizer.param_groups, lr)
         self._right_padded = is_right_padded(batch.attention_mask)  # on the driver's CPU tensors, once
@@ -189,8 +194,8 @@ class FSDPTrainer:
     def forward_backward(self, micro_batches: list[StepBatch], loss_fn: LossFn) -> list[Metrics]:
         out = []
         for i, mb in enumerate(micro_batches):
-            if self.mtp is not None:
-                self.mtp.arm(mb.data.loss_mask)
+            if self.mtp is not None:  # packed: on the row _forward runs, inside each of its sequences
+                self.mtp.arm(mb.data.loss_mask, self._packed_row(mb.data))
             logp, entropy = self._forward(self.model, mb.data, self._right_padded)
             loss, metrics = loss_fn(i, mb, logp, entropy)
             if self.mtp is not None:

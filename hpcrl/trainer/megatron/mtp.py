@@ -17,8 +17,10 @@ kept by a hook on the output layer; the token embedding and the output head are 
 chunked head at TP=1 (trainer/logprob_head.py), else the vocab-parallel one the policy loss uses. Each
 depth runs on the whole width with the tokens rolled by its offset (as Megatron's MTP does), so a
 sequence-parallel split stays even: the rolled-in tail sits after every loss token and, all layers
-being causal, changes none of them (the fsdp backend slices instead: the same numbers). Built
-without PP, CP, packing or router replay (the plan refuses them: backends.py's ``_megatron_mtp_gap``).
+being causal, changes none of them. Packed rows (``trainer.packing``): the loss runs on the packed
+row with its sequences' bounds (``packed_seq_params``, as the decoder's layers take them), each depth's
+targets inside their sequence (trainer/mtp.py). Built without PP, CP or router replay (the plan refuses
+them: backends.py's ``_megatron_mtp_gap``).
 
 Imports Megatron-core: imported only where a Megatron model is built.
 """
@@ -37,7 +39,10 @@ from megatron.core.transformer.module import MegatronModule
 from hpcrl.trainer import mtp as shared
 from hpcrl.trainer.logprob_head import chunked_logprob
 from hpcrl.trainer.megatron.norms import SPNorm
+from hpcrl.trainer.megatron.pipeline import seq_params
 from hpcrl.trainer.megatron.spec_utils import build
+from hpcrl.trainer.packing import Packed
+from hpcrl.trainer.ssd import seq_index
 
 SLOT = {"M": "mamba_layer", "*": "attention_layer", "-": "mlp_layer", "E": "moe_layer"}
 
@@ -61,10 +66,12 @@ class MTPBlock(MegatronModule):
             )
             end.final_layernorm = SPNorm(config, h)
 
-    def depth(self, d: int, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+    def depth(
+        self, d: int, hidden: torch.Tensor, embedded: torch.Tensor, packed_seq_params: Any = None
+    ) -> torch.Tensor:
         """Depth ``d``'s output at each position of ``hidden`` (aligned with ``embedded``: the next
         tokens'), all three [s, b, h] as the decoder's layers take them ([s/tp, b, h] under sequence
-        parallelism)."""
+        parallelism); ``packed_seq_params``: a packed row's bounds, as the decoder's layers got them."""
         layers = self.layers[d * self.width : (d + 1) * self.width]
         start: Any = layers[0]
         # column parallel, as Megatron's MTP layer: [s, b, h/tp] (the sequence gathered under SP),
@@ -75,7 +82,7 @@ class MTPBlock(MegatronModule):
             x = tpar.scatter_to_sequence_parallel_region(x, group=self.tp_group)
         for layer in layers:
             # no mask: causal, and right padding sits after every real token (as the decoder runs)
-            out = layer(hidden_states=x, attention_mask=None)
+            out = layer(hidden_states=x, attention_mask=None, packed_seq_params=packed_seq_params)
             x = out[0] if isinstance(out, tuple) else out  # TransformerLayer: (hidden, context)
         end: Any = layers[-1]
         return end.final_layernorm(x)
@@ -109,10 +116,16 @@ class MTPLoss:
         """The final hidden states of a training forward (log-prob passes need no MTP)."""
         self.hidden = args[0] if torch.is_grad_enabled() else None
 
-    def value(self, ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    def value(self, ids: torch.Tensor, loss_mask: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
         """The mean over depths of each depth's mean NLL on its loss tokens (trainer/mtp.py's ``nll``)
-        on the micro-batch the model just ran: ``ids`` [b, s], ``loss_mask`` [b, s-1] (at ``ids[:, 1:]``)."""
+        on the micro-batch the model just ran: ``ids`` [b, s], ``loss_mask`` [b, s-1] (at ``ids[:, 1:]``);
+        ``packed``: the row it ran as (``trainer.packing``), the loss inside each of its sequences."""
         hidden, self.hidden = self.hidden, None
+        block, seq = self.model.mtp_block, None
+        depth: Callable[..., torch.Tensor] = block.depth
+        if packed is not None:
+            ids, loss_mask, seq = packed.ids, packed.loss_mask(loss_mask), seq_index(packed.positions)
+            depth = partial(block.depth, packed_seq_params=seq_params(packed))
         assert hidden is not None, "the MTP loss needs the training forward's final hidden states"
         model, hidden = self.model, hidden.to(self.dtype)  # as the log-prob head casts it
         head = model.shared_embedding_or_output_weight() if self.tied else model.output_layer.weight
@@ -124,10 +137,8 @@ class MTPLoss:
         mixed = self.dtype != torch.float32
         cast = torch.autocast(hidden.device.type, dtype=self.dtype) if mixed else nullcontext()
         with torch.set_grad_enabled(self.scale > 0 and torch.is_grad_enabled()), cast:
-            block = model.mtp_block
-            return shared.nll(
-                block.depth, block.depths, hidden, ids, loss_mask, embed, partial(self._logp, head)
-            )
+            logp = partial(self._logp, head)
+            return shared.nll(depth, block.depths, hidden, ids, loss_mask, embed, logp, seq)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The model's token embedding of ``ids`` [b, s] as its decoder takes it: [s(/tp), b, h]."""

@@ -306,9 +306,11 @@ class MegatronTrainer:
             logp, entropy = self.pipeline.token_stats(self.model, out, mb.data)
             w = mb.data.loss_mask.shape[1]
             value, metrics = loss_fn(i, mb, logp[:, :w], entropy[:, :w])
-            if self.mtp is not None:  # on the final hidden states the output layer took
-                ids = mb.data.input_ids.to(self.device)
-                extra = self.mtp.value(ids, mb.data.loss_mask.to(self.device))
+            if self.mtp is not None:  # on the final hidden states the output layer took (packed: its row)
+                ids, packed = mb.data.input_ids.to(self.device), None
+                if self.step.pack_tokens is not None:
+                    packed = self.pipeline.packed(mb.data)
+                extra = self.mtp.value(ids, mb.data.loss_mask.to(self.device), packed)
                 value = self.mtp.add(value, metrics, extra, k)
             # the schedule divides by the number of micro-batches; the token share is the real weight
             return value * k, metrics
