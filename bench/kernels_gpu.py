@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -40,7 +41,7 @@ from hpcrl.trainer import kernels  # noqa: E402
 
 PATHS = ("kernels", "torch")
 PARTIAL: dict = {}
-"""Parity cases as they finish (main writes them if a later case fails)."""
+"""Parity cases and bench rows as they finish (main writes them if a later one fails or time runs out)."""
 
 
 # -- the two paths in transformers' module ------------------------------------------------------------
@@ -151,10 +152,11 @@ def parity(paths: HFPaths, device: str, tiny_only: bool) -> dict:
             (lk, gk), (lt, gt) = got["kernels"], got["torch"]
             rel = {n: float((gk[n] - gt[n]).abs().max() / gt[n].abs().max().clamp_min(1e-30)) for n in gt}
             worst = max(rel, key=rel.__getitem__)
-            out[f"{name} {layout}"] = PARTIAL[f"{name} {layout}"] = {"loss_kernels": lk, "loss_torch": lt, "loss_rel_diff": abs(lk - lt) / abs(lt),
+            out[f"{name} {layout}"] = PARTIAL.setdefault("parity", {})[f"{name} {layout}"] = {"loss_kernels": lk, "loss_torch": lt, "loss_rel_diff": abs(lk - lt) / abs(lt),
                                        "max_rel_grad_diff": rel[worst], "worst_grad": worst,
                                        "mamba_grad_max_rel": max(v for n, v in rel.items() if "mixer" in n and
                                                                  ("A_log" in n or "conv1d" in n or "dt_bias" in n))}  # fmt: skip
+            print(f"parity {name} {layout}: {json.dumps(out[f'{name} {layout}'])}", flush=True)
         del model
     out.update(megatron_parity(device))
     return out
@@ -273,7 +275,8 @@ def bench(paths: HFPaths, device: str, batch: int, seq: int, experts: int, tiny:
         if device != "cpu":
             row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
             torch.cuda.reset_peak_memory_stats()
-        rows[path] = row
+        rows[path] = PARTIAL.setdefault("bench", {})[path] = row
+        print(f"bench {path}: {json.dumps(row)}", flush=True)
     rows["megatron mixer"] = megatron_speed(device, batch, seq, tiny, iters)
     return rows
 
@@ -346,14 +349,16 @@ def main() -> int:
     print(json.dumps(results), flush=True)
     paths = HFPaths()
     out = Path(os.environ.get("OUT", "."), "kernels_gpu.json")
-    if a.parity:
-        try:
+    # timeout's SIGTERM ends the run through the finally below, which keeps what finished
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    try:
+        if a.parity:
             results["parity"] = parity(paths, a.device, a.tiny)
-        finally:
-            results.setdefault("parity", PARTIAL)
-            out.write_text(json.dumps(results, indent=1))
-    if a.bench:
-        results["bench"] = bench(paths, a.device, a.batch, a.seq, a.experts, a.tiny, a.iters)
+        if a.bench:
+            results["bench"] = bench(paths, a.device, a.batch, a.seq, a.experts, a.tiny, a.iters)
+    finally:
+        for part, got in PARTIAL.items():
+            results.setdefault(part, got)
         out.write_text(json.dumps(results, indent=1))
     table(results)
     return 0

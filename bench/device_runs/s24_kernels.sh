@@ -6,7 +6,9 @@
 # paths, both backends' Mamba mixers, packed and unpacked) and --bench (Super's 8-layer shape per layer kind).
 # Here first: bash bench/device_runs/s24_prepare.sh (fills .whl/kernels, 2.8 MB). There, carry [.whl]:
 #   bash bench/device_runs/s24_kernels.sh [parity] [bench]   (both by default; BUDGET=530 s; DRY_RUN=1: print only)
-# A second call on the same warm machine skips the build and install ($TMP/site/causal_conv1d is there).
+# A second call on the same warm machine skips the build and install ($TMP/site/causal_conv1d is there); a
+# wheel in .whl/kernels_built (session 27: built there in 335 s, sent back split in 15 MiB parts, joined here
+# with cat) skips the build on a fresh machine too (carry .whl/kernels and .whl/kernels_built).
 set -u
 T0=$SECONDS
 BUDGET=${BUDGET:-530}
@@ -24,8 +26,13 @@ for f in $K/causal_conv1d-1.7.0.tar.gz $K/mamba_ssm-2.3.2.post1-py3-none-any.whl
 done
 PARTS=${*:-parity bench}
 mkdir -p "$OUT" "$TMP/wheels" "$TMP/site"
+BUILT=$(ls .whl/kernels_built/causal_conv1d-1.7.0-cp312-*.whl 2>/dev/null | head -1)
 if [ -d "$TMP/site/causal_conv1d" ] && [ "$DRY" != 1 ]; then
   echo "== kernels already installed in $TMP/site"
+elif [ -n "$BUILT" ]; then  # a wheel an earlier call built (sent back in parts, joined here): no build
+  echo "== causal-conv1d from $BUILT (sha256 $(sha256sum "$BUILT" | cut -c1-16))"
+  run python3 -m pip install -q --no-index --no-deps --target "$TMP/site" "$BUILT" \
+    $K/mamba_ssm-2.3.2.post1-py3-none-any.whl $K/megatron_core-0.19.2-*.whl $K/einops-*.whl
 else
 SRC=$TMP/causal_conv1d-1.7.0
 run tar xzf $K/causal_conv1d-1.7.0.tar.gz -C "$TMP"

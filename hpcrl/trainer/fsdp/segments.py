@@ -5,8 +5,9 @@ The packed forward passes ``seq_idx`` (each token's sequence, ``trainer/ssd.py``
 transformers hands a Mamba mixer's keywords on to its conv and scan functions. Where the kernels run
 (``trainer/kernels.py``: mamba_ssm and causal_conv1d installed, a GPU, ``trainer.kernels=auto``),
 those take ``seq_idx`` themselves (the fused training path too). Where they do not, transformers'
-torch stand-ins drop it: here each is wrapped to run hpcrl's segmented conv and scan when ``seq_idx``
-comes, and itself otherwise, so unpacked forwards (the hf engine's included) are left as they were.
+torch stand-ins drop it: here the conv is wrapped to run hpcrl's segmented conv when ``seq_idx``
+comes, and the scan to run hpcrl's scan on every forward without a cache (one memory bound whatever
+transformers' version); the hf engine's cached prefill keeps transformers' functions.
 """
 
 from __future__ import annotations
@@ -81,15 +82,19 @@ def _scan(
     seq_idx: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """``mamba2_chunk_scan``, per sequence with ``seq_idx`` (a packed training row: no cache state in
-    or out): the same dt (bias, softplus, limits) and D's skip around hpcrl's segmented scan."""
-    if seq_idx is None:
+    """``mamba2_chunk_scan`` without a cache (training and log-prob forwards, packed with ``seq_idx``
+    or not): the same dt (bias, softplus, limits) and D's skip around hpcrl's scan. Unpacked rows come
+    here too because transformers' own torch scan differs in memory by version (5.17 builds C x B over
+    the state: 64 GiB for one Super-width Mamba layer at 4 x 2048); with a cache (the hf engine's
+    prefill) it runs as before."""
+    cached = kwargs.get("initial_states") is not None or bool(kwargs.get("return_final_states"))
+    if cached or kwargs.get("z") is not None:
+        if seq_idx is not None:
+            raise ValueError("packed rows (seq_idx) run without a cache")
         return torch_scan(
             hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
             dt_limit=dt_limit, **kwargs,
         )  # fmt: skip
-    if kwargs.get("initial_states") is not None or kwargs.get("return_final_states"):
-        raise ValueError("packed rows (seq_idx) run without a cache")
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:
