@@ -9,6 +9,15 @@ the experts, the expert-parallel dispatch included) swaps the last two. The rout
 progress sit on the ``RouteReplay`` object, not in a context, because a checkpointed layer runs its
 forward again in the backward: they stay until the next forward sets its own. A position whose route
 is -1 (padding, the last token, a sample the engine sent no routes for) keeps the router's own choice.
+
+MTP layers (Nemotron-H's ``mtp`` block, trainer/mtp.py; megatron's ``mtp_block``) route freely on both
+backends while the decoder's routers replay. The engine records the routers of its model's decoder
+only (rollout/vllm_routes.py binds to the runner's model, not a drafter); without speculative decoding
+no MTP layer runs there at all, and with it the MTP head drafts from accepted positions, not from the
+bonus tokens, so its routes could not cover the positions the trainer scores (depth k at position t:
+t's hidden state and token t+k+1's embedding). Each MTP router keeps its own choice and weights, as in
+NeMo RL's router replay (MTP routers skipped by default), miles (R3 bypassed for the MTP layer) and
+verl (no routes for MTP layers). Only the decoder's layers are hooked here (``get_decoder().layers``).
 """
 
 from __future__ import annotations

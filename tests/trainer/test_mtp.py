@@ -5,6 +5,8 @@ the same names. Real parts: transformers' Nemotron-H blocks, FSDP2 on a one-rank
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -172,23 +174,36 @@ def test_megatron_loads_streams_and_exports_the_mtp_layers_under_their_names(mtp
     assert not mtp_part(left_out.export_weights()) and not hasattr(left_out.model, "mtp_block")
 
 
-@pytest.mark.parametrize("detach", [True, False])
-def test_megatron_mtp_loss_and_gradients_equal_fsdps(mtp_dir, detach, tmp_path):
+@pytest.mark.parametrize("detach, replay", [(True, False), (False, True)], ids=["detached", "replayed"])
+def test_megatron_mtp_loss_and_gradients_equal_fsdps(mtp_dir, detach, replay, tmp_path):
     """One step on the same weights and batch: the megatron backend's MTP loss, policy loss, gradient
-    norm and the gradients of the MTP layers, the head and a router equal the fsdp backend's, through
-    either log-prob head; the trained MTP layers come back from a megatron checkpoint."""
+    norm and the gradients of the MTP layers, the head and the routers (the MTP layers' included)
+    equal the fsdp backend's, through either log-prob head; the trained MTP layers come back from a
+    megatron checkpoint. Replayed (``trainer.router_replay``, random routes in the batch): on both
+    backends the decoder's routers take the batch's experts while the MTP layers' route freely
+    (trainer/router_replay.py: the engine records no MTP routes), and the step is still the same."""
     from hpcrl.trainer.megatron import MegatronTrainer
-    from tests.harness.megatron_parity import stepped_grads
+    from tests.harness.megatron_parity import stepped_grads, with_routes
 
     keys = ("trainer.mtp_loss_scale=0.5", f"trainer.mtp_detach={detach}", "algo.kl_coef=0")
+    if replay:  # the hf engine returns no routes: the plan wants one that does
+        keys += ("trainer.router_replay=true", "rollout=vllm")
     fsdp = FSDPTrainer(mtp_dir, plan(*MTP, *keys).cfg, master=MASTER)
     # not detached: through the output layer's logits and the vocab-parallel loss, not the chunked head
     head = () if detach else ("trainer.fused_logprob=false",)
     meg = MegatronTrainer(mtp_dir, plan(*MEGATRON, *keys, *head).cfg, master=MASTER)
     assert meg.mtp is not None
     assert meg.mtp.chunked == detach
+    b = with_routes(batch(), mtp_dir) if replay else batch()
+    routed = {"fsdp": watch_routers(fsdp, "fsdp"), "megatron": watch_routers(meg, "megatron")}
+    if replay:
+        decoder_takes_the_given_routes(fsdp, meg, b)
     grads = {"fsdp": stepped_grads(fsdp, "fsdp"), "megatron": stepped_grads(meg, "megatron")}
-    m_fsdp, m_meg = fsdp.train_step(batch()), meg.train_step(batch())
+    m_fsdp, m_meg = fsdp.train_step(b), meg.train_step(b)
+    for backend, seen in routed.items():  # [own choice, tokens] per kind of router
+        (own, tokens), (mtp_own, mtp_tokens) = seen["decoder"], seen["mtp"]
+        assert mtp_tokens > 0 and mtp_own == mtp_tokens, backend  # free, replayed or not
+        assert own < tokens / 2 if replay else own == tokens, backend  # random routes: rarely its own
     for key in ("mtp_loss", "policy_loss", "grad_norm"):
         assert m_meg[key] == pytest.approx(m_fsdp[key], rel=1e-4), key
     assert m_meg["mtp_loss"] > 1.0
@@ -196,6 +211,7 @@ def test_megatron_mtp_loss_and_gradients_equal_fsdps(mtp_dir, detach, tmp_path):
     g_meg = grads["megatron"]
     mtp_names = [k for k in g_fsdp if k.startswith("mtp.")]
     assert len(mtp_names) > 10 and any(g_fsdp[k].abs().max() > 0 for k in mtp_names)
+    assert g_fsdp["mtp.layers.1.mixer.gate.weight"].abs().max() > 0  # the MTP router learns
     for name in [*mtp_names, "lm_head.weight", "backbone.layers.6.mixer.gate.weight"]:
         torch.testing.assert_close(per_expert(g_meg, name), g_fsdp[name], rtol=1e-4, atol=1e-6, msg=name)
     if detach:  # resume: the step's MTP weights (moved from the checkpoint's) load back
@@ -209,6 +225,53 @@ def test_megatron_mtp_loss_and_gradients_equal_fsdps(mtp_dir, detach, tmp_path):
         resumed.load_checkpoint(str(tmp_path / "ckpt"))
         back = mtp_part(resumed.export_weights())
         assert back.keys() == trained.keys() and all(torch.equal(v, trained[k]) for k, v in back.items())
+
+
+def watch_routers(trainer, backend: str) -> dict[str, list[int]]:
+    """Counts, as the policy's MoE routers run (after router replay's own hooks), the tokens sent to
+    the router's own top-k experts and all tokens: ``{"decoder": [own, tokens], "mtp": [own, tokens]}``.
+    Own: the top-k of its sigmoid scores plus the correction bias (both backends' Nemotron-H router)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    seen = {"decoder": [0, 0], "mtp": [0, 0]}
+
+    def own_and_chosen(router, args, out) -> tuple[torch.Tensor, torch.Tensor]:
+        """(own experts [tokens, k], the chosen ones as a [tokens, experts] map)."""
+        if backend == "fsdp":  # (logits, weights, ids)
+            logits, bias, k = out[0], router.e_score_correction_bias, router.top_k
+            chosen = torch.zeros_like(logits, dtype=torch.bool).scatter(1, out[2], True)
+        else:  # (probs, routing map)
+            logits = router.gating(args[0]).view(-1, router.config.num_moe_experts)
+            bias, k, chosen = router.expert_bias, router.topk, out[1]
+        return (logits.float().sigmoid() + bias).topk(k, dim=-1).indices, chosen
+
+    def counter(kind: str):
+        def count(router, args, out) -> None:
+            with torch.no_grad():
+                own, chosen = own_and_chosen(router, args, out)
+                same = (torch.zeros_like(chosen).scatter(1, own, True) == chosen).all(dim=-1)
+            seen[kind][0] += int(same.sum())
+            seen[kind][1] += same.numel()
+
+        return count
+
+    for name, module in trainer.model.named_modules():
+        if type(module).__name__ == "NemotronHTopkRouter" or isinstance(module, TopKRouter):
+            module.register_forward_hook(counter("mtp" if "mtp" in name else "decoder"))
+    return seen
+
+
+def decoder_takes_the_given_routes(fsdp, meg, b) -> None:
+    """Both backends' log-probs on ``b``'s routes are the same, and other experts give others."""
+    moved = b.routes.long()
+    moved = torch.where(moved >= 0, (moved + 1) % 8, -1).to(torch.int16)  # still k distinct of 8
+    mask = b.loss_mask > 0
+    given = {t: t.logprobs(b)[mask] for t in (fsdp, meg)}
+    other = {t: t.logprobs(replace(b, routes=moved))[mask] for t in (fsdp, meg)}
+    torch.testing.assert_close(given[meg], given[fsdp], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(other[meg], other[fsdp], rtol=1e-4, atol=1e-5)
+    # the tiny model's experts move its log-probs little (3.8e-4 here), far above the backends' gap
+    assert all((other[t] - given[t]).abs().max() > 1e-4 for t in (fsdp, meg))
 
 
 def per_expert(grads: dict[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -19,8 +19,9 @@ depth runs on the whole width with the tokens rolled by its offset (as Megatron'
 sequence-parallel split stays even: the rolled-in tail sits after every loss token and, all layers
 being causal, changes none of them. Packed rows (``trainer.packing``): the loss runs on the packed
 row with its sequences' bounds (``packed_seq_params``, as the decoder's layers take them), each depth's
-targets inside their sequence (trainer/mtp.py). Built without PP, CP or router replay (the plan refuses
-them: backends.py's ``_megatron_mtp_gap``).
+targets inside their sequence (trainer/mtp.py). Router replay (``trainer.router_replay``) replays the
+decoder's routers only; the MTP layers' route freely, as fsdp's (megatron/router_replay.py's ``install``).
+Built without PP or CP (the plan refuses them: backends.py's ``_megatron_mtp_gap``).
 
 Imports Megatron-core: imported only where a Megatron model is built.
 """

@@ -75,10 +75,14 @@ class LayerReplay:
 
 
 def install(model: Any, replay: RouteReplay, recomputes: bool) -> int:
-    """Every top-k router of ``model`` replays from ``replay``; how many there are."""
+    """Every top-k router of ``model``'s decoder replays from ``replay``; how many there are. The MTP
+    layers' routers (``mtp_block``, trainer/megatron/mtp.py) route freely, as fsdp's do: the engine
+    records the decoder's routes only (module docstring of trainer/router_replay.py)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    mtp = getattr(model, "mtp_block", None)
+    free = {id(m) for m in mtp.modules()} if mtp is not None else set()
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter) and id(m) not in free]
     for router in routers:  # layer_number: 1-based over the whole model (every pipeline stage)
         router.router_replay = LayerReplay(replay, router.layer_number - 1, router, recomputes)
     return len(routers)
