@@ -33,7 +33,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from mamba_mixer_check import mixer_check  # beside this script (sys.path[0])
-from megatron_parity import _state_round_trip, counting_masks, expert_layout, parity_batch, stepped_grads
+from megatron_parity import (
+    _state_round_trip,
+    counting_masks,
+    expert_layout,
+    parity_batch,
+    stepped_grads,
+    with_routes,
+)
 from weight_stream_check import stream_check
 
 from hpcrl.config.compose import compose_config
@@ -53,7 +60,9 @@ def run_case(case: dict[str, Any], rank: int, world: int, master: str, out: Path
     elif record == "stream":
         result = stream_check(trainer, Path(case["model_dir"]), out / case["id"])
     elif record == "parity":
-        result = parity_step(trainer, cfg.trainer.backend, world, out / f"{case['id']}.pt")
+        # trainer.router_replay: the parity batch with random routes (megatron_parity.with_routes)
+        routes = Path(case["model_dir"]) if cfg.trainer.router_replay else None
+        result = parity_step(trainer, cfg.trainer.backend, world, out / f"{case['id']}.pt", routes)
     else:
         metrics = trainer.train_step(parity_batch())
         result = {"metrics": metrics, "layout": ran_layout(trainer, world)}
@@ -66,11 +75,14 @@ def run_case(case: dict[str, Any], rank: int, world: int, master: str, out: Path
     return result
 
 
-def parity_step(trainer: Any, backend: str, world: int, out: Path) -> dict[str, Any]:
+def parity_step(
+    trainer: Any, backend: str, world: int, out: Path, routes: Path | None = None
+) -> dict[str, Any]:
     """tests/harness/megatron_parity.py's run of one layout (no resume, no second step): one step on the
     parity batch with a reference pass; rank 0's copy of the full gradients and weights. A model with
-    MTP layers also records them as loaded and as the refit streams them (before the step)."""
-    batch = parity_batch()
+    MTP layers also records them as loaded and as the refit streams them (before the step).
+    ``routes``: the model's directory, to give the batch random routes for its MoE layers."""
+    batch = parity_batch() if routes is None else with_routes(parity_batch(), routes)
     mtp = mtp_sent(trainer) if backend == "megatron" and trainer.mtp is not None else {}
     with counting_masks() as masks:
         ref = trainer.logprobs(
