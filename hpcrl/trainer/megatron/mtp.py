@@ -22,9 +22,9 @@ rank's two chunks of every row as the decoder's do (attention on the gathered ke
 whole sequences for a share of the heads), and each depth embeds and scores that rank's chunks of the
 whole row's rolled tokens, its log-probs gathered back to whole rows as the policy loss's (so the roll
 crosses chunk and rank bounds: trainer/mtp.py's ``on_chunks``). Packed rows (``trainer.packing``): the
-loss runs on the packed row with its sequences' bounds (``packed_seq_params``, as the decoder's layers take them), each depth's
-targets inside their sequence (trainer/mtp.py). Built without PP or router replay (the plan refuses
-them: backends.py's ``_megatron_mtp_gap``).
+loss runs on the packed row with its sequences' bounds (``packed_seq_params``, as the decoder's layers
+take them), each depth's targets inside their sequence (trainer/mtp.py). Built without PP or router
+replay (the plan refuses them: backends.py's ``_megatron_mtp_gap``).
 
 Imports Megatron-core: imported only where a Megatron model is built.
 """
