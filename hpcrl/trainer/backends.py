@@ -261,9 +261,9 @@ def _megatron(trainer: TrainerConfig) -> MegatronTrainerConfig:
 
 
 def _megatron_mtp_gap(t: MegatronTrainerConfig) -> str:
-    """MTP layers run under TP/SP, EP and packing as the decoder's; not yet under PP (no embedding on
-    the last stage), CP (rolled tokens cross CP chunks) or router replay: docs/backends.md says why."""
-    needs = {"pp": (t.pp, 1), "cp": (t.cp, 1), "router_replay": (t.router_replay, False)}
+    """MTP layers run under TP/SP, EP, CP and packing as the decoder's; not yet under PP (no embedding
+    on the last stage) or router replay: docs/backends.md says why."""
+    needs = {"pp": (t.pp, 1), "router_replay": (t.router_replay, False)}
     key = next((k for k, (have, want) in needs.items() if have != want), "")
     have, want = (str(v).lower() for v in needs.get(key, ("", "")))
     return key and (

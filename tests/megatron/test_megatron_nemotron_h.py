@@ -131,19 +131,33 @@ MTP = ("trainer.mtp_loss_scale=0.5", "trainer.mtp_detach=false")
 """The MTP block trained, its loss reaching the decoder (the gradient through the sequence-parallel
 hidden states, the embedding and the vocab-parallel head too)."""
 MTP_RUNS = {
-    (tp, ep): _parity_case(f"mtp-tp{tp}ep{ep}", tp, 1, packing=MTP, checkpoint=MTP_CHECKPOINT, ep=ep)
-    for tp, ep in ((1, 1), (2, 1), (1, 2))
+    (tp, ep, cp): _parity_case(
+        f"mtp-tp{tp}ep{ep}" + (f"cp{cp}" if cp > 1 else ""),
+        tp,
+        1,
+        packing=MTP,
+        checkpoint=MTP_CHECKPOINT,
+        ep=ep,
+        cp=cp,
+    )
+    for tp, ep, cp in ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2))
 }
-"""The MTP layers at TP=1, TP=2 (sequence parallel) and EP=2 (over DP=2), on the checkpoint with them."""
-MTP_PACKED = _parity_case(
-    "mtp-packed-tp2ep1",
-    2,
-    1,
-    packing=(*MTP, "trainer.packing=true", "trainer.micro_batch_tokens=16"),
-    checkpoint=MTP_CHECKPOINT,
-)
-"""Packed at TP=2 (sequence parallel): bins [0, 1], [2, 3], [4, 5], [6], the padded runs' micro-batches
-of 2, so the MTP loss (a mean per micro-batch) is the padded TP=1 step's too."""
+"""The MTP layers at TP=1, TP=2 (sequence parallel), EP=2 (over DP=2) and CP=2, on the checkpoint
+with them."""
+MTP_PACKED = {
+    (tp, cp): _parity_case(
+        f"mtp-packed-tp{tp}ep1" + (f"cp{cp}" if cp > 1 else ""),
+        tp,
+        1,
+        packing=(*MTP, "trainer.packing=true", "trainer.micro_batch_tokens=16"),
+        checkpoint=MTP_CHECKPOINT,
+        cp=cp,
+    )
+    for tp, cp in ((2, 1), (1, 2))
+}
+"""Packed at TP=2 (sequence parallel) and at CP=2 (the row's chunks): bins [0, 1], [2, 3], [4, 5], [6],
+the padded runs' micro-batches of 2, so the MTP loss (a mean per micro-batch) is the padded TP=1 step's
+too."""
 MIXER = register_torchrun_case(
     TorchrunCase(
         "nemotron_h-mixer",
@@ -406,10 +420,11 @@ def test_nemotron_h_matches_fsdp_and_under_parallel_layouts(torchrun_cases):
 @pytest.mark.slow
 def test_mtp_layers_under_tensor_and_expert_parallel_step_as_at_tp1(torchrun_cases):
     """The MTP block (attention, LatentMoE) under TP=2 (sequence parallel: eh_proj column-parallel, the
-    loss on vocab-parallel logits) and EP=2 (its experts on the decoder's expert ranks): loaded and
+    loss on vocab-parallel logits), EP=2 (its experts on the decoder's expert ranks) and CP=2 (its
+    attention on the gathered keys; each depth's rolled tokens across the ranks' chunks): loaded and
     streamed bit for bit as the checkpoint holds it, and one step as TP=1's: MTP loss, log-probs, every
     gradient (the MTP layers' and, the loss not detached, the decoder's), the updated weights; the
-    checkpoints export them under their names. Packed at TP=2 too: the padded TP=1 step."""
+    checkpoints export them under their names. Packed at TP=2 and at CP=2 too: the padded TP=1 step."""
     from safetensors.torch import load_file
 
     mask = parity_batch().loss_mask.bool()
@@ -420,7 +435,7 @@ def test_mtp_layers_under_tensor_and_expert_parallel_step_as_at_tp1(torchrun_cas
     carried = {
         k: v for k, v in on_disk.items() if k.startswith("mtp.") and "e_score_correction_bias" not in k
     }
-    base, plain = runs[1, 1], torchrun_cases.result(BASE.id)
+    base, plain = runs[1, 1, 1], torchrun_cases.result(BASE.id)
     assert base["metrics"]["mtp_loss"] > 1.0
     mtp_grads = {k: g for k, g in base["grads"].items() if k.startswith("mtp.")}
     assert mtp_grads.keys() == carried.keys()
@@ -432,26 +447,27 @@ def test_mtp_layers_under_tensor_and_expert_parallel_step_as_at_tp1(torchrun_cas
     assert torch.equal(base["logp"], plain["logp"])
     for name in ("lm_head.weight", "backbone.layers.7.mixer.in_proj.weight"):
         assert not torch.allclose(base["grads"][name], plain["grads"][name], atol=1e-5), name
-    for (tp, ep), run in runs.items():
-        where = f"MTP TP={tp} EP={ep}"
+    for (tp, ep, cp), run in runs.items():
+        where = f"MTP TP={tp} EP={ep} CP={cp}"
         assert run["mtp_loaded"].keys() == carried.keys(), where
         assert all(torch.equal(run["mtp_loaded"][k], v) for k, v in carried.items()), where
         assert run["mtp_streamed"].keys() == carried.keys(), where
         assert all(torch.equal(run["mtp_streamed"][k], v) for k, v in carried.items()), where
-        assert run["layout"]["sequence_parallel"] == (tp > 1), where
+        assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
         assert run["metrics"]["mtp_loss"] == pytest.approx(base["metrics"]["mtp_loss"], rel=1e-5), where
         _assert_same_step(run, base, mask, where)
         assert all(run["state_restored"]), where
-        ckpt = next(torchrun_cases.root.glob(f"run*/{MTP_RUNS[tp, ep].id}.ckpt"))
+        ckpt = next(torchrun_cases.root.glob(f"run*/{MTP_RUNS[tp, ep, cp].id}.ckpt"))
         exported = _exported(ckpt, source)
         assert exported.keys() == on_disk.keys(), where  # the frozen biases from the source
         assert all(torch.equal(exported[k], v) for k, v in run["weights"].items()), where
     # packed rows: each depth's targets and its layers inside each sequence, as the padded rows
-    packed = torchrun_cases.result(MTP_PACKED.id)
-    assert "error" not in packed, packed.get("error")
-    assert packed["layout"]["sequence_parallel"]
-    assert packed["metrics"]["mtp_loss"] == pytest.approx(base["metrics"]["mtp_loss"], rel=1e-5)
-    _assert_same_step(packed, base, mask, "MTP packed TP=2")
+    for (tp, cp), case in MTP_PACKED.items():
+        where, packed = f"MTP packed TP={tp} CP={cp}", torchrun_cases.result(case.id)
+        assert "error" not in packed, (where, packed.get("error"))
+        assert packed["layout"]["sequence_parallel"] == (tp > 1) and packed["layout"]["cp"] == cp, where
+        assert packed["metrics"]["mtp_loss"] == pytest.approx(base["metrics"]["mtp_loss"], rel=1e-5), where
+        _assert_same_step(packed, base, mask, where)
 
 
 def _exported(ckpt: Path, source: Path) -> dict[str, torch.Tensor]:
