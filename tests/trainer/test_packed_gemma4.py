@@ -24,8 +24,13 @@ MODELS = {
 def test_packed_gemma4_forward_and_gradients_equal_the_padded_ones(name, monkeypatch):
     """The padded forward's log-probs, entropy and gradients at every target (sequences of 3 to 11
     tokens across 4-token windows), and no [L, L] mask built on the way: ``"vision"`` attends causally
-    on a text row, so it takes the packed attention (it kept transformers' dense mask before)."""
+    on a text row, so it takes the packed attention (it kept transformers' dense mask before). Each
+    layer recomputed in the backward (``varlen.recompute_context``: KV-shared layers read their source
+    layer's recomputed keys) gives the same gradients."""
     import torch
+
+    from hpcrl.trainer.forward import packed_logprobs
+    from hpcrl.trainer.varlen import recompute_context
 
     kinds, both_ways = MODELS[name]
     torch.manual_seed(0)
@@ -33,7 +38,17 @@ def test_packed_gemma4_forward_and_gradients_equal_the_padded_ones(name, monkeyp
     # as the checkpoints' configs set it (read in the forward only: the layers are built the same)
     model.config.get_text_config().use_bidirectional_attention = both_ways
     b = batch([4, 9, 3, 6, 1], [5, 2, 8, 4, 2])
-    packed_equals_padded(model, b, monkeypatch)
+    _, _, kept = packed_equals_padded(model, b, monkeypatch)
+    # the recipes recompute each layer in the backward (fsdp's trainer.activation_checkpointing); the
+    # tiny configs have no dropout, so training mode changes nothing else
+    model.train().gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": recompute_context}
+    )
+    model.zero_grad()
+    logp, _ = packed_logprobs(model, b)
+    (logp * b.loss_mask).sum().backward()
+    for name, want in kept.items():
+        assert torch.allclose(dict(model.named_parameters())[name].grad, want, atol=1e-6), name
 
 
 def test_gemma4_packs_unless_it_attends_both_ways_everywhere():
