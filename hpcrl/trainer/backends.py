@@ -261,10 +261,9 @@ def _megatron(trainer: TrainerConfig) -> MegatronTrainerConfig:
 
 
 def _megatron_mtp_gap(t: MegatronTrainerConfig) -> str:
-    """MTP layers run under TP/SP, EP, packing and router replay (their routers free) as the decoder's;
-    not yet under PP (no embedding on the last stage) or CP (rolled tokens cross CP chunks):
-    docs/backends.md says why."""
-    needs = {"pp": (t.pp, 1), "cp": (t.cp, 1)}
+    """MTP layers run under TP/SP, EP, CP, packing and router replay (their routers free) as the
+    decoder's; not yet under PP (no embedding on the last stage): docs/backends.md says why."""
+    needs = {"pp": (t.pp, 1)}
     key = next((k for k, (have, want) in needs.items() if have != want), "")
     have, want = (str(v).lower() for v in needs.get(key, ("", "")))
     return key and (

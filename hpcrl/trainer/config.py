@@ -66,14 +66,16 @@ class TrainerConfig:
     packing: bool = False
     """Cut micro-batches by tokens (``micro_batch_tokens``) instead of rows and run each as one row of
     whole sequences, positions restarting per sequence and attention kept inside each
-    (``trainer/packing.py``): no compute on padding. The backends that pack say so in their table
-    entry (``TrainerSpec.packs``); not with ``trainer.cp`` > 1 or Mamba layers."""
+    (``trainer/packing.py``): no compute on padding; Mamba layers restart at each sequence. The
+    backends that pack say so in their table entry (``TrainerSpec.packs``, over CP ranks:
+    ``packs_over_cp``). On by default in the long-tail DAPO recipes (one H100, 64 DAPO-like lengths:
+    1.77x real tokens/s at 135M, 2.58x at 1.5B; bench/results, session 27)."""
     micro_batch_tokens: int | None = None
     """Token budget of a packed micro-batch (``packing``). None: ``micro_batch_size`` x the longest
     sequence: the tokens of the largest padded micro-batch. Packed rows hold about that many every
-    time and attend through a masked kernel; measured on one H100 (1.5B shape) a 16,560-token budget
-    ran out of memory packed where the padded step peaked at 69 GB, and 8,280 tokens fit (55 GB):
-    lower this if a packed step runs out of memory."""
+    time; with per-sequence attention (varlen) a 16,560-token budget at the 1.5B shape peaked at
+    71.6 GB on one H100 against the padded step's 69.3 GB (under session 21's row mask it ran out of
+    memory): lower this if a packed step runs out of memory."""
     precision: Precision = Precision.bfloat16
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them (megatron:

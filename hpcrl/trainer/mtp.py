@@ -23,6 +23,9 @@ tokens. Those positions score nothing (at depth k the last k+2 of each sequence 
 past it, as the padded rows' tail: ``nll``'s ``seq`` and ``Packed.loss_mask`` mask them), and the MTP layers attend and scan inside each sequence
 as the decoder's layers do (the row's bounds: the packed attention, ``seq_idx`` for Mamba mixers), so no
 loss position reads them: the loss and its gradients are the padded rows'.
+
+Context parallel (megatron, ``trainer.cp``): the hidden states are a rank's chunks of each row, the
+tokens and masks whole rows (``on_chunks``).
 """
 
 from __future__ import annotations
@@ -138,6 +141,21 @@ def nll(
             mask = mask * (seq == seq.roll(-(d + 1), 1))
         total = total - (logp(hidden, ids.roll(-(d + 2), 1)) * mask).sum() / mask.sum().clamp(min=1)
     return total / depths
+
+
+def on_chunks(
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    logp: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    split: Callable[[torch.Tensor], torch.Tensor],
+    join: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """``nll``'s ``embed`` and ``logp`` for a context-parallel rank, which runs its chunks of every row
+    (``split``: [B, T] -> this rank's [B, T/cp]) through the MTP layers: ``nll`` rolls the whole row's
+    tokens (every rank holds all of them), this rank embeds and scores its chunks of the rolled row, so
+    the roll crosses chunk and rank bounds without an exchange (Megatron's ``roll_tensor`` trades the
+    edge tokens instead: its ranks hold only their chunks); ``join`` gathers the log-probs back to
+    [B, T] (the gradient to the rank that computed each), where ``nll``'s masks and means run."""
+    return (lambda ids: embed(split(ids))), (lambda out, targets: join(logp(out, split(targets))))
 
 
 class MTPLoss:

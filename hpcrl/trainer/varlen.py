@@ -62,8 +62,10 @@ _ROW: dict[str, RowBounds] = {}
 
 def use_packed_attention(model: Any) -> bool:
     """Switch ``model``'s text attention from ``sdpa`` to this module's (idempotent); False where the
-    model runs another implementation (eager, flex) or attends both ways (``use_bidirectional_attention``):
-    transformers' own mask stays for those."""
+    model runs another implementation (eager, flex) or attends both ways (``use_bidirectional_attention``
+    True, Gemma 3's, or ``"all"``): transformers' own mask stays for those. Gemma 4's ``"vision"`` (its larger
+    checkpoints) is both ways among image tokens only: a text row is causal, and packed rows hold no images
+    (``plan/packing.py`` refuses ``data.image_field``)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -71,7 +73,8 @@ def use_packed_attention(model: Any) -> bool:
     AttentionMaskInterface.register(NAME, _mask)
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if text._attn_implementation == "sdpa" and not getattr(text, "use_bidirectional_attention", False):
+    both_ways = getattr(text, "use_bidirectional_attention", None) not in (None, False, "vision")
+    if text._attn_implementation == "sdpa" and not both_ways:
         text._attn_implementation = NAME
     return text._attn_implementation == NAME
 

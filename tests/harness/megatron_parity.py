@@ -250,6 +250,7 @@ def main() -> None:
             "sequence_parallel": mc.sequence_parallel,
             "cp": mc.context_parallel_size,
             "packed_masks": masks["masks"],
+            "pack_width": trainer.pipeline.pack_width,  # None: micro-batches of padded rows
             "qk_norms": sum("q_layernorm" in n for n, _ in trainer.model.named_parameters()),
             "expert_tp": mc.expert_tensor_parallel_size,
             "experts": sorted(

@@ -1,6 +1,6 @@
 """Megatron-core backend, Gemma: a Gemma 3 (TP, PP, CP; its VLM's text decoder) and a Gemma 4 (layers of
 two shapes, keys as values; TP, PP, CP, soft-capped logits, its VLM; 26B-A4B's MoE block under EP,
-TP x EP, PP, CP) give fsdp's step; the window mask, the zero-centered norm and flex window attention
+TP x EP, PP, CP; packed rows, each) give fsdp's step; the window mask, the zero-centered norm and flex window attention
 by hand."""
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from tests.megatron.common import (
     gemma4_model,
     gemma4_moe_model,
 )
+
+PACKING = ("trainer.packing=true", "trainer.micro_batch_tokens=16")
+"""Packed rows of two parity sequences each (the last alone, padded to the 16)."""
 
 
 def test_vlm_checkpoint_trains_its_text_decoder_and_exports_under_its_own_names():
@@ -143,8 +146,7 @@ def test_gemma3_matches_fsdp_and_under_tensor_and_pipeline_parallel(gemma3_dirs,
         assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
         _assert_same_step(run, text, mask, where)
         assert all(run["state_restored"]), where
-    packing = ("trainer.packing=true", "trainer.micro_batch_tokens=16")
-    run = _torchrun(gemma3_dirs["text"], tmp_path / "packed.pt", 1, 1, port=29769, extra=packing)
+    run = _torchrun(gemma3_dirs["text"], tmp_path / "packed.pt", 1, 1, port=29769, extra=PACKING)
     assert run["layout"]["packed_masks"] == 0  # sliding layers too attend by the bounds
     _assert_same_step(run, text, mask, "gemma3 packed")
 
@@ -165,7 +167,9 @@ def test_gemma4_matches_fsdp_and_under_tensor_pipeline_and_context_parallel(gemm
     """Gemma 4's dense decoder (sliding layers 16 x 2 KV heads, a global layer 32 x 2 whose keys are its
     values, V norm, x * w norms, proportional RoPE, layer_scalar) built by Megatron gives the Hugging Face
     model's step; TP=2, PP=2 (the global layer alone on stage 1) and CP=2 give the one-rank step; the
-    VLM's text decoder, its logits soft-capped, trains the same under its own names, with TP=2 too."""
+    VLM's text decoder, its logits soft-capped, trains the same under its own names, with TP=2 too, there
+    packed (``trainer.packing``, bins of 16 tokens: the class the recipes load; every layer, sliding and
+    keys-as-values global, reads the sequences' bounds, no [L, L] mask; unpacked TP=2 is the text run's)."""
     from transformers import AutoModelForCausalLM
 
     from hpcrl.trainer.fsdp import checkpoint_names
@@ -190,7 +194,8 @@ def test_gemma4_matches_fsdp_and_under_tensor_pipeline_and_context_parallel(gemm
         for name, grad in hf_grads.items():
             assert torch.allclose(base[kind]["grads"][name], grad, atol=1e-5), (kind, name)
     for kind, tp, pp, cp in (("text", 2, 1, 1), ("text", 1, 2, 1), ("text", 1, 1, 2), ("vlm", 2, 1, 1)):
-        where = f"gemma4 {kind} TP={tp} PP={pp} CP={cp}"
+        packed = kind == "vlm"
+        where = f"gemma4 {kind} TP={tp} PP={pp} CP={cp}" + " packed" * packed
         run = _torchrun(
             gemma4_dirs[kind],
             tmp_path / f"{kind}tp{tp}pp{pp}cp{cp}.pt",
@@ -198,8 +203,11 @@ def test_gemma4_matches_fsdp_and_under_tensor_pipeline_and_context_parallel(gemm
             pp,
             cp=cp,
             port=29775 + tp + 2 * pp + 4 * cp + 10 * (kind == "vlm"),
+            extra=PACKING if packed else (),
         )
         assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
+        assert run["layout"]["pack_width"] == (16 if packed else None), where
+        assert run["layout"]["packed_masks"] == 0, where
         _assert_same_step(run, base[kind], mask, where)
         assert all(run["state_restored"]), where
 
@@ -240,7 +248,9 @@ def test_gemma4_moe_block_matches_fsdp_and_under_expert_tensor_pipeline_and_cont
 ):
     """26B-A4B's layer: a dense MLP beside an MoE whose router reads the raw residual (own norm, scale,
     per-expert scale). Megatron = Hugging Face's step (fsdp backend), every expert and router weight's
-    gradient included; EP2, TP2 x EP2 (sequence parallel), PP2 and CP2 give the one-rank step."""
+    gradient included; EP2 (packed: bins of 16 tokens, the router and experts see each row's padding
+    past its last sequence, which no real token's output reads), TP2 x EP2 (sequence parallel), PP2 and
+    CP2 give the one-rank step."""
     mask = parity_batch().loss_mask.bool()
     moe = ("trainer.moe_aux_loss_coeff=0",)
     base = _torchrun(gemma4_moe_dir, tmp_path / "tp1.pt", 1, 1, port=29791, extra=moe)
@@ -258,7 +268,8 @@ def test_gemma4_moe_block_matches_fsdp_and_under_expert_tensor_pipeline_and_cont
     assert_exports_to(base["weights"], tmp_path / "tp1.ckpt", gemma4_moe_dir)  # experts stacked back
     assert_exports_to(fsdp["weights"], tmp_path / "fsdp.ckpt", gemma4_moe_dir, backend="fsdp")
     for tp, pp, cp, ep in ((1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 1), (1, 1, 2, 1)):
-        where = f"gemma4 MoE TP={tp} PP={pp} CP={cp} EP={ep}"
+        packed = (tp, ep) == (1, 2)
+        where = f"gemma4 MoE TP={tp} PP={pp} CP={cp} EP={ep}" + " packed" * packed
         # EP is carved out of the TP x DP ranks: DP = EP where TP x EP ranks run
         run = _torchrun(
             gemma4_moe_dir,
@@ -268,9 +279,11 @@ def test_gemma4_moe_block_matches_fsdp_and_under_expert_tensor_pipeline_and_cont
             cp=cp,
             dp=ep,
             port=29793 + tp + 2 * pp + 4 * cp + 8 * ep,
-            extra=(*moe, f"trainer.ep={ep}"),
+            extra=(*moe, f"trainer.ep={ep}", *(PACKING if packed else ())),
         )
         assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
+        assert run["layout"]["pack_width"] == (16 if packed else None), where
+        assert run["layout"]["packed_masks"] == 0, where
         _assert_same_step(run, base, mask, where)
         assert all(run["state_restored"]), where
 

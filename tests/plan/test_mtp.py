@@ -40,16 +40,18 @@ def test_each_mtp_refusal_names_the_key_and_the_fix():
     )
     megatron = (*WITH_MTP, "trainer=megatron", "trainer.mtp_loss_scale=0.3")
     assert plan(*megatron).cfg.trainer.mtp_loss_scale == 0.3
-    # the MTP layers shard as the decoder's under TP (SP) and EP, and read either log-prob head
+    # the MTP layers shard as the decoder's under TP (SP), EP and CP, and read either log-prob head
     gpus = ("cluster=h100", *SITE)
-    for layout, (tp, ep) in (
-        ("trainer.tp=2", (2, 1)),
-        ("trainer.ep=2", (1, 2)),
-        ("trainer.tp=2 trainer.ep=2", (2, 2)),
+    for layout, (tp, ep, cp) in (
+        ("trainer.tp=2", (2, 1, 1)),
+        ("trainer.ep=2", (1, 2, 1)),
+        ("trainer.tp=2 trainer.ep=2", (2, 2, 1)),
+        ("trainer.cp=2", (1, 1, 2)),
+        ("trainer.tp=2 trainer.cp=2 trainer.packing=true", (2, 1, 2)),
     ):
         p = plan(*megatron, *layout.split(), *gpus)
         assert p.cfg.trainer.mtp_loss_scale == 0.3
-        assert (p.topology.train.tp, p.topology.train.ep) == (tp, ep)
+        assert (p.topology.train.tp, p.topology.train.ep, p.topology.train.cp) == (tp, ep, cp)
     assert plan(*megatron, "trainer.fused_logprob=false").cfg.trainer.mtp_loss_scale == 0.3
     assert plan(*megatron, "trainer.packing=true").cfg.trainer.packing  # each depth inside its sequence
     # the decoder's routers replay, the MTP layers' route freely (trainer/router_replay.py); the hf
@@ -57,7 +59,6 @@ def test_each_mtp_refusal_names_the_key_and_the_fix():
     assert plan(*megatron, "trainer.router_replay=true", "rollout=vllm").cfg.trainer.router_replay
     for key, fix in (  # one line each, as before
         ("trainer.pp=7", "trainer.pp=1"),  # 7: divides the tiny model's layers
-        ("trainer.cp=2", "trainer.cp=1"),
     ):
         expected = (
             f"trainer=megatron does not carry MTP layers with {key} yet: set {fix}, or use trainer=fsdp"

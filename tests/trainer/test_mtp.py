@@ -347,6 +347,65 @@ def test_packed_mtp_loss_and_gradients_are_the_padded_rows():
     assert (crossing - want).abs() > 1e-3
 
 
+@pytest.mark.parametrize("cp", [2, 3])
+def test_a_cp_ranks_depths_embed_and_score_its_chunks_of_the_whole_rows_roll(cp):
+    """Context parallel (``mtp.on_chunks``), every rank played in one process: a rank runs its chunks
+    of the hidden states (``rank_positions``, Megatron's load-balanced pair) through two depths of
+    per-position layers (CP attention and Mamba mixers: the nemotron_h torchrun's CP=2 MTP case) and
+    scores its chunks of the whole row's rolled tokens; each rank's log-probs in their places (the
+    others' zero here: ``cp_join``'s backward keeps a rank's own part), so the ranks' losses and
+    gradients sum to the unsplit row's. The rank's embedded tokens cross chunk bounds: rank 0's first
+    chunk ends on the first token of chunk 1 (rank 1's). The mutation: each rank rolling its own
+    chunks (no token from another chunk) scores other targets."""
+    from hpcrl.trainer import mtp
+    from hpcrl.trainer.context_parallel import rank_positions
+
+    gen = torch.Generator().manual_seed(0)
+    b, chunk, h, vocab = 2, 3, 8, 50
+    width = 2 * cp * chunk
+    ids = torch.randint(vocab, (b, width), generator=gen)
+    loss_mask = (torch.rand(b, width - 1, generator=gen) > 0.3).float()
+    table, head = torch.nn.Embedding(vocab, h), torch.nn.Linear(h, vocab, bias=False)
+    proj = torch.nn.ModuleList(torch.nn.Linear(2 * h, h) for _ in range(2))
+    hidden = torch.randn(b, width, h, generator=gen, requires_grad=True)
+    leaves = [hidden, table.weight, head.weight, *proj.parameters()]
+
+    def depth(d: int, x: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(proj[d](torch.cat([embedded, x], -1)))
+
+    def logp(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(head(out), -1).gather(-1, targets[..., None])[..., 0]
+
+    def loss_and_grads(loss: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return loss.detach(), list(torch.autograd.grad(loss, leaves))
+
+    want, want_grads = loss_and_grads(mtp.nll(depth, 2, hidden, ids, loss_mask, table, logp))
+    seen: list[torch.Tensor] = []
+    got, got_grads = torch.zeros(()), [torch.zeros_like(g) for g in want_grads]
+    chunk_rolled = torch.zeros(())
+    for rank in range(cp):
+        mine = rank_positions(rank, cp, chunk)
+
+        def join(local: torch.Tensor, mine: torch.Tensor = mine) -> torch.Tensor:
+            return torch.zeros(b, width).index_copy(1, mine, local)
+
+        def recorded(tokens: torch.Tensor) -> torch.Tensor:
+            seen.append(tokens)
+            return table(tokens)
+
+        embed, score = mtp.on_chunks(recorded, logp, lambda t, mine=mine: t[:, mine], join)
+        loss, grads = loss_and_grads(mtp.nll(depth, 2, hidden[:, mine], ids, loss_mask, embed, score))
+        got, got_grads = got + loss, [g + x for g, x in zip(got_grads, grads, strict=True)]
+        # the mutation: the rank's own tokens and targets, rolled inside its two chunks
+        full = torch.nn.functional.pad(loss_mask, (0, 1))[:, mine][:, :-1]
+        chunk_rolled = chunk_rolled + mtp.nll(depth, 2, hidden[:, mine], ids[:, mine], full, table, logp)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert torch.equal(seen[0][:, chunk - 1], ids[:, chunk])  # rank 0, depth 0: from rank 1's chunk
+    assert (chunk_rolled - want).abs() > 1e-3
+
+
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_packed_mtp_step_equals_the_padded_step(mtp_dir, backend):
     """One step with the MTP loss reaching the decoder (not detached), packed (a budget of 24 tokens:

@@ -17,11 +17,16 @@ kept by a hook on the output layer; the token embedding and the output head are 
 chunked head at TP=1 (trainer/logprob_head.py), else the vocab-parallel one the policy loss uses. Each
 depth runs on the whole width with the tokens rolled by its offset (as Megatron's MTP does), so a
 sequence-parallel split stays even: the rolled-in tail sits after every loss token and, all layers
-being causal, changes none of them. Packed rows (``trainer.packing``): the loss runs on the packed
-row with its sequences' bounds (``packed_seq_params``, as the decoder's layers take them), each depth's
-targets inside their sequence (trainer/mtp.py). Router replay (``trainer.router_replay``) replays the
-decoder's routers only; the MTP layers' route freely, as fsdp's (megatron/router_replay.py's ``install``).
-Built without PP or CP (the plan refuses them: backends.py's ``_megatron_mtp_gap``).
+being causal, changes none of them. Under context parallel (``trainer.cp``) the layers run each CP
+rank's two chunks of every row as the decoder's do (attention on the gathered keys, Mamba mixers on
+whole sequences for a share of the heads), and each depth embeds and scores that rank's chunks of the
+whole row's rolled tokens, its log-probs gathered back to whole rows as the policy loss's (so the roll
+crosses chunk and rank bounds: trainer/mtp.py's ``on_chunks``). Packed rows (``trainer.packing``): the
+loss runs on the packed row with its sequences' bounds (``packed_seq_params``, as the decoder's layers
+take them), each depth's targets inside their sequence (trainer/mtp.py). Router replay
+(``trainer.router_replay``) replays the decoder's routers only; the MTP layers' route freely, as fsdp's
+(megatron/router_replay.py's ``install``). Built without PP (the plan refuses it: backends.py's
+``_megatron_mtp_gap``).
 
 Imports Megatron-core: imported only where a Megatron model is built.
 """
@@ -40,7 +45,7 @@ from megatron.core.transformer.module import MegatronModule
 from hpcrl.trainer import mtp as shared
 from hpcrl.trainer.logprob_head import chunked_logprob
 from hpcrl.trainer.megatron.norms import SPNorm
-from hpcrl.trainer.megatron.pipeline import seq_params
+from hpcrl.trainer.megatron.pipeline import Pipeline, seq_params
 from hpcrl.trainer.megatron.spec_utils import build
 from hpcrl.trainer.packing import Packed
 from hpcrl.trainer.ssd import seq_index
@@ -105,11 +110,11 @@ class MTPLoss:
     (trainer/mtp.py's ``MTPLoss.add``): times the scale, each micro-batch an equal share."""
 
     def __init__(
-        self, model: Any, scale: float, detach: bool, tied: bool, dtype: torch.dtype, chunked: bool
+        self, model: Any, scale: float, detach: bool, tied: bool, dtype: torch.dtype, pipeline: Pipeline
     ) -> None:
-        """``chunked``: the model's output layer is the chunked head's stand-in (model.HiddenOutput)."""
+        """``pipeline``: the model's forward (its head's kind, its context-parallel split and join)."""
         self.model, self.scale, self.detach, self.tied, self.dtype = model, scale, detach, tied, dtype
-        self.chunked = chunked
+        self.chunked, self.pipeline = pipeline.chunked_head, pipeline
         self.hidden: torch.Tensor | None = None
         model.output_layer.register_forward_pre_hook(self._keep)
 
@@ -120,7 +125,9 @@ class MTPLoss:
     def value(self, ids: torch.Tensor, loss_mask: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
         """The mean over depths of each depth's mean NLL on its loss tokens (trainer/mtp.py's ``nll``)
         on the micro-batch the model just ran: ``ids`` [b, s], ``loss_mask`` [b, s-1] (at ``ids[:, 1:]``);
-        ``packed``: the row it ran as (``trainer.packing``), the loss inside each of its sequences."""
+        ``packed``: the row it ran as (``trainer.packing``), the loss inside each of its sequences.
+        Under context parallel the layers run this rank's chunks of the rows (the decoder's hidden
+        states), the tokens and masks are whole (trainer/mtp.py's ``on_chunks``)."""
         hidden, self.hidden = self.hidden, None
         block, seq = self.model.mtp_block, None
         depth: Callable[..., torch.Tensor] = block.depth
@@ -138,7 +145,8 @@ class MTPLoss:
         mixed = self.dtype != torch.float32
         cast = torch.autocast(hidden.device.type, dtype=self.dtype) if mixed else nullcontext()
         with torch.set_grad_enabled(self.scale > 0 and torch.is_grad_enabled()), cast:
-            logp = partial(self._logp, head)
+            cp = self.pipeline
+            embed, logp = shared.on_chunks(embed, partial(self._logp, head), cp.cp_split, cp.cp_join)
             return shared.nll(depth, block.depths, hidden, ids, loss_mask, embed, logp, seq)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

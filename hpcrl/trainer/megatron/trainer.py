@@ -167,8 +167,7 @@ class MegatronTrainer:
         kinds = shared_mtp.kinds_of(hf)
         mtp.attach(self.model, config, self.arch.stack_layers(hf, config), kinds, shared_mtp.depths_of(hf))
         self.shape = replace(self.shape, mtp=kinds)
-        scale, chunked = t.mtp_loss_scale, self.pipeline.chunked_head
-        return mtp.MTPLoss(self.model, scale, t.mtp_detach, self.tied, dtype, chunked)
+        return mtp.MTPLoss(self.model, t.mtp_loss_scale, t.mtp_detach, self.tied, dtype, self.pipeline)
 
     def _make_optimizer(self) -> ShardedAdamW:
         """AdamW; with ``trainer.distributed_optimizer`` its state (m, v) is sharded as Megatron's
