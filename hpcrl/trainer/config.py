@@ -68,8 +68,7 @@ class TrainerConfig:
     whole sequences, positions restarting per sequence and attention kept inside each
     (``trainer/packing.py``): no compute on padding; Mamba layers restart at each sequence. The
     backends that pack say so in their table entry (``TrainerSpec.packs``, over CP ranks:
-    ``packs_over_cp``). On by default in the long-tail DAPO recipes (one H100, 64 DAPO-like lengths:
-    1.77x real tokens/s at 135M, 2.58x at 1.5B; bench/results, session 27)."""
+    ``packs_over_cp``). On in the long-tail DAPO recipes (2.58x real tokens/s at 1.5B, session 27)."""
     micro_batch_tokens: int | None = None
     """Token budget of a packed micro-batch (``packing``). None: ``micro_batch_size`` x the longest
     sequence: the tokens of the largest padded micro-batch. Packed rows hold about that many every
