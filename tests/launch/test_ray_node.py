@@ -140,6 +140,10 @@ def test_head_and_worker_register_and_a_dead_raylet_stops_its_node():
         os.kill(raylet, signal.SIGKILL)
         assert worker.wait(timeout=30) == 1  # the launcher saw it, stopped the node and exited 1
         assert "Ray process died: raylet" in (tmp / "worker.log").read_text()
+        # the launcher's SIGKILL to its group is sent; a loaded machine may take a moment to end them
+        deadline = time.monotonic() + 10
+        while [pid for pid, _ in worker_group if _alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert [pid for pid, _ in worker_group if _alive(pid)] == []
 
         for pid, _ in head_group:  # scancel's SIGTERM reaches every process: Ray rides it out
