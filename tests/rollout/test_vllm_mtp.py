@@ -80,6 +80,7 @@ def save_glm4_moe_with_mtp(out: Path) -> Path:
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
     config.num_nextn_predict_layers = 1  # vLLM's name (transformers': num_mtp_layers)
+    config.head_dim = 32  # vLLM reads it; transformers takes hidden_size / heads
     torch.manual_seed(0)
     Glm4MoeForCausalLM(config).save_pretrained(out)
     build_tokenizer(out, 128)
@@ -202,15 +203,14 @@ def test_mtp_drafts_leave_each_completion_the_routes_of_the_tokens_it_kept(tmp_p
     engine = VLLMEngine(
         model_dir, cfg, seed=0, max_model_len=48, on_cpu=True, scratch=tmp_path, kv_cache_gb=0.05, routes=True
     )
-    # two samples a prompt: the same greedy tokens, each from its own request
-    groups = engine.generate(
-        GLM_PROMPTS, SamplingSettings(n=2, temperature=0.0, top_p=1.0, max_tokens=12, seed=0)
-    )
-    comps = [c for g in groups for c in g]
+    # each prompt twice: the same greedy tokens, each from its own request
+    prompts = [p for p in GLM_PROMPTS for _ in range(2)]
+    settings = SamplingSettings(n=1, temperature=0.0, top_p=1.0, max_tokens=12, seed=0)
+    comps = [g[0] for g in engine.generate(prompts, settings)]
     assert 0.1 < spec_acceptance(comps)["rollout/spec_acceptance"] < 0.9  # drafts kept, drafts rejected
     assert completion_metrics(comps)["rollout/routes_missing"] == 0
     model = reference(model_dir)
-    for prompt, c in zip([p for p in GLM_PROMPTS for _ in range(2)], comps, strict=True):
+    for prompt, c in zip(prompts, comps, strict=True):
         assert c.token_ids == greedy_of(model, prompt, c.token_ids)
         tokens = prompt + c.token_ids
         assert c.routes is not None and c.routes.shape == (len(tokens) - 1, 2, 2)
