@@ -26,7 +26,11 @@ class Completion:
     routes: Any = None
     """The experts the engine's MoE routers chose (``trainer.router_replay``): an int16 array
     [prompt + generated - 1, layers, k], one row per position a forward ran (the last generated token
-    never ran through one); None when routes were not asked for."""
+    never ran through one); None when routes were not asked for, or the engine found none
+    (``routes_missing``)."""
+    routes_missing: bool = False
+    """Routes were asked for and the engine recorded none for this completion: its tokens route
+    freely in the trainer, counted in ``rollout/routes_missing`` (never silently)."""
     drafts: tuple[int, int] | None = None
     """(drafted, accepted) tokens of speculative decoding (``rollout.speculative``); None without it."""
     mask: list[int] | None = None
@@ -50,6 +54,14 @@ def spec_acceptance(completions: list[Completion]) -> dict[str, float]:
     return {"rollout/spec_acceptance": sum(a for _, a in counted) / drafted}
 
 
+def routes_missing(completions: list[Completion]) -> dict[str, float]:
+    """``rollout/routes_missing``: completions generated with routes recorded (``trainer.router_replay``)
+    that came back without them; no metric when no routes were asked for."""
+    if not any(c.routes is not None or c.routes_missing for c in completions):
+        return {}
+    return {"rollout/routes_missing": float(sum(c.routes_missing for c in completions))}
+
+
 def environment_time(completions: list[Completion]) -> dict[str, float]:
     """``time/environment``: the seconds the batch's episodes spent in environment resets and steps
     (``envs/episodes.py``); single-turn completions (no episodes): no metric."""
@@ -59,8 +71,9 @@ def environment_time(completions: list[Completion]) -> dict[str, float]:
 
 
 def completion_metrics(completions: list[Completion]) -> dict[str, float]:
-    """What a batch's completions carry besides tokens: ``rollout/spec_acceptance``, ``time/environment``."""
-    return spec_acceptance(completions) | environment_time(completions)
+    """What a batch's completions carry besides tokens: ``rollout/spec_acceptance``,
+    ``rollout/routes_missing``, ``time/environment``."""
+    return spec_acceptance(completions) | routes_missing(completions) | environment_time(completions)
 
 
 @dataclass(frozen=True)

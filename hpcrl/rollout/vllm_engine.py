@@ -296,6 +296,7 @@ class VLLMEngine:
         for group in groups:
             for c in group:
                 c.routes = next(found)
+                c.routes_missing = c.routes is None  # counted: rollout/routes_missing
 
     def _fresh_cache(self) -> None:
         """A refit under running requests could not drop the prefix cache (vLLM keeps blocks in use):

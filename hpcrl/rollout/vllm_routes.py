@@ -13,6 +13,16 @@ to the worker.
 
 One route per forward position, the prompt's included: prefix caching would skip a cached prompt's
 forward (and its routes), so the engine turns it off while routes are recorded.
+
+Speculative decoding (``rollout.speculative``): each step the runner feeds a request's last token and
+its drafts, and the routers route every one of them, rejected drafts included. A rejected draft's
+position is fed again, with the token the model chose there, in the request's next step, whose rows
+overwrite it; so every position but the last holds the routes of the token that stayed, computed on
+the accepted tokens before it, as without drafts (vLLM's own output drops the rejected suffix instead,
+``aux_output_connector``). Only a request's final step leaves rows past its end (drafts it never kept,
+or tokens past ``max_tokens``): ``take`` matches a sequence to the request whose rows begin with it
+and cuts them there. The drafter's routers (a model of its own) are not bound: MTP layers route
+freely in the trainer (``trainer/router_replay.py``).
 """
 
 from __future__ import annotations
@@ -53,7 +63,8 @@ class RouteRecorder:
         for layer, ids in self.step.items():
             routes[:, layer] = ids[:n]
         positions = runner.positions[:n].cpu().numpy()
-        tokens = runner.input_ids.cpu[:n].numpy()
+        # the device buffer: under async scheduling the host one lacks the tokens sampled on device
+        tokens = runner.input_ids.gpu[:n].cpu().numpy()
         start = 0
         for req, count in zip(order, counts, strict=True):
             span = slice(start, start + count)
@@ -76,18 +87,30 @@ class RouteRecorder:
         self.rows[req] = (have_tokens, have_routes)
 
     def take(self, sequences: list[list[int]]) -> list[np.ndarray | None]:
-        """The routes of each sequence (by its tokens; None where none was recorded); the requests
-        they came from are forgotten."""
-        # two samples of a prompt may be the same tokens (GRPO draws several): each request once,
-        # and every request with a taken sequence's tokens is forgotten, not only the one handed out
-        by_tokens: dict[tuple[int, ...], list[str]] = {}
+        """The routes of each sequence (None where none was recorded), each from its own request:
+        the one whose rows begin with its tokens with the fewest rows past them (speculative
+        decoding's last step: module docstring), cut to its length; the requests handed out are
+        forgotten. Two samples of a prompt may be the same tokens (GRPO draws several): each gets a
+        request of its own."""
+        out: list[np.ndarray | None] = [None] * len(sequences)
+        if not sequences:
+            return out
+        # requests by their first h tokens (the shortest sequence's length): a prompt's samples share one
+        h = min(len(s) for s in sequences)
+        heads: dict[tuple[int, ...], list[str]] = {}
         for req, (t, _) in self.rows.items():
-            by_tokens.setdefault(tuple(t.tolist()), []).append(req)
-        routes = {key: self.rows[reqs[0]][1] for key, reqs in by_tokens.items()}
-        out = [routes.get(tuple(seq)) for seq in sequences]
-        for seq in sequences:
-            for req in by_tokens.get(tuple(seq), []):
-                self.rows.pop(req, None)
+            if len(t) >= h:
+                heads.setdefault(tuple(t[:h].tolist()), []).append(req)
+        for i in sorted(range(len(sequences)), key=lambda i: -len(sequences[i])):
+            seq = np.asarray(sequences[i], dtype=np.int64)
+            fits = [
+                r for r in heads.get(tuple(sequences[i][:h]), [])
+                if len(self.rows[r][0]) >= len(seq) and np.array_equal(self.rows[r][0][: len(seq)], seq)
+            ]  # fmt: skip
+            if fits:
+                req = min(fits, key=lambda r: len(self.rows[r][0]))
+                heads[tuple(sequences[i][:h])].remove(req)
+                out[i] = self.rows.pop(req)[1][: len(seq)]
         return out
 
 

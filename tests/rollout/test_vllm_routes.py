@@ -22,3 +22,50 @@ def test_identical_samples_each_get_routes_and_no_request_is_left_behind():
     assert got[0] is not None and got[1] is not None and got[2] is None
     assert int(got[0][0, 0, 0]) == int(got[1][0, 0, 0]) == 1
     assert set(rec.rows) == {"c"}  # the unmatched request stays until its completion is taken
+
+
+def test_speculative_steps_keep_the_accepted_tokens_routes_and_drop_the_final_drafts():
+    """With drafts the runner feeds a request's last token and its drafts each step. A rejected
+    draft's position comes again in the next step with the token the model chose (its rows replace
+    the draft's); the last step leaves rows past the sequence's end, which ``take`` cuts off."""
+    rec = RouteRecorder(None, layers=1, k=1)
+
+    def step(positions, tokens, routes):
+        rec._put("r", np.array(positions), np.array(tokens), np.array(routes, np.int16).reshape(-1, 1, 1))
+
+    step([0, 1, 2], [1, 5, 6], [10, 11, 12])  # the prompt [1, 5, 6]; the model samples 7
+    step([3, 4, 5], [7, 8, 9], [13, 99, 99])  # drafts 8, 9 rejected: the model says 20 at 4
+    step([4, 5, 6], [20, 21, 22], [14, 15, 16])  # both drafts kept, bonus 23 at 7
+    step([7, 8, 9], [23, 24, 25], [17, 98, 98])  # 24 kept, max_tokens reached: completion 7 20 21 22 23 24
+    got = rec.take([[1, 5, 6, 7, 20, 21, 22, 23]])  # the prompt and every generated token but the last
+    assert got[0] is not None
+    assert got[0][:, 0, 0].tolist() == [10, 11, 12, 13, 14, 15, 16, 17]
+    assert rec.rows == {}
+
+
+def test_a_sequence_takes_its_own_request_where_another_begins_with_it():
+    """A longer request of the same prompt whose rows begin with a shorter sequence is not the
+    shorter one's: the request with the fewest rows past the sequence is, and the other stays."""
+    rec = RouteRecorder(None, layers=1, k=1)
+    rec.rows = {
+        "long": (np.array([5, 6, 7, 8, 9]), np.full((5, 1, 1), 1, np.int16)),
+        "short": (np.array([5, 6, 7, 3]), np.full((4, 1, 1), 2, np.int16)),
+    }
+    got = rec.take([[5, 6, 7]])
+    assert got[0] is not None and got[0].shape == (3, 1, 1) and int(got[0][0, 0, 0]) == 2
+    assert set(rec.rows) == {"long"}
+    got = rec.take([[5, 6, 7, 8, 9], [4, 4]])
+    assert got[0] is not None and int(got[0][0, 0, 0]) == 1 and got[1] is None
+
+
+def test_completions_without_their_routes_are_counted():
+    from hpcrl.rollout.base import Completion, completion_metrics
+
+    def done(routes, missing=False):
+        return Completion([3, 4], [], "", False, routes=routes, routes_missing=missing)
+
+    assert "rollout/routes_missing" not in completion_metrics([done(None), done(None)])  # not asked
+    routes = np.zeros((3, 1, 1), np.int16)
+    assert completion_metrics([done(routes), done(routes)])["rollout/routes_missing"] == 0.0
+    assert completion_metrics([done(routes), done(None, True)])["rollout/routes_missing"] == 1.0
+    assert completion_metrics([done(None, True)])["rollout/routes_missing"] == 1.0
