@@ -83,7 +83,8 @@ def parity_step(
     MTP layers also records them as loaded and as the refit streams them (before the step).
     ``routes``: the model's directory, to give the batch random routes for its MoE layers."""
     batch = parity_batch() if routes is None else with_routes(parity_batch(), routes)
-    mtp = mtp_sent(trainer) if backend == "megatron" and trainer.mtp is not None else {}
+    # shape.mtp on every pipeline stage (the block only on the last): every rank takes part
+    mtp = mtp_sent(trainer) if backend == "megatron" and trainer.shape.mtp else {}
     with counting_masks() as masks:
         ref = trainer.logprobs(
             batch, reference=True
@@ -98,11 +99,15 @@ def parity_step(
         v.numel() for st in local.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()
     )
     restored = _state_round_trip(trainer, local, out)
+    # each rank's input embedding (None where its stage has none): the MTP layers' copy on the last
+    # pipeline stage must stay the first stage's
+    embedding = getattr(getattr(trainer.model, "embedding", None), "word_embeddings", None)
+    mine = (held, restored, None if embedding is None else embedding.weight.detach().cpu())
     per_rank: list[Any] = [None] * world
     if world > 1:
-        dist.all_gather_object(per_rank, (held, restored))
+        dist.all_gather_object(per_rank, mine)
     else:
-        per_rank = [(held, restored)]
+        per_rank = [mine]
     layout = {}
     if backend == "megatron":
         mc = trainer.model.config
@@ -120,8 +125,9 @@ def parity_step(
         "logp": ref.cpu(),
         "metrics": metrics,
         "grads": {k: v.cpu() for k, v in grads.items()},
-        "optimizer_numel": [h for h, _ in per_rank],
-        "state_restored": [r for _, r in per_rank],
+        "optimizer_numel": [h for h, _, _ in per_rank],
+        "state_restored": [r for _, r, _ in per_rank],
+        "embeddings": [e for _, _, e in per_rank],
         "layout": layout,
         "weights": {k: v.cpu() for k, v in weights.items()},
         **mtp,
