@@ -90,8 +90,9 @@ class Gradients:
         return self.model.embedding.word_embeddings.weight if self.mtp else None
 
     def clip(self, max_norm: float) -> float:
-        """Global L2 norm over the model-parallel group, TP-replicated and tied copies counted once;
-        every gradient scaled down to ``max_norm`` if above. Returns the norm before clipping."""
+        """Global L2 norm over the model-parallel group, TP-replicated weights and the embedding's
+        last-stage copy (``shared``) counted once; every gradient scaled down to ``max_norm`` if above.
+        Returns the norm before clipping."""
         from megatron.core import parallel_state as ps
 
         tp_rank = ps.get_tensor_model_parallel_rank()

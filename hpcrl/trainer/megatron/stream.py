@@ -8,8 +8,8 @@ in the engines' dtype, when its turn comes; converted to Hugging Face names (``w
 views where it can; and freed once the sink copied it. Ranks whose group sends nothing skip it.
 
 Names and shapes (``metas``) come from the same conversion run on meta tensors of the gathered
-shapes: nothing is gathered to agree on them. The MTP layers' copy of the input embedding on the last pipeline stage
-(megatron/mtp.py) is not sent: the first stage's is the same weight.
+shapes: nothing is gathered to agree on them. The MTP layers' copy of the input embedding on the
+last pipeline stage (megatron/mtp.py) is not sent: the first stage's is the same weight.
 """
 
 from __future__ import annotations
