@@ -471,6 +471,7 @@ def test_mtp_layers_under_tensor_and_expert_parallel_step_as_at_tp1(torchrun_cas
         assert all(torch.equal(run["mtp_loaded"][k], v) for k, v in carried.items()), where
         assert run["mtp_streamed"].keys() == carried.keys(), where
         assert all(torch.equal(run["mtp_streamed"][k], v) for k, v in carried.items()), where
+        assert run["embedding_senders"] == 1, where  # PP=2: the first stage's, not the MTP layers' copy
         assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
         assert run["metrics"]["mtp_loss"] == pytest.approx(ref["metrics"]["mtp_loss"], rel=1e-5), where
         _assert_same_step(run, ref, mask, where)
