@@ -24,7 +24,7 @@ def check_mtp(cfg: RunConfig) -> None:
             f"trainer.mtp_loss_scale={scale}: the {cfg.trainer.backend} backend does not carry MTP layers "
             f"yet; use {with_mtp()} or drop trainer.mtp_loss_scale"
         )
-    if scale is not None and gap is not None and (why := gap(cfg.trainer)):
+    if scale is not None and gap is not None and (why := gap(model, cfg.trainer)):
         raise ConfigError(f"trainer.mtp_loss_scale={scale}: {why}")
     method = speculative(cfg.rollout)
     if method is None:

@@ -100,9 +100,9 @@ class TrainerSpec:
     optimizer_options: tuple[str, ...] = ()
     """The optimizer settings it runs beyond AdamW in fp32 on the GPU, as ``key=value`` of
     ``trainer.*`` (``optimizer_gap`` refuses the others)."""
-    mtp_gap: Callable[[TrainerConfig], str] | None = None
+    mtp_gap: Callable[[ModelConfig, TrainerConfig], str] | None = None
     """Loads, trains, exports and refits the model's multi-token-prediction layers
-    (``trainer.mtp_loss_scale``) where this says nothing: why a layout cannot yet. None: never."""
+    (``trainer.mtp_loss_scale``) where this says nothing: why a model or layout cannot yet. None: never."""
 
     def checkpoint_bytes(self, model: ModelConfig, trainer: TrainerConfig) -> float:
         """One checkpoint's bytes per parameter: weights and optimizer state."""
@@ -250,7 +250,7 @@ FSDP = TrainerSpec(
     notes=lambda t: [],
     images=True,
     optimizer_options=("optimizer=adafactor", "optimizer_dtype=bfloat16", "optimizer_offload=true"),
-    mtp_gap=lambda _: "",
+    mtp_gap=lambda model, t: "",
 )
 
 
@@ -260,16 +260,16 @@ def _megatron(trainer: TrainerConfig) -> MegatronTrainerConfig:
     return cast(MegatronTrainerConfig, trainer)
 
 
-def _megatron_mtp_gap(t: MegatronTrainerConfig) -> str:
-    """MTP layers run under TP/SP, EP, CP, packing and router replay (their routers free) as the
-    decoder's; not yet under PP (no embedding on the last stage): docs/backends.md says why."""
-    needs = {"pp": (t.pp, 1)}
-    key = next((k for k, (have, want) in needs.items() if have != want), "")
-    have, want = (str(v).lower() for v in needs.get(key, ("", "")))
-    return key and (
-        f"trainer=megatron does not carry MTP layers with trainer.{key}={have} yet: set trainer.{key}={want}, "
-        "or use trainer=fsdp"
-    )
+def _megatron_mtp_gap(model: ModelConfig, t: MegatronTrainerConfig) -> str:
+    """MTP layers run under TP/SP, PP, EP, CP, packing and router replay (their routers free) as the
+    decoder's (megatron/mtp.py). Under PP the last stage keeps a copy of the input embedding for them;
+    a tied head is a second copy there, a case no Nemotron-H checkpoint has and none is tested."""
+    if t.pp > 1 and model.tie_embeddings:
+        return (
+            f"trainer=megatron does not carry the MTP layers of a model with tied embeddings "
+            f"(model.tie_embeddings=true) under trainer.pp={t.pp} yet: set trainer.pp=1, or use trainer=fsdp"
+        )
+    return ""
 
 
 def _megatron_gaps(model: ModelConfig, trainer: TrainerConfig) -> list[str]:
@@ -355,7 +355,7 @@ MEGATRON = TrainerSpec(
     checkpoint_prefix="model/",
     export_names="hpcrl.trainer.megatron.export:hf_names",
     expert_tp=True,
-    mtp_gap=lambda t: _megatron_mtp_gap(_megatron(t)),
+    mtp_gap=lambda model, t: _megatron_mtp_gap(model, _megatron(t)),
     model_gap=lambda model: megatron_build_gap(model),
     build_gaps=_megatron_gaps,
     choices=_megatron_choices,

@@ -83,7 +83,8 @@ def parity_step(
     MTP layers also records them as loaded and as the refit streams them (before the step).
     ``routes``: the model's directory, to give the batch random routes for its MoE layers."""
     batch = parity_batch() if routes is None else with_routes(parity_batch(), routes)
-    mtp = mtp_sent(trainer) if backend == "megatron" and trainer.mtp is not None else {}
+    # shape.mtp on every pipeline stage (the block only on the last): every rank takes part
+    mtp = mtp_sent(trainer) if backend == "megatron" and trainer.shape.mtp else {}
     with counting_masks() as masks:
         ref = trainer.logprobs(
             batch, reference=True
@@ -97,12 +98,18 @@ def parity_step(
     held = sum(
         v.numel() for st in local.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()
     )
+    # each rank's input embedding as the step left it (None where its stage has none; before the
+    # checkpoint round trip, which loads one copy into both): the MTP layers' copy on the last
+    # pipeline stage must stay the first stage's
+    embedding = getattr(getattr(trainer.model, "embedding", None), "word_embeddings", None)
+    stepped = None if embedding is None else embedding.weight.detach().cpu().clone()
     restored = _state_round_trip(trainer, local, out)
+    mine = (held, restored, stepped)
     per_rank: list[Any] = [None] * world
     if world > 1:
-        dist.all_gather_object(per_rank, (held, restored))
+        dist.all_gather_object(per_rank, mine)
     else:
-        per_rank = [(held, restored)]
+        per_rank = [mine]
     layout = {}
     if backend == "megatron":
         mc = trainer.model.config
@@ -120,8 +127,9 @@ def parity_step(
         "logp": ref.cpu(),
         "metrics": metrics,
         "grads": {k: v.cpu() for k, v in grads.items()},
-        "optimizer_numel": [h for h, _ in per_rank],
-        "state_restored": [r for _, r in per_rank],
+        "optimizer_numel": [h for h, _, _ in per_rank],
+        "state_restored": [r for _, r, _ in per_rank],
+        "embeddings": [e for _, _, e in per_rank],
         "layout": layout,
         "weights": {k: v.cpu() for k, v in weights.items()},
         **mtp,
@@ -130,7 +138,8 @@ def parity_step(
 
 def mtp_sent(trainer: Any) -> dict[str, dict[str, torch.Tensor]]:
     """The MTP layers' weights (``mtp.*``) as ``export_weights`` gathers them and as the refit streams
-    them (every sender's on rank 0), fp32."""
+    them (every sender's on rank 0), fp32; how many ranks sent the input embedding (one: under PP the
+    last stage's copy for the MTP layers stays home)."""
     from hpcrl.trainer.base import CollectSink
     from hpcrl.trainer.megatron.placement import gather_to_rank0
 
@@ -138,9 +147,11 @@ def mtp_sent(trainer: Any) -> dict[str, dict[str, torch.Tensor]]:
     sink = CollectSink()
     trainer.stream_weights(sink, torch.float32)
     streamed: dict[str, torch.Tensor] = {}
-    for part in gather_to_rank0({k: v for k, v in sink.weights.items() if k.startswith("mtp.")}):
+    sent = {k: v for k, v in sink.weights.items() if k.startswith("mtp.")}
+    parts = gather_to_rank0((sent, "backbone.embeddings.weight" in sink.weights))
+    for part, _ in parts:
         streamed |= part
-    return {"mtp_loaded": loaded, "mtp_streamed": streamed}
+    return {"mtp_loaded": loaded, "mtp_streamed": streamed, "embedding_senders": sum(e for _, e in parts)}
 
 
 def ran_layout(trainer: Any, world: int) -> dict[str, Any]:

@@ -131,24 +131,28 @@ MTP = ("trainer.mtp_loss_scale=0.5", "trainer.mtp_detach=false")
 """The MTP block trained, its loss reaching the decoder (the gradient through the sequence-parallel
 hidden states, the embedding and the vocab-parallel head too)."""
 MTP_RUNS = {
-    (tp, ep, cp, replay): _parity_case(
-        f"mtp-{'replay-' if replay else ''}tp{tp}ep{ep}" + (f"cp{cp}" if cp > 1 else ""),
+    (tp, pp, ep, cp, replay): _parity_case(
+        f"mtp-{'replay-' if replay else ''}tp{tp}ep{ep}"
+        + (f"cp{cp}" if cp > 1 else "")
+        + (f"pp{pp}" if pp > 1 else ""),
         tp,
-        1,
+        pp,
         packing=(*MTP, *(["trainer.router_replay=true"] if replay else [])),
         checkpoint=MTP_CHECKPOINT,
         ep=ep,
         cp=cp,
     )
-    for tp, ep, cp, replay in (
-        (1, 1, 1, False),
-        (2, 1, 1, False),
-        (1, 1, 2, False),
-        (1, 1, 1, True),
-        (2, 2, 1, True),
+    for tp, pp, ep, cp, replay in (
+        (1, 1, 1, 1, False),
+        (2, 1, 1, 1, False),
+        (1, 1, 1, 2, False),
+        (1, 2, 1, 1, False),
+        (1, 1, 1, 1, True),
+        (2, 1, 2, 1, True),
     )
 }
-"""The MTP layers at TP=1, TP=2 (sequence parallel) and CP=2, on the checkpoint with them; with router
+"""TP, PP, EP, CP, router replay: the MTP layers at TP=1, TP=2 (sequence parallel), CP=2 and PP=2 (the
+block on the last stage with its copy of the first stage's embedding), on the checkpoint with them; with router
 replay (the batch's random routes, tests/harness/recipe_build.py: the decoder's routers replay them,
 the MTP layers' route freely, trainer/router_replay.py) at TP=1 and TP=2 x EP=2 (each rank's routers
 see half the tokens; the experts, the MTP block's too, on the decoder's expert ranks)."""
@@ -428,8 +432,9 @@ def test_nemotron_h_matches_fsdp_and_under_parallel_layouts(torchrun_cases):
 @pytest.mark.slow
 def test_mtp_layers_under_tensor_and_expert_parallel_step_as_at_tp1(torchrun_cases):
     """The MTP block (attention, LatentMoE) under TP=2 (sequence parallel: eh_proj column-parallel, the
-    loss on vocab-parallel logits), TP=2 x EP=2 (its experts on the decoder's expert ranks) and CP=2 (its
-    attention on the gathered keys; each depth's rolled tokens across the ranks' chunks): loaded and
+    loss on vocab-parallel logits), TP=2 x EP=2 (its experts on the decoder's expert ranks), CP=2 (its
+    attention on the gathered keys; each depth's rolled tokens across the ranks' chunks) and PP=2 (on the
+    last stage, with a copy of the first stage's embedding kept equal to it): loaded and
     streamed bit for bit as the checkpoint holds it, and one step as TP=1's: MTP loss, log-probs, every
     gradient (the MTP layers' and, the loss not detached, the decoder's), the updated weights; the
     checkpoints export them under their names. Packed at TP=2 and at CP=2 too: the padded TP=1 step.
@@ -445,7 +450,7 @@ def test_mtp_layers_under_tensor_and_expert_parallel_step_as_at_tp1(torchrun_cas
     carried = {
         k: v for k, v in on_disk.items() if k.startswith("mtp.") and "e_score_correction_bias" not in k
     }
-    base, plain = runs[1, 1, 1, False], torchrun_cases.result(BASE.id)
+    base, plain = runs[1, 1, 1, 1, False], torchrun_cases.result(BASE.id)
     assert base["metrics"]["mtp_loss"] > 1.0
     mtp_grads = {k: g for k, g in base["grads"].items() if k.startswith("mtp.")}
     assert mtp_grads.keys() == carried.keys()
@@ -459,21 +464,29 @@ def test_mtp_layers_under_tensor_and_expert_parallel_step_as_at_tp1(torchrun_cas
         assert not torch.allclose(base["grads"][name], plain["grads"][name], atol=1e-5), name
     # router replay: other experts, other log-probs (the routes were taken); each run steps as TP=1 on
     # the same routes (the MTP routers free: megatron = fsdp at one rank in tests/trainer/test_mtp.py)
-    assert (runs[1, 1, 1, True]["logp"][mask] - base["logp"][mask]).abs().max() > 1e-4
-    for (tp, ep, cp, replay), run in runs.items():
-        where, ref = f"MTP TP={tp} EP={ep} CP={cp} replay={replay}", runs[1, 1, 1, replay]
+    assert (runs[1, 1, 1, 1, True]["logp"][mask] - base["logp"][mask]).abs().max() > 1e-4
+    for (tp, pp, ep, cp, replay), run in runs.items():
+        where, ref = f"MTP TP={tp} PP={pp} EP={ep} CP={cp} replay={replay}", runs[1, 1, 1, 1, replay]
         assert run["mtp_loaded"].keys() == carried.keys(), where
         assert all(torch.equal(run["mtp_loaded"][k], v) for k, v in carried.items()), where
         assert run["mtp_streamed"].keys() == carried.keys(), where
         assert all(torch.equal(run["mtp_streamed"][k], v) for k, v in carried.items()), where
+        assert run["embedding_senders"] == 1, where  # PP=2: the first stage's, not the MTP layers' copy
         assert run["layout"]["sequence_parallel"] == (tp > 1) and run["layout"]["cp"] == cp, where
         assert run["metrics"]["mtp_loss"] == pytest.approx(ref["metrics"]["mtp_loss"], rel=1e-5), where
         _assert_same_step(run, ref, mask, where)
         assert all(run["state_restored"]), where
-        ckpt = next(torchrun_cases.root.glob(f"run*/{MTP_RUNS[tp, ep, cp, replay].id}.ckpt"))
+        ckpt = next(torchrun_cases.root.glob(f"run*/{MTP_RUNS[tp, pp, ep, cp, replay].id}.ckpt"))
         exported = _exported(ckpt, source)
         assert exported.keys() == on_disk.keys(), where  # the frozen biases from the source
         assert all(torch.equal(exported[k], v) for k, v in run["weights"].items()), where
+    # PP=2: the last stage's copy of the embedding (the MTP layers') is the first stage's after the
+    # step, and the trained one (its gradient the sum of both stages', as at PP=1); one copy at PP=1
+    held = [e for e in runs[1, 2, 1, 1, False]["embeddings"] if e is not None]
+    assert len(held) == 2 and torch.equal(held[0], held[1])
+    assert torch.allclose(held[0], base["weights"]["backbone.embeddings.weight"], atol=1e-6)
+    assert not torch.equal(held[0], on_disk["backbone.embeddings.weight"])
+    assert sum(e is not None for e in base["embeddings"]) == 1
     # packed rows: each depth's targets and its layers inside each sequence, as the padded rows
     for (tp, cp), case in MTP_PACKED.items():
         where, packed = f"MTP packed TP={tp} CP={cp}", torchrun_cases.result(case.id)

@@ -40,30 +40,35 @@ def test_each_mtp_refusal_names_the_key_and_the_fix():
     )
     megatron = (*WITH_MTP, "trainer=megatron", "trainer.mtp_loss_scale=0.3")
     assert plan(*megatron).cfg.trainer.mtp_loss_scale == 0.3
-    # the MTP layers shard as the decoder's under TP (SP), EP and CP, and read either log-prob head
+    # the MTP layers shard as the decoder's under TP (SP), EP and CP, sit on the last stage under PP
+    # (8 layers: 2 stages), and read either log-prob head
     gpus = ("cluster=h100", *SITE)
-    for layout, (tp, ep, cp) in (
-        ("trainer.tp=2", (2, 1, 1)),
-        ("trainer.ep=2", (1, 2, 1)),
-        ("trainer.tp=2 trainer.ep=2", (2, 2, 1)),
-        ("trainer.cp=2", (1, 1, 2)),
-        ("trainer.tp=2 trainer.cp=2 trainer.packing=true", (2, 1, 2)),
+    eight = ("model.num_layers=8", "model.hybrid.pattern=MEM*EMEM", "model.hybrid.mamba=4")
+    for layout, (tp, pp, ep, cp) in (
+        ("trainer.tp=2", (2, 1, 1, 1)),
+        ("trainer.ep=2", (1, 1, 2, 1)),
+        ("trainer.tp=2 trainer.ep=2", (2, 1, 2, 1)),
+        ("trainer.cp=2", (1, 1, 1, 2)),
+        ("trainer.tp=2 trainer.cp=2 trainer.packing=true", (2, 1, 1, 2)),
+        ("trainer.pp=2", (1, 2, 1, 1)),
+        ("trainer.tp=2 trainer.pp=2 trainer.ep=2", (2, 2, 2, 1)),
     ):
-        p = plan(*megatron, *layout.split(), *gpus)
+        p = plan(*megatron, *eight, *layout.split(), *gpus)
         assert p.cfg.trainer.mtp_loss_scale == 0.3
-        assert (p.topology.train.tp, p.topology.train.ep, p.topology.train.cp) == (tp, ep, cp)
+        train = p.topology.train
+        assert (train.tp, train.pp, train.ep, train.cp) == (tp, pp, ep, cp)
     assert plan(*megatron, "trainer.fused_logprob=false").cfg.trainer.mtp_loss_scale == 0.3
     assert plan(*megatron, "trainer.packing=true").cfg.trainer.packing  # each depth inside its sequence
     # the decoder's routers replay, the MTP layers' route freely (trainer/router_replay.py); the hf
     # engine returns no routes
     assert plan(*megatron, "trainer.router_replay=true", "rollout=vllm").cfg.trainer.router_replay
-    for key, fix in (  # one line each, as before
-        ("trainer.pp=7", "trainer.pp=1"),  # 7: divides the tiny model's layers
-    ):
-        expected = (
-            f"trainer=megatron does not carry MTP layers with {key} yet: set {fix}, or use trainer=fsdp"
-        )
-        assert f"trainer.mtp_loss_scale=0.3: {expected}" in refusal(*megatron, key, *SITE), key
+    # a tied head would be a second copy of the embedding on the last stage: not carried under PP yet
+    tied = refusal(*megatron, *eight, "trainer.pp=2", "model.tie_embeddings=true", *gpus)
+    assert (
+        "trainer.mtp_loss_scale=0.3: trainer=megatron does not carry the MTP layers of a model with tied "
+        "embeddings (model.tie_embeddings=true) under trainer.pp=2 yet: set trainer.pp=1, or use trainer=fsdp"
+    ) in tied
+    assert plan(*megatron, *eight, "model.tie_embeddings=true", *gpus).cfg.trainer.mtp_loss_scale == 0.3
     assert "has none (model.mtp_layers=0): set rollout.speculative=null" in refusal(
         NH, "rollout=vllm", "rollout.speculative=mtp"
     )

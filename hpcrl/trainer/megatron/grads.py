@@ -2,8 +2,9 @@
 ``clip_grad_norm`` would do, for a model trained without them.
 
 ``Gradients`` sorts the trainable parameters by how their gradients are reduced (dense over data x
-context parallel, experts over expert data parallel, TP-partial norm weights over TP, the two tied
-embedding copies over the embedding group), reduces them (``finalize``) and clips them by their
+context parallel, experts over expert data parallel, TP-partial norm weights over TP, the two
+copies of the embedding (a tied head's, or the MTP layers' on the last stage) over the embedding
+group), reduces them (``finalize``) and clips them by their
 global norm over the model-parallel group (``clip``).
 """
 
@@ -20,9 +21,19 @@ from hpcrl.trainer.megatron.weights import is_expert, is_sharded
 
 class Gradients:
     def __init__(
-        self, model: Any, par: TrainParallel, *, tied: bool, moe: bool, device: torch.device
+        self,
+        model: Any,
+        par: TrainParallel,
+        *,
+        tied: bool,
+        moe: bool,
+        device: torch.device,
+        mtp: bool = False,
     ) -> None:
+        """``mtp``: the model carries MTP layers (megatron/mtp.py; under PP the last stage holds a copy
+        of the input embedding for them)."""
         self.model, self.par, self.tied, self.moe, self.device = model, par, tied, moe, device
+        self.mtp = mtp
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         # Experts differ per EP rank: their grads are reduced over the expert-DP group, not the DP one.
@@ -38,7 +49,7 @@ class Gradients:
 
     def finalize(self) -> None:
         """What Megatron's DDP would do: sum over context parallel and average over data parallel, sum
-        the TP-partial norm grads over TP, sum the two tied-embedding copies (first and last stage)
+        the TP-partial norm grads over TP, sum the two copies of the embedding (first and last stage)
         over their group."""
         from megatron.core import parallel_state as ps
 
@@ -62,13 +73,26 @@ class Gradients:
             _all_reduce(grads, ps.get_expert_data_parallel_group(), scale=1 / replicas)
         if self.par.tp > 1 and self.tp_partial:
             _all_reduce([p.grad for p in self.tp_partial], ps.get_tensor_model_parallel_group())
-        if self.par.pp > 1 and self.tied and ps.is_rank_in_embedding_group():
-            weight = self.model.shared_embedding_or_output_weight()
-            dist.all_reduce(weight.grad, group=ps.get_embedding_group())
+        copy = self._stage_copy()
+        if copy is not None and copy.grad is not None:  # None: frozen (trainer.freeze), on both stages
+            dist.all_reduce(copy.grad, group=ps.get_embedding_group())
+
+    def _stage_copy(self) -> torch.Tensor | None:
+        """This rank's copy of the weight the first and the last pipeline stage both hold: a tied
+        embedding (the last stage's is the output layer's), or the input embedding the MTP layers read
+        on the last stage. Summing their gradients keeps the copies equal, as Megatron does."""
+        from megatron.core import parallel_state as ps
+
+        if self.par.pp == 1 or not ps.is_rank_in_embedding_group():
+            return None
+        if self.tied:
+            return self.model.shared_embedding_or_output_weight()
+        return self.model.embedding.word_embeddings.weight if self.mtp else None
 
     def clip(self, max_norm: float) -> float:
-        """Global L2 norm over the model-parallel group, TP-replicated and tied copies counted once;
-        every gradient scaled down to ``max_norm`` if above. Returns the norm before clipping."""
+        """Global L2 norm over the model-parallel group, TP-replicated weights and the embedding's
+        last-stage copy (``shared``) counted once; every gradient scaled down to ``max_norm`` if above.
+        Returns the norm before clipping."""
         from megatron.core import parallel_state as ps
 
         tp_rank = ps.get_tensor_model_parallel_rank()

@@ -25,8 +25,11 @@ crosses chunk and rank bounds: trainer/mtp.py's ``on_chunks``). Packed rows (``t
 loss runs on the packed row with its sequences' bounds (``packed_seq_params``, as the decoder's layers
 take them), each depth's targets inside their sequence (trainer/mtp.py). Router replay
 (``trainer.router_replay``) replays the decoder's routers only; the MTP layers' route freely, as fsdp's
-(megatron/router_replay.py's ``install``). Built without PP (the plan refuses it: backends.py's
-``_megatron_mtp_gap``).
+(megatron/router_replay.py's ``install``). Under pipeline parallelism (``trainer.pp``) the block sits
+on the last stage, as Megatron's MTP does, with a copy of the first stage's input embedding
+(``embedding``, Megatron's name there too): loaded from the same weight, its gradient summed with the
+first stage's (grads.py, as for a tied head), so the two stay equal; the refit and the checkpoint take
+the first stage's.
 
 Imports Megatron-core: imported only where a Megatron model is built.
 """
@@ -100,9 +103,29 @@ def _layer(layers: dict[str, Any], kind: str, config: Any, number: int, groups: 
 
 
 def attach(model: Any, config: Any, layers: dict[str, Any], kinds: str, depths: int) -> None:
-    """Give ``model`` (one stage: the whole model) its MTP layers as the ``mtp_block`` submodule."""
+    """Give ``model`` (the last pipeline stage: the whole model at PP=1) its MTP layers as the
+    ``mtp_block`` submodule, and a stage without the input embedding a copy of it (``embedding``)."""
     device = next(model.parameters()).device
     model.mtp_block = MTPBlock(config, layers, kinds, depths, model.pg_collection).to(device)
+    if getattr(model, "embedding", None) is None:
+        model.embedding = embedding_copy(model, config).to(device)
+
+
+def embedding_copy(model: Any, config: Any) -> Any:
+    """The input embedding as the first stage builds it (megatron-core's own MTP stage holds one too),
+    for the MTP layers on the last stage. Its weight is marked ``shared``: a copy, counted once in the
+    gradient norm (grads.py), as a tied head's copy is."""
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+
+    embedding = LanguageModelEmbedding(
+        config=config,
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_sequence_length,
+        position_embedding_type="none",
+        tp_group=model.pg_collection.tp,
+    )
+    embedding.word_embeddings.weight.shared = True
+    return embedding
 
 
 class MTPLoss:

@@ -8,7 +8,8 @@ in the engines' dtype, when its turn comes; converted to Hugging Face names (``w
 views where it can; and freed once the sink copied it. Ranks whose group sends nothing skip it.
 
 Names and shapes (``metas``) come from the same conversion run on meta tensors of the gathered
-shapes: nothing is gathered to agree on them.
+shapes: nothing is gathered to agree on them. The MTP layers' copy of the input embedding on the
+last pipeline stage (megatron/mtp.py) is not sent: the first stage's is the same weight.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from hpcrl.trainer.megatron.weights import is_expert, is_split, unshard
 
 STACKED = re.compile(r"^(decoder\.layers\.\d+)\.mlp\.moe\.experts\.local_experts\.\d+\.")
 """Gemma 4's experts: Hugging Face stacks a layer's experts into one tensor, so they convert together."""
+EMBEDDING = "embedding.word_embeddings.weight"
 
 
 class WeightStream:
@@ -38,6 +40,8 @@ class WeightStream:
         # A tied output layer is the embedding; with one stage the embedding's unit names it (to_hf),
         # with several the last stage holds (and sends) its own copy.
         self.tie = trainer.tied and trainer.par.pp == 1
+        # the input embedding is the first stage's to send: a later stage's is the MTP layers' copy
+        self.copy = None if ps.is_pipeline_first_stage() else EMBEDDING
 
     def _has_experts(self) -> bool:
         return any(is_expert(n) for n, _ in self.t.model.named_parameters())
@@ -48,7 +52,7 @@ class WeightStream:
         unit: list[tuple[str, torch.Tensor]] = []
         key: str | None = None
         for name, param in self.t.model.named_parameters():
-            if not (self.expert_root if is_expert(name) else self.dense_root):
+            if not (self.expert_root if is_expert(name) else self.dense_root) or name == self.copy:
                 continue
             m = STACKED.match(self.t.placement.global_name(name))
             k = m.group(1) if m else name

@@ -95,7 +95,14 @@ class MegatronTrainer:
         config = transformer_config(hf, self.arch, t, self.par, device=device)
         self.step = TrainStep.from_config(cfg)
         self._build_models(model_dir, hf, config, experts)
-        self.grads = Gradients(self.model, self.par, tied=self.tied, moe=experts > 0, device=self.device)
+        self.grads = Gradients(
+            self.model,
+            self.par,
+            tied=self.tied,
+            moe=experts > 0,
+            device=self.device,
+            mtp=bool(self.shape.mtp),
+        )
         self.optimizer = self._make_optimizer()
         self.writer = ShardWriter()
 
@@ -157,16 +164,24 @@ class MegatronTrainer:
         freeze(self.model, t.freeze)
 
     def _attach_mtp(self, hf: Any, config: Any, dtype: torch.dtype) -> mtp.MTPLoss | None:
-        """With ``trainer.mtp_loss_scale``: the policy's MTP layers (the reference needs none), named
-        in ``shape.mtp`` so the checkpoint's ``mtp.*`` fill them, and their loss."""
+        """With ``trainer.mtp_loss_scale``: the policy's MTP layers (the reference needs none) on the
+        last pipeline stage, named in ``shape.mtp`` (on every stage: rank 0 exports them) so the
+        checkpoint's ``mtp.*`` fill them, and their loss (None on the other stages)."""
         t = self.cfg.trainer
         if t.mtp_loss_scale is None:
             return None
         if not self.shape.pattern:  # the plan refused it (plan/mtp.py)
             raise ValueError("trainer=megatron carries the MTP layers of a hybrid model (Nemotron-H) only")
+        if self.tied and self.par.pp > 1:  # the plan refused it (backends.py's _megatron_mtp_gap)
+            raise ValueError(
+                "trainer.mtp_loss_scale with trainer.pp > 1 needs untied embeddings (tie_word_embeddings "
+                "is true in this checkpoint): set trainer.pp=1"
+            )
         kinds = shared_mtp.kinds_of(hf)
-        mtp.attach(self.model, config, self.arch.stack_layers(hf, config), kinds, shared_mtp.depths_of(hf))
         self.shape = replace(self.shape, mtp=kinds)
+        if not self.ps.is_pipeline_last_stage():
+            return None
+        mtp.attach(self.model, config, self.arch.stack_layers(hf, config), kinds, shared_mtp.depths_of(hf))
         return mtp.MTPLoss(self.model, t.mtp_loss_scale, t.mtp_detach, self.tied, dtype, self.pipeline)
 
     def _make_optimizer(self) -> ShardedAdamW:
