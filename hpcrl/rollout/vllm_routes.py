@@ -102,14 +102,14 @@ class RouteRecorder:
             if len(t) >= h:
                 heads.setdefault(tuple(t[:h].tolist()), []).append(req)
         for i in sorted(range(len(sequences)), key=lambda i: -len(sequences[i])):
-            seq = np.asarray(sequences[i], dtype=np.int64)
+            seq, candidates = np.asarray(sequences[i], dtype=np.int64), heads.get(tuple(sequences[i][:h]), [])
             fits = [
-                r for r in heads.get(tuple(sequences[i][:h]), [])
+                r for r in candidates
                 if len(self.rows[r][0]) >= len(seq) and np.array_equal(self.rows[r][0][: len(seq)], seq)
             ]  # fmt: skip
             if fits:
                 req = min(fits, key=lambda r: len(self.rows[r][0]))
-                heads[tuple(sequences[i][:h])].remove(req)
+                candidates.remove(req)
                 out[i] = self.rows.pop(req)[1][: len(seq)]
         return out
 
