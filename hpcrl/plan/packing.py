@@ -24,11 +24,6 @@ def check_packing(cfg: RunConfig) -> None:
             f"split packed rows over context parallel ranks; set trainer.cp=1, trainer.packing=false or "
             f"use {with_capability('packs_over_cp')}"
         )
-    if trainer.cp > 1 and trainer.ep > 1:
-        raise ConfigError(  # megatron's packed step under CP with EP x expert TP hung in its tiny build
-            f"trainer.packing=true with trainer.cp={trainer.cp} and trainer.ep={trainer.ep}: packed rows under "
-            "context and expert parallel together are not supported yet; set trainer.packing=false or trainer.cp=1"
-        )
     if cfg.data.image_field:
         raise ConfigError(
             f"trainer.packing=true with data.image_field={cfg.data.image_field}: image rows are not packed "

@@ -238,7 +238,17 @@ def attend_packed_chunks(
             outs.append(sdpa(q, keys[:, :, first:b], values[:, :, first:b], causal))
         if hi > max(lo, real):  # the padding tail of the row in this chunk
             outs.append(query.new_zeros(*query.shape[:2], hi - max(lo, real), query.shape[3]))
+    if real <= rank * chunk:  # both chunks past the row's last sequence: no piece read the keys
+        outs[0] = outs[0] + _reads(keys, values)
     return torch.cat(outs, dim=2)
+
+
+def _reads(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """0, computed from one element of the gathered keys and of the values. A CP rank whose chunks hold
+    only padding reads neither, so its backward never reached their all-gather's backward, a
+    reduce-scatter every CP rank must enter: the others waited in it for good (a packed row shorter
+    than a chunk, megatron under CP). With this term the rank sends zeros there, as its share."""
+    return (keys[0, 0, 0, 0] + values[0, 0, 0, 0]) * 0
 
 
 _SIGNATURE: list[Any] = []

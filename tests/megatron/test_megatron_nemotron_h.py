@@ -127,6 +127,18 @@ PACKED = {
     for tp, pp, ep, cp in ((1, 1, 1, 1), *LAYOUTS)
 }
 """Every layout the padded parity runs (TP=1 too), packed."""
+PACKED_CP_EP = _parity_case(
+    "packed-tp2pp1ep2cp2etp2",
+    2,
+    1,
+    packing=("trainer.expert_tp=2", "trainer.packing=true", "trainer.micro_batch_tokens=48"),
+    cp=2,
+    ep=2,
+)
+"""TP=2 x CP=2 (sequence parallel) with the experts over EP=2 x expert TP=2, the Super recipe's tiny
+layout in the world-4 torchrun, packed at a budget of 48: bins [8 x 6] (48 tokens) and [5], a row
+shorter than a chunk (12), so CP rank 1's chunks of it hold only padding (its attention reads no key:
+``varlen._reads`` keeps the K/V gather's backward collective on that rank; without it the step hung)."""
 MTP = ("trainer.mtp_loss_scale=0.5", "trainer.mtp_detach=false")
 """The MTP block trained, its loss reaching the decoder (the gradient through the sequence-parallel
 hidden states, the embedding and the vocab-parallel head too)."""
@@ -517,7 +529,8 @@ def test_packed_rows_step_as_the_padded_ones(torchrun_cases):
     padded runs take: TP=2 (sequence parallel: the mixer gathers the whole row), PP=2 (every stage
     gets the bounds), EP=2, TP=2 x EP=2, CP=2 (the row split in 2·CP chunks as a sequence is:
     attention runs each chunk's piece of each sequence against its gathered keys, the mixer scans the
-    whole row again) and TP=2 x CP=2: the padded TP=1 step's log-probs (the reference's passes packed
+    whole row again), TP=2 x CP=2, and TP=2 x CP=2 x EP=2 x expert TP=2 with a CP rank holding only
+    padding (``PACKED_CP_EP``): the padded TP=1 step's log-probs (the reference's passes packed
     too), metrics, gradients and weights. Every layout's attention reads the bounds: no [L, L] mask is
     built, under CP neither."""
     mask = parity_batch().loss_mask.bool()
@@ -529,3 +542,7 @@ def test_packed_rows_step_as_the_padded_ones(torchrun_cases):
         assert run["layout"]["cp"] == cp and run["layout"]["sequence_parallel"] == (tp > 1), where
         assert run["layout"]["packed_masks"] == 0, where
         _assert_same_step(run, base, mask, where)
+    run = torchrun_cases.result(PACKED_CP_EP.id)
+    assert "error" not in run, run["error"]
+    assert (run["layout"]["cp"], run["layout"]["expert_tp"]) == (2, 2), run["layout"]
+    _assert_same_step(run, base, mask, "packed TP=2 x CP=2 x EP=2 x ETP=2, a row of padding on CP rank 1")

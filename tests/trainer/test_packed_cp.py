@@ -75,3 +75,26 @@ def test_each_ranks_chunks_attend_per_sequence_as_the_masked_row(cp, window):
         assert max(m.shape[0] for m in masks) <= chunk
         assert max(m.shape[1] for m in masks) <= chunk + window - 1
     assert (unbounded[:, :, :REAL] - want[:, :, :REAL].detach()).abs().max() > 0.1
+
+
+def test_a_rank_holding_only_padding_still_sends_its_keys_a_gradient():
+    """A row shorter than a chunk (the last bin of a step, a filler micro-batch): at cp=2 rank 1's
+    chunks (1 and 2 of 4) hold only padding. Its output is 0, and yet the gradient reaches the gathered
+    keys and values (zeros): their all-gather's backward is a reduce-scatter every CP rank must enter
+    (megatron's ``cp_gather``), and a rank whose graph skipped it left the others waiting there for good
+    (the packed step's hang under CP). Rank 0, which reads them, gets its gradient as before."""
+    lengths, cp, chunk = [3, 2], 2, 6
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 4 * chunk, DIM, generator=gen).requires_grad_() for h in (HEADS, KV, KV))
+    row = RowBounds.of(lengths, "cpu")
+    attend = functools.partial(sdpa, scale=0.3)
+    outs = {
+        r: attend_packed_chunks(q[:, :, rank_positions(r, cp, chunk)], k, v, r, cp, None, row, attend)
+        for r in range(cp)
+    }
+    assert not outs[1].any()
+    assert outs[1].requires_grad  # without the keys: no graph at all
+    grads = torch.autograd.grad(outs[1].sum(), (k, v), allow_unused=True)
+    assert all(g is not None for g in grads)
+    assert not any(g.any() for g in grads if g is not None)
+    assert torch.autograd.grad(outs[0].square().sum(), k)[0].abs().sum() > 0

@@ -171,11 +171,10 @@ def test_the_plan_counts_the_budget_and_refuses_what_cannot_pack():
     assert plan("trainer=megatron", *over_cp).cfg.trainer.cp == 2  # megatron splits packed rows over CP
     with pytest.raises(ConfigError, match=r"fsdp backend does not split packed rows over context parallel"):
         plan("trainer=fsdp", *over_cp)
-    super_cp_ep = "+experiment=dapo-nemotron-super-5n4g-megatron-tp4cp4ep4etp4"  # CP x EP: not yet
-    with pytest.raises(
-        ConfigError, match=r"packing=true with trainer.cp=4 and trainer.ep=4: packed rows under"
-    ):
-        plan(super_cp_ep, "trainer.packing=true", *SITE)
+    # megatron packs under CP with EP x expert TP too (the recipe packs: its tiny build's step)
+    super_cp_ep = plan("+experiment=dapo-nemotron-super-5n4g-megatron-tp4cp4ep4etp4", *SITE)
+    assert super_cp_ep.cfg.trainer.packing
+    assert (super_cp_ep.cfg.trainer.cp, super_cp_ep.cfg.trainer.ep) == (4, 4)
 
 
 def test_mamba_conv_and_scan_restart_at_each_packed_sequence():
