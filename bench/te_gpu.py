@@ -254,9 +254,10 @@ def compare(local: dict, te: dict) -> dict:
     }  # fmt: skip
 
 
-def parity(device: str, sides: tuple[str, ...], precisions: tuple[str, ...]) -> dict:
+def parity(device: str, sides: tuple[str, ...], precisions: tuple[str, ...], cases: list[str]) -> dict:
     out: dict = {}
-    for case, (save, extra) in CASES.items():
+    for case in cases:
+        save, extra = CASES[case]
         with tempfile.TemporaryDirectory() as tmp:
             save(Path(tmp))
             for precision in precisions:
@@ -424,6 +425,9 @@ def main() -> int:
     p.add_argument(
         "--precisions", default="float32,bfloat16", help="parity: comma-separated trainer.precision"
     )
+    p.add_argument(
+        "--cases", default="", help=f"parity: comma-separated, of {', '.join(CASES)} (default all)"
+    )
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--experts", type=int, default=128)
@@ -446,7 +450,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     try:
         if a.parity:
-            results["parity"] = parity(a.device, sides, tuple(a.precisions.split(",")))
+            cases = a.cases.split(",") if a.cases else list(CASES)
+            results["parity"] = parity(a.device, sides, tuple(a.precisions.split(",")), cases)
         if a.bench:
             results["bench"] = bench(a.device, sides, a.batch, a.seq, a.experts, a.tiny, a.iters)
     finally:
