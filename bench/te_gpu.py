@@ -134,7 +134,9 @@ def layers(side: str) -> Iterator[None]:
         megatron_trainer.uses_local_spec = chosen  # type: ignore[assignment]
 
 
-def make(model_dir: Path, side: str, precision: str, extra: tuple[str, ...], device: str) -> Any:
+def make(
+    model_dir: Path, side: str, precision: str, extra: tuple[str, ...], device: str, compiled: bool = False
+) -> Any:
     from hpcrl.config.compose import compose_config
     from hpcrl.trainer import make_trainer
     from hpcrl.trainer.process_group import free_port
@@ -145,7 +147,7 @@ def make(model_dir: Path, side: str, precision: str, extra: tuple[str, ...], dev
             "trainer=megatron",
             f"trainer.precision={precision}",
             "trainer.micro_batch_size=2",
-            "trainer.compile=false",
+            f"trainer.compile={str(compiled).lower()}",
             "trainer.grad_clip=1e12",
             "algo.kl_coef=0",
             "algo.num_minibatches=1",
@@ -169,12 +171,14 @@ def modules_of(model: torch.nn.Module) -> dict:
     return {"te_modules": te, "experts": experts}
 
 
-def run_side(model_dir: Path, side: str, precision: str, extra: tuple[str, ...], device: str) -> dict:
+def run_side(
+    model_dir: Path, side: str, precision: str, extra: tuple[str, ...], device: str, compiled: bool = False
+) -> dict:
     from safetensors.torch import load_file
 
     from tests.harness.megatron_parity import parity_batch, stepped_grads
 
-    trainer = make(model_dir, side, precision, extra, device)
+    trainer = make(model_dir, side, precision, extra, device, compiled)
     try:
         source = {}
         for f in sorted(model_dir.glob("*.safetensors")):
@@ -272,7 +276,22 @@ def parity(device: str, sides: tuple[str, ...], precisions: tuple[str, ...], cas
                     row = {"error": f"{type(exc).__name__}: {exc}"[:600]}
                 out[name] = PARTIAL.setdefault("parity", {})[name] = row
                 print(f"parity {name}: {json.dumps(row)}", flush=True)
+                if case == cases[0] and precision == "bfloat16" and "te" in sides and "error" not in row:
+                    out.update(compiled_row(Path(tmp), case, runs["te"], extra, device))
     return out
+
+
+def compiled_row(model_dir: Path, case: str, eager: dict, extra: tuple[str, ...], device: str) -> dict:
+    """The TE build with the trainer's torch.compile of each decoder layer (its default at TP=1)
+    against the same build eager: whether TE's layers compile, and to the same numbers."""
+    name = f"{case} bfloat16 te compiled vs eager"
+    try:
+        row = compare(eager, run_side(model_dir, "te", "bfloat16", extra, device, compiled=True))
+    except Exception as exc:
+        row = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+    PARTIAL.setdefault("parity", {})[name] = row
+    print(f"parity {name}: {json.dumps(row)}", flush=True)
+    return {name: row}
 
 
 # -- speed ----------------------------------------------------------------------------------------------
