@@ -16,9 +16,8 @@ contained module: pure torch, autograd-safe, used only where the real pieces are
   Context parallel as Megatron's MambaContextParallel (``mamba_cp.MambaCP``): the conv and the scan
   run on whole sequences for heads/cp of this rank's heads, between two all-to-alls over the CP group.
 - ``LatentMoELayer`` is Megatron's MoELayer with the latent projections (``fc1_latent_proj``,
-  ``fc2_latent_proj``) as replicated torch linears: Megatron builds them only with Transformer Engine,
-  as TE linears whose gradient under sequence parallel is not marked for the TP sum, so
-  families/nemotron_h.py takes this layer with TE's experts too (the experts are built from the spec).
+  ``fc2_latent_proj``) as replicated torch linears: Megatron builds them only with Transformer Engine
+  (families/nemotron_h.py's TE build takes Megatron's MoELayer).
 - ``hybrid_model`` builds the hybrid model under either name megatron-core gives it: ``MambaModel`` /
   ``MambaStack`` / ``hybrid_override_pattern`` (0.16, the CPU lock) or ``HybridModel`` / ``HybridStack``
   / ``hybrid_layer_pattern`` (0.19, the GPU), with a final norm that is not Transformer Engine's.

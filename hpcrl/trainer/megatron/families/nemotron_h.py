@@ -12,13 +12,12 @@ With Transformer Engine (``te``: spec.uses_local_spec decides) the same stack ta
 attention's linear_qkv / linear_proj, the dense MLP's and shared expert's fc1 / fc2 and the Mamba
 mixer's in_proj / out_proj, and runs the routed experts through TE's grouped GEMM (megatron's
 ``TEGroupedMLP``: parameters ``weight<j>`` per local expert, named as SequentialMLP's at one boundary,
-weights.expert_name). Kept from the local build, so every other weight name and norm is the same:
-the norms (SPNorm: TE's fused norm+linear would rename them and normalise in its own precision),
-the core attention (SDPAttention: packed rows, context parallel and sliding windows are hpcrl's; on
-the GPU torch's SDPA already runs a flash kernel, and attention is one layer in eight of Super), the
-mixer's gated group norm and scan (trainer/kernels.py picks mamba_ssm's), and the latent projections
-(``LatentMoELayer``: MoELayer's own are TE linears in "duplicated" mode, whose gradient under sequence
-parallel is partial and not marked for the TP sum).
+weights.expert_name); the latent projections are MoELayer's own (TE linears in "duplicated" mode, under
+sequence parallel marked for the TP sum as ``ReplicatedLinear`` is). Kept from the local build, so
+every other weight name is the same: the norms (SPNorm: TE's fused norm+linear would rename them and
+normalise in its own precision), the core attention (SDPAttention: packed rows and context parallel
+are hpcrl's; on the GPU torch's SDPA already runs a flash kernel, and attention is one layer in eight
+of Super), and the mixer's gated group norm and scan (trainer/kernels.py picks mamba_ssm's).
 """
 
 from __future__ import annotations
@@ -206,7 +205,7 @@ def stack_layers(hf: Any, config: Any, te: bool = False) -> dict[str, Any]:
     }
     if config.num_moe_experts:
         moe = te_moe(config.num_moe_experts) if te else local_moe(config.num_moe_experts)
-        if config.moe_latent_size:  # with TE too: the module docstring says why
+        if config.moe_latent_size and not te:  # with TE: MoELayer's own latent projections, TE linears
             moe = with_module(moe, LatentMoELayer)
         use_fp32_router(moe)
         layers["moe_layer"] = ModuleSpec(
