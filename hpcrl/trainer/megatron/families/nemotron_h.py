@@ -152,15 +152,13 @@ def stack_layers(hf: Any, config: Any, te: bool = False) -> dict[str, Any]:
     """One spec per layer kind; ``te``: with Transformer Engine's linears and grouped experts (module
     docstring)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    from hpcrl.trainer.megatron.attention import SDPAttention
     from hpcrl.trainer.megatron.experts import use_fp32_router
     from hpcrl.trainer.megatron.norms import SPNorm
-    from hpcrl.trainer.megatron.spec_utils import submodules_of, with_module
+    from hpcrl.trainer.megatron.spec_utils import with_module
     from hpcrl.trainer.megatron.ssm import LatentMoELayer, TorchMambaMixer
 
     # MambaLayer builds its norm without the epsilon (TransformerLayer passes the config's)
@@ -178,13 +176,7 @@ def stack_layers(hf: Any, config: Any, te: bool = False) -> dict[str, Any]:
             "linears": linears,
         },
     )
-    dense = copy.deepcopy(specs.get_gpt_layer_local_spec(normalization="RMSNorm")).submodules
-    attention = dense.self_attention
-    attention.submodules.core_attention = SDPAttention
-    if linears is not None:
-        attention.submodules.linear_qkv, attention.submodules.linear_proj = linears
-        mlp = submodules_of(dense.mlp)
-        mlp.linear_fc1, mlp.linear_fc2 = linears
+    attention, dense_mlp = attention_and_mlp(linears)
     layers: dict[str, Any] = {
         "mamba_layer": ModuleSpec(
             module=mamba_layer,
@@ -199,7 +191,7 @@ def stack_layers(hf: Any, config: Any, te: bool = False) -> dict[str, Any]:
         "mlp_layer": ModuleSpec(
             module=layer,
             submodules=TransformerLayerSubmodules(
-                pre_mlp_layernorm=SPNorm, mlp=dense.mlp, mlp_bda=get_bias_dropout_add
+                pre_mlp_layernorm=SPNorm, mlp=dense_mlp, mlp_bda=get_bias_dropout_add
             ),
         ),
     }
@@ -215,6 +207,24 @@ def stack_layers(hf: Any, config: Any, te: bool = False) -> dict[str, Any]:
             ),
         )
     return layers
+
+
+def attention_and_mlp(linears: tuple[type, type] | None) -> tuple[Any, Any]:
+    """The attention spec (core attention: SDPAttention) and the dense MLP's, from Megatron's local
+    spec; ``linears``: TE's column- and row-parallel linears in their linear slots."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    from hpcrl.trainer.megatron.attention import SDPAttention
+    from hpcrl.trainer.megatron.spec_utils import submodules_of
+
+    dense = copy.deepcopy(specs.get_gpt_layer_local_spec(normalization="RMSNorm")).submodules
+    attention = dense.self_attention
+    attention.submodules.core_attention = SDPAttention
+    if linears is not None:
+        attention.submodules.linear_qkv, attention.submodules.linear_proj = linears
+        mlp = submodules_of(dense.mlp)
+        mlp.linear_fc1, mlp.linear_fc2 = linears
+    return attention, dense.mlp
 
 
 def te_linears() -> tuple[type, type]:
