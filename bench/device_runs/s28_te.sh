@@ -2,14 +2,15 @@
 # Session 28 (issue 36 item 5): the megatron backend on Transformer Engine's layers against its local
 # (torch) layers, bench/te_gpu.py on one GPU where TE imports (the lead's staging installs TE 2.20.2 for
 # torch 2.11 cu130 / Python 3.12; megatron-core 0.19.2, and mamba_ssm + causal_conv1d if staged, sit in
-# $SITE, default /tmp/site, put on PYTHONPATH here). Fails fast, in one line, where TE or megatron-core
-# does not import.
+# $SITE, by default the temp dir's site/ as s27.sh installs them, put on PYTHONPATH here). Fails fast, in
+# one line, where TE or megatron-core does not import.
 #   bash bench/device_runs/s28_te.sh [parity] [bench]   (both by default; PTIME=300 s, BTIME=240 s)
 # Writes $OUT/te_parity.{log,json} and $OUT/te_bench.{log,json}; prints each case / row as it finishes.
 set -u
 T0=$SECONDS
-OUT=${OUT:-/tmp/out}
-SITE=${SITE:-/tmp/site}
+TMP=$(python3 -c 'import tempfile; print(tempfile.gettempdir())')
+OUT=${OUT:-$TMP/out}
+SITE=${SITE:-$TMP/site}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
