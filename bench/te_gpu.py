@@ -229,12 +229,18 @@ def group_of(name: str) -> str:
     return re.sub(r"\.\d+\.", ".N.", name)
 
 
-def compare(local: dict, te: dict) -> dict:
+def compare(local: dict, te: dict, names: tuple[str, str] = SIDES) -> dict:
+    """``te`` against ``local`` (``names``: what the two are, for the modules row)."""
     mask = local["mask"]
     diff = (te["logp"] - local["logp"])[mask].abs()
+    nll = {n: float(-r["logp"][mask].mean()) for n, r in zip(names, (local, te), strict=True)}
     # the step's metrics (the GRPO loss of the first step is the advantages' mean: the gradients and
     # log-probs carry the comparison)
-    loss = {k: (v, te["metrics"].get(k)) for k, v in local["metrics"].items() if isinstance(v, float)}
+    loss = {
+        k: (v, te["metrics"].get(k))
+        for k, v in local["metrics"].items()
+        if isinstance(v, float) and not k.startswith("time/")
+    }
     groups: dict[str, tuple[float, float]] = {}  # kind -> (max abs diff, max abs of local)
     for name, g in local["grads"].items():
         other = te["grads"].get(name)
@@ -246,6 +252,7 @@ def compare(local: dict, te: dict) -> dict:
     rel = {k: d / max(m, 1e-30) for k, (d, m) in groups.items()}
     return {
         "loss": loss,
+        "completion_nll": nll,
         "max_logp_abs_diff": float(diff.max()),
         "mean_logp_abs_diff": float(diff.mean()),
         "grad_names": {"local": len(local["grads"]), "te": len(te["grads"]),
@@ -253,8 +260,8 @@ def compare(local: dict, te: dict) -> dict:
         "max_rel_grad_diff": max(rel.values()) if rel else None,
         "worst_group": max(rel, key=rel.__getitem__) if rel else None,
         "grad_groups_rel": dict(sorted(rel.items(), key=lambda kv: -kv[1])),
-        "round_trip": {"local": local["round_trip"], "te": te["round_trip"]},
-        "modules": {s: {"te_modules": r["te_modules"], "experts": r["experts"]} for s, r in (("local", local), ("te", te))},
+        "round_trip": {n: r["round_trip"] for n, r in zip(names, (local, te), strict=True)},
+        "modules": {s: {"te_modules": r["te_modules"], "experts": r["experts"]} for s, r in zip(names, (local, te), strict=True)},
     }  # fmt: skip
 
 
@@ -286,7 +293,8 @@ def compiled_row(model_dir: Path, case: str, eager: dict, extra: tuple[str, ...]
     against the same build eager: whether TE's layers compile, and to the same numbers."""
     name = f"{case} bfloat16 te compiled vs eager"
     try:
-        row = compare(eager, run_side(model_dir, "te", "bfloat16", extra, device, compiled=True))
+        compiled = run_side(model_dir, "te", "bfloat16", extra, device, compiled=True)
+        row = compare(eager, compiled, ("te eager", "te compiled"))
     except Exception as exc:
         row = {"error": f"{type(exc).__name__}: {exc}"[:600]}
     PARTIAL.setdefault("parity", {})[name] = row
