@@ -354,17 +354,17 @@ def randomize(model: torch.nn.Module) -> None:
 
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        named = [*model.named_parameters(), *model.named_buffers()]
-        for name, p in sorted(named, key=lambda np: expert_name(np[0])):
-            if not p.is_floating_point():
-                continue
+        for name, b in model.named_buffers():  # the router's others are its statistics, built as zeros
+            if name.endswith("expert_bias"):
+                b.zero_()
+        for name, p in sorted(model.named_parameters(), key=lambda np: expert_name(np[0])):
             if name.endswith(("norm.weight", "layernorm.weight", "mixer.D")):
                 p.fill_(1.0)
             elif name.endswith("A_log"):
                 p.copy_(torch.log(torch.linspace(1, 16, p.numel())))
             elif name.endswith("dt_bias"):
                 p.copy_(torch.linspace(-6.0, 1.0, p.numel()))
-            elif name.endswith(("expert_bias", "conv1d.bias")) or "local_tokens_per_expert" in name:
+            elif name.endswith("conv1d.bias"):
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
