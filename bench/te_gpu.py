@@ -36,6 +36,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,6 +64,12 @@ def te_version() -> str:
         return version("transformer_engine")
     except Exception as exc:  # absent, or built against another torch
         return f"absent ({type(exc).__name__}: {exc})"[:200]
+
+
+def failed(exc: BaseException) -> dict:
+    """A case's or row's error, its traceback to stderr (the log) for whoever reads the run."""
+    traceback.print_exc()
+    return {"error": f"{type(exc).__name__}: {exc}"[:600]}
 
 
 # -- the tiny checkpoints ---------------------------------------------------------------------------------
@@ -266,7 +273,10 @@ def compare(local: dict, te: dict, names: tuple[str, str] = SIDES) -> dict:
 
 
 def parity(device: str, sides: tuple[str, ...], precisions: tuple[str, ...], cases: list[str]) -> dict:
+    """Each case both sides, each precision; then the first case's TE build compiled (last: compiling
+    takes the longest, and a timeout then loses only that row)."""
     out: dict = {}
+    eager: dict | None = None  # the first case's bf16 TE run
     for case in cases:
         save, extra = CASES[case]
         with tempfile.TemporaryDirectory() as tmp:
@@ -280,23 +290,28 @@ def parity(device: str, sides: tuple[str, ...], precisions: tuple[str, ...], cas
                                        "round_trip": runs["local"]["round_trip"],
                                        "experts": runs["local"]["experts"]}}  # fmt: skip
                 except Exception as exc:  # the other cases stand
-                    row = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+                    row = failed(exc)
                 out[name] = PARTIAL.setdefault("parity", {})[name] = row
                 print(f"parity {name}: {json.dumps(row)}", flush=True)
                 if case == cases[0] and precision == "bfloat16" and "te" in sides and "error" not in row:
-                    out.update(compiled_row(Path(tmp), case, runs["te"], extra, device))
+                    eager = runs["te"]
+    if eager is not None:
+        out.update(compiled_row(cases[0], eager, device))
     return out
 
 
-def compiled_row(model_dir: Path, case: str, eager: dict, extra: tuple[str, ...], device: str) -> dict:
+def compiled_row(case: str, eager: dict, device: str) -> dict:
     """The TE build with the trainer's torch.compile of each decoder layer (its default at TP=1)
     against the same build eager: whether TE's layers compile, and to the same numbers."""
     name = f"{case} bfloat16 te compiled vs eager"
+    save, extra = CASES[case]
     try:
-        compiled = run_side(model_dir, "te", "bfloat16", extra, device, compiled=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            save(Path(tmp))  # the same weights: the checkpoint is written from a fixed seed
+            compiled = run_side(Path(tmp), "te", "bfloat16", extra, device, compiled=True)
         row = compare(eager, compiled, ("te eager", "te compiled"))
     except Exception as exc:
-        row = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+        row = failed(exc)
     PARTIAL.setdefault("parity", {})[name] = row
     print(f"parity {name}: {json.dumps(row)}", flush=True)
     return {name: row}
@@ -380,9 +395,7 @@ def bench(
                 side, device, batch, seq, experts, tiny, iters
             )
         except Exception as exc:  # the other side's row stands
-            rows[side] = PARTIAL.setdefault("bench", {})[side] = {
-                "error": f"{type(exc).__name__}: {exc}"[:600]
-            }
+            rows[side] = PARTIAL.setdefault("bench", {})[side] = failed(exc)
         print(f"bench {side}: {json.dumps(rows[side])}", flush=True)
         gc.collect()
         if torch.cuda.is_available():

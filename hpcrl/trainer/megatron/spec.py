@@ -115,7 +115,7 @@ def describe_layers(fam: GPTFamily, te: bool) -> str:
         rest = (
             "attention and norms" if uses_te_attention(fam, te) else "linears; SDPA attention, hpcrl's norms"
         )
-        return f"Transformer Engine {rest}, experts on TE's grouped GEMM"
+        return f"Transformer Engine {rest}, MoE experts (if any) on TE's grouped GEMM"
     why = (
         "family builds the local spec only"
         if fam.local_spec_only
