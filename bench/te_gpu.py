@@ -115,14 +115,14 @@ def save_qwen3_moe(out: Path) -> None:
 
 CASES = {
     "nemotron_h latent": (lambda out: save_nemotron(out, 32, False), ()),
+    "qwen3_moe": (save_qwen3_moe, ()),
     "nemotron_h no-latent": (lambda out: save_nemotron(out, None, False), ()),
     "nemotron_h latent+mtp": (
         lambda out: save_nemotron(out, 32, True),
         ("trainer.mtp_loss_scale=0.5", "trainer.mtp_detach=false"),
     ),
-    "qwen3_moe": (save_qwen3_moe, ()),
 }
-"""Name -> (writes the checkpoint into a directory, the case's own overrides)."""
+"""Name -> (writes the checkpoint into a directory, the case's own overrides); Super's kind first."""
 
 
 # -- building through the trainer -----------------------------------------------------------------------
