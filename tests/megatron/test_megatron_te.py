@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,21 @@ def test_qwen3_moe_te_expert_names_keep_gate_with_up_through_expert_tp(ep, exper
     out = to_hf(back, shape, tied)
     assert out.keys() == hf.keys()
     assert all(torch.equal(out[k], hf[k]) for k in hf)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_te_gpt_spec_norm_names_round_trip(kind):
+    """TE's GPT spec fuses the pre-attention norm into linear_qkv, and a dense layer's pre-MLP norm
+    into linear_fc1; an MoE layer keeps its pre-MLP norm apart (its fc1 is the grouped experts')."""
+    hf, shape, tied = _hf_model(kind)
+    te_shape = replace(shape, fused_norms=True, moe=kind == "qwen3_moe")
+    meg = to_megatron(hf, te_shape, tied)
+    assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in meg
+    mlp_norm = "pre_mlp_layernorm.weight" if kind == "qwen3_moe" else "mlp.linear_fc1.layer_norm_weight"
+    assert f"decoder.layers.1.{mlp_norm}" in meg
+    back = to_hf(meg, te_shape, tied)
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
 # -- the GPU script on a CPU ----------------------------------------------------------------------------

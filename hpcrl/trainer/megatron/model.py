@@ -64,6 +64,7 @@ def model_shape(hf: Any, fam: GPTFamily, tp: int, te: bool = False) -> Shape:
         vocab=hf.vocab_size,
         padded_vocab=padded,
         fused_norms=uses_te_attention(fam, te),
+        moe=bool(fam.num_experts(hf)),
         sandwich_norms=fam.sandwich_norms,
         layers=fam.attention_layouts(hf),
         moe_block=fam.moe_block,

@@ -88,7 +88,9 @@ class Shape:
     vocab: int
     padded_vocab: int
     fused_norms: bool = False
-    """Transformer Engine's spec keeps the norms inside linear_qkv / linear_fc1."""
+    """Transformer Engine's spec keeps the norms inside linear_qkv / linear_fc1 (not an MoE's: ``moe``)."""
+    moe: bool = False
+    """Every decoder layer's MLP is an MoE (Qwen3-MoE): TE's spec keeps its pre-MLP norm apart."""
     sandwich_norms: bool = False
     """Gemma: post-attention / post-MLP norms (``linear_proj.post_layernorm``, ``linear_fc2.post_layernorm``)."""
     layers: dict[int, LayerAttention] | None = None
@@ -161,13 +163,11 @@ class LanguageModel:
         return self.head if name == "lm_head.weight" else self.prefix + name.removeprefix("model.")
 
 
-def _norm_names(fused: bool) -> dict[str, str]:
-    if not fused:
+def _norm_names(shape: Shape) -> dict[str, str]:
+    if not shape.fused_norms:
         return {}
-    return {
-        "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-        "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-    }
+    qkv = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"}
+    return qkv if shape.moe else {**qkv, "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 
 
 def pad_vocab(t: torch.Tensor, shape: Shape) -> torch.Tensor:
@@ -177,7 +177,7 @@ def pad_vocab(t: torch.Tensor, shape: Shape) -> torch.Tensor:
 
 def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    norms = _norm_names(shape.fused_norms)
+    norms = _norm_names(shape)
     parts: dict[int, dict[str, torch.Tensor]] = {}  # layer -> its weights that are fused or split
     for name, t in hf.items():
         if name == "model.embed_tokens.weight":
@@ -261,7 +261,7 @@ def to_hf(
     weight stream copies them straight into its buckets)."""
     out: dict[str, torch.Tensor] = {}
     back = {v: k for k, v in shape.layer_keys.items()}
-    unfused = {v: k for k, v in _norm_names(shape.fused_norms).items()}
+    unfused = {v: k for k, v in _norm_names(shape).items()}
     stacked: dict[str, dict[str, dict[int, torch.Tensor]]] = {}  # layer -> fc -> expert -> tensor
     for name, t in meg.items():
         if name == "embedding.word_embeddings.weight":
