@@ -200,3 +200,4 @@ def test_te_gpu_parity_local_side_round_trips_on_cpu(tmp_path):
     row = json.loads((tmp_path / "te_gpu.json").read_text())["parity"]["qwen3_moe float32"]["local only"]
     assert row["round_trip"]["equal"], row["round_trip"]
     assert row["experts"] == ["GroupedExperts"]
+    assert "[hpcrl] trainer=megatron layers on cpu: megatron local spec" in done.stderr  # the startup line
