@@ -15,7 +15,8 @@ trained) and a tiny Qwen3-MoE, each saved once and built with the local spec and
 in the backend's real bf16 path (fp32 master weights, bf16 autocast). Per case: the GRPO loss, the
 per-token log-probs (max abs diff over the completion tokens), every gradient grouped by parameter
 kind (max abs diff relative to the group's largest entry), and the weights exported back to Hugging
-Face names against the input file (round trip: equal, both builds). Bench: Super's widths (hidden
+Face names against the input file (round trip: equal, both builds); last, the first case's TE build
+with the trainer's default torch.compile against it eager. Bench: Super's widths (hidden
 4096, 128 Mamba heads, LatentMoE with 128 experts top-22 in a 1024 latent; as bench/kernels_gpu.py)
 at 8 layers ``MEM*EMEM``, 4 x 2048 tokens, random weights, bf16 autocast: forward + backward of the
 whole model in tokens/s and of one layer of each kind (Mamba, MoE, attention) in ms, local vs TE.
