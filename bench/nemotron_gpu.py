@@ -103,8 +103,8 @@ def mamba_norm_shim() -> str | None:
 
     original = nemotron_h.stack_layers
 
-    def stack_layers(hf: Any, config: Any) -> dict[str, Any]:
-        layers = original(hf, config)
+    def stack_layers(hf: Any, config: Any, te: bool = False) -> dict[str, Any]:
+        layers = original(hf, config, te)
         layers["mamba_layer"].submodules.norm = SPNorm
         return layers
 

@@ -19,7 +19,7 @@ from hpcrl.trainer.megatron.families.base import GPTFamily
 from hpcrl.trainer.megatron.spec import (
     keep_pad_row_untrained,
     layer_spec,
-    uses_fused_norms,
+    uses_te_attention,
 )
 from hpcrl.trainer.megatron.weights import Shape
 
@@ -53,7 +53,8 @@ def init_parallel(par: TrainParallel, moe: bool, seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def model_shape(hf: Any, fam: GPTFamily, tp: int) -> Shape:
+def model_shape(hf: Any, fam: GPTFamily, tp: int, te: bool = False) -> Shape:
+    """``te``: built from Transformer Engine's layers (spec.uses_local_spec's answer)."""
     heads = hf.num_attention_heads
     padded = math.ceil(hf.vocab_size / tp) * tp
     return Shape(
@@ -62,7 +63,8 @@ def model_shape(hf: Any, fam: GPTFamily, tp: int) -> Shape:
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
         vocab=hf.vocab_size,
         padded_vocab=padded,
-        fused_norms=uses_fused_norms(fam),
+        fused_norms=uses_te_attention(fam, te),
+        moe=bool(fam.num_experts(hf)),
         sandwich_norms=fam.sandwich_norms,
         layers=fam.attention_layouts(hf),
         moe_block=fam.moe_block,
@@ -80,9 +82,10 @@ def build_model(
     compute_dtype: torch.dtype,
     device: torch.device,
     hidden_output: bool,
+    te: bool = False,
 ) -> Any:
     """This rank's pipeline stage of the GPTModel, or of the hybrid model for a hybrid family
-    (randomly initialised: the caller loads weights)."""
+    (randomly initialised: the caller loads weights); ``te``: of Transformer Engine's layers."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -91,7 +94,7 @@ def build_model(
 
         model = hybrid_model(
             config,
-            arch.stack_layers(hf, config),
+            arch.stack_layers(hf, config, te),
             pattern=shape.pattern,
             vocab_size=shape.padded_vocab,
             max_sequence_length=hf.max_position_embeddings,
@@ -102,7 +105,7 @@ def build_model(
     else:
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(config, arch),
+            transformer_layer_spec=layer_spec(config, arch, te),
             vocab_size=shape.padded_vocab,
             max_sequence_length=hf.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(),

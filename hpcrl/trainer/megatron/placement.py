@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.core.parallel import TrainParallel
-from hpcrl.trainer.megatron.weights import is_expert, is_split, relocate, shard, unshard
+from hpcrl.trainer.megatron.weights import expert_name, is_expert, is_split, relocate, shard, unshard
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class Placement:
         return cls(par, layer_offset, expert_offset, buffers, parts or {})
 
     def parts_of(self, name: str) -> tuple[int, ...] | None:
+        name = expert_name(name)  # a TE grouped expert's weight cuts as SequentialMLP's
         return next((p for suffix, p in self.parts.items() if name.endswith(suffix)), None)
 
     def global_name(self, name: str) -> str:

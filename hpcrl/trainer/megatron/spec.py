@@ -2,7 +2,8 @@
 TransformerConfig (the family's architecture fields over the run's parallelism and precision) and the
 layer spec.
 
-Layer spec: Transformer Engine's when it is installed and the family allows it; otherwise Megatron's
+Layer spec: Transformer Engine's when it is installed, the model runs on a GPU and the family allows
+it (``uses_local_spec`` decides, once per trainer: its answer is passed on as ``te``); otherwise Megatron's
 local spec with two slots filled by hpcrl — core attention: ``SDPAttention`` (attention.py: torch
 SDPA, sliding windows, context parallel), norms: ``SPNorm`` (norms.py: sequence parallel allowed) —
 then changed by the family's ``adapt_spec``. Also the checkpoint's text config and the embedding's
@@ -60,8 +61,9 @@ def text_config(model_dir: Any) -> Any:
     return hf
 
 
-def layer_spec(config: Any, fam: GPTFamily) -> Any:
-    """The decoder spec GPTModel takes, for this pipeline stage's layers."""
+def layer_spec(config: Any, fam: GPTFamily, te: bool) -> Any:
+    """The decoder spec GPTModel takes, for this pipeline stage's layers (``te``: Transformer Engine's,
+    experts through its grouped GEMM)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_block import (
@@ -70,8 +72,15 @@ def layer_spec(config: Any, fam: GPTFamily) -> Any:
     )
 
     experts, qk_norm = config.num_moe_experts, bool(config.qk_layernorm)
-    if not uses_local_spec(fam):
-        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=qk_norm)
+    if te:
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, qk_layernorm=qk_norm, moe_grouped_gemm=bool(experts)
+        )
+        if experts:
+            from hpcrl.trainer.megatron.experts import use_fp32_router
+
+            use_fp32_router(spec.submodules.mlp)
+        return spec
     spec = copy.deepcopy(
         specs.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=qk_norm, normalization="RMSNorm")
     )
@@ -93,24 +102,52 @@ def layer_spec(config: Any, fam: GPTFamily) -> Any:
     )
 
 
-def uses_local_spec(fam: GPTFamily) -> bool:
-    return fam.local_spec_only or not have_transformer_engine()
+def uses_local_spec(fam: GPTFamily, device: str | torch.device) -> bool:
+    """The one place that picks the layers: Transformer Engine's where it imports, the model runs on
+    a GPU (TE has no CPU kernels) and the family has a TE build (not ``local_spec_only``); else
+    Megatron's local spec with hpcrl's pieces (the same numbers as before TE was ever installed)."""
+    return fam.local_spec_only or torch.device(device).type != "cuda" or not have_transformer_engine()
 
 
-def uses_fused_norms(fam: GPTFamily) -> bool:
-    """TE's spec folds the pre-attention/pre-MLP norms into linear_qkv / linear_fc1 (weight names differ)."""
-    return not uses_local_spec(fam)
+def describe_layers(fam: GPTFamily, te: bool) -> str:
+    """The layers a build runs, for the startup log (beside trainer/kernels.py's Kernels line)."""
+    if te:
+        rest = (
+            "attention and norms" if uses_te_attention(fam, te) else "linears; SDPA attention, hpcrl's norms"
+        )
+        return f"Transformer Engine {rest}, MoE experts (if any) on TE's grouped GEMM"
+    why = (
+        "family builds the local spec only"
+        if fam.local_spec_only
+        else "Transformer Engine absent or the model on the CPU"
+    )
+    return f"megatron local spec ({why}): torch linears and SDPA attention, experts on torch grouped_mm"
+
+
+def uses_te_attention(fam: GPTFamily, te: bool) -> bool:
+    """TE's GPT spec: TE's attention, and the pre-attention/pre-MLP norms folded into linear_qkv /
+    linear_fc1 (weight names differ: weights._norm_names). A hybrid family's TE build keeps
+    SDPAttention and its own norms (families/nemotron_h.py says why)."""
+    return te and not fam.hybrid
 
 
 def transformer_config(
-    hf: Any, fam: GPTFamily, trainer: MegatronTrainerConfig, par: TrainParallel, *, device: str
+    hf: Any,
+    fam: GPTFamily,
+    trainer: MegatronTrainerConfig,
+    par: TrainParallel,
+    *,
+    device: str,
+    te: bool = False,
 ) -> Any:
-    """The run's fields (``run_fields``), the family's architecture over them, its MoE fields."""
+    """The run's fields (``run_fields``), the family's architecture over them, its MoE fields (``te``:
+    the experts on Transformer Engine's grouped GEMM)."""
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(
-        **{**run_fields(trainer, par, device=device), **fam.config_fields(hf), **fam.moe_fields(hf, trainer)}
-    )
+    moe = fam.moe_fields(hf, trainer)
+    if moe and te:
+        moe["moe_grouped_gemm"] = True
+    return TransformerConfig(**{**run_fields(trainer, par, device=device), **fam.config_fields(hf), **moe})
 
 
 def run_fields(trainer: MegatronTrainerConfig, par: TrainParallel, *, device: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ contained module: pure torch, autograd-safe, used only where the real pieces are
   run on whole sequences for heads/cp of this rank's heads, between two all-to-alls over the CP group.
 - ``LatentMoELayer`` is Megatron's MoELayer with the latent projections (``fc1_latent_proj``,
   ``fc2_latent_proj``) as replicated torch linears: Megatron builds them only with Transformer Engine
-  (with it installed, families/nemotron_h.py keeps Megatron's MoELayer).
+  (families/nemotron_h.py's TE build takes Megatron's MoELayer).
 - ``hybrid_model`` builds the hybrid model under either name megatron-core gives it: ``MambaModel`` /
   ``MambaStack`` / ``hybrid_override_pattern`` (0.16, the CPU lock) or ``HybridModel`` / ``HybridStack``
   / ``hybrid_layer_pattern`` (0.19, the GPU), with a final norm that is not Transformer Engine's.
@@ -105,8 +105,11 @@ class TorchMambaMixer(MegatronModule):
         chunk_size: int,
         conv_kernel: int,
         dt_min: float,
+        linears: tuple[type, type] | None = None,
         **_: Any,
     ) -> None:
+        """``linears``: in_proj's and out_proj's classes (Transformer Engine's, families/nemotron_h.py);
+        None: Megatron's own column- and row-parallel linears."""
         super().__init__(config)
         tp = ps.get_tensor_model_parallel_world_size()
         heads, groups = config.mamba_num_heads, config.mamba_num_groups
@@ -120,13 +123,16 @@ class TorchMambaMixer(MegatronModule):
         self.group_size = heads * self.head_dim // groups
         self.eps = config.layernorm_epsilon
         conv_dim = self.inner + 2 * self.groups * self.state
-        self.in_proj = tensor_parallel.ColumnParallelLinear(
+        column, row = linears or (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear)
+        self.in_proj = column(
             d_model,
             (2 * self.inner + 2 * self.groups * self.state + self.heads) * tp,
             config=config,
             init_method=config.init_method,
             bias=False,
             gather_output=False,
+            skip_bias_add=False,
+            is_expert=False,
         )
         self.conv1d = torch.nn.Conv1d(
             conv_dim, conv_dim, conv_kernel, groups=conv_dim, padding=conv_kernel - 1
@@ -135,7 +141,7 @@ class TorchMambaMixer(MegatronModule):
         self.D = torch.nn.Parameter(torch.ones(self.heads))
         self.dt_bias = torch.nn.Parameter(torch.zeros(self.heads))
         self.norm = _Weight(self.inner)
-        self.out_proj = tensor_parallel.RowParallelLinear(
+        self.out_proj = row(
             self.inner * tp,
             d_model,
             config=config,
@@ -143,6 +149,7 @@ class TorchMambaMixer(MegatronModule):
             bias=False,
             input_is_parallel=True,
             skip_bias_add=True,
+            is_expert=False,
         )
         cp_group = ps.get_context_parallel_group() if config.context_parallel_size > 1 else None
         self.cp = MambaCP(cp_group, self.heads, self.groups, self.state, self.head_dim)

@@ -13,6 +13,7 @@ its text decoder (weights.LanguageModel).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import replace
 from functools import partial
@@ -45,12 +46,21 @@ from hpcrl.trainer.megatron.placement import Placement, gather_to_rank0
 from hpcrl.trainer.megatron.router_replay import RouteReplay
 from hpcrl.trainer.megatron.router_replay import install as install_route_replay
 from hpcrl.trainer.megatron.sharded import Pieces, model_pieces, optimizer_pieces, restorable
-from hpcrl.trainer.megatron.spec import family_of, text_config, transformer_config, uses_local_spec
+from hpcrl.trainer.megatron.spec import (
+    describe_layers,
+    family_of,
+    text_config,
+    transformer_config,
+    uses_local_spec,
+    uses_te_attention,
+)
 from hpcrl.trainer.megatron.stream import WeightStream
 from hpcrl.trainer.megatron.weights import LanguageModel, is_expert
 from hpcrl.trainer.process_group import collective_backend, init_process_group
 from hpcrl.trainer.shards import ShardWriter, init_optimizer_state
 from hpcrl.trainer.step import LossFn, Metrics, StepBatch, TrainStep, set_lr
+
+log = logging.getLogger(__name__)
 
 
 class MegatronTrainer:
@@ -87,12 +97,15 @@ class MegatronTrainer:
         self.data_group = ps.get_data_parallel_group() if self.par.dp > 1 else None
         """The ranks that train different rows (``data_rank``): the step's metrics are reduced over them."""
         self.tied = bool(getattr(hf, "tie_word_embeddings", False))
-        self.shape = model_shape(hf, self.arch, self.par.tp)
+        self.te = not uses_local_spec(self.arch, device)
+        """Transformer Engine's layers (spec.uses_local_spec decides), logged beside the Kernels line."""
+        log.warning("[hpcrl] trainer=megatron layers on %s: %s", device, describe_layers(self.arch, self.te))
+        self.shape = model_shape(hf, self.arch, self.par.tp, self.te)
         # HF <-> Megatron names: a hybrid model's own mapping, or the GPT families'
         self.weights = weights_hybrid if self.shape.pattern else weights
         if "M" in (self.shape.pattern or ""):  # the Mamba mixers' path (trainer/kernels.py), logged once
             kernels.configure(t.kernels, device)
-        config = transformer_config(hf, self.arch, t, self.par, device=device)
+        config = transformer_config(hf, self.arch, t, self.par, device=device, te=self.te)
         self.step = TrainStep.from_config(cfg)
         self._build_models(model_dir, hf, config, experts)
         self.grads = Gradients(
@@ -115,7 +128,7 @@ class MegatronTrainer:
         chunked, softcap = t.chunked_logprob(self.par.tp), self.arch.final_logit_softcap
         compute_dtype = torch.bfloat16 if config.enable_autocast else torch.float32
         budget = self.step.pack_tokens
-        if budget is not None and not uses_local_spec(self.arch):
+        if budget is not None and uses_te_attention(self.arch, self.te):
             # Transformer Engine's attention takes packed rows as THD with cu_seqlens, not a mask
             raise ValueError(
                 "trainer.packing runs on hpcrl's own attention (megatron's local spec); with Transformer "
@@ -138,6 +151,7 @@ class MegatronTrainer:
             compute_dtype=compute_dtype,
             device=self.device,
             hidden_output=chunked,
+            te=self.te,
         )
         parts = weights_hybrid.partitions(self.shape) if self.shape.pattern else None
         self.placement = Placement.of_this_rank(
@@ -181,7 +195,9 @@ class MegatronTrainer:
         self.shape = replace(self.shape, mtp=kinds)
         if not self.ps.is_pipeline_last_stage():
             return None
-        mtp.attach(self.model, config, self.arch.stack_layers(hf, config), kinds, shared_mtp.depths_of(hf))
+        mtp.attach(
+            self.model, config, self.arch.stack_layers(hf, config, self.te), kinds, shared_mtp.depths_of(hf)
+        )
         return mtp.MTPLoss(self.model, t.mtp_loss_scale, t.mtp_detach, self.tied, dtype, self.pipeline)
 
     def _make_optimizer(self) -> ShardedAdamW:

@@ -53,6 +53,9 @@ STACKED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # Gemma 4: [exp
 MEGATRON_EXPERT = re.compile(
     r"^(mlp\.(?:moe\.)?experts\.local_experts\.)(\d+)\.(linear_fc1|linear_fc2)\.weight$"
 )
+TE_EXPERT = re.compile(r"\.experts\.(linear_fc[12])\.weight(\d+)$")
+"""Transformer Engine's grouped experts (``TEGroupedMLP``): local expert j's weights are
+``experts.linear_fc1.weight<j>`` / ``experts.linear_fc2.weight<j>``, one parameter per expert."""
 MAMBA_MIXER = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias", "norm.weight")
 """A Mamba mixer's column-parallel weights (split by heads / channels; weights_hybrid.py maps them)."""
 COLUMN = (
@@ -85,7 +88,9 @@ class Shape:
     vocab: int
     padded_vocab: int
     fused_norms: bool = False
-    """Transformer Engine's spec keeps the norms inside linear_qkv / linear_fc1."""
+    """Transformer Engine's spec keeps the norms inside linear_qkv / linear_fc1 (not an MoE's: ``moe``)."""
+    moe: bool = False
+    """Every decoder layer's MLP is an MoE (Qwen3-MoE): TE's spec keeps its pre-MLP norm apart."""
     sandwich_norms: bool = False
     """Gemma: post-attention / post-MLP norms (``linear_proj.post_layernorm``, ``linear_fc2.post_layernorm``)."""
     layers: dict[int, LayerAttention] | None = None
@@ -158,13 +163,11 @@ class LanguageModel:
         return self.head if name == "lm_head.weight" else self.prefix + name.removeprefix("model.")
 
 
-def _norm_names(fused: bool) -> dict[str, str]:
-    if not fused:
+def _norm_names(shape: Shape) -> dict[str, str]:
+    if not shape.fused_norms:
         return {}
-    return {
-        "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-        "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-    }
+    qkv = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"}
+    return qkv if shape.moe else {**qkv, "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 
 
 def pad_vocab(t: torch.Tensor, shape: Shape) -> torch.Tensor:
@@ -174,7 +177,7 @@ def pad_vocab(t: torch.Tensor, shape: Shape) -> torch.Tensor:
 
 def to_megatron(hf: dict[str, torch.Tensor], shape: Shape, tied: bool) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    norms = _norm_names(shape.fused_norms)
+    norms = _norm_names(shape)
     parts: dict[int, dict[str, torch.Tensor]] = {}  # layer -> its weights that are fused or split
     for name, t in hf.items():
         if name == "model.embed_tokens.weight":
@@ -258,7 +261,7 @@ def to_hf(
     weight stream copies them straight into its buckets)."""
     out: dict[str, torch.Tensor] = {}
     back = {v: k for k, v in shape.layer_keys.items()}
-    unfused = {v: k for k, v in _norm_names(shape.fused_norms).items()}
+    unfused = {v: k for k, v in _norm_names(shape).items()}
     stacked: dict[str, dict[str, dict[int, torch.Tensor]]] = {}  # layer -> fc -> expert -> tensor
     for name, t in meg.items():
         if name == "embedding.word_embeddings.weight":
@@ -303,13 +306,21 @@ def to_hf(
     return {k: v.contiguous() for k, v in out.items()} if contiguous else out
 
 
+def expert_name(name: str) -> str:
+    """The name SequentialMLP gives a TE grouped expert's weight (``TE_EXPERT``): the one boundary
+    between the two, so the mapping, EP relocation, TP cuts, streaming and checkpoints all see one
+    name per expert (``...experts.linear_fc1.weight3`` -> ``...experts.local_experts.3.linear_fc1.weight``)."""
+    return TE_EXPERT.sub(lambda m: f".experts.local_experts.{m.group(2)}.{m.group(1)}.weight", name)
+
+
 def is_expert(name: str) -> bool:
-    return ".local_experts." in name
+    return ".local_experts." in expert_name(name)
 
 
 def is_split(name: str) -> bool:
     """Split over its tensor-parallel group (else replicated on every rank of it): the dense TP group,
     or for an expert's fc1/fc2 the expert-TP group (trainer.expert_tp)."""
+    name = expert_name(name)
     return name.endswith(COLUMN) or name.endswith(ROW)
 
 
@@ -327,6 +338,7 @@ def shard(
     its name."""
     if tp == 1:
         return full
+    name = expert_name(name)
     if parts:
         return torch.cat([p.chunk(tp)[rank] for p in full.split(list(parts))])
     if name.endswith("linear_fc1.weight") and parts is None:
@@ -343,6 +355,7 @@ def unshard(name: str, parts: list[torch.Tensor], sizes: tuple[int, ...] | None 
     """Inverse of ``shard`` given every rank's slice in rank order (and the same ``sizes`` as its ``parts``)."""
     if len(parts) == 1:
         return parts[0]
+    name = expert_name(name)
     if sizes:
         per_rank = [p.split([n // len(parts) for n in sizes]) for p in parts]
         return torch.cat([torch.cat([r[j] for r in per_rank]) for j in range(len(sizes))])
@@ -360,7 +373,8 @@ def relocate(name: str, offset: int, expert_offset: int = 0) -> str:
     """A pipeline stage's local layer name -> the model's global one (``decoder.layers.<i + offset>``);
     an expert-parallel rank's local expert -> its global index (``local_experts.<j + expert_offset>``),
     in the decoder's layers and the MTP layers' (``mtp_block.layers.<i>``: on the last stage, numbered
-    on their own)."""
+    on their own). A TE grouped expert's name comes out as SequentialMLP's (``expert_name``)."""
+    name = expert_name(name)
     m = re.match(r"^(decoder|mtp_block)\.layers\.(\d+)\.(.+)$", name)
     if m is None:
         return name

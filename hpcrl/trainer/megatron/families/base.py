@@ -116,8 +116,9 @@ class GPTFamily:
         """weights.Shape fields beyond the attention's (a hybrid model's pattern and Mamba widths)."""
         return {}
 
-    def stack_layers(self, hf: Any, config: Any) -> dict[str, Any]:
-        """A hybrid family's stack submodules, one spec per layer kind (ssm.hybrid_model)."""
+    def stack_layers(self, hf: Any, config: Any, te: bool = False) -> dict[str, Any]:
+        """A hybrid family's stack submodules, one spec per layer kind (ssm.hybrid_model); ``te``: of
+        Transformer Engine's layers (spec.uses_local_spec)."""
         raise NotImplementedError(f"{type(self).__name__} is not a hybrid family")
 
     def adapt_model(self, model: Any, hf: Any, compute_dtype: torch.dtype) -> None:

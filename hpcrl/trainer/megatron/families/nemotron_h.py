@@ -7,6 +7,17 @@ The layers are megatron-core's (MambaLayer, TransformerLayer, MoELayer), with th
 mamba_ssm or Transformer Engine taken from ssm.py (``TorchMambaMixer``, ``LatentMoELayer``). The router
 is kept as the RL recipes keep it (NeMo RL's Nemotron configs): fp32, no load-balancing loss, the
 correction bias (Megatron's ``expert_bias``) loaded and never updated.
+
+With Transformer Engine (``te``: spec.uses_local_spec decides) the same stack takes TE's linears for
+attention's linear_qkv / linear_proj, the dense MLP's and shared expert's fc1 / fc2 and the Mamba
+mixer's in_proj / out_proj, and runs the routed experts through TE's grouped GEMM (megatron's
+``TEGroupedMLP``: parameters ``weight<j>`` per local expert, named as SequentialMLP's at one boundary,
+weights.expert_name); the latent projections are MoELayer's own (TE linears in "duplicated" mode, under
+sequence parallel marked for the TP sum as ``ReplicatedLinear`` is). Kept from the local build, so
+every other weight name is the same: the norms (SPNorm: TE's fused norm+linear would rename them and
+normalise in its own precision), the core attention (SDPAttention: packed rows and context parallel
+are hpcrl's; on the GPU torch's SDPA already runs a flash kernel, and attention is one layer in eight
+of Super), and the mixer's gated group norm and scan (trainer/kernels.py picks mamba_ssm's).
 """
 
 from __future__ import annotations
@@ -36,7 +47,6 @@ SUPPORTED = {
 
 class NemotronH(GPTFamily):
     model_types = ("nemotron_h",)
-    local_spec_only = True  # hpcrl's own hybrid spec (Transformer Engine's fuses the norms, other names)
     hybrid = True
     pad_row_untrained = False  # NemotronH's embedding has no padding_idx: the pad row trains there too
     buffers = ("expert_bias",)  # the router's correction bias (``e_score_correction_bias``)
@@ -113,8 +123,8 @@ class NemotronH(GPTFamily):
         inner = hf.mamba_num_heads * hf.mamba_head_dim
         return {"pattern": pattern(hf), "mamba": (inner, hf.n_groups * hf.ssm_state_size, hf.mamba_num_heads)}
 
-    def stack_layers(self, hf: Any, config: Any) -> dict[str, Any]:
-        return stack_layers(hf, config)
+    def stack_layers(self, hf: Any, config: Any, te: bool = False) -> dict[str, Any]:
+        return stack_layers(hf, config, te)
 
 
 def pattern(hf: Any) -> str:
@@ -138,17 +148,17 @@ def recomputed(cls: type) -> type:
     return Recomputed
 
 
-def stack_layers(hf: Any, config: Any) -> dict[str, Any]:
+def stack_layers(hf: Any, config: Any, te: bool = False) -> dict[str, Any]:
+    """One spec per layer kind; ``te``: with Transformer Engine's linears and grouped experts (module
+    docstring)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    from hpcrl.trainer.megatron.attention import SDPAttention
-    from hpcrl.trainer.megatron.experts import use_fp32_router, use_grouped_experts
+    from hpcrl.trainer.megatron.experts import use_fp32_router
     from hpcrl.trainer.megatron.norms import SPNorm
-    from hpcrl.trainer.megatron.spec_utils import have_transformer_engine, with_module
+    from hpcrl.trainer.megatron.spec_utils import with_module
     from hpcrl.trainer.megatron.ssm import LatentMoELayer, TorchMambaMixer
 
     # MambaLayer builds its norm without the epsilon (TransformerLayer passes the config's)
@@ -156,13 +166,17 @@ def stack_layers(hf: Any, config: Any) -> dict[str, Any]:
     mamba_layer, layer = (
         (recomputed(MambaLayer), recomputed(TransformerLayer)) if full else (MambaLayer, TransformerLayer)
     )
+    linears = te_linears() if te else None
     mixer = ModuleSpec(
         module=TorchMambaMixer,
-        params={"chunk_size": hf.chunk_size, "conv_kernel": hf.conv_kernel, "dt_min": hf.time_step_min},
+        params={
+            "chunk_size": hf.chunk_size,
+            "conv_kernel": hf.conv_kernel,
+            "dt_min": hf.time_step_min,
+            "linears": linears,
+        },
     )
-    dense = copy.deepcopy(specs.get_gpt_layer_local_spec(normalization="RMSNorm")).submodules
-    attention = dense.self_attention
-    attention.submodules.core_attention = SDPAttention
+    attention, dense_mlp = attention_and_mlp(linears)
     layers: dict[str, Any] = {
         "mamba_layer": ModuleSpec(
             module=mamba_layer,
@@ -177,16 +191,14 @@ def stack_layers(hf: Any, config: Any) -> dict[str, Any]:
         "mlp_layer": ModuleSpec(
             module=layer,
             submodules=TransformerLayerSubmodules(
-                pre_mlp_layernorm=SPNorm, mlp=dense.mlp, mlp_bda=get_bias_dropout_add
+                pre_mlp_layernorm=SPNorm, mlp=dense_mlp, mlp_bda=get_bias_dropout_add
             ),
         ),
     }
     if config.num_moe_experts:
-        local = specs.get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization="RMSNorm")
-        moe = copy.deepcopy(local.submodules.mlp)
-        if config.moe_latent_size and not have_transformer_engine():  # else MoELayer's own TE linears
+        moe = te_moe(config.num_moe_experts) if te else local_moe(config.num_moe_experts)
+        if config.moe_latent_size and not te:  # with TE: MoELayer's own latent projections, TE linears
             moe = with_module(moe, LatentMoELayer)
-        use_grouped_experts(moe)
         use_fp32_router(moe)
         layers["moe_layer"] = ModuleSpec(
             module=layer,
@@ -195,3 +207,49 @@ def stack_layers(hf: Any, config: Any) -> dict[str, Any]:
             ),
         )
     return layers
+
+
+def attention_and_mlp(linears: tuple[type, type] | None) -> tuple[Any, Any]:
+    """The attention spec (core attention: SDPAttention) and the dense MLP's, from Megatron's local
+    spec; ``linears``: TE's column- and row-parallel linears in their linear slots."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    from hpcrl.trainer.megatron.attention import SDPAttention
+    from hpcrl.trainer.megatron.spec_utils import submodules_of
+
+    dense = copy.deepcopy(specs.get_gpt_layer_local_spec(normalization="RMSNorm")).submodules
+    attention = dense.self_attention
+    attention.submodules.core_attention = SDPAttention
+    if linears is not None:
+        attention.submodules.linear_qkv, attention.submodules.linear_proj = linears
+        mlp = submodules_of(dense.mlp)
+        mlp.linear_fc1, mlp.linear_fc2 = linears
+    return attention, dense.mlp
+
+
+def te_linears() -> tuple[type, type]:
+    """Transformer Engine's column- and row-parallel linears (megatron-core's wrappers: the same
+    weight layout and call as its local ones)."""
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
+
+    return TEColumnParallelLinear, TERowParallelLinear
+
+
+def local_moe(experts: int) -> Any:
+    """Megatron's local MoE spec with the experts on torch's grouped_mm (experts.GroupedExperts)."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    from hpcrl.trainer.megatron.experts import use_grouped_experts
+
+    local = specs.get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm")
+    moe = copy.deepcopy(local.submodules.mlp)
+    use_grouped_experts(moe)
+    return moe
+
+
+def te_moe(experts: int) -> Any:
+    """Megatron's TE MoE spec: TEGroupedMLP (TE's grouped GEMM over the local experts), the shared
+    expert on TE linears."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    return get_moe_module_spec(use_te=True, num_experts=experts, moe_grouped_gemm=True)
