@@ -18,6 +18,10 @@ routes (``trainer.router_replay``): ``plain`` (no drafts) and ``mtp`` (``rollout
 
     python bench/mtp_gpu.py [--prompts 64 --tokens 32 --draft 2 --steps 40 --dtype float32]
 
+``--no-routes``: engines without route capture (GPU vLLM 0.26 has no ``bind_routed_experts_capturer``;
+the CPU build 0.32 has it), the trainer then routes freely. Engines run eager (``rollout.enforce_eager``:
+vLLM 0.26's CUDA-graph capture failed in its Mamba metadata for this tiny model, session 28).
+
 Prints a table and writes ``$OUT/mtp_gpu.json`` (cwd without OUT).
 """
 
@@ -52,13 +56,25 @@ def model_dir(scratch: Path) -> Path:
 def engine(path: Path, scratch: Path, args: argparse.Namespace, draft: int) -> Any:
     from hpcrl.rollout.vllm_engine import VLLMEngine
 
-    keys = ["rollout=vllm", f"rollout.dtype={args.dtype}", "rollout.gpu_memory_utilization=0.25"]
+    keys = [
+        "rollout=vllm",
+        f"rollout.dtype={args.dtype}",
+        "rollout.gpu_memory_utilization=0.25",
+        "rollout.enforce_eager=true",
+    ]
     if draft:
         keys += ["rollout.speculative=mtp", f"rollout.num_speculative_tokens={draft}"]
     cfg = compose_config(list(TINY) + keys).rollout
     t = time.perf_counter()
     eng = VLLMEngine(
-        path, cfg, seed=0, max_model_len=256, on_cpu=False, scratch=scratch, kv_cache_gb=2.0, routes=True
+        path,
+        cfg,
+        seed=0,
+        max_model_len=64,
+        on_cpu=False,
+        scratch=scratch,
+        kv_cache_gb=2.0,
+        routes=args.routes,
     )
     print(f"== engine draft={draft} up in {time.perf_counter() - t:.1f} s", flush=True)
     return eng
@@ -112,7 +128,7 @@ def train_mtp(path: Path, completions: list, prompts: list[list[int]], steps: in
         "trainer.mtp_loss_scale=1.0",
         "algo.lr=1e-2",
         "algo.kl_coef=0",
-        "trainer.router_replay=true",
+        f"trainer.router_replay={str(completions[0].routes is not None).lower()}",
     )
     cfg = make_plan(compose_config([*TINY, *keys])).cfg
     trainer = MegatronTrainer(path, cfg, master=f"127.0.0.1:{free_port()}", device="cuda")
@@ -123,7 +139,7 @@ def train_mtp(path: Path, completions: list, prompts: list[list[int]], steps: in
         [0.0] * len(completions),
         [1.0] * len(completions),
         pad_id=0,
-        routes=[c.routes for c in completions],
+        routes=[c.routes for c in completions] if completions[0].routes is not None else None,
     )
     losses = [float(trainer.train_step(batch)["mtp_loss"]) for _ in range(steps)]
     return trainer, losses
@@ -147,6 +163,12 @@ def main() -> None:
     ap.add_argument("--draft", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--no-routes",
+        dest="routes",
+        action="store_false",
+        help="engines without route capture (vLLM 0.26 has no hook)",
+    )
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "."))
     scratch = Path(tempfile.mkdtemp(prefix="mtp-gpu-"))

@@ -83,13 +83,16 @@ class Fp32Router(TopKRouter):
     quirk): without Transformer Engine megatron-core computes it with torch.mm inside an autograd
     Function, which CUDA autocast turns bf16; the backward then mixed bf16 and fp32 ("expected mat1
     and mat2 to have the same dtype", one H200, megatron-core 0.19.2). Outside autocast the logits
-    are fp32 and so is their gradient."""
+    are fp32 and so is their gradient. The input comes in the weight's dtype: where Transformer Engine
+    imports, megatron-core computes the GEMM with TE's, which takes no mixed operands (bf16 hidden
+    states against fp32 router weights: "cuBLAS Error: an unsupported value or parameter", one H100,
+    TE 2.20.2); the torch path casts both to the router's dtype anyway (the same numbers)."""
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         if self.config.moe_router_dtype is None:
             return super().gating(input)
         with torch.autocast(input.device.type, enabled=False):
-            return super().gating(input)
+            return super().gating(input.to(self.weight.dtype))
 
 
 def use_fp32_router(mlp: Any) -> None:
