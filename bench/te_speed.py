@@ -5,10 +5,10 @@ the whole model under bf16 autocast; and what a build holds (``modules_of``)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
+from kernels_gpu import timed  # the same warm-up and synchronised timing as the kernels rows
 
 PATTERN = "MEM*EMEM"
 """Super's layers 4..11: every kind it has."""
@@ -22,22 +22,6 @@ def modules_of(model: torch.nn.Module) -> dict:
             te[type(m).__name__] = te.get(type(m).__name__, 0) + 1
     experts = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith(".experts")})
     return {"te_modules": te, "experts": experts}
-
-
-def timed(fn: Any, warmup: int = 1, iters: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / iters
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def super_model(side: str, experts: int, tiny: bool, device: str) -> tuple[Any, Any]:
