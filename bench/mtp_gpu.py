@@ -18,8 +18,8 @@ routes (``trainer.router_replay``): ``plain`` (no drafts) and ``mtp`` (``rollout
 
     python bench/mtp_gpu.py [--prompts 64 --tokens 32 --draft 2 --steps 40 --dtype float32]
 
-``--no-routes``: engines without route capture (GPU vLLM 0.26 has no ``bind_routed_experts_capturer``;
-the CPU build 0.32 has it), the trainer then routes freely. Engines run eager (``rollout.enforce_eager``:
+``--no-routes``: engines without route capture, the trainer then routes freely (vLLM 0.26 has no
+module-level ``bind_routed_experts_capturer``: hpcrl binds the routers itself, ``vllm_routes.bind``). Engines run eager (``rollout.enforce_eager``:
 vLLM 0.26's CUDA-graph capture failed in its Mamba metadata for this tiny model, session 28).
 
 Prints a table and writes ``$OUT/mtp_gpu.json`` (cwd without OUT).

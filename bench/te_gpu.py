@@ -11,7 +11,8 @@ pipeline's forward -> the GRPO step -> export to Hugging Face names.
 
 Parity (one process, world 1, ``trainer.compile=false`` both sides): tiny random Nemotron-H models
 (pattern ``M*EM-E``: every layer kind; MoE with a latent width and without; one with an MTP block
-trained) and a tiny Qwen3-MoE, each saved once and built with the local spec and with TE, in fp32 and
+trained) and a tiny Qwen3-MoE (also packed: ``trainer.packing=true``, TE's linears around hpcrl's
+attention over the packed rows), each saved once and built with the local spec and with TE, in fp32 and
 in the backend's real bf16 path (fp32 master weights, bf16 autocast). Per case: the GRPO loss, the
 per-token log-probs (max abs diff over the completion tokens), every gradient grouped by parameter
 kind (max abs diff relative to the group's largest entry), and the weights exported back to Hugging
@@ -119,6 +120,7 @@ def save_qwen3_moe(out: Path) -> None:
 CASES = {
     "nemotron_h latent": (lambda out: save_nemotron(out, 32, False), ()),
     "qwen3_moe": (save_qwen3_moe, ()),
+    "qwen3_moe packed": (save_qwen3_moe, ("trainer.packing=true",)),
     "nemotron_h no-latent": (lambda out: save_nemotron(out, None, False), ()),
     "nemotron_h latent+mtp": (
         lambda out: save_nemotron(out, 32, True),

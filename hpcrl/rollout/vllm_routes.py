@@ -3,8 +3,8 @@
 
 vLLM has its own routed-experts output (``enable_return_routed_experts``), but only on its V2 model
 runner, which the CPU build (0.32, no Triton) and GPU vLLM 0.26's MoE models do not run. So hpcrl binds
-its own recorder through vLLM's capture hook (``bind_routed_experts_capturer``: each router hands the
-logical expert ids it chose, before any expert-load-balancing remap) and files each forward's rows
+its own recorder through vLLM's capture hook (``bind``: each router hands the logical expert ids it
+chose, before any expert-load-balancing remap) and files each forward's rows
 under the requests that ran, by the runner's flat batch order (requests in ``input_batch`` order, each
 with its scheduled tokens) at the positions the runner fed. The engine takes a finished sequence's
 routes by its tokens (prompt + completion but the last token, which no forward ran): token ids, not
@@ -114,27 +114,52 @@ class RouteRecorder:
         return out
 
 
-def install(worker: Any) -> tuple[int, int]:
-    """Bind a ``RouteRecorder`` to a vLLM worker's MoE routers and runner; (layers, k)."""
-    from types import MethodType
-
+def bind(model: Any, recorder: RouteRecorder) -> None:
+    """Hand every MoE router of ``model`` the recorder's ``capture``: vLLM's own binder where it has
+    one (0.32: it also knows the monolithic kernels' sinks); vLLM 0.26 binds its capturer in the
+    runner (``_bind_routed_experts_capturer``, no module-level function), which ``bind_routers``
+    does as it does."""
     try:
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
             bind_routed_experts_capturer,
         )
-    except ImportError as e:
-        import vllm
+    except ImportError:
+        bind_routers(model, recorder)
+    else:
+        bind_routed_experts_capturer(model, recorder)  # raises where the model has no MoE router
 
-        raise RuntimeError(
-            f"trainer.router_replay=true: vLLM {vllm.__version__} has no routed-experts capture hook "
-            "(bind_routed_experts_capturer); use a vLLM that has it or trainer.router_replay=false"
-        ) from e
+
+def bind_routers(model: Any, recorder: RouteRecorder) -> None:
+    """Each MoE runner's router reports the logical expert ids it chose to ``recorder.capture``
+    under the runner's decoder layer index; a runner whose router has no capture slot fails here,
+    not as silently missing routes."""
+    from functools import partial
+
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+    runners = [m for m in model.modules() if isinstance(m, MoERunner)]
+    for runner in runners:
+        # a monolithic kernel routes inside itself: its router's capture slot is never called
+        if not isinstance(runner.router, BaseRouter) or getattr(runner, "is_monolithic", False):
+            raise RuntimeError(
+                f"trainer.router_replay=true: this vLLM's MoE path ({type(runner.router).__name__}) reports "
+                "no routes; use a vLLM with routed-experts capture for it or trainer.router_replay=false"
+            )
+        runner.router.set_capture_fn(partial(recorder.capture, runner.layer_id))
+    if not runners:
+        raise RuntimeError("trainer.router_replay=true: the rollout model has no MoE router to record")
+
+
+def install(worker: Any) -> tuple[int, int]:
+    """Bind a ``RouteRecorder`` to a vLLM worker's MoE routers and runner; (layers, k)."""
+    from types import MethodType
 
     runner = worker.model_runner
     config = runner.vllm_config.model_config
     layers, k = config.get_total_num_hidden_layers(), config.get_num_experts_per_tok()
     recorder = RouteRecorder(runner, layers, k)
-    bind_routed_experts_capturer(runner.model, recorder)  # raises where the model has no MoE router
+    bind(runner.model, recorder)
     original = runner.execute_model
     runner.execute_model = MethodType(
         lambda _self, *a, **kw: recorder.execute_model(original, *a, **kw), runner

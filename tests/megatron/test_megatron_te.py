@@ -85,9 +85,31 @@ def test_with_transformer_engine_a_local_only_family_stays_local(monkeypatch):
 
 def test_nemotron_h_te_build_keeps_sdpa_and_unfused_norms_gpt_te_fuses_them():
     nemotron = spec.family_of(nemotron_h_config())
-    assert not spec.uses_te_attention(nemotron, True)
-    assert spec.uses_te_attention(qwen3_family(), True)
-    assert not spec.uses_te_attention(qwen3_family(), False)
+    assert not spec.folds_norms(nemotron, True)
+    assert spec.folds_norms(qwen3_family(), True)
+    assert not spec.folds_norms(qwen3_family(), False)
+
+
+def test_a_gpt_te_build_attends_with_hpcrls_attention(monkeypatch):
+    """TE's GPT spec with its core attention swapped for SDPAttention (packing and CP attend one way);
+    megatron-core's TE spec is answered with its local one here (no TE on this host): the slot is what
+    is checked."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    from hpcrl.trainer.megatron.attention import SDPAttention
+
+    monkeypatch.setattr(
+        specs,
+        "get_gpt_layer_with_transformer_engine_spec",
+        lambda num_experts, qk_layernorm, moe_grouped_gemm: specs.get_gpt_layer_local_spec(
+            num_experts=num_experts, qk_layernorm=qk_layernorm
+        ),
+    )
+    config = SimpleNamespace(num_moe_experts=None, qk_layernorm=True)
+    built = spec.layer_spec(config, qwen3_family(), te=True)
+    assert built.submodules.self_attention.submodules.core_attention is SDPAttention
 
 
 def test_the_startup_line_names_the_layers():

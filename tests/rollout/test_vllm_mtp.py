@@ -190,13 +190,21 @@ def test_mtp_drafts_keep_greedy_outputs_log_acceptance_and_take_refits(tmp_path)
 
 
 @pytest.mark.slow
-def test_mtp_drafts_leave_each_completion_the_routes_of_the_tokens_it_kept(tmp_path):
+@pytest.mark.parametrize("binder", ["vllm", "hpcrl"])
+def test_mtp_drafts_leave_each_completion_the_routes_of_the_tokens_it_kept(tmp_path, monkeypatch, binder):
     """Router replay with MTP drafts (``trainer.router_replay``, ``rollout.speculative=mtp``): the
     engine's routers also route the drafts it rejects and those past a completion's end; each
     completion still gets a route for every position it ran (the prompt's and each generated token's
     but the last), those of the tokens it kept, equal to the routes the same greedy tokens take
-    without drafts; none goes missing (``rollout/routes_missing``)."""
+    without drafts; none goes missing (``rollout/routes_missing``). ``hpcrl``: the routers bound by
+    hpcrl's own binder, as on vLLM 0.26, which has no module-level one (the CPU engine runs in this
+    process, so removing vLLM's binder here is what the worker sees)."""
+    from vllm.model_executor.layers.fused_moe import routed_experts_capturer
+
     from hpcrl.rollout.vllm_engine import VLLMEngine
+
+    if binder == "hpcrl":
+        monkeypatch.delattr(routed_experts_capturer, "bind_routed_experts_capturer")
 
     model_dir = save_glm4_moe_with_mtp(tmp_path / "model")
     cfg = compose(*VLLM, "rollout.speculative=mtp", "rollout.num_speculative_tokens=2").rollout

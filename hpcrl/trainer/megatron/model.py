@@ -17,9 +17,9 @@ from hpcrl.core.parallel import TrainParallel
 from hpcrl.trainer.config import MegatronTrainerConfig
 from hpcrl.trainer.megatron.families.base import GPTFamily
 from hpcrl.trainer.megatron.spec import (
+    folds_norms,
     keep_pad_row_untrained,
     layer_spec,
-    uses_te_attention,
 )
 from hpcrl.trainer.megatron.weights import Shape
 
@@ -63,7 +63,7 @@ def model_shape(hf: Any, fam: GPTFamily, tp: int, te: bool = False) -> Shape:
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
         vocab=hf.vocab_size,
         padded_vocab=padded,
-        fused_norms=uses_te_attention(fam, te),
+        fused_norms=folds_norms(fam, te),
         moe=bool(fam.num_experts(hf)),
         sandwich_norms=fam.sandwich_norms,
         layers=fam.attention_layouts(hf),

@@ -76,6 +76,9 @@ def layer_spec(config: Any, fam: GPTFamily, te: bool) -> Any:
         spec = specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, qk_layernorm=qk_norm, moe_grouped_gemm=bool(experts)
         )
+        # hpcrl's attention, not TEDotProductAttention: packed rows (their bounds) and context
+        # parallel's chunks run one way with TE's linears or without (TE's takes THD + cu_seqlens)
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
         if experts:
             from hpcrl.trainer.megatron.experts import use_fp32_router
 
@@ -112,10 +115,10 @@ def uses_local_spec(fam: GPTFamily, device: str | torch.device) -> bool:
 def describe_layers(fam: GPTFamily, te: bool) -> str:
     """The layers a build runs, for the startup log (beside trainer/kernels.py's Kernels line)."""
     if te:
-        rest = (
-            "attention and norms" if uses_te_attention(fam, te) else "linears; SDPA attention, hpcrl's norms"
+        norms = "its norms fused into the linears" if folds_norms(fam, te) else "hpcrl's norms"
+        return (
+            f"Transformer Engine linears, {norms}, SDPA attention, MoE experts (if any) on TE's grouped GEMM"
         )
-        return f"Transformer Engine {rest}, MoE experts (if any) on TE's grouped GEMM"
     why = (
         "family builds the local spec only"
         if fam.local_spec_only
@@ -124,10 +127,10 @@ def describe_layers(fam: GPTFamily, te: bool) -> str:
     return f"megatron local spec ({why}): torch linears and SDPA attention, experts on torch grouped_mm"
 
 
-def uses_te_attention(fam: GPTFamily, te: bool) -> bool:
-    """TE's GPT spec: TE's attention, and the pre-attention/pre-MLP norms folded into linear_qkv /
-    linear_fc1 (weight names differ: weights._norm_names). A hybrid family's TE build keeps
-    SDPAttention and its own norms (families/nemotron_h.py says why)."""
+def folds_norms(fam: GPTFamily, te: bool) -> bool:
+    """TE's GPT spec folds the pre-attention/pre-MLP norms into linear_qkv / linear_fc1 (weight names
+    differ: weights._norm_names). A hybrid family's TE build keeps its own norms
+    (families/nemotron_h.py says why). Both keep hpcrl's SDPAttention (``layer_spec``)."""
     return te and not fam.hybrid
 
 

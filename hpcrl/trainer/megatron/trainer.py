@@ -52,7 +52,6 @@ from hpcrl.trainer.megatron.spec import (
     text_config,
     transformer_config,
     uses_local_spec,
-    uses_te_attention,
 )
 from hpcrl.trainer.megatron.stream import WeightStream
 from hpcrl.trainer.megatron.weights import LanguageModel, is_expert
@@ -128,12 +127,6 @@ class MegatronTrainer:
         chunked, softcap = t.chunked_logprob(self.par.tp), self.arch.final_logit_softcap
         compute_dtype = torch.bfloat16 if config.enable_autocast else torch.float32
         budget = self.step.pack_tokens
-        if budget is not None and uses_te_attention(self.arch, self.te):
-            # Transformer Engine's attention takes packed rows as THD with cu_seqlens, not a mask
-            raise ValueError(
-                "trainer.packing runs on hpcrl's own attention (megatron's local spec); with Transformer "
-                "Engine installed set trainer.packing=false"
-            )
         # sequence parallel splits the packed row by TP, context parallel into 2·CP chunks
         unit = self.par.tp * (2 * self.par.cp if self.par.cp > 1 else 1)
         width = None if budget is None else -(-budget // unit) * unit
