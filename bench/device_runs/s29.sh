@@ -4,9 +4,10 @@
 #         .te-stage/te.0N /tmp/stage/`): `cp .te-stage/te.04 /tmp/stage/ && bash bench/device_runs/s29.sh te`
 #         (carry .te-stage/te.04, .whl/mc, .whl/pyd): TE 2.20.2 unpacked to /tmp/te_site, megatron-core to
 #         /tmp/site; bench/te_gpu.py parity (fp32 + bf16, five cases, the compiled row) and Super-width bench.
-#   pack  `bash bench/device_runs/s29.sh pack` (no carry): bench/packing_gpu.py --trainer megatron, padded vs
+#   pack  `bash bench/device_runs/s29.sh pack` (after te or mtp: megatron-core in /tmp/site; no carry): bench/packing_gpu.py --trainer megatron, padded vs
 #         packed at a DAPO-like length distribution: Qwen2-1.5B's shape with the local spec (TE not on the
-#         path) and with TE's linears (te_site on the path: spec.uses_local_spec picks TE), then Gemma 4 31B's
+#         path) and, where the te part staged it, with TE's linears (te_site on the path: spec.uses_local_spec
+#         picks TE), then Gemma 4 31B's
 #         layers (2 of them; local spec only: sliding windows packed).
 #   mtp   after part.00..part.04 (as s28_mtp.sh says): `cp .device-vllm/part.05 /tmp/stage/ && bash
 #         bench/device_runs/s29.sh mtp` (carry part.05, .whl/mc, .whl/antlr4...whl): bench/mtp_gpu.py with
@@ -34,7 +35,7 @@ pack)
     grep -E "^(batch|padded|packed|best|\||[a-z0-9_]+: planner)|layers on|Error|Traceback" "$OUT/pack_$name.log" | cut -c1-300
   }
   run q15_local "${QTIME:-170}" "" --model qwen2_1p5b --seqs 64 --mbs 4
-  run q15_te "${QTIME:-170}" /tmp/te_site --model qwen2_1p5b --seqs 64 --mbs 4
+  [ -d /tmp/te_site/transformer_engine ] && run q15_te "${QTIME:-170}" /tmp/te_site --model qwen2_1p5b --seqs 64 --mbs 4
   run gemma4 "${GTIME:-200}" "" --model gemma4_31b --layers 2 --seqs 32 --mbs 2
   ;;
 mtp)
