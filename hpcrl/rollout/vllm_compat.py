@@ -146,7 +146,13 @@ def speculative_kwargs(method: str | None, tokens: int) -> dict[str, Any]:
     if method is None:
         return {}
     config = {"method": method, "num_speculative_tokens": tokens}
-    return {"speculative_config": config, "per_request_spec_decode_metrics": "summary"}
+    from vllm.engine.arg_utils import EngineArgs
+
+    per_request = "per_request_spec_decode_metrics" in EngineArgs.__dataclass_fields__
+    # vLLM 0.26 has no per-request counts: completions there carry no acceptance (draft_counts: None)
+    return {"speculative_config": config} | (
+        {"per_request_spec_decode_metrics": "summary"} if per_request else {}
+    )
 
 
 def load_weights(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:

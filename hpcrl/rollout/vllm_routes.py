@@ -114,6 +114,21 @@ class RouteRecorder:
         return out
 
 
+def to_wire(routes: list[np.ndarray | None]) -> list[tuple[bytes, list[int]] | None]:
+    """A worker's routes as msgpack-native values (bytes and shape): across the engine core's process
+    boundary vLLM sends an RPC's result untyped, and an ndarray there arrives as a list of its dtype
+    string, shape and buffer (seen on GPU vLLM 0.26; the CPU engine runs in-process)."""
+    return [None if r is None else (r.astype(np.int16).tobytes(), list(r.shape)) for r in routes]
+
+
+def from_wire(item: Any) -> np.ndarray | None:
+    """One sequence's routes from ``to_wire``'s form (a tuple in-process, a list after msgpack)."""
+    if item is None:
+        return None
+    data, shape = item
+    return np.frombuffer(data, dtype=np.int16).reshape(shape).copy()  # writable, off the message buffer
+
+
 def bind(model: Any, recorder: RouteRecorder) -> None:
     """Hand every MoE router of ``model`` the recorder's ``capture``: vLLM's own binder where it has
     one (0.32: it also knows the monolithic kernels' sinks); vLLM 0.26 binds its capturer in the
@@ -157,7 +172,10 @@ def install(worker: Any) -> tuple[int, int]:
 
     runner = worker.model_runner
     config = runner.vllm_config.model_config
-    layers, k = config.get_total_num_hidden_layers(), config.get_num_experts_per_tok()
+    layers = config.get_total_num_hidden_layers()
+    # vLLM 0.26's ModelConfig has no get_num_experts_per_tok: the text config's field (MoE configs name it so)
+    top_k = getattr(config, "get_num_experts_per_tok", None)
+    k = int(top_k() if top_k else config.hf_text_config.num_experts_per_tok)
     recorder = RouteRecorder(runner, layers, k)
     bind(runner.model, recorder)
     original = runner.execute_model

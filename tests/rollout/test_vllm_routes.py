@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hpcrl.rollout import vllm_routes
 from hpcrl.rollout.vllm_routes import RouteRecorder
 
 
@@ -69,3 +70,23 @@ def test_completions_without_their_routes_are_counted():
     assert completion_metrics([done(routes), done(routes)])["rollout/routes_missing"] == 0.0
     assert completion_metrics([done(routes), done(None, True)])["rollout/routes_missing"] == 1.0
     assert completion_metrics([done(None, True)])["rollout/routes_missing"] == 1.0
+
+
+def test_routes_cross_the_engine_core_boundary_as_arrays():
+    """A worker's routes through vLLM's own msgpack path for an RPC's result (engine core process ->
+    client; untyped): a raw ndarray arrives as [dtype, shape, buffer] (what broke on GPU vLLM 0.26,
+    whose engine runs in its own process), the wire form as the same array."""
+    from vllm.v1.engine import EngineCoreOutputs, UtilityOutput
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
+
+    routes = [np.arange(24, dtype=np.int16).reshape(4, 3, 2), None]
+
+    def sent(result: object) -> list:
+        message = EngineCoreOutputs(utility_output=UtilityOutput(call_id=1, result=UtilityResult(result)))
+        got = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(message))
+        return got.utility_output.result.result
+
+    assert not isinstance(sent(routes)[0], np.ndarray)  # why the wire form exists
+    back = [vllm_routes.from_wire(item) for item in sent(vllm_routes.to_wire(routes))]
+    assert np.array_equal(back[0], routes[0])
+    assert back[1] is None

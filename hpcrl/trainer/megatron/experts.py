@@ -79,20 +79,27 @@ def use_grouped_experts(mlp: Any) -> None:
 
 
 class Fp32Router(TopKRouter):
-    """Megatron's top-k router with its gating GEMM really in ``moe_router_dtype`` (fp32, the MoE
-    quirk): without Transformer Engine megatron-core computes it with torch.mm inside an autograd
-    Function, which CUDA autocast turns bf16; the backward then mixed bf16 and fp32 ("expected mat1
-    and mat2 to have the same dtype", one H200, megatron-core 0.19.2). Outside autocast the logits
-    are fp32 and so is their gradient. The input comes in the weight's dtype: where Transformer Engine
-    imports, megatron-core computes the GEMM with TE's, which takes no mixed operands (bf16 hidden
-    states against fp32 router weights: "cuBLAS Error: an unsupported value or parameter", one H100,
-    TE 2.20.2); the torch path casts both to the router's dtype anyway (the same numbers)."""
+    """Megatron's top-k router with its gating GEMM computed here, by torch, in one dtype for input
+    and weight: ``moe_router_dtype`` (fp32, the MoE quirk), else the input's (under autocast: the
+    autocast dtype, as megatron-core's torch.mm ran). megatron-core's own gating takes TE's GEMM
+    wherever Transformer Engine imports, which refuses mixed operands: hpcrl keeps fp32 master weights
+    under bf16 autocast, and bf16 hidden states against fp32 router weights failed in cuBLAS
+    ("unsupported value or parameter", then "Unable to find suitable cuBLAS GEMM algorithm" for
+    Qwen3-MoE's default router dtype; one H100, TE 2.20.2, sessions 28-29). Without TE its torch.mm
+    inside an autograd Function was turned bf16 by CUDA autocast, and the backward then mixed bf16
+    and fp32 ("expected mat1 and mat2 to have the same dtype", one H200, megatron-core 0.19.2). The
+    numbers are the torch path's (both operands cast to the router's dtype); autograd keeps the cast
+    input (fp32 under a fp32 router) where megatron-core's Function kept the bf16 one."""
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
-        if self.config.moe_router_dtype is None:
-            return super().gating(input)
-        with torch.autocast(input.device.type, enabled=False):
-            return super().gating(input.to(self.weight.dtype))
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype or "")
+        device = input.device.type
+        if dtype is None:
+            on = torch.is_autocast_enabled(device)
+            dtype = torch.get_autocast_dtype(device) if on else input.dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        with torch.autocast(device, enabled=False):
+            return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
 
 
 def use_fp32_router(mlp: Any) -> None:
