@@ -279,3 +279,14 @@ def prefix_cache_counts(llm: Any) -> tuple[int, int] | None:
         if m.name in got:
             got[m.name] += int(getattr(m, "value", 0))
     return got[PREFIX_CACHE[0]], got[PREFIX_CACHE[1]]
+
+
+def from_wire(item: Any) -> Any:
+    """One sequence's routes from ``vllm_routes.take``'s form (a tuple in-process, a list after
+    msgpack): an int16 ndarray [positions, layers, k], or None."""
+    if item is None:
+        return None
+    import numpy as np
+
+    data, shape = item
+    return np.frombuffer(data, dtype=np.int16).reshape(shape).copy()  # writable, off the message buffer

@@ -115,12 +115,10 @@ class WeightReloader:
         return vllm_routes.install(self)
 
     def hpcrl_take_routes(self, sequences: list[list[int]]) -> list[Any]:
-        """The recorded routes of finished sequences, by their tokens (``RouteRecorder.take``), in
-        msgpack-native form (``vllm_routes.to_wire``)."""
+        """The recorded routes of finished sequences, by their tokens (``vllm_routes.take``)."""
         from hpcrl.rollout import vllm_routes
 
-        recorder: Any = getattr(self, "_hpcrl_routes")  # noqa: B009 (set by vllm_routes.install)
-        return vllm_routes.to_wire(recorder.take(sequences))
+        return vllm_routes.take(self, sequences)
 
     def hpcrl_reload_weights(self, payload: bytes) -> int:
         from safetensors.torch import load
@@ -295,12 +293,10 @@ class VLLMEngine:
             for out, group in zip(outputs, groups, strict=True)
             for c in group
         ]
-        from hpcrl.rollout.vllm_routes import from_wire
-
         found = iter(self.llm.collective_rpc("hpcrl_take_routes", args=(seqs,))[0])
         for group in groups:
             for c in group:
-                c.routes = from_wire(next(found))
+                c.routes = vllm_compat.from_wire(next(found))
                 c.routes_missing = c.routes is None  # counted: rollout/routes_missing
 
     def _fresh_cache(self) -> None:

@@ -114,19 +114,14 @@ class RouteRecorder:
         return out
 
 
-def to_wire(routes: list[np.ndarray | None]) -> list[tuple[bytes, list[int]] | None]:
-    """A worker's routes as msgpack-native values (bytes and shape): across the engine core's process
-    boundary vLLM sends an RPC's result untyped, and an ndarray there arrives as a list of its dtype
-    string, shape and buffer (seen on GPU vLLM 0.26; the CPU engine runs in-process)."""
+def take(worker: Any, sequences: list[list[int]]) -> list[tuple[bytes, list[int]] | None]:
+    """``RouteRecorder.take`` in a worker, each sequence's routes as msgpack-native values (bytes and
+    shape): across the engine core's process boundary vLLM sends an RPC's result untyped, and an
+    ndarray there arrives as a list of its dtype string, shape and buffer (seen on GPU vLLM 0.26; the
+    CPU engine runs in-process). ``vllm_compat.from_wire`` reads them back."""
+    recorder: RouteRecorder = worker._hpcrl_routes  # set by install
+    routes = recorder.take(sequences)
     return [None if r is None else (r.astype(np.int16).tobytes(), list(r.shape)) for r in routes]
-
-
-def from_wire(item: Any) -> np.ndarray | None:
-    """One sequence's routes from ``to_wire``'s form (a tuple in-process, a list after msgpack)."""
-    if item is None:
-        return None
-    data, shape = item
-    return np.frombuffer(data, dtype=np.int16).reshape(shape).copy()  # writable, off the message buffer
 
 
 def bind(model: Any, recorder: RouteRecorder) -> None:

@@ -3,9 +3,12 @@ to the requests that recorded them by their tokens, and nothing taken stays behi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
 from hpcrl.rollout import vllm_routes
+from hpcrl.rollout.vllm_compat import from_wire
 from hpcrl.rollout.vllm_routes import RouteRecorder
 
 
@@ -87,6 +90,7 @@ def test_routes_cross_the_engine_core_boundary_as_arrays():
         return got.utility_output.result.result
 
     assert not isinstance(sent(routes)[0], np.ndarray)  # why the wire form exists
-    back = [vllm_routes.from_wire(item) for item in sent(vllm_routes.to_wire(routes))]
+    worker = SimpleNamespace(_hpcrl_routes=SimpleNamespace(take=lambda sequences: routes))
+    back = [from_wire(item) for item in sent(vllm_routes.take(worker, [[1], [2]]))]
     assert np.array_equal(back[0], routes[0])
     assert back[1] is None
