@@ -17,13 +17,23 @@ T0=$SECONDS
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-case "${1:?te, pack or mtp}" in
+case "${1:?te, te-qwen, pack or mtp}" in
 te)
   [ -d /tmp/te_site/transformer_engine ] || { cat /tmp/stage/te.* | xz -d | tar x -C /tmp || exit 3; }
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/mc/*.whl 2>&1 | grep -v WARN
   python3 -m pip install -q --no-index --no-deps --target /tmp/te_site .whl/pyd/*.whl 2>&1 | grep -v WARN
   echo "== staged at $((SECONDS - T0)) s"
   PYTHONPATH=/tmp/te_site PTIME=${PTIME:-300} BTIME=${BTIME:-200} bash bench/device_runs/s28_te.sh parity bench
+  ;;
+te-qwen)  # after te.00-te.03 as for te: Qwen3-MoE bf16, padded and packed, after Fp32Router's own GEMM
+  [ -d /tmp/te_site/transformer_engine ] || { cat /tmp/stage/te.* | xz -d | tar x -C /tmp || exit 3; }
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/mc/*.whl 2>&1 | grep -v WARN
+  python3 -m pip install -q --no-index --no-deps --target /tmp/te_site .whl/pyd/*.whl 2>&1 | grep -v WARN
+  echo "== staged at $((SECONDS - T0)) s"
+  PYTHONPATH=$PWD:/tmp/site:/tmp/te_site PYTHONUNBUFFERED=1 timeout -k 10 "${PTIME:-150}" python3 bench/te_gpu.py \
+    --parity --cases "qwen3_moe,qwen3_moe packed" --precisions bfloat16 > "$OUT/te_qwen.log" 2>&1
+  echo "== parity rc=$? at $((SECONDS - T0)) s"
+  grep -E "^parity|Error" "$OUT/te_qwen.log" | cut -c1-700
   ;;
 pack)
   run() {  # run NAME SECONDS EXTRA_PYTHONPATH ARGS...
