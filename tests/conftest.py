@@ -21,6 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # No test reads the developer's own site file (~/.config/hpcrl): tests that need one write their own.
 os.environ["HPCRL_CONFIG_DIR"] = tempfile.mkdtemp(prefix="hpcrl-config-")
 SITE = ["cluster.slurm.account=acct", "cluster.container.image=img.sqsh"]
+# vLLM inspects a model's class in a fresh Python process (about 8 s of imports on 2 cores) unless its
+# cache under VLLM_CACHE_ROOT has the answer; an engine caches it under its run's scratch directory
+# (rollout/vllm_engine.py), which goes with the run. One cache for the session: each engine start after
+# the first finds it (keyed by the model file's hash), in every run and Slurm job the tests start.
+os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="hpcrl-vllm-"))
 HF_HOME = tempfile.mkdtemp(prefix="hpcrl-hf-")
 JOB_DOWNLOADS = ["model.fetch=job", f"+cluster.env.HF_HOME={HF_HOME}"]
 """What lets a hub model's plan pass submit's checks (``hpcrl plan`` and ``render`` make them too) on a

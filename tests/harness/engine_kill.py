@@ -3,7 +3,7 @@ engines SIGKILLed mid-generation; tests/run/test_engine_kill.py reads what it wr
 
     python tests/harness/engine_kill.py OUT_DIR ENGINES KILLS [override ...]
 
-ENGINES engines (a local run has one: the others are started in the first one's slot, with as many
+ENGINES engines (a local run has one: the others start beside it, in the first one's slot, with as many
 rollout units for Ray). KILLS (e.g. ``2,t3,4``): in those training generate calls, the engine that
 handed over the first group is killed right after it (``rollout.max_num_seqs`` = the group size: its
 other prompts are still to come); ``sN``: that engine is stopped instead (SIGSTOP: it hangs);
@@ -23,15 +23,18 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hpcrl.config.compose import compose_config
 from hpcrl.errors import HpcrlError
 from hpcrl.plan.planner import make_plan
+from hpcrl.run import fleet as fleet_module
 from hpcrl.run.actors import ROLLOUT_RESOURCE, TRAIN_RESOURCE
 from hpcrl.run.driver import run_loop
 from hpcrl.run.fleet import Fleet
+from hpcrl.run.slots import Slots, plan_slots
 
 
 def connect(engines: int) -> Any:
@@ -136,21 +139,19 @@ def main() -> int:
     refits: list[dict[str, Any]] = []
     start = Fleet.start.__func__  # type: ignore[attr-defined]
 
-    def start_more(cls: type[Fleet], *args: Any, **kwargs: Any) -> Fleet:
-        import ray
+    def more_slots(*args: Any, **kwargs: Any) -> Slots:
+        """The one local slot's engine ``engines`` times, in one wave: they start together."""
+        slots = plan_slots(*args, **kwargs)
+        return replace(slots, engines=slots.engines * engines, waves=[list(range(engines))])
 
+    def start_more(cls: type[Fleet], *args: Any, **kwargs: Any) -> Fleet:
         fleet = start(cls, *args, **kwargs)
-        spawn = fleet.spawn
-        assert spawn is not None
-        fleet.spawn = lambda _: spawn(0)  # every engine in the one local slot
-        for _ in range(1, engines):
-            fleet.engines.append(spawn(0))
-            fleet.placement.append(ray.get(fleet.engines[-1].where.remote()))
         fleet.generate_stream = watched(fleet, kills, calls)  # type: ignore[method-assign]
         fleet.train_step = killing_trains(fleet, train_kills, rank_kills)  # type: ignore[method-assign]
         fleet.sync_weights = killing_refits(fleet, refit_kills, refits)  # type: ignore[method-assign]
         return fleet
 
+    fleet_module.plan_slots = more_slots
     Fleet.start = classmethod(start_more)  # type: ignore[method-assign, assignment]
     try:
         run_loop(plan, out / "run", connect(engines), slurm=False)

@@ -92,34 +92,43 @@ def test_a_stop_signal_saves_the_current_step_and_resume_continues_the_same_traj
         "algo.is_correction=tis",
     ]
     straight = tmp_path / "straight"
-    assert submit(tmp_path, cache, *small, "checkpoint.period=2", f"run.dir={straight}").returncode == 0
     resumed = tmp_path / "resumed"
     exe = Path(sys.executable).with_name("hpcrl")
     env = {**os.environ, "HPCRL_CACHE": str(cache), "COLUMNS": "200"}
-    args = [
-        str(exe),
-        "submit",
-        f"run.output_root={tmp_path}",
-        *small,
-        "checkpoint.period=100",
-        f"run.dir={resumed}",
-    ]
-    proc = subprocess.Popen(
-        args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,  # its own process group, as a terminal's foreground job
-    )
-    seen = []
-    for line in proc.stdout:  # type: ignore[union-attr]
-        seen.append(line)
-        if "step   1/4" in line:
-            os.killpg(proc.pid, sig)  # step 2 is running now
-            break
-    out, err = proc.communicate(timeout=600)
+    args = [str(exe), "submit", f"run.output_root={tmp_path}", *small]
+    # the uninterrupted run goes beside the interrupted one (CI time: a run's start-up keeps about one
+    # core of two busy), in a session of its own: the signal does not reach it
+    log = tmp_path / "straight.log"
+    with log.open("w") as f:
+        reference = subprocess.Popen(
+            [*args, "checkpoint.period=2", f"run.dir={straight}"],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+    try:
+        proc = subprocess.Popen(
+            [*args, "checkpoint.period=100", f"run.dir={resumed}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,  # its own process group, as a terminal's foreground job
+        )
+        seen = []
+        for line in proc.stdout:  # type: ignore[union-attr]
+            seen.append(line)
+            if "step   1/4" in line:
+                os.killpg(proc.pid, sig)  # step 2 is running now
+                break
+        out, err = proc.communicate(timeout=600)
+        assert reference.wait(timeout=600) == 0, log.read_text()[-3000:]
+    finally:
+        if reference.poll() is None:  # a failure above: the run is not left behind
+            os.killpg(reference.pid, signal.SIGKILL)
     assert proc.returncode == code, "".join(seen) + out + err[-3000:]
     assert "Traceback" not in out + err and "SIGTERM received" not in out + err, err[-3000:]
     stopped = int(re.search(r"stopped after step (\d+)", err).group(1))

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -30,15 +32,61 @@ SMALL = [
 ]
 
 
-def killed_run(tmp_path, cache, engines: int, kills: str, *overrides: str):
+def start_run(tmp_path, cache, engines: int, kills: str, *overrides: str) -> subprocess.Popen[str]:
+    """The harness on ``tmp_path``, running (its output in ``tmp_path``/out.txt and err.txt)."""
     env = {**os.environ, "HPCRL_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
     args = [sys.executable, str(ROOT / "tests/harness/engine_kill.py"), str(tmp_path), str(engines), kills]
-    result = subprocess.run(
-        [*args, *SMALL, *overrides], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900
-    )
+    with (tmp_path / "out.txt").open("w") as out, (tmp_path / "err.txt").open("w") as err:
+        return subprocess.Popen(
+            [*args, *SMALL, *overrides],
+            stdout=out,
+            stderr=err,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+
+
+def finished(proc: subprocess.Popen[str], tmp_path):
+    """The run's result (its output as ``subprocess.run``'s), its calls and its metrics rows."""
+    try:
+        code = proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out, err = ((tmp_path / f"{name}.txt").read_text() for name in ("out", "err"))
+    result = subprocess.CompletedProcess(proc.args, code, out, err)
     calls = json.loads((tmp_path / "calls.json").read_text())
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     return result, calls, rows
+
+
+def killed_run(tmp_path, cache, engines: int, kills: str, *overrides: str):
+    return finished(start_run(tmp_path, cache, engines, kills, *overrides), tmp_path)
+
+
+@pytest.fixture(scope="module")
+def one_engine_run(tmp_path_factory, model_cache):
+    """The on-policy run of one engine (the last test's), started by ``start()`` or else by
+    ``result()``: the two-engine test starts it beside its resume (CI time: each run keeps about one
+    core of two busy), not beside its first run, whose ``rollout.hang_timeout_s=10`` an engine's first
+    generation slowed by another run's start-up can pass (a false hang, seen at load 5)."""
+    out = tmp_path_factory.mktemp("one_engine")
+    procs: list[subprocess.Popen[str]] = []
+
+    def start() -> None:
+        if not procs:
+            procs.append(start_run(out, model_cache, 1, "2,t3,4", "rollout.max_engine_restarts=2"))
+
+    def result():
+        start()
+        return (*finished(procs[0], out), out)
+
+    yield SimpleNamespace(start=start, result=result)
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def versions_right(calls: list[dict]) -> None:
@@ -48,32 +96,8 @@ def versions_right(calls: list[dict]) -> None:
         assert call["versions"] and {tuple(x) for x in call["versions"]} == {(v, v)}, call
 
 
-def test_one_engine_on_policy_is_rebuilt_mid_batch_and_past_the_bound_the_run_saves_and_stops(
-    tmp_path, model_cache
-):
-    """The lone engine dies generating step 2's batch: it comes back at once (nothing else could
-    finish the batch) with the trainers' weights. It dies again while step 3 trains: rebuilt before
-    that step's refit. Generating step 4's batch is one failure past the bound."""
-    result, calls, rows = killed_run(tmp_path, model_cache, 1, "2,t3,4", "rollout.max_engine_restarts=2")
-    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
-    assert [c["killed"] for c in calls] == [None, 0, None, 0]
-    versions_right(calls[:3])  # the fourth call ended with the run
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert [r["faults/engine_restarts"] for r in rows] == [0.0, 1.0, 1.0]
-    assert rows[1]["faults/lost_groups"] >= 1 and rows[2]["faults/lost_groups"] == 0
-    assert "engine restarts 1, lost groups" in result.stdout
-    # the rebuilt engine generates with the trainers' weights, not vLLM's dummy ones
-    assert all(abs(r["train/gen_kl_error"]) < 1e-4 for r in rows)
-    (line,) = [x for x in result.stderr.splitlines() if x.startswith("hpcrl: error:")]
-    assert "rollout engine 0 on " in line and "ActorDiedError" in line
-    assert line.endswith(
-        "more than rollout.max_engine_restarts=2: stopped after saving step 3; submit again to resume"
-    )
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000003"]
-
-
 def test_two_engines_off_policy_engine_faults_then_a_killed_trainer_rank_and_the_resume(
-    tmp_path, model_cache
+    tmp_path, model_cache, one_engine_run
 ):
     """Generation one step ahead (the producer thread): one of two engines dies making batch 3; the
     other takes its unfinished prompts, the refit after step 2 rebuilds it, and batch 4 is made by
@@ -100,6 +124,7 @@ def test_two_engines_off_policy_engine_faults_then_a_killed_trainer_rank_and_the
         "rollout.hang_timeout_s=10",
         "rollout.max_engine_restarts=4",
     )
+    one_engine_run.start()  # beside the resume below, which keeps the default hang timeout
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
     # batch 5 (step 3's weights) was made before the checkpoint of step 4, which keeps it; batch 6
     # after the refit to 4 that lost an engine
@@ -155,3 +180,27 @@ def test_two_engines_off_policy_engine_faults_then_a_killed_trainer_rank_and_the
     assert [(r.step, {c.versions for g in r.scored.groups for c in g}) for r in state["rollouts"]] == [
         (7, {(5, 5)})
     ]
+
+
+def test_one_engine_on_policy_is_rebuilt_mid_batch_and_past_the_bound_the_run_saves_and_stops(
+    one_engine_run,
+):
+    """The lone engine dies generating step 2's batch: it comes back at once (nothing else could
+    finish the batch) with the trainers' weights. It dies again while step 3 trains: rebuilt before
+    that step's refit. Generating step 4's batch is one failure past the bound."""
+    result, calls, rows, tmp_path = one_engine_run.result()
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert [c["killed"] for c in calls] == [None, 0, None, 0]
+    versions_right(calls[:3])  # the fourth call ended with the run
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["faults/engine_restarts"] for r in rows] == [0.0, 1.0, 1.0]
+    assert rows[1]["faults/lost_groups"] >= 1 and rows[2]["faults/lost_groups"] == 0
+    assert "engine restarts 1, lost groups" in result.stdout
+    # the rebuilt engine generates with the trainers' weights, not vLLM's dummy ones
+    assert all(abs(r["train/gen_kl_error"]) < 1e-4 for r in rows)
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("hpcrl: error:")]
+    assert "rollout engine 0 on " in line and "ActorDiedError" in line
+    assert line.endswith(
+        "more than rollout.max_engine_restarts=2: stopped after saving step 3; submit again to resume"
+    )
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000003"]
