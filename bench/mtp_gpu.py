@@ -18,9 +18,9 @@ routes (``trainer.router_replay``): ``plain`` (no drafts) and ``mtp`` (``rollout
 
     python bench/mtp_gpu.py [--prompts 64 --tokens 32 --draft 2 --steps 40 --dtype float32]
 
-``--no-routes``: engines without route capture, the trainer then routes freely (vLLM 0.26 has no
-module-level ``bind_routed_experts_capturer``: hpcrl binds the routers itself, ``vllm_routes.bind``). Engines run eager (``rollout.enforce_eager``:
-vLLM 0.26's CUDA-graph capture failed in its Mamba metadata for this tiny model, session 28).
+``--no-routes``: engines without route capture, the trainer then routes freely. Engines run eager
+(``rollout.enforce_eager``: vLLM 0.26's CUDA-graph capture failed in its Mamba metadata for this tiny
+model, session 28).
 
 Prints a table and writes ``$OUT/mtp_gpu.json`` (cwd without OUT).
 """
@@ -123,12 +123,13 @@ def train_mtp(path: Path, completions: list, prompts: list[list[int]], steps: in
     from hpcrl.trainer.megatron import MegatronTrainer
     from hpcrl.trainer.process_group import free_port
 
+    replay = completions[0].routes is not None  # the engines recorded routes (not --no-routes)
     keys = (
         "rollout=vllm",
         "trainer.mtp_loss_scale=1.0",
         "algo.lr=1e-2",
         "algo.kl_coef=0",
-        f"trainer.router_replay={str(completions[0].routes is not None).lower()}",
+        f"trainer.router_replay={str(replay).lower()}",
     )
     cfg = make_plan(compose_config([*TINY, *keys])).cfg
     trainer = MegatronTrainer(path, cfg, master=f"127.0.0.1:{free_port()}", device="cuda")
@@ -139,7 +140,7 @@ def train_mtp(path: Path, completions: list, prompts: list[list[int]], steps: in
         [0.0] * len(completions),
         [1.0] * len(completions),
         pad_id=0,
-        routes=[c.routes for c in completions] if completions[0].routes is not None else None,
+        routes=[c.routes for c in completions] if replay else None,
     )
     losses = [float(trainer.train_step(batch)["mtp_loss"]) for _ in range(steps)]
     return trainer, losses
@@ -167,7 +168,7 @@ def main() -> None:
         "--no-routes",
         dest="routes",
         action="store_false",
-        help="engines without route capture (vLLM 0.26 has no hook)",
+        help="engines without route capture; the trainer routes freely",
     )
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "."))

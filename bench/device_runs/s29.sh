@@ -11,7 +11,7 @@
 #         layers (2 of them; local spec only: sliding windows packed).
 #   mtp   after part.00..part.04 (as s28_mtp.sh says): `cp .device-vllm/part.05 /tmp/stage/ && bash
 #         bench/device_runs/s29.sh mtp` (carry part.05, .whl/mc, .whl/antlr4...whl): bench/mtp_gpu.py with
-#         routes recorded (vllm_routes.bind on vLLM 0.26).
+#         routes recorded (vllm_compat.bind_router_capture on vLLM 0.26).
 set -u
 T0=$SECONDS
 OUT=${OUT:-/tmp/out}

@@ -13,6 +13,13 @@ stops at engine start with one line (``check_version``). What differs between th
   asks for it where ``SamplingParams`` has the field.
 - The FlashInfer sampler: used by GPU vLLM when the ``flashinfer`` package is importable; where it is
   not (the lent H200), ``VLLM_USE_FLASHINFER_SAMPLER=0`` keeps vLLM from trying it.
+- MoE route capture (``trainer.router_replay``): ``bind_router_capture`` takes vLLM's binder (0.32) or
+  sets each router's capture slot itself (0.26 has the slot, not the module-level binder);
+  ``experts_per_token`` reads top-k from the text config where ``ModelConfig`` lacks the method (0.26).
+- Speculative decoding's per-request counts (``per_request_spec_decode_metrics``): asked for only where
+  ``EngineArgs`` has the field (not 0.26, whose completions then carry no acceptance).
+- RPC results: on the GPU the engine core is another process and an RPC's result crosses msgpack untyped,
+  so arrays travel as bytes and shape (``to_wire`` / ``from_wire``); the CPU engine runs in-process.
 - Console floods, silenced once per process by ``quiet_logs``: the CPU worker replaces
   ``torch.set_num_threads`` with a function that logs a warning on every call (every hpcrl thread setup
   in the same process), and the layer-wise reload warns "RotaryEmbedding: Failed to load weights" on
@@ -281,9 +288,59 @@ def prefix_cache_counts(llm: Any) -> tuple[int, int] | None:
     return got[PREFIX_CACHE[0]], got[PREFIX_CACHE[1]]
 
 
+def experts_per_token(model_config: Any) -> int:
+    """An MoE model's top-k. vLLM 0.26's ModelConfig has no ``get_num_experts_per_tok``: the text
+    config's field there (MoE configs name it so)."""
+    top_k = getattr(model_config, "get_num_experts_per_tok", None)
+    return int(top_k() if top_k else model_config.hf_text_config.num_experts_per_tok)
+
+
+def bind_router_capture(model: Any, capturer: Any) -> None:
+    """Every MoE router of ``model`` hands ``capturer.capture(layer_id, topk_ids)`` the logical expert
+    ids it chose: vLLM's own binder where it has one (0.32: it also knows the monolithic kernels'
+    sinks); vLLM 0.26 binds its capturer inside its runner (``_bind_routed_experts_capturer``, no
+    module-level function), which ``_bind_routers`` does as it does."""
+    try:
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+            bind_routed_experts_capturer,
+        )
+    except ImportError:
+        _bind_routers(model, capturer)
+    else:
+        bind_routed_experts_capturer(model, capturer)  # raises where the model has no MoE router
+
+
+def _bind_routers(model: Any, capturer: Any) -> None:
+    """Each MoE runner's router reports to ``capturer`` under the runner's decoder layer index; a
+    runner whose router has no capture slot fails here, not as silently missing routes."""
+    from functools import partial
+
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+    runners = [m for m in model.modules() if isinstance(m, MoERunner)]
+    for runner in runners:
+        # a monolithic kernel routes inside itself: its router's capture slot is never called
+        if not isinstance(runner.router, BaseRouter) or getattr(runner, "is_monolithic", False):
+            raise RuntimeError(
+                f"trainer.router_replay=true: this vLLM's MoE path ({type(runner.router).__name__}) reports "
+                "no routes; use a vLLM with routed-experts capture for it or trainer.router_replay=false"
+            )
+        runner.router.set_capture_fn(partial(capturer.capture, runner.layer_id))
+    if not runners:
+        raise RuntimeError("trainer.router_replay=true: the rollout model has no MoE router to record")
+
+
+def to_wire(routes: list[Any]) -> list[tuple[bytes, list[int]] | None]:
+    """Int16 arrays (or None) as msgpack-native values, bytes and shape: across the engine core's
+    process boundary vLLM sends an RPC's result untyped, and an ndarray arrives as a list of its dtype
+    string, shape and buffer (GPU vLLM 0.26; the CPU engine runs in-process). ``from_wire`` reads them."""
+    return [None if r is None else (r.astype("int16").tobytes(), list(r.shape)) for r in routes]
+
+
 def from_wire(item: Any) -> Any:
-    """One sequence's routes from ``vllm_routes.take``'s form (a tuple in-process, a list after
-    msgpack): an int16 ndarray [positions, layers, k], or None."""
+    """One array from ``to_wire``'s form (a tuple in-process, a list after msgpack): an int16 ndarray,
+    or None."""
     if item is None:
         return None
     import numpy as np

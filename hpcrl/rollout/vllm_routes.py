@@ -3,7 +3,7 @@
 
 vLLM has its own routed-experts output (``enable_return_routed_experts``), but only on its V2 model
 runner, which the CPU build (0.32, no Triton) and GPU vLLM 0.26's MoE models do not run. So hpcrl binds
-its own recorder through vLLM's capture hook (``bind``: each router hands the logical expert ids it
+its own recorder through vLLM's capture hook (``vllm_compat.bind_router_capture``: each router hands the logical expert ids it
 chose, before any expert-load-balancing remap) and files each forward's rows
 under the requests that ran, by the runner's flat batch order (requests in ``input_batch`` order, each
 with its scheduled tokens) at the positions the runner fed. The engine takes a finished sequence's
@@ -115,64 +115,25 @@ class RouteRecorder:
 
 
 def take(worker: Any, sequences: list[list[int]]) -> list[tuple[bytes, list[int]] | None]:
-    """``RouteRecorder.take`` in a worker, each sequence's routes as msgpack-native values (bytes and
-    shape): across the engine core's process boundary vLLM sends an RPC's result untyped, and an
-    ndarray there arrives as a list of its dtype string, shape and buffer (seen on GPU vLLM 0.26; the
-    CPU engine runs in-process). ``vllm_compat.from_wire`` reads them back."""
+    """``RouteRecorder.take`` in a worker, in the form an RPC result crosses the engine core's process
+    boundary in (``vllm_compat.to_wire``)."""
+    from hpcrl.rollout import vllm_compat
+
     recorder: RouteRecorder = worker._hpcrl_routes  # set by install
-    routes = recorder.take(sequences)
-    return [None if r is None else (r.astype(np.int16).tobytes(), list(r.shape)) for r in routes]
-
-
-def bind(model: Any, recorder: RouteRecorder) -> None:
-    """Hand every MoE router of ``model`` the recorder's ``capture``: vLLM's own binder where it has
-    one (0.32: it also knows the monolithic kernels' sinks); vLLM 0.26 binds its capturer in the
-    runner (``_bind_routed_experts_capturer``, no module-level function), which ``bind_routers``
-    does as it does."""
-    try:
-        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
-            bind_routed_experts_capturer,
-        )
-    except ImportError:
-        bind_routers(model, recorder)
-    else:
-        bind_routed_experts_capturer(model, recorder)  # raises where the model has no MoE router
-
-
-def bind_routers(model: Any, recorder: RouteRecorder) -> None:
-    """Each MoE runner's router reports the logical expert ids it chose to ``recorder.capture``
-    under the runner's decoder layer index; a runner whose router has no capture slot fails here,
-    not as silently missing routes."""
-    from functools import partial
-
-    from vllm.model_executor.layers.fused_moe.layer import MoERunner
-    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
-
-    runners = [m for m in model.modules() if isinstance(m, MoERunner)]
-    for runner in runners:
-        # a monolithic kernel routes inside itself: its router's capture slot is never called
-        if not isinstance(runner.router, BaseRouter) or getattr(runner, "is_monolithic", False):
-            raise RuntimeError(
-                f"trainer.router_replay=true: this vLLM's MoE path ({type(runner.router).__name__}) reports "
-                "no routes; use a vLLM with routed-experts capture for it or trainer.router_replay=false"
-            )
-        runner.router.set_capture_fn(partial(recorder.capture, runner.layer_id))
-    if not runners:
-        raise RuntimeError("trainer.router_replay=true: the rollout model has no MoE router to record")
+    return vllm_compat.to_wire(recorder.take(sequences))
 
 
 def install(worker: Any) -> tuple[int, int]:
     """Bind a ``RouteRecorder`` to a vLLM worker's MoE routers and runner; (layers, k)."""
     from types import MethodType
 
+    from hpcrl.rollout import vllm_compat
+
     runner = worker.model_runner
     config = runner.vllm_config.model_config
-    layers = config.get_total_num_hidden_layers()
-    # vLLM 0.26's ModelConfig has no get_num_experts_per_tok: the text config's field (MoE configs name it so)
-    top_k = getattr(config, "get_num_experts_per_tok", None)
-    k = int(top_k() if top_k else config.hf_text_config.num_experts_per_tok)
+    layers, k = config.get_total_num_hidden_layers(), vllm_compat.experts_per_token(config)
     recorder = RouteRecorder(runner, layers, k)
-    bind(runner.model, recorder)
+    vllm_compat.bind_router_capture(runner.model, recorder)
     original = runner.execute_model
     runner.execute_model = MethodType(
         lambda _self, *a, **kw: recorder.execute_model(original, *a, **kw), runner

@@ -197,7 +197,7 @@ def test_mtp_drafts_leave_each_completion_the_routes_of_the_tokens_it_kept(tmp_p
     completion still gets a route for every position it ran (the prompt's and each generated token's
     but the last), those of the tokens it kept, equal to the routes the same greedy tokens take
     without drafts; none goes missing (``rollout/routes_missing``). ``hpcrl``: the routers bound by
-    hpcrl's own binder, as on vLLM 0.26, which has no module-level one (the CPU engine runs in this
+    hpcrl's own binder (``vllm_compat._bind_routers``), as on vLLM 0.26, which has no module-level one (the CPU engine runs in this
     process, so removing vLLM's binder here is what the worker sees)."""
     from vllm.model_executor.layers.fused_moe import routed_experts_capturer
 
