@@ -214,8 +214,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for tag, r in (("random MTP", b), ("megatron-trained MTP, refitted", a)):
         acc = r.get("rollout/spec_acceptance")
+        shown = "none" if acc is None else f"{acc:.3f}"
         print(
-            f"| {tag} | {r['greedy_equal']}/{r['completions']} | {acc:.3f} | {r['routes_missing_mtp']} | "
+            f"| {tag} | {r['greedy_equal']}/{r['completions']} | {shown} | {r['routes_missing_mtp']} | "
             f"{r['route_rows_equal']}/{r['route_rows_compared']} |"
         )
     save()

@@ -17,7 +17,7 @@ stops at engine start with one line (``check_version``). What differs between th
   sets each router's capture slot itself (0.26 has the slot, not the module-level binder);
   ``experts_per_token`` reads top-k from the text config where ``ModelConfig`` lacks the method (0.26).
 - Speculative decoding's per-request counts (``per_request_spec_decode_metrics``): asked for only where
-  ``EngineArgs`` has the field (not 0.26, whose completions then carry no acceptance).
+  ``EngineArgs`` has the field; on 0.26 ``EngineDrafts`` reads the engine's counters instead.
 - RPC results: on the GPU the engine core is another process and an RPC's result crosses msgpack untyped,
   so arrays travel as bytes and shape (``to_wire`` / ``from_wire``); the CPU engine runs in-process.
 - Console floods, silenced once per process by ``quiet_logs``: the CPU worker replaces
@@ -153,13 +153,39 @@ def speculative_kwargs(method: str | None, tokens: int) -> dict[str, Any]:
     if method is None:
         return {}
     config = {"method": method, "num_speculative_tokens": tokens}
+    return {"speculative_config": config} | (
+        {"per_request_spec_decode_metrics": "summary"} if per_request_drafts() else {}
+    )
+
+
+def per_request_drafts() -> bool:
+    """vLLM counts drafted and accepted tokens per request (0.32, 0.33; not 0.26)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    per_request = "per_request_spec_decode_metrics" in EngineArgs.__dataclass_fields__
-    # vLLM 0.26 has no per-request counts: completions there carry no acceptance (draft_counts: None)
-    return {"speculative_config": config} | (
-        {"per_request_spec_decode_metrics": "summary"} if per_request else {}
-    )
+    return "per_request_spec_decode_metrics" in EngineArgs.__dataclass_fields__
+
+
+class EngineDrafts:
+    """Acceptance where vLLM counts drafts per engine only (0.26): its Prometheus counters, read as
+    completions are handed over (inactive elsewhere). The counts since the last handover ride on the first completion
+    handed over; ``rollout/spec_acceptance``, a ratio of sums over a batch's completions, is then the
+    batch's (a batch's last handover also counts drafts of requests still running: none in a
+    synchronous call)."""
+
+    def __init__(self, llm: Any, method: str | None) -> None:
+        self.llm = llm
+        self.active = method is not None and not per_request_drafts()
+        self.seen = (_counter_sums(llm, SPEC_DRAFTS) if self.active else None) or (0, 0)
+
+    def stamp(self, groups: list[list[Any]]) -> None:
+        now = _counter_sums(self.llm, SPEC_DRAFTS) if self.active else None
+        if now is None or not groups or not groups[0]:
+            return
+        (drafted, accepted), self.seen = self.seen, now
+        groups[0][0].drafts = (now[0] - drafted, now[1] - accepted)
+
+
+SPEC_DRAFTS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
 def load_weights(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
@@ -277,15 +303,20 @@ def prefix_cache_counts(llm: Any) -> tuple[int, int] | None:
     """(tokens looked up, tokens found) in the engine's prefix cache since it started, summed over its
     engine cores; None where this vLLM has no such counters. They need ``disable_log_stats=False``.
     On the CPU build a cached block is ``block_size`` tokens (32 at least; its default 128)."""
+    return _counter_sums(llm, PREFIX_CACHE)
+
+
+def _counter_sums(llm: Any, names: tuple[str, str]) -> tuple[int, int] | None:
+    """Two of the engine's Prometheus counters, each summed over its engine cores."""
     try:
         metrics = llm.get_metrics()
     except (AttributeError, AssertionError):  # no metrics API, or stat logging off
         return None
-    got = dict.fromkeys(PREFIX_CACHE, 0)
+    got = dict.fromkeys(names, 0)
     for m in metrics:
         if m.name in got:
             got[m.name] += int(getattr(m, "value", 0))
-    return got[PREFIX_CACHE[0]], got[PREFIX_CACHE[1]]
+    return got[names[0]], got[names[1]]
 
 
 def experts_per_token(model_config: Any) -> int:

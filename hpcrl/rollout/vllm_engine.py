@@ -155,9 +155,7 @@ class VLLMEngine:
     ) -> None:
         scratch.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("VLLM_CACHE_ROOT", str(scratch / "vllm-cache"))
-        os.environ.setdefault(
-            "VLLM_LOGGING_LEVEL", "WARNING"
-        )  # per-reload INFO lines would drown the progress
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-reload INFO lines drown progress
         vllm_compat.prepare_env(on_cpu)
         import vllm
         from vllm import LLM
@@ -186,6 +184,7 @@ class VLLMEngine:
             **kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self.drafts = vllm_compat.EngineDrafts(self.llm, cfg.speculative)
         self.routes = routes
         """Completions carry the experts the routers chose (``trainer.router_replay``)."""
         if routes:
@@ -278,9 +277,10 @@ class VLLMEngine:
                 tokens = list(c.token_ids)
                 lps = vllm_compat.sampled_logprobs(c.logprobs, tokens)
                 truncated = c.finish_reason == "length"
-                drafts = vllm_compat.draft_counts(c)  # speculative decoding's, else None
+                drafts = vllm_compat.draft_counts(c)  # speculative decoding's per request, else None
                 group.append(Completion(tokens, lps, next(texts), truncated, (first, now), drafts=drafts))
             groups.append(group)
+        self.drafts.stamp(groups)  # vLLM 0.26: the engine's counts
         if self.routes:
             self._attach_routes(outputs, groups)
         return groups

@@ -190,21 +190,24 @@ def test_mtp_drafts_keep_greedy_outputs_log_acceptance_and_take_refits(tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("binder", ["vllm", "hpcrl"])
-def test_mtp_drafts_leave_each_completion_the_routes_of_the_tokens_it_kept(tmp_path, monkeypatch, binder):
+@pytest.mark.parametrize("like", ["0.32", "0.26"])
+def test_mtp_drafts_leave_each_completion_the_routes_of_the_tokens_it_kept(tmp_path, monkeypatch, like):
     """Router replay with MTP drafts (``trainer.router_replay``, ``rollout.speculative=mtp``): the
     engine's routers also route the drafts it rejects and those past a completion's end; each
     completion still gets a route for every position it ran (the prompt's and each generated token's
     but the last), those of the tokens it kept, equal to the routes the same greedy tokens take
-    without drafts; none goes missing (``rollout/routes_missing``). ``hpcrl``: the routers bound by
-    hpcrl's own binder (``vllm_compat._bind_routers``), as on vLLM 0.26, which has no module-level one (the CPU engine runs in this
-    process, so removing vLLM's binder here is what the worker sees)."""
+    without drafts; none goes missing (``rollout/routes_missing``). ``0.26``: as on vLLM 0.26, no
+    module-level binder (hpcrl's own binds the routers, ``vllm_compat._bind_routers``) and no
+    per-request draft counts (the batch's from the engine's counters, ``vllm_compat.EngineDrafts``);
+    the CPU engine runs in this process, so what is removed here is what the worker sees."""
     from vllm.model_executor.layers.fused_moe import routed_experts_capturer
 
+    from hpcrl.rollout import vllm_compat
     from hpcrl.rollout.vllm_engine import VLLMEngine
 
-    if binder == "hpcrl":
+    if like == "0.26":
         monkeypatch.delattr(routed_experts_capturer, "bind_routed_experts_capturer")
+        monkeypatch.setattr(vllm_compat, "per_request_drafts", lambda: False)
 
     model_dir = save_glm4_moe_with_mtp(tmp_path / "model")
     cfg = compose(*VLLM, "rollout.speculative=mtp", "rollout.num_speculative_tokens=2").rollout
@@ -214,8 +217,14 @@ def test_mtp_drafts_leave_each_completion_the_routes_of_the_tokens_it_kept(tmp_p
     # each prompt twice: the same greedy tokens, each from its own request
     prompts = [p for p in GLM_PROMPTS for _ in range(2)]
     settings = SamplingSettings(n=1, temperature=0.0, top_p=1.0, max_tokens=12, seed=0)
+    counted = vllm_compat._counter_sums(engine.llm, vllm_compat.SPEC_DRAFTS)
     comps = [g[0] for g in engine.generate(prompts, settings)]
     assert 0.1 < spec_acceptance(comps)["rollout/spec_acceptance"] < 0.9  # drafts kept, drafts rejected
+    now = vllm_compat._counter_sums(engine.llm, vllm_compat.SPEC_DRAFTS)
+    assert counted is not None and now is not None
+    drafts = [c.drafts for c in comps if c.drafts is not None]
+    assert len(drafts) == (len(comps) if like == "0.32" else 1)  # per request, or the call's on one
+    assert tuple(map(sum, zip(*drafts, strict=True))) == (now[0] - counted[0], now[1] - counted[1])
     assert completion_metrics(comps)["rollout/routes_missing"] == 0
     model = reference(model_dir)
     for prompt, c in zip(prompts, comps, strict=True):
