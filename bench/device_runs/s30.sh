@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Session 30 (issue 36): why the megatron step at the 1.5B shape ran ~10x under its session-5 rate in
+# s29.sh pack (TE padded 3,627 tok/s; the local spec did not finish two steps in 160 s). After part.00..05
+# were copied to /tmp/stage as s28_mtp.sh says (the vLLM stage carries hydra, omegaconf and the rest):
+#   `bash bench/device_runs/s30.sh prof` (carry .whl/mc, .whl/antlr4...whl): one profiled step each way,
+#   padded and packed, 16 sequences of the DAPO-like lengths, full depth, local spec; compiled layers (the
+#   default at TP=1) and eager.
+set -u
+T0=$SECONDS
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+source bench/device_runs/s18_site.sh
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/mc/*.whl 2>&1 | grep -v WARN
+echo "== staged at $((SECONDS - T0)) s"
+case "${1:?prof}" in
+prof)
+  for c in true false; do
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "${PROFTIME:-200}" python3 bench/packing_gpu.py \
+      --trainer megatron --model qwen2_1p5b --seqs 16 --mbs 4 --max-new 3840 --steps 1 --profile \
+      --set trainer.compile=$c --out "$OUT/prof_compile_$c.json" > "$OUT/prof_compile_$c.log" 2>&1
+    echo "== compile=$c rc=$? at $((SECONDS - T0)) s"
+    grep -v -E "Warning|warn" "$OUT/prof_compile_$c.log" | grep -E "^(batch|padded|packed|Name|-----|  ?[a-zA-Z_:]+)" \
+      | cut -c1-180 | head -70
+  done
+  ;;
+esac
+echo "== done $((SECONDS - T0)) s"
