@@ -4,17 +4,27 @@
 # were copied to /tmp/stage as s28_mtp.sh says (the vLLM stage carries hydra, omegaconf and the rest):
 #   `bash bench/device_runs/s30.sh prof` (carry .whl/mc, .whl/antlr4...whl): one profiled step each way,
 #   padded and packed, 16 sequences of the DAPO-like lengths, full depth, local spec; compiled layers (the
-#   default at TP=1) and eager.
+#   default at TP=1) and eager (COMPILE=true: the first only). On a bare machine (no part.* staged) it
+#   installs the trainer's wheels instead: .whl/trainer holds hydra-core 1.3.8 and omegaconf 2.3.1 (`pip
+#   download --no-deps`), .whl/pyd pydantic's four.
 set -u
 T0=$SECONDS
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-source bench/device_runs/s18_site.sh
+SITE=/tmp/site
+if ls /tmp/stage/part.* >/dev/null 2>&1; then
+  source bench/device_runs/s18_site.sh
+else  # a bare machine: the trainer's wheels only (carry .whl/mc, .whl/pyd, .whl/trainer, .whl/antlr4...whl)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/pyd/*.whl .whl/trainer/*.whl \
+    .whl/antlr4_python3_runtime-4.9.3-py3-none-any.whl 2>&1 | grep -v WARN
+  export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/mc/*.whl 2>&1 | grep -v WARN
 echo "== staged at $((SECONDS - T0)) s"
+python3 -c "import hpcrl.config.compose, megatron.core; from hpcrl.trainer.megatron import MegatronTrainer" 2>&1 | tail -1
 case "${1:?prof}" in
 prof)
-  for c in true false; do
+  for c in ${COMPILE:-true false}; do
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "${PROFTIME:-200}" python3 bench/packing_gpu.py \
       --trainer megatron --model qwen2_1p5b --seqs 16 --mbs 4 --max-new 3840 --steps 1 --profile \
       --set trainer.compile=$c --out "$OUT/prof_compile_$c.json" > "$OUT/prof_compile_$c.log" 2>&1
