@@ -4,7 +4,8 @@
 # were copied to /tmp/stage as s28_mtp.sh says (the vLLM stage carries hydra, omegaconf and the rest):
 #   `bash bench/device_runs/s30.sh prof` (carry .whl/mc, .whl/antlr4...whl): one profiled step each way,
 #   padded and packed, 16 sequences of the DAPO-like lengths, full depth, local spec; compiled layers (the
-#   default at TP=1) and eager (COMPILE=true: the first only). On a bare machine (no part.* staged) it
+#   default at TP=1; dynamo's recompiles logged and counted: a recompile per micro-batch would explain it)
+#   and eager (COMPILE=true: the first only). On a bare machine (no part.* staged) it
 #   installs the trainer's wheels instead: .whl/trainer holds hydra-core 1.3.8 and omegaconf 2.3.1 (`pip
 #   download --no-deps`), .whl/pyd pydantic's four.
 set -u
@@ -25,10 +26,11 @@ python3 -c "import hpcrl.config.compose, megatron.core; from hpcrl.trainer.megat
 case "${1:?prof}" in
 prof)
   for c in ${COMPILE:-true false}; do
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "${PROFTIME:-200}" python3 bench/packing_gpu.py \
+    TORCH_LOGS=recompiles PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "${PROFTIME:-200}" python3 bench/packing_gpu.py \
       --trainer megatron --model qwen2_1p5b --seqs 16 --mbs 4 --max-new 3840 --steps 1 --profile \
       --set trainer.compile=$c --out "$OUT/prof_compile_$c.json" > "$OUT/prof_compile_$c.log" 2>&1
-    echo "== compile=$c rc=$? at $((SECONDS - T0)) s"
+    echo "== compile=$c rc=$? at $((SECONDS - T0)) s; recompiles: $(grep -c 'Recompiling function' "$OUT/prof_compile_$c.log")"
+    grep -E "hit config.recompile_limit|function: " "$OUT/prof_compile_$c.log" | sort | uniq -c | head -8 | cut -c1-200
     grep -v -E "Warning|warn" "$OUT/prof_compile_$c.log" | grep -E "^(batch|padded|packed|Name|-----|  ?[a-zA-Z_:]+)" \
       | cut -c1-180 | head -70
   done
