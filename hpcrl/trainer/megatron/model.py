@@ -8,6 +8,7 @@ then reads log-probs from them in chunks (trainer/logprob_head.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -118,6 +119,29 @@ def build_model(
     if arch.pad_row_untrained:
         keep_pad_row_untrained(model, hf)
     return with_hidden_output(model.to(device), hidden_output)
+
+
+def keep_autocast_in_recompute(model: Any, config: Any, device_type: str = "cuda") -> None:
+    """Each decoder layer enters the forward's autocast itself. Megatron-core's full recompute
+    (``trainer.activation_checkpointing``: ``tensor_parallel.checkpoint``) re-runs a layer's forward
+    inside the backward pass, after the pipeline schedule's bf16 autocast (around the forward step
+    only) has ended, and does not restore it as torch's checkpoint does: the recompute ran in fp32, so
+    the backward took fp32 GEMMs (the 1.5B step at ~3.6k tokens/s on an H100, session 30) and gave
+    gradients of an fp32 forward the loss never saw. Inside the forward the outer autocast is the same
+    one: nothing changes there."""
+    if not config.enable_autocast or config.recompute_granularity != "full":
+        return
+    for layer in getattr(getattr(model, "decoder", None), "layers", []):
+        layer.forward = _under_autocast(layer.forward, device_type, config.autocast_dtype)
+
+
+def _under_autocast(forward: Any, device_type: str, dtype: torch.dtype) -> Any:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    return run
 
 
 def compile_layers(model: Any, moe: bool) -> None:

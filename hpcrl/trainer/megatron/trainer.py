@@ -38,6 +38,7 @@ from hpcrl.trainer.megatron.model import (
     check_buildable,
     compile_layers,
     init_parallel,
+    keep_autocast_in_recompute,
     model_shape,
 )
 from hpcrl.trainer.megatron.optimizer import ShardedAdamW
@@ -151,6 +152,7 @@ class MegatronTrainer:
             self.par, hf.num_hidden_layers, experts, self.arch.buffers, parts
         )
         self.model = build()
+        keep_autocast_in_recompute(self.model, config)  # the reference never recomputes: eval
         self.mtp = self._attach_mtp(hf, config, compute_dtype)
         if t.compile_layers() and self.device.type == "cuda":
             compile_layers(self.model, moe=experts > 0)
