@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Session 30 (issue 36): why the megatron step at the 1.5B shape ran ~10x under its session-5 rate in
-# s29.sh pack (TE padded 3,627 tok/s; the local spec did not finish two steps in 160 s). After part.00..05
+# s29.sh pack (TE padded 3,627 tok/s; the local spec did not finish two steps in 160 s). Found after, on the CPU:
+# megatron-core's recompute dropped the bf16 autocast (fixed: model.keep_autocast_in_recompute); this profile
+# checks that nothing else is left (rerun s29.sh pack first). After part.00..05
 # were copied to /tmp/stage as s28_mtp.sh says (the vLLM stage carries hydra, omegaconf and the rest):
 #   `bash bench/device_runs/s30.sh prof` (carry .whl/mc, .whl/antlr4...whl): one profiled step each way,
 #   padded and packed, 16 sequences of the DAPO-like lengths, full depth, local spec; compiled layers (the
