@@ -131,6 +131,7 @@ def row(cfg, model_dir: Path, batch, steps: int, profile: bool = False) -> dict:
         "real_tokens": real,
         "forward_tokens": ran,
         "micro_batches": len(groups),
+        "recompute": cfg.trainer.activation_checkpointing,  # megatron's default: on; fsdp's: off
         "tokens_per_s": real / step,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if GPU else None,
     }
