@@ -166,26 +166,26 @@ def per_request_drafts() -> bool:
 
 
 class EngineDrafts:
-    """Acceptance where vLLM counts drafts per engine only (0.26): its Prometheus counters, read as
-    completions are handed over (inactive elsewhere). The counts since the last handover ride on the first completion
-    handed over; ``rollout/spec_acceptance``, a ratio of sums over a batch's completions, is then the
-    batch's (a batch's last handover also counts drafts of requests still running: none in a
-    synchronous call)."""
+    """Acceptance where vLLM counts drafts per engine only (0.26): its counters (``spec_draft_counts``),
+    read as completions are handed over; inert elsewhere. The counts since the last handover ride on
+    the first completion handed over; ``rollout/spec_acceptance``, a ratio of sums over a batch's
+    completions, is then the batch's (a batch's last handover also counts drafts of requests still
+    running: none in a synchronous call)."""
 
     def __init__(self, llm: Any, method: str | None) -> None:
         self.llm = llm
-        self.active = method is not None and not per_request_drafts()
-        self.seen = (_counter_sums(llm, SPEC_DRAFTS) if self.active else None) or (0, 0)
+        self.seen = spec_draft_counts(llm) if method is not None and not per_request_drafts() else None
+        """The counters at the last handover; None: nothing to read (no drafts, per-request counts, or
+        no counters)."""
 
     def stamp(self, groups: list[list[Any]]) -> None:
-        now = _counter_sums(self.llm, SPEC_DRAFTS) if self.active else None
-        if now is None or not groups or not groups[0]:
+        if self.seen is None or not groups or not groups[0]:
+            return
+        now = spec_draft_counts(self.llm)
+        if now is None:
             return
         (drafted, accepted), self.seen = self.seen, now
         groups[0][0].drafts = (now[0] - drafted, now[1] - accepted)
-
-
-SPEC_DRAFTS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
 def load_weights(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
@@ -296,6 +296,7 @@ def ipc_views(
 
 
 PREFIX_CACHE = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
+SPEC_DRAFTS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 """vLLM's Prometheus counters of prompt tokens looked up in the prefix cache, and of those found there."""
 
 
@@ -304,6 +305,12 @@ def prefix_cache_counts(llm: Any) -> tuple[int, int] | None:
     engine cores; None where this vLLM has no such counters. They need ``disable_log_stats=False``.
     On the CPU build a cached block is ``block_size`` tokens (32 at least; its default 128)."""
     return _counter_sums(llm, PREFIX_CACHE)
+
+
+def spec_draft_counts(llm: Any) -> tuple[int, int] | None:
+    """(tokens drafted, tokens accepted) by the engine's speculative decoding since it started, summed
+    over its engine cores; None where this vLLM has no such counters (``disable_log_stats=False``)."""
+    return _counter_sums(llm, SPEC_DRAFTS)
 
 
 def _counter_sums(llm: Any, names: tuple[str, str]) -> tuple[int, int] | None:

@@ -217,10 +217,10 @@ def test_mtp_drafts_leave_each_completion_the_routes_of_the_tokens_it_kept(tmp_p
     # each prompt twice: the same greedy tokens, each from its own request
     prompts = [p for p in GLM_PROMPTS for _ in range(2)]
     settings = SamplingSettings(n=1, temperature=0.0, top_p=1.0, max_tokens=12, seed=0)
-    counted = vllm_compat._counter_sums(engine.llm, vllm_compat.SPEC_DRAFTS)
+    counted = vllm_compat.spec_draft_counts(engine.llm)
     comps = [g[0] for g in engine.generate(prompts, settings)]
     assert 0.1 < spec_acceptance(comps)["rollout/spec_acceptance"] < 0.9  # drafts kept, drafts rejected
-    now = vllm_compat._counter_sums(engine.llm, vllm_compat.SPEC_DRAFTS)
+    now = vllm_compat.spec_draft_counts(engine.llm)
     assert counted is not None and now is not None
     drafts = [c.drafts for c in comps if c.drafts is not None]
     assert len(drafts) == (len(comps) if like == "0.32" else 1)  # per request, or the call's on one

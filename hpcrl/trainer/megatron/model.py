@@ -121,6 +121,11 @@ def build_model(
     return with_hidden_output(model.to(device), hidden_output)
 
 
+def decoder_layers(model: Any) -> list[Any]:
+    """This rank's decoder layers (GPTModel's TransformerBlock and the hybrid stack alike)."""
+    return list(getattr(getattr(model, "decoder", None), "layers", []))
+
+
 def keep_autocast_in_recompute(model: Any, config: Any, device_type: str = "cuda") -> None:
     """Each decoder layer enters the forward's autocast itself. Megatron-core's full recompute
     (``trainer.activation_checkpointing``: ``tensor_parallel.checkpoint``) re-runs a layer's forward
@@ -131,7 +136,7 @@ def keep_autocast_in_recompute(model: Any, config: Any, device_type: str = "cuda
     one: nothing changes there."""
     if not config.enable_autocast or config.recompute_granularity != "full":
         return
-    for layer in getattr(getattr(model, "decoder", None), "layers", []):
+    for layer in decoder_layers(model):
         layer.forward = _under_autocast(layer.forward, device_type, config.autocast_dtype)
 
 
@@ -150,7 +155,7 @@ def compile_layers(model: Any, moe: bool) -> None:
     torch.compile cannot functionalize (every Qwen3-MoE step raised on an H200)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    for layer in getattr(getattr(model, "decoder", None), "layers", []):
+    for layer in decoder_layers(model):
         if not moe or not any(isinstance(m, MoELayer) for m in layer.modules()):
             layer.compile()
         elif isinstance(getattr(layer, "self_attention", None), torch.nn.Module):
