@@ -38,7 +38,11 @@ class SyncedShards:
         return self.trainer.save_checkpoint(path, async_save)
 
     def finish_checkpoint(self) -> float:
-        return self.trainer.finish_checkpoint()
+        # every rank's write done before rank 0 commits, as the driver's fleet waits on all ranks; without
+        # it rank 0 could rename step 1's directory under rank 1's last file (seen under load)
+        waited = self.trainer.finish_checkpoint()
+        dist.barrier()
+        return waited
 
 
 def die_while_writing() -> None:

@@ -147,7 +147,8 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_to_resume(tiny_di
     resumed = torchrun("resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got = torch.load(tmp_path / "resumed.pt")
-    # rank 0 writes step 2's weights before the save rank 1 dies in (seen missing once in CI, 2026-12-07)
+    # rank 0 writes step 2's weights before the save rank 1 dies in (missing where the harness let rank 1
+    # fail on step 1: its shard file written under a directory rank 0 had already committed)
     assert (tmp_path / "step2.pt").exists(), died.stderr[-3000:]
     step1, step2 = torch.load(tmp_path / "step1.pt"), torch.load(tmp_path / "step2.pt")
     assert got["step"] == 1
