@@ -10,6 +10,8 @@
 #   more  `bash bench/device_runs/s31.sh more` (no carry): Gemma 4 31B's layers (2, local spec, sliding windows
 #         packed), TE's whole-model Super-width step at batch 2 (4 x 2048 ran out of 80 GB), and the 1.5B local
 #         rows without recompute (what recompute costs now: ~1.3x is a recompute's price, 10x was fp32).
+#   gemma4  on a bare machine (carry .whl/mc, .whl/pyd): the Gemma 4 rows again after packed attention sends
+#         heads over 256 (its global layers: 512; FlashAttention refused them in `more`) to SDPA per sequence.
 set -u
 T0=$SECONDS
 OUT=${OUT:-/tmp/out}
@@ -23,7 +25,7 @@ pack() {  # pack NAME SECONDS EXTRA_PYTHONPATH ARGS...
   echo "== $name rc=$? at $((SECONDS - T0)) s"
   grep -E "^(batch|padded|packed|best|\||[a-z0-9_]+: planner)|layers on|Error|Traceback" "$OUT/pack_$name.log" | cut -c1-300
 }
-case "${1:?q15 or more}" in
+case "${1:?q15, more or gemma4}" in
 q15)
   [ -d /tmp/te_site/transformer_engine ] || { cat /tmp/stage/te.* | xz -d | tar x -C /tmp || exit 3; }
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/mc/*.whl 2>&1 | grep -v WARN
@@ -40,6 +42,12 @@ more)
   grep -E "^(bench|Super|[ME*] ms|step_s|tokens_per_s|peak_gb)|Error|Traceback" "$OUT/te_bench_b2.log" | cut -c1-600
   [ -f "$OUT/te_gpu.json" ] && mv "$OUT/te_gpu.json" "$OUT/te_bench_b2.json"
   pack q15_norecompute "${NTIME:-150}" "" --model qwen2_1p5b --seqs 64 --mbs 4 --set trainer.activation_checkpointing=false
+  ;;
+gemma4)
+  [ -d /tmp/site/megatron ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/mc/*.whl \
+    .whl/pyd/*.whl 2>&1 | grep -v WARN
+  echo "== staged at $((SECONDS - T0)) s"
+  pack gemma4 "${GTIME:-260}" "" --model gemma4_31b --layers 2 --seqs 32 --mbs 2
   ;;
 esac
 echo "== done $((SECONDS - T0)) s"

@@ -156,15 +156,25 @@ def attend_packed(
         return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, q.shape[2] - real))
     if window is not None and window >= row.longest:  # every sequence inside its window: causal
         window = None
-    sig = _varlen() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
-    # a torch whose kernel takes no scale runs the default one only; one without windows, causal only
-    if (
-        sig is not None
-        and ("scale" in sig.parameters or scale is None or abs(scale * q.shape[-1] ** 0.5 - 1) < 1e-6)
-        and (window is None or "window_size" in sig.parameters)
-    ):
+    if q.is_cuda and flash_takes(q.dtype, q.shape[-1], scale, window):
         return _flash(q, k, v, scale, row, window)
     return _per_sequence(q, k, v, scale, row.lengths, window)
+
+
+FLASH_HEAD_DIM = 256
+"""The largest head FlashAttention's forward runs (Gemma 4's global layers have 512: SDPA per sequence)."""
+
+
+def flash_takes(dtype: torch.dtype, head_dim: int, scale: float | None, window: int | None) -> bool:
+    """Whether torch's ``varlen_attn`` (FlashAttention, on CUDA) runs this attention: half precision,
+    heads up to 256, and what this torch's kernel can be asked: one without a scale keyword runs the
+    default scale only, one without windows causal only."""
+    sig = _varlen() if dtype in (torch.float16, torch.bfloat16) and head_dim <= FLASH_HEAD_DIM else None
+    return (
+        sig is not None
+        and ("scale" in sig.parameters or scale is None or abs(scale * head_dim**0.5 - 1) < 1e-6)
+        and (window is None or "window_size" in sig.parameters)
+    )
 
 
 def _per_sequence(

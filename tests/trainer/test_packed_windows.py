@@ -91,6 +91,17 @@ def test_varlen_kernel_is_asked_for_the_window_in_its_own_count(monkeypatch):
     assert torch.allclose(out, each_sequence(q, k, v, WINDOW), atol=1e-5)
 
 
+def test_flash_is_asked_only_for_heads_it_runs():
+    """FlashAttention's forward refuses heads over 256 (Gemma 4's global layers: 512, seen on an H100):
+    those go to SDPA per sequence; half-precision heads up to 256 and windows go to the kernel (this
+    torch's ``varlen_attn`` takes scale and window); fp32 never does."""
+    from hpcrl.trainer.varlen import flash_takes
+
+    assert flash_takes(torch.bfloat16, 256, 0.3, WINDOW)
+    assert not flash_takes(torch.bfloat16, 512, 512**-0.5, None)
+    assert not flash_takes(torch.float32, 128, None, None)
+
+
 def test_packed_gemma3_forward_and_gradients_equal_the_padded_ones(monkeypatch):
     """transformers' Gemma 3 (4-token windows on layers 0-2, a global layer 3; tests/megatron/common.py)
     on the fsdp backend's packed forward: the padded forward's log-probs, entropy and gradients at every
