@@ -344,7 +344,7 @@ def table(results: dict) -> None:
     if not local and not te:
         return
     print(f"\n{'Super 8 layers ' + results['shape']:30s} {'local':>10s} {'te':>10s} {'local/te':>10s}")
-    for key in ("M ms", "E ms", "* ms", "step_s", "tokens_per_s", "peak_gb"):
+    for key in ("M ms", "E ms", "experts ms", "* ms", "step_s", "tokens_per_s", "peak_gb"):
         a, b = local.get(key, float("nan")), te.get(key, float("nan"))
         ratio = b / a if key == "tokens_per_s" else a / b if b else float("nan")
         print(f"{key:30s} {a:10.2f} {b:10.2f} {ratio:9.2f}x")

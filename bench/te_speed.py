@@ -91,6 +91,9 @@ def bench_side(side: str, device: str, batch: int, seq: int, experts: int, tiny:
 
         row[f"{kind} ms"] = 1e3 * timed(fwd_bwd, 1, iters)
         print(f"bench {side} {kind} ms: {row[f'{kind} ms']:.2f}", flush=True)
+        if kind == "E":  # the experts module alone: TE's grouped GEMM or torch's grouped_mm
+            row["experts ms"] = 1e3 * timed(experts_alone(layer, fwd_bwd, dev), 1, iters)
+            print(f"bench {side} experts ms: {row['experts ms']:.2f}", flush=True)
     model.zero_grad(set_to_none=True)
     ids = torch.randint(3, hf.vocab_size, (batch, seq), device=device)
     pos = torch.arange(seq, device=device).expand(batch, seq)
@@ -106,3 +109,28 @@ def bench_side(side: str, device: str, batch: int, seq: int, experts: int, tiny:
         row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
         torch.cuda.reset_peak_memory_stats()
     return row  # the model goes with this frame
+
+
+def experts_alone(layer: Any, fwd_bwd: Any, dev: str) -> Any:
+    """Forward + backward of the MoE layer's experts module by itself, on the inputs it saw in one
+    ``fwd_bwd`` of the whole layer (hidden states, tokens per expert, probabilities; a hook keeps them)."""
+    experts = next(m for n, m in layer.named_modules() if n.endswith(".experts"))
+    seen: dict[str, Any] = {}
+
+    def keep(module: Any, args: tuple, kwargs: dict) -> None:
+        seen.setdefault("args", tuple(a.detach() if torch.is_tensor(a) else a for a in args))
+        seen.setdefault("kwargs", kwargs)
+
+    hook = experts.register_forward_pre_hook(keep, with_kwargs=True)
+    fwd_bwd()
+    hook.remove()
+    hidden, *rest = seen["args"]
+    hidden = hidden.requires_grad_()
+
+    def run() -> None:
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+            out = experts(hidden, *rest, **seen["kwargs"])
+        out = out[0] if isinstance(out, tuple) else out
+        torch.autograd.backward(out, torch.ones_like(out))
+
+    return run

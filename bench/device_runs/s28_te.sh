@@ -34,7 +34,7 @@ if [[ " $PARTS " == *" bench "* ]]; then
   echo "== bench at $((SECONDS - T0)) s"
   timeout -k 10 "${BTIME:-240}" python3 bench/te_gpu.py --bench > "$OUT/te_bench.log" 2>&1
   echo "== bench rc=$? at $((SECONDS - T0)) s"
-  grep -E "^(bench|Super|[ME*] ms|step_s|tokens_per_s|peak_gb)|Error|Traceback" "$OUT/te_bench.log" | cut -c1-600
+  grep -E "^(bench|Super|([ME*]|experts) ms|step_s|tokens_per_s|peak_gb)|Error|Traceback" "$OUT/te_bench.log" | cut -c1-600
   [ -f "$OUT/te_gpu.json" ] && mv "$OUT/te_gpu.json" "$OUT/te_bench.json"
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader

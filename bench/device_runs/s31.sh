@@ -39,7 +39,7 @@ more)
   PYTHONPATH=$PWD:/tmp/site:/tmp/te_site PYTHONUNBUFFERED=1 timeout -k 10 "${BTIME:-200}" python3 bench/te_gpu.py \
     --bench --batch 2 > "$OUT/te_bench_b2.log" 2>&1
   echo "== te bench batch 2 rc=$? at $((SECONDS - T0)) s"
-  grep -E "^(bench|Super|[ME*] ms|step_s|tokens_per_s|peak_gb)|Error|Traceback" "$OUT/te_bench_b2.log" | cut -c1-600
+  grep -E "^(bench|Super|([ME*]|experts) ms|step_s|tokens_per_s|peak_gb)|Error|Traceback" "$OUT/te_bench_b2.log" | cut -c1-600
   [ -f "$OUT/te_gpu.json" ] && mv "$OUT/te_gpu.json" "$OUT/te_bench_b2.json"
   pack q15_norecompute "${NTIME:-150}" "" --model qwen2_1p5b --seqs 64 --mbs 4 --set trainer.activation_checkpointing=false
   ;;
