@@ -296,8 +296,9 @@ def ipc_views(
 
 
 PREFIX_CACHE = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
-SPEC_DRAFTS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 """vLLM's Prometheus counters of prompt tokens looked up in the prefix cache, and of those found there."""
+SPEC_DRAFTS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+"""Its counters of tokens drafted by speculative decoding, and of those accepted."""
 
 
 def prefix_cache_counts(llm: Any) -> tuple[int, int] | None:

@@ -146,8 +146,9 @@ def attend_packed(
 ) -> torch.Tensor:
     """Causal attention inside each sequence of a packed row: [1, H, L, D] queries, [1, H_kv, L, D]
     keys and values in, [1, L, H, D] out; ``window``: a sliding-window layer's keys a query reads,
-    itself included (query i reads keys i - window + 1 .. i of its sequence). On CUDA in half precision
-    torch's ``varlen_attn``, else SDPA per sequence; no [L, L] tensor either way. Padding past the last
+    itself included (query i reads keys i - window + 1 .. i of its sequence). On CUDA torch's
+    ``varlen_attn`` where ``flash_takes`` the heads (half precision, up to 256 wide), else SDPA per
+    sequence; no [L, L] tensor either way. Padding past the last
     sequence attends nowhere: its output is 0 (no position reads it, and a finite value keeps every
     gradient finite)."""
     real = sum(row.lengths)

@@ -5,8 +5,8 @@ unfused attention (which materialises [b, heads, s, s] scores: out of memory at 
 causal, GQA without repeating K/V, sliding windows by Megatron's ``window_size`` fields (flex_attention
 on GPUs, a boolean mask on CPUs), context parallel (keys and values gathered over the CP group:
 ``cp_gather``), and packed rows (``trainer.packing``): each sequence attends alone over the bounds in
-``packed_seq_params`` (``varlen.attend_packed``: ``varlen_attn`` on GPUs in half precision, SDPA per
-sequence elsewhere), on sliding-window layers too (each query's window inside its own sequence), no
+``packed_seq_params`` (``varlen.attend_packed``: ``varlen_attn`` on GPUs in half precision where
+``varlen.flash_takes`` the heads, SDPA per sequence elsewhere), on sliding-window layers too (each query's window inside its own sequence), no
 [L, L] mask; under context parallel too, where a CP rank holds chunks of the row, not whole sequences
 (``varlen.attend_packed_chunks``: each chunk's piece of each sequence against that sequence's gathered
 keys). No mask is read anywhere. Family-free: every family's layers take it.
